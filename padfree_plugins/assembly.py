@@ -1,0 +1,187 @@
+"""Assembly: resolve plugins once for a model and a config, patch the model, build the collator and poolers.
+
+Everything the training loop needs comes out of here as plain objects; no hook is called after this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .config import PadfreeConfig, load_config
+from .errors import BackendUnavailableError, ConfigError, PluginError, UnsupportedArchitectureError, did_you_mean
+from .host import PluginHost
+from .patching import ModelPatch, unwrap_model
+from .specs import Architecture, AttentionBackend, Task
+
+EXACT_BACKEND = "exact"
+
+
+def attention_features(model_config: Any, architecture: Architecture) -> frozenset[str]:
+    """The attention features a model uses, from its config and its architecture declaration."""
+    features = set(architecture.features(model_config))
+    features.add("causal" if architecture.kind == "decoder" and getattr(model_config, "is_causal", True)
+                 else "bidirectional")
+    heads = getattr(model_config, "num_attention_heads", None)
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    if heads and kv_heads and kv_heads < heads:
+        features.add("gqa")
+    if getattr(model_config, "sliding_window", None):
+        features.add("sliding_window")
+    if getattr(model_config, "attn_logit_softcapping", None):
+        features.add("softcap")
+    for name in ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop"):
+        if (getattr(model_config, name, 0.0) or 0.0) > 0:
+            features.add("dropout")
+    return frozenset(features)
+
+
+@dataclass
+class Plan:
+    """What assembly resolved for a model config, before touching any model."""
+
+    architecture: Architecture
+    architecture_plugin: str
+    task: Task
+    task_plugin: str
+    backend: AttentionBackend
+    fallback: AttentionBackend | None
+    features: frozenset[str]
+    device_type: str
+    position_start: int
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "architecture": f"{self.architecture.name} ({self.architecture.kind}, plugin {self.architecture_plugin})",
+            "task": f"{self.task.name} (plugin {self.task_plugin})",
+            "attention backend": self.backend.name + (f", falls back to {self.fallback.name} for inputs it cannot "
+                                                      "run" if self.fallback else ""),
+            "attention features": ", ".join(sorted(self.features)) or "-",
+            "device": self.device_type,
+            "position_start": self.position_start,
+            "notes": self.notes,
+        }
+
+
+def _model_type(model_config: Any) -> str:
+    model_type = getattr(model_config, "model_type", None)
+    if not model_type:
+        raise UnsupportedArchitectureError("the model config has no model_type, so no architecture can be chosen")
+    return model_type
+
+
+def resolve_architecture(host: PluginHost, model_config: Any, config: PadfreeConfig) -> tuple[Architecture, str]:
+    model_type = _model_type(model_config)
+    claims = host.architectures()
+    if config.architecture != "auto":
+        by_name = {spec.name: (spec, plugin) for spec, plugin in claims.values()}
+        if config.architecture not in by_name:
+            raise ConfigError(
+                f"architecture {config.architecture!r} is not provided by any plugin."
+                f"{did_you_mean(config.architecture, by_name)} Available: {', '.join(sorted(by_name))}."
+            )
+        return by_name[config.architecture]
+    if model_type not in claims:
+        supported = ", ".join(sorted(claims)) or "none (is padfree-plugins installed? run pip install -e .)"
+        raise UnsupportedArchitectureError(
+            f"model type {model_type!r} is not supported by any installed plugin.{did_you_mean(model_type, claims)} "
+            f"Supported model types: {supported}. To add one, install or write an architecture plugin "
+            "(docs/writing-a-plugin.md): it declares the model type, and the equivalence test proves it exact."
+        )
+    return claims[model_type]
+
+
+def resolve_backend(host: PluginHost, requested: str, device_type: str,
+                    features: frozenset[str]) -> tuple[AttentionBackend, AttentionBackend | None]:
+    """The backend to use and, for ``auto``, the exact backend as a fallback for inputs it cannot run."""
+    backends = {name: spec for name, (spec, _) in host.backends().items()}
+    if requested != "auto":
+        if requested not in backends:
+            raise ConfigError(
+                f"attention backend {requested!r} is not provided by any plugin.{did_you_mean(requested, backends)} "
+                f"Available: auto, {', '.join(sorted(backends))}."
+            )
+        reason = backends[requested].cannot_run(device_type, None, features)
+        if reason:
+            raise BackendUnavailableError(
+                f"attention backend {requested!r} was requested but cannot be used: {reason}. "
+                "Use attention: auto to pick the fastest available backend."
+            )
+        return backends[requested], None
+    ranked = sorted(backends.values(), key=lambda b: (-b.speed_rank, b.name))
+    for backend in ranked:
+        if backend.cannot_run(device_type, None, features) is None:
+            fallback = backends.get(EXACT_BACKEND)
+            return backend, (fallback if fallback is not backend else None)
+    reasons = "; ".join(f"{b.name}: {b.cannot_run(device_type, None, features)}" for b in ranked)
+    raise BackendUnavailableError(f"no attention backend can run this model on {device_type}: {reasons}")
+
+
+def plan(model_config: Any, config: PadfreeConfig | dict | str | None = None, *, host: PluginHost | None = None,
+         device_type: str | None = None) -> Plan:
+    """Resolve architecture, task and backend for a model config (no model needed: used by ``check``)."""
+    config = load_config(config)
+    host = host or PluginHost(block=config.plugins.block)
+    host.require(config.plugins.require)
+    if not host.loaded():
+        raise PluginError("no plugin is loaded: is padfree-plugins installed (pip install -e .)?")
+    architecture, architecture_plugin = resolve_architecture(host, model_config, config)
+    tasks = host.tasks()
+    if config.task not in tasks:
+        raise ConfigError(
+            f"task {config.task!r} is not provided by any plugin.{did_you_mean(config.task, tasks)} "
+            f"Available: {', '.join(sorted(tasks))}."
+        )
+    task, task_plugin = tasks[config.task]
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    features = attention_features(model_config, architecture)
+    backend, fallback = resolve_backend(host, config.attention, device_type, features)
+    return Plan(architecture, architecture_plugin, task, task_plugin, backend, fallback, features, device_type,
+                int(architecture.position_start(model_config)), list(host.notes))
+
+
+@dataclass
+class Assembly:
+    """A patched model and the objects that feed it: collator, pooler, reverter. ``undo()`` reverts the model."""
+
+    model: Any
+    config: PadfreeConfig
+    plan: Plan
+    patch: ModelPatch
+    collator: Any
+    pooler: Any
+    reverter: Any
+
+    def undo(self) -> None:
+        self.patch.undo()
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.plan.describe(), **{f"patch {k}": v for k, v in self.patch.describe().items()},
+                "collator": type(self.collator).__name__,
+                "pooler": type(self.pooler).__name__ if self.pooler else "-"}
+
+
+def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
+             host: PluginHost | None = None) -> Assembly:
+    """Make ``model`` padding-free for ``config`` and return everything needed to feed it."""
+    config = load_config(config)
+    host = host or PluginHost(block=config.plugins.block)
+    inner = unwrap_model(model)
+    resolved = plan(inner.config, config, host=host)
+    call = dict(task=resolved.task, architecture=resolved.architecture, config=config)
+    collator = host.hook.collate(model_config=inner.config, **call)
+    if collator is None:
+        raise PluginError(f"no plugin provides a collator for task {resolved.task.name!r}")
+    mode = config.pooling or (resolved.architecture.default_pooling if resolved.task.needs_pooling else None)
+    pooler = host.hook.pool(mode=mode, **call) if mode else None
+    if mode and pooler is None:
+        raise ConfigError(f"no plugin provides pooling mode {mode!r} for {resolved.architecture.name}")
+    reverter = host.hook.revert_output(**call)
+    patch = host.hook.patch_model(model=inner, architecture=resolved.architecture, backend=resolved.backend,
+                                  fallback=resolved.fallback, config=config)
+    if patch is None:
+        raise PluginError(f"no plugin could patch {type(inner).__name__}")
+    return Assembly(inner, config, resolved, patch, collator, pooler, reverter)

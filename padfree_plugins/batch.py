@@ -1,0 +1,71 @@
+"""The packed-batch contract: what a padding-free collator produces and every later stage reads.
+
+A batch of ``n`` examples of lengths ``L_1 … L_n`` (``T = sum L_i``) is one row::
+
+    input_ids       int64 [1, T]     tokens of all examples, back to back, no padding
+    position_ids    int64 [1, T]     restart at ``position_start`` for every example (2 for RoBERTa-family)
+    cu_seq_lens_q   int32 [n + 1]    example boundaries: 0, L_1, L_1 + L_2, …, T
+    cu_seq_lens_k   int32 [n + 1]    the same tensor (self-attention)
+    max_length_q    int              max L_i, a python int so kernels need no GPU->CPU sync
+    max_length_k    int              the same
+    seq_idx         int32 [1, T]     example index of every token
+    <token keys>    [1, T]           e.g. labels, token_type_ids — concatenated like input_ids
+    <example keys>  [n] or [n, k]    e.g. a class label, a group id — one row per example
+
+The boundaries are computed once, in the collator; nothing downstream re-derives them from ``position_ids``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Keys every packed batch has.
+PACKING_KEYS = (
+    "input_ids",
+    "position_ids",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+    "seq_idx",
+)
+#: The keys that carry the boundaries into attention (``**kwargs`` of transformers models).
+BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+class PackedBatch(dict):
+    """A ``dict`` of tensors (and two ints) following the contract above.
+
+    It stays a plain ``dict`` for ``Trainer`` (which rebuilds it with ``type(batch)(...)`` when moving it to a
+    device) and for pickling; the properties only read it.
+    """
+
+    @property
+    def cu_seq_lens(self) -> torch.Tensor:
+        return self["cu_seq_lens_q"]
+
+    @property
+    def num_examples(self) -> int:
+        return int(self["cu_seq_lens_q"].numel()) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self["input_ids"].shape[-1])
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Example lengths, int64 ``[n]``."""
+        return self["cu_seq_lens_q"].diff().long()
+
+    def boundary_kwargs(self) -> dict:
+        """The keyword arguments that carry the boundaries into a patched model."""
+        return {key: self[key] for key in BOUNDARY_KEYS}
+
+    def model_inputs(self, *extra: str) -> dict:
+        """``input_ids``, ``position_ids`` and the boundaries, plus the named ``extra`` keys that are present."""
+        keys = ("input_ids", "position_ids", *BOUNDARY_KEYS, *extra)
+        return {key: self[key] for key in keys if key in self}
+
+    def to(self, device: torch.device | str) -> "PackedBatch":
+        """A copy with every tensor on ``device``."""
+        return PackedBatch({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.items()})

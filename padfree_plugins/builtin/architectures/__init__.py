@@ -1,0 +1,1 @@
+"""Builtin architecture plugins, one module per model family."""

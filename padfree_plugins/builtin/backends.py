@@ -1,0 +1,39 @@
+"""Builtin attention backends: exact (any device), torch varlen_attn (CUDA), flash-attn (CUDA, if installed)."""
+
+from __future__ import annotations
+
+from ..attention import backends
+from ..hookspecs import hookimpl
+from ..specs import FEATURES, AttentionBackend
+
+
+@hookimpl
+def register_attention_backends():
+    return [
+        AttentionBackend(
+            "exact",
+            backends.exact_varlen,
+            speed_rank=0,
+            devices=("cpu", "cuda", "mps", "xpu"),
+            description="one sdpa call per example length; exact everywhere, the CPU / CI path",
+        ),
+        AttentionBackend(
+            "varlen",
+            backends.torch_varlen,
+            available=backends.torch_varlen_unavailable,
+            features=frozenset(FEATURES) - {"softcap", "dropout"},
+            devices=("cuda",),
+            dtypes=("float16", "bfloat16"),
+            speed_rank=10,
+            description="torch.nn.attention.varlen.varlen_attn (FlashAttention-2 in ATen), torch >= 2.10",
+        ),
+        AttentionBackend(
+            "flash_attn",
+            backends.flash_attn_varlen,
+            available=backends.flash_attn_unavailable,
+            devices=("cuda",),
+            dtypes=("float16", "bfloat16"),
+            speed_rank=20,
+            description="flash_attn.flash_attn_varlen_func from the flash-attn package",
+        ),
+    ]

@@ -1,0 +1,23 @@
+"""Builtin tasks."""
+
+from __future__ import annotations
+
+from ..hookspecs import hookimpl
+from ..specs import Task
+
+
+@hookimpl
+def register_tasks():
+    return [
+        Task(
+            "hidden_states",
+            description="pack examples and run the model; outputs stay per token (features, custom heads)",
+        ),
+        Task(
+            "causal_lm",
+            token_keys=("labels",),
+            masked_first_keys=("labels",),
+            description="causal language modelling / SFT: labels travel per token, each example's first label "
+            "is ignored so no example learns from the one before it",
+        ),
+    ]

@@ -1,0 +1,189 @@
+"""The packing collator: a list of tokenized examples -> one :class:`~padfree_plugins.batch.PackedBatch`.
+
+Vectorised: the only Python loop runs once per example (to read lengths and check keys); tokens, positions and
+boundaries are built with numpy / torch ops. Instances are plain picklable objects (DataLoader workers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from .batch import PackedBatch
+from .errors import BatchError
+
+#: Per-token keys carried whenever every example has them.
+DEFAULT_TOKEN_KEYS = ("token_type_ids",)
+
+
+def _as_int_array(value: Any, key: str, index: int) -> np.ndarray:
+    """A 1-D int64 array from a list, tuple, numpy array or tensor; a :class:`BatchError` otherwise."""
+    if isinstance(value, torch.Tensor):
+        array = value.detach().cpu().numpy()
+    else:
+        try:
+            array = np.asarray(value)
+        except Exception as exc:  # noqa: BLE001 - ragged nested lists and the like
+            raise BatchError(f"example {index}: {key!r} is not a flat sequence of integers ({exc})") from None
+    if array.ndim == 2 and array.shape[0] == 1:
+        array = array[0]
+    if array.ndim != 1:
+        raise BatchError(
+            f"example {index}: {key!r} must be 1-D (one example, unpadded); got shape {tuple(array.shape)}. "
+            "Pass examples one by one, not an already-batched tensor."
+        )
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise BatchError(f"example {index}: {key!r} must hold integers, got dtype {array.dtype}")
+    return array.astype(np.int64, copy=False)
+
+
+@dataclass
+class PackingCollator:
+    """Packs examples into one row with explicit boundaries.
+
+    Args:
+        position_start: first position id of every example (architecture-given: 0, or 2 for RoBERTa-family).
+        token_keys: per-token keys to concatenate like ``input_ids`` when present (in all examples or none).
+        example_keys: per-example keys to stack (scalars or fixed-length vectors), required in every example.
+        required_keys: keys every example must have.
+        max_length: longest example allowed (``None``: no limit).
+        on_overlong: ``"error"`` (default) or ``"truncate"`` examples longer than ``max_length``.
+        masked_first_keys: token keys (e.g. ``"labels"``) whose first value in every example is set to
+            ``ignore_index``, so that no example learns to predict its first token from the one before it.
+    """
+
+    position_start: int = 0
+    token_keys: tuple[str, ...] = DEFAULT_TOKEN_KEYS
+    example_keys: tuple[str, ...] = ()
+    required_keys: tuple[str, ...] = ("input_ids",)
+    max_length: int | None = None
+    on_overlong: Literal["error", "truncate"] = "error"
+    masked_first_keys: tuple[str, ...] = ()
+    ignore_index: int = -100
+
+    def __post_init__(self) -> None:
+        if self.on_overlong not in ("error", "truncate"):
+            raise ValueError(f"on_overlong must be 'error' or 'truncate', not {self.on_overlong!r}")
+        if self.max_length is not None and self.max_length < 1:
+            raise ValueError(f"max_length must be a positive integer or None, not {self.max_length!r}")
+
+    def __call__(self, examples: Sequence[Mapping[str, Any]]) -> PackedBatch:
+        examples = self._check_examples(examples)
+        ids = [_as_int_array(ex["input_ids"], "input_ids", i) for i, ex in enumerate(examples)]
+        lengths = np.fromiter((a.size for a in ids), dtype=np.int64, count=len(ids))
+        self._check_lengths(lengths)
+        if self.max_length is not None and self.on_overlong == "truncate":
+            ids = [a[: self.max_length] for a in ids]
+            lengths = np.minimum(lengths, self.max_length)
+
+        n, total = len(ids), int(lengths.sum())
+        cu = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lengths, out=cu[1:])
+        starts = np.repeat(cu[:-1], lengths)
+        positions = np.arange(total, dtype=np.int64) - starts + self.position_start
+        batch = PackedBatch(
+            input_ids=torch.from_numpy(np.concatenate(ids)).unsqueeze(0),
+            position_ids=torch.from_numpy(positions).unsqueeze(0),
+            cu_seq_lens_q=torch.from_numpy(cu.astype(np.int32)),
+            max_length_q=int(lengths.max()),
+            seq_idx=torch.from_numpy(np.repeat(np.arange(n, dtype=np.int32), lengths)).unsqueeze(0),
+        )
+        batch["cu_seq_lens_k"] = batch["cu_seq_lens_q"]
+        batch["max_length_k"] = batch["max_length_q"]
+        for key in self.token_keys:
+            values = self._token_key(examples, key, lengths)
+            if values is not None:
+                batch[key] = values
+        for key in self.example_keys:
+            batch[key] = self._example_key(examples, key)
+        for key in self.masked_first_keys:
+            if key in batch:
+                batch[key][0, cu[:-1]] = self.ignore_index
+        return batch
+
+    # -- checks --------------------------------------------------------------------------------------------------
+
+    def _check_examples(self, examples: Any) -> Sequence[Mapping[str, Any]]:
+        if isinstance(examples, Mapping):
+            raise BatchError(
+                "the collator takes a list of examples (one dict per example), got a single dict; "
+                "wrap it in a list or use the dataset's rows"
+            )
+        if not isinstance(examples, Sequence) or isinstance(examples, (str, bytes)):
+            examples = list(examples)
+        if len(examples) == 0:
+            raise BatchError("empty batch: the collator got no examples")
+        for i, ex in enumerate(examples):
+            if not isinstance(ex, Mapping):
+                raise BatchError(f"example {i} is a {type(ex).__name__}, not a dict of features")
+            missing = [key for key in (*self.required_keys, *self.example_keys) if key not in ex]
+            if missing:
+                raise BatchError(
+                    f"example {i} is missing {', '.join(map(repr, missing))}; it has {', '.join(map(repr, ex))}"
+                )
+            mask = ex.get("attention_mask")
+            if mask is not None and not bool(np.all(np.asarray(mask.tolist() if isinstance(mask, torch.Tensor) else mask))):
+                raise BatchError(
+                    f"example {i} is padded (its attention_mask has zeros): pass unpadded examples; "
+                    "the collator packs them without any padding"
+                )
+        return examples
+
+    def _check_lengths(self, lengths: np.ndarray) -> None:
+        empty = np.flatnonzero(lengths == 0)
+        if empty.size:
+            raise BatchError(
+                f"example {int(empty[0])} has no tokens (zero-length input_ids); "
+                f"{empty.size} empty example(s) in this batch — filter them out of the dataset"
+            )
+        if self.max_length is not None and self.on_overlong == "error":
+            over = np.flatnonzero(lengths > self.max_length)
+            if over.size:
+                i = int(over[0])
+                raise BatchError(
+                    f"example {i} has {int(lengths[i])} tokens, more than max_length={self.max_length} "
+                    f"({over.size} such example(s)); truncate them when tokenizing or set on_overlong: truncate"
+                )
+
+    def _token_key(self, examples: Sequence[Mapping[str, Any]], key: str, lengths: np.ndarray) -> torch.Tensor | None:
+        have = [key in ex and ex[key] is not None for ex in examples]
+        if not any(have):
+            if key in self.required_keys:
+                raise BatchError(f"every example needs {key!r}")
+            return None
+        if not all(have):
+            raise BatchError(
+                f"{key!r} is present in some examples but not in example {have.index(False)}: "
+                "give it to every example or to none"
+            )
+        arrays = [_as_int_array(ex[key], key, i) for i, ex in enumerate(examples)]
+        for i, (array, length) in enumerate(zip(arrays, lengths)):
+            if array.size < length or (array.size > length and self.on_overlong != "truncate"):
+                raise BatchError(
+                    f"example {i}: {key!r} has {array.size} values but input_ids has {int(length)} tokens; "
+                    "they must be the same length"
+                )
+        if self.max_length is not None and self.on_overlong == "truncate":
+            arrays = [a[:length] for a, length in zip(arrays, lengths)]
+        return torch.from_numpy(np.concatenate(arrays)).unsqueeze(0)
+
+    def _example_key(self, examples: Sequence[Mapping[str, Any]], key: str) -> torch.Tensor:
+        values = [ex[key] for ex in examples]
+        values = [v.tolist() if isinstance(v, (torch.Tensor, np.ndarray)) else v for v in values]
+        try:
+            array = np.asarray(values)
+        except Exception:  # noqa: BLE001
+            array = np.asarray(values, dtype=object)
+        if array.dtype == object or not (np.issubdtype(array.dtype, np.number) or array.dtype == bool):
+            raise BatchError(
+                f"{key!r} must be a number or a fixed-length list of numbers in every example; got "
+                f"{', '.join(sorted({type(v).__name__ for v in values}))}"
+            )
+        if np.issubdtype(array.dtype, np.integer) or array.dtype == bool:
+            return torch.from_numpy(array.astype(np.int64))
+        return torch.from_numpy(array.astype(np.float32))
+

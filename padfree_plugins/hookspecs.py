@@ -1,0 +1,66 @@
+"""The hooks a padfree-plugins plugin can implement.
+
+Two kinds of hooks:
+
+* **Declarations** (``register_*``) return lists of :mod:`padfree_plugins.specs` objects. Every plugin's results
+  are collected; when two plugins declare the same name, the host picks one deterministically and records a note.
+* **Assembly hooks** (``collate``, ``patch_model``, ``pool``, ``revert_output``) are ``firstresult``: the first
+  plugin that returns something other than ``None`` wins, later-registered plugins first, so a third-party plugin
+  overrides a builtin one (builtins are ``trylast``). They run once, when a model is assembled, and return plain
+  picklable objects; nothing calls a hook in the training loop.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("padfree_plugins")
+hookimpl = pluggy.HookimplMarker("padfree_plugins")
+
+
+@hookspec
+def register_architectures():
+    """Return a list of :class:`~padfree_plugins.specs.Architecture` this plugin makes padding-free."""
+
+
+@hookspec
+def register_tasks():
+    """Return a list of :class:`~padfree_plugins.specs.Task` this plugin provides."""
+
+
+@hookspec
+def register_attention_backends():
+    """Return a list of :class:`~padfree_plugins.specs.AttentionBackend` this plugin provides."""
+
+
+@hookspec(firstresult=True)
+def collate(task, architecture, model_config, config):
+    """Return a collator (a picklable callable ``list[dict] -> PackedBatch``) for this task and architecture.
+
+    ``task`` and ``architecture`` are the resolved specs, ``model_config`` the transformers config of the model,
+    ``config`` the :class:`~padfree_plugins.config.PadfreeConfig`. Return ``None`` to let the next plugin answer.
+    """
+
+
+@hookspec(firstresult=True)
+def patch_model(model, architecture, backend, fallback, config):
+    """Make ``model`` (a transformers ``PreTrainedModel``, never a peft wrapper) padding-free in place.
+
+    ``backend`` is the chosen :class:`~padfree_plugins.specs.AttentionBackend`; ``fallback`` (or ``None``) runs
+    the inputs ``backend`` cannot take (e.g. fp32 on a bf16-only kernel) when the backend was picked by ``auto``.
+
+    Return a :class:`~padfree_plugins.patching.ModelPatch` whose ``undo()`` restores the model exactly, or
+    ``None`` to let the next plugin answer. Must raise rather than leave a model that can attend across examples.
+    """
+
+
+@hookspec(firstresult=True)
+def pool(task, architecture, mode, config):
+    """Return a pooler for ``mode`` (``"first"``, ``"last"``, ``"mean"``, …): a picklable callable
+    ``(hidden_states [1, T, H], batch) -> [n, H]`` working on the packed row, or ``None`` if unsupported."""
+
+
+@hookspec(firstresult=True)
+def revert_output(task, architecture, config):
+    """Return a reverter: a picklable callable ``(packed [1, T, ...], batch) -> (padded [n, Lmax, ...],
+    attention_mask [n, Lmax])`` for code that insists on padded tensors, or ``None``."""

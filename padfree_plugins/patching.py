@@ -1,0 +1,154 @@
+"""Patch a transformers model to run padding-free, and undo it.
+
+A patch does two things, both reversible:
+
+1. switches the model's attention implementation to ``padfree_<backend>`` (see :mod:`padfree_plugins.attention`);
+2. installs a guard on the base model that refuses packed rows without boundaries (positions that restart inside
+   a row with no ``cu_seq_lens_q``): without it such a row would silently attend across examples.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from . import attention
+from .errors import BoundaryError, PadfreeError, UnsupportedArchitectureError
+from .specs import Architecture, AttentionBackend
+
+PATCH_ATTRIBUTE = "_padfree_patch"
+
+
+def unwrap_model(model: Any) -> Any:
+    """The transformers ``PreTrainedModel`` inside peft, DDP / FSDP and similar wrappers."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if hasattr(model, "get_base_model") and callable(model.get_base_model):  # peft PeftModel
+            model = model.get_base_model()
+        elif hasattr(model, "module") and isinstance(getattr(model, "module"), torch.nn.Module):  # DDP
+            model = model.module
+    if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
+        raise UnsupportedArchitectureError(
+            f"{type(model).__name__} is not a transformers PreTrainedModel (nor a peft / DDP wrapper of one)"
+        )
+    return model
+
+
+def _bound_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
+    if not args:
+        return kwargs
+    try:
+        return inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        return kwargs
+
+
+def boundary_guard(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook: raise :class:`BoundaryError` on a packed row that lacks its boundaries."""
+    inputs = _bound_inputs(module, args, kwargs)
+    position_ids = inputs.get("position_ids")
+    attention_mask = inputs.get("attention_mask")
+    tokens = inputs.get("input_ids")
+    tokens = inputs.get("inputs_embeds") if tokens is None else tokens
+    if inputs.get("cu_seq_lens_q") is not None:
+        if tokens is not None and tokens.shape[0] != 1:
+            raise BoundaryError(f"a packed batch is one row [1, T]; got {tokens.shape[0]} rows with cu_seq_lens_q")
+        if attention_mask is not None:
+            raise BoundaryError(
+                "a packed batch must not carry an attention_mask (the boundaries replace it); drop the key"
+            )
+        if position_ids is None:
+            raise BoundaryError(
+                "a packed batch needs position_ids restarting at every example; without them positions would "
+                "run on across examples. Use padfree_plugins' collator."
+            )
+        return
+    if position_ids is None or position_ids.ndim != 2 or position_ids.shape[-1] < 2:
+        return
+    if attention_mask is not None and attention_mask.ndim != 2:
+        return  # a custom 4D mask states the structure itself
+    restarts = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    if attention_mask is not None:
+        real = attention_mask.bool()
+        restarts &= real[:, 1:] & real[:, :-1]
+    if bool(restarts.any()):
+        raise BoundaryError(
+            f"{type(module).__name__} got position_ids that restart inside a row but no cu_seq_lens_q: this looks "
+            "like several examples packed into one row without their boundaries, and attention would mix them. "
+            "Pack with padfree_plugins' collator (it adds cu_seq_lens_q / max_length_q), or pass an ordinary "
+            "padded batch."
+        )
+
+
+@dataclass
+class ModelPatch:
+    """A model made padding-free; :meth:`undo` restores it exactly."""
+
+    model: Any
+    architecture: Architecture
+    backend: AttentionBackend
+    fallback: AttentionBackend | None
+    implementation: str
+    previous_implementation: str | None
+    handles: list[RemovableHandle] = field(default_factory=list)
+    active: bool = True
+
+    @classmethod
+    def apply(cls, model: Any, architecture: Architecture, backend: AttentionBackend,
+              fallback: AttentionBackend | None = None) -> "ModelPatch":
+        model = unwrap_model(model)
+        if getattr(model, PATCH_ATTRIBUTE, None) is not None:
+            raise PadfreeError(f"{type(model).__name__} is already patched; undo the first patch before patching again")
+        previous = model.config._attn_implementation
+        name = attention.register(backend, fallback)
+        model.set_attn_implementation(name)
+        if model.config._attn_implementation != name:
+            raise UnsupportedArchitectureError(
+                f"{type(model).__name__} does not route attention through transformers' AttentionInterface, so its "
+                "attention cannot be made padding-free by this plugin; it needs an architecture plugin of its own "
+                "(see docs/writing-a-plugin.md)"
+            )
+        base = getattr(model, "base_model", model)
+        patch = cls(model, architecture, backend, fallback, name, previous)
+        patch.handles.append(base.register_forward_pre_hook(boundary_guard, with_kwargs=True))
+        setattr(model, PATCH_ATTRIBUTE, patch)
+        return patch
+
+    def undo(self) -> None:
+        """Restore the previous attention implementation and remove the guard. Safe to call twice."""
+        if not self.active:
+            return
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        if self.previous_implementation is not None:
+            self.model.set_attn_implementation(self.previous_implementation)
+        if getattr(self.model, PATCH_ATTRIBUTE, None) is self:
+            delattr(self.model, PATCH_ATTRIBUTE)
+        self.active = False
+
+    def describe(self) -> dict[str, Any]:
+        """What was patched, for logs and the CLI."""
+        attention_modules = sorted({type(m).__name__ for m in self.model.modules() if hasattr(m, "is_causal")})
+        return {
+            "model": type(self.model).__name__,
+            "architecture": self.architecture.name,
+            "attn_implementation": f"{self.previous_implementation} -> {self.implementation}",
+            "backend": self.backend.name + (f" (fallback {self.fallback.name})" if self.fallback else ""),
+            "attention_modules": attention_modules,
+            "guard": type(getattr(self.model, "base_model", self.model)).__name__,
+            "active": self.active,
+        }
+
+
+def patch_of(model: Any) -> ModelPatch | None:
+    """The active patch of a model (or of the model inside a wrapper), if any."""
+    try:
+        return getattr(unwrap_model(model), PATCH_ATTRIBUTE, None)
+    except UnsupportedArchitectureError:
+        return None
