@@ -76,6 +76,7 @@ class PackingCollator:
         ids = [_as_int_array(ex["input_ids"], "input_ids", i) for i, ex in enumerate(examples)]
         lengths = np.fromiter((a.size for a in ids), dtype=np.int64, count=len(ids))
         self._check_lengths(lengths)
+        full_lengths = lengths
         if self.max_length is not None and self.on_overlong == "truncate":
             ids = [a[: self.max_length] for a in ids]
             lengths = np.minimum(lengths, self.max_length)
@@ -95,7 +96,7 @@ class PackingCollator:
         batch["cu_seq_lens_k"] = batch["cu_seq_lens_q"]
         batch["max_length_k"] = batch["max_length_q"]
         for key in self.token_keys:
-            values = self._token_key(examples, key, lengths)
+            values = self._token_key(examples, key, full_lengths)
             if values is not None:
                 batch[key] = values
         for key in self.example_keys:
@@ -150,6 +151,7 @@ class PackingCollator:
                 )
 
     def _token_key(self, examples: Sequence[Mapping[str, Any]], key: str, lengths: np.ndarray) -> torch.Tensor | None:
+        """``key`` of every example concatenated; ``lengths`` are the untruncated ``input_ids`` lengths."""
         have = [key in ex and ex[key] is not None for ex in examples]
         if not any(have):
             if key in self.required_keys:
@@ -162,13 +164,13 @@ class PackingCollator:
             )
         arrays = [_as_int_array(ex[key], key, i) for i, ex in enumerate(examples)]
         for i, (array, length) in enumerate(zip(arrays, lengths)):
-            if array.size < length or (array.size > length and self.on_overlong != "truncate"):
+            if array.size != length:
                 raise BatchError(
                     f"example {i}: {key!r} has {array.size} values but input_ids has {int(length)} tokens; "
                     "they must be the same length"
                 )
         if self.max_length is not None and self.on_overlong == "truncate":
-            arrays = [a[:length] for a, length in zip(arrays, lengths)]
+            arrays = [a[: self.max_length] for a in arrays]
         return torch.from_numpy(np.concatenate(arrays)).unsqueeze(0)
 
     def _example_key(self, examples: Sequence[Mapping[str, Any]], key: str) -> torch.Tensor:

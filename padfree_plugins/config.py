@@ -127,7 +127,7 @@ def _build(cls: type, data: Any, where: str) -> Any:
 def _check(hint: Any, value: Any, where: str) -> Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if dataclasses.is_dataclass(hint):
-        return _build(hint, value, where)
+        return _build(hint, {} if value is None else value, where)  # an empty section (keys commented out)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -147,6 +147,8 @@ def _check(hint: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where} must be a list, got {value!r}")
         return [_check(args[0], item, f"{where}[{i}]") for i, item in enumerate(value)]
     if origin is dict:
+        if value is None:  # an empty section
+            return {}
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a mapping, got {value!r}")
         return dict(value)

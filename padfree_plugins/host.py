@@ -55,6 +55,11 @@ class PluginRecord:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
 
 
+def _dist_name(ep: importlib.metadata.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return (dist.metadata["Name"] if dist is not None else None) or ""
+
+
 def _split_env(value: str | None) -> set[str]:
     return {part.strip() for part in (value or "").split(",") if part.strip()}
 
@@ -89,11 +94,13 @@ class PluginHost:
     # -- loading -------------------------------------------------------------------------------------------------
 
     def _load_entry_points(self) -> None:
-        found = sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
+        # Deterministic whatever the order of sys.path and the file system: when two distributions use the same
+        # plugin name, the builtin one loads, else the first by distribution name; the other gets an error row.
+        found = sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP),
+                       key=lambda ep: (ep.name, _dist_name(ep) != OWN_DISTRIBUTION, _dist_name(ep), ep.value))
         for ep in found:
             dist = getattr(ep, "dist", None)
-            dist_name = dist.metadata["Name"] if dist is not None else None
-            source: Source = "builtin" if dist_name == OWN_DISTRIBUTION else "entry point"
+            source: Source = "builtin" if _dist_name(ep) == OWN_DISTRIBUTION else "entry point"
             record = PluginRecord(ep.name, source, dist.version if dist else None, ep.value)
             if ep.name in self.records:
                 previous = self.records[ep.name]

@@ -17,7 +17,7 @@ def tiny_config(model_type: str, **overrides):
     from transformers import AutoConfig
 
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                max_position_embeddings=256, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+                num_key_value_heads=4, max_position_embeddings=256, pad_token_id=1, bos_token_id=0, eos_token_id=2)
     base.update(overrides)
     return AutoConfig.for_model(model_type, **base)
 

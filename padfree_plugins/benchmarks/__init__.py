@@ -1,0 +1,1 @@
+"""Benchmarks: side-by-side measurements in one run (ratios, real tokens/s, peak memory), never timed tests."""

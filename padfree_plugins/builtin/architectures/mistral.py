@@ -1,0 +1,10 @@
+"""Mistral: a Llama-shaped decoder with an optional sliding window (``config.sliding_window``)."""
+
+from ...hookspecs import hookimpl
+from ...specs import Architecture
+
+
+@hookimpl
+def register_architectures():
+    return [Architecture("mistral", model_types=("mistral",), kind="decoder", default_pooling="last",
+                         description="Mistral 7B and Mistral-shaped decoders; sliding window honoured")]

@@ -1,0 +1,248 @@
+"""load_config / PadfreeConfig: defaults, strict validation with suggestions, YAML errors naming the file."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from padfree_plugins.config import PadfreeConfig, PluginsConfig, describe_fields, load_config
+from padfree_plugins.errors import ConfigError
+
+REPO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "padfree.yaml"
+
+
+def write(tmp_path: Path, text: str, name: str = "padfree.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def config_error(data) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(data)
+    return str(info.value)
+
+
+# -- defaults and sources -------------------------------------------------------------------------------------------
+
+
+def test_defaults():
+    config = load_config(None)
+    assert config == PadfreeConfig()
+    assert config.task == "causal_lm"
+    assert config.attention == "auto" and config.architecture == "auto"
+    assert config.max_length is None and config.on_overlong == "error"
+    assert config.pooling is None and config.task_options == {}
+    assert config.plugins == PluginsConfig(require=[], block=[])
+
+
+def test_defaults_are_not_shared_between_instances():
+    a, b = PadfreeConfig(), PadfreeConfig()
+    a.plugins.require.append("x")
+    a.task_options["k"] = 1
+    assert b.plugins.require == [] and b.task_options == {}
+
+
+def test_empty_dict_and_empty_file_give_defaults(tmp_path):
+    assert load_config({}) == PadfreeConfig()
+    assert load_config(write(tmp_path, "")) == PadfreeConfig()
+    assert load_config(write(tmp_path, "# only a comment\n", "c.yaml")) == PadfreeConfig()
+
+
+def test_existing_config_is_returned_as_is():
+    config = PadfreeConfig(task="hidden_states")
+    assert load_config(config) is config
+
+
+def test_full_config_from_yaml(tmp_path):
+    path = write(tmp_path, """
+        task: hidden_states
+        attention: exact
+        architecture: llama
+        max_length: 512
+        on_overlong: truncate
+        pooling: mean
+        task_options:
+          temperature: 0.05
+          nested: {a: 1}
+        plugins:
+          require: [llama, core]
+          block: [flash]
+    """)
+    expected = PadfreeConfig(task="hidden_states", attention="exact", architecture="llama", max_length=512,
+                             on_overlong="truncate", pooling="mean",
+                             task_options={"temperature": 0.05, "nested": {"a": 1}},
+                             plugins=PluginsConfig(require=["llama", "core"], block=["flash"]))
+    assert load_config(path) == expected
+    assert load_config(str(path)) == expected
+    assert load_config(expected.to_dict()) == expected
+
+
+def test_to_dict_round_trips():
+    config = PadfreeConfig(max_length=8, plugins=PluginsConfig(block=["x"]))
+    data = config.to_dict()
+    assert data["plugins"] == {"require": [], "block": ["x"]}
+    assert PadfreeConfig.from_dict(data) == config
+    assert PadfreeConfig.from_dict(None) == PadfreeConfig()
+
+
+def test_empty_sections_mean_defaults(tmp_path):
+    path = write(tmp_path, """
+        task_options:
+        plugins:
+          # require: [llama]
+    """)
+    config = load_config(path)
+    assert config.plugins == PluginsConfig() and config.task_options == {}
+
+
+def test_explicit_nulls_for_optional_values():
+    config = load_config({"max_length": None, "pooling": None})
+    assert config.max_length is None and config.pooling is None
+
+
+def test_repo_config_loads():
+    if not REPO_CONFIG.exists():
+        pytest.skip("configs/padfree.yaml is not there yet")
+    config = load_config(REPO_CONFIG)
+    assert isinstance(config, PadfreeConfig)
+    assert config.task and config.attention and config.on_overlong in ("error", "truncate")
+
+
+# -- unknown keys ---------------------------------------------------------------------------------------------------
+
+
+def test_unknown_top_level_key_suggests_nearest(tmp_path):
+    message = config_error(write(tmp_path, "atention: exact\n"))
+    assert "unknown key 'atention'" in message
+    assert "Did you mean 'attention'?" in message
+    assert "padfree.yaml" in message  # names the file
+    for key in ("task", "attention", "max_length", "plugins"):
+        assert key in message.split("Valid keys:")[1]
+
+
+def test_unknown_key_without_close_match_lists_valid_keys():
+    message = config_error({"zzzzzz": 1})
+    assert "unknown key 'zzzzzz'" in message and "Did you mean" not in message and "Valid keys:" in message
+
+
+def test_unknown_nested_key_suggests_nearest(tmp_path):
+    message = config_error(write(tmp_path, "plugins:\n  requre: [llama]\n"))
+    assert "plugins" in message and "unknown key 'requre'" in message
+    assert "Did you mean 'require'?" in message
+    assert "Valid keys: require, block." in message
+
+
+@pytest.mark.parametrize(
+    ("data", "fragments"),
+    [
+        ({"max_length": "ten"}, ["max_length must be int | null", "'ten'"]),
+        ({"max_length": True}, ["max_length must be int | null", "True"]),
+        ({"max_length": 2.5}, ["max_length must be int | null", "2.5"]),
+        ({"max_length": 0}, ["max_length must be at least 1", "got 0"]),
+        ({"max_length": -5}, ["max_length must be at least 1", "got -5"]),
+        ({"on_overlong": "trunc"}, ["on_overlong must be one of 'error', 'truncate'", "'trunc'",
+                                    "Did you mean 'truncate'?"]),
+        ({"on_overlong": True}, ["on_overlong must be one of"]),
+        ({"plugins": {"require": "llama"}}, ["plugins: require must be a list", "'llama'"]),
+        ({"plugins": {"block": [1]}}, ["plugins: block[0] must be a non-empty string"]),
+        ({"plugins": {"require": ["llama", ""]}}, ["require[1] must be a non-empty string"]),
+        ({"plugins": ["llama"]}, ["plugins: expected a mapping", "list"]),
+        ({"task": ""}, ["task must be a non-empty string", "''"]),
+        ({"task": "   "}, ["task must be a non-empty string"]),
+        ({"task": 3}, ["task must be a non-empty string", "3"]),
+        ({"attention": None}, ["attention must be a non-empty string", "None"]),
+        ({"pooling": 1}, ["pooling must be str | null"]),
+        ({"task_options": [1, 2]}, ["task_options must be a mapping"]),
+    ],
+)
+def test_wrong_types(data, fragments):
+    message = config_error(data)
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+
+
+def test_wrong_type_in_file_names_file_and_key(tmp_path):
+    path = write(tmp_path, "max_length: ten\n", "bad.yaml")
+    message = config_error(path)
+    assert str(path) in message and "max_length" in message and "'ten'" in message
+
+
+def test_config_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        load_config({"max_length": "ten"})
+
+
+# -- files ----------------------------------------------------------------------------------------------------------
+
+
+def test_invalid_yaml_names_the_file(tmp_path):
+    path = write(tmp_path, "task: [unclosed\nattention: auto\n", "broken.yaml")
+    message = config_error(path)
+    assert str(path) in message and "not valid YAML" in message
+
+
+def test_tab_indentation_is_invalid_yaml(tmp_path):
+    path = write(tmp_path, "plugins:\n\trequire: []\n", "tabs.yaml")
+    assert "not valid YAML" in config_error(path)
+
+
+@pytest.mark.parametrize(("text", "kind"), [("- task\n- attention\n", "list"), ("just a string\n", "str"),
+                                             ("42\n", "int")])
+def test_top_level_must_be_a_mapping(tmp_path, text, kind):
+    path = write(tmp_path, text)
+    message = config_error(path)
+    assert str(path) in message and "top level must be a mapping" in message and kind in message
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.yaml"
+    message = config_error(path)
+    assert "does not exist" in message and "nope.yaml" in message
+    assert "does not exist" in config_error(str(path))
+
+
+def test_directory_is_not_a_config(tmp_path):
+    assert "does not exist" in config_error(tmp_path)
+
+
+# -- field descriptions ---------------------------------------------------------------------------------------------
+
+
+def test_describe_fields_lists_every_key_with_help():
+    rows = describe_fields()
+    keys = [key for key, _, _ in rows]
+    expected = [f.name for f in dataclasses.fields(PadfreeConfig) if f.name != "plugins"]
+    expected += [f"plugins.{f.name}" for f in dataclasses.fields(PluginsConfig)]
+    assert sorted(keys) == sorted(expected)
+    assert len(keys) == len(set(keys))
+    for key, type_name, help_text in rows:
+        assert type_name, key
+        assert help_text and len(help_text) > 10, key
+    types = {key: type_name for key, type_name, _ in rows}
+    assert types["max_length"] == "int | null"
+    assert types["on_overlong"] == "'error' | 'truncate'"
+    assert types["plugins.require"] == "list[str]"
+    assert types["task"] == "str"
+
+
+def test_every_described_key_is_accepted():
+    """Each key describe_fields reports can be set in a config (docs and loader agree)."""
+    samples = {"int | null": 4, "str": "x", "str | null": "mean", "'error' | 'truncate'": "truncate",
+               "list[str]": ["a"]}
+    for key, type_name, _ in describe_fields():
+        value = samples.get(type_name, {})
+        data: dict = {}
+        *parents, leaf = key.split(".")
+        node = data
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+        config = load_config(data)
+        target = config
+        for part in key.split("."):
+            target = getattr(target, part)
+        assert target == value, key

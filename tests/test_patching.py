@@ -1,0 +1,192 @@
+"""patch / undo, the boundary guard, and what a patched model does with ordinary inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DataCollatorWithFlattening
+
+from padfree_plugins import (
+    BackendUnavailableError,
+    BoundaryError,
+    ConfigError,
+    PadfreeError,
+    UnsupportedArchitectureError,
+    assemble,
+    patch_of,
+    plan,
+)
+from tests.conftest import make_examples, tiny_config, tiny_model
+
+
+def padded(examples, side="right"):
+    longest = max(len(ex["input_ids"]) for ex in examples)
+    ids = torch.full((len(examples), longest), 1)
+    mask = torch.zeros_like(ids)
+    for i, ex in enumerate(examples):
+        n = len(ex["input_ids"])
+        cols = slice(0, n) if side == "right" else slice(longest - n, longest)
+        ids[i, cols], mask[i, cols] = torch.tensor(ex["input_ids"]), 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "bert"])
+def test_packed_row_without_boundaries_raises(model_type):
+    model = tiny_model(model_type)
+    examples = make_examples([4, 6])
+    flattened = DataCollatorWithFlattening(return_position_ids=True)(examples)
+    assembly = assemble(model, {"task": "hidden_states"})
+    try:
+        with pytest.raises(BoundaryError, match="restart inside a row"):
+            model(input_ids=flattened["input_ids"], position_ids=flattened["position_ids"])
+        # an all-ones attention_mask hides the packing from transformers, not from the guard
+        with pytest.raises(BoundaryError):
+            model(input_ids=flattened["input_ids"], position_ids=flattened["position_ids"],
+                  attention_mask=torch.ones_like(flattened["input_ids"]))
+    finally:
+        assembly.undo()
+
+
+def test_packed_batch_misuse_raises():
+    model = tiny_model("llama")
+    assembly = assemble(model, {"task": "hidden_states"})
+    try:
+        batch = assembly.collator(make_examples([3, 5]))
+        with pytest.raises(BoundaryError, match="attention_mask"):
+            model(**batch.model_inputs(), attention_mask=torch.ones_like(batch["input_ids"]))
+        inputs = batch.model_inputs()
+        inputs.pop("position_ids")
+        with pytest.raises(BoundaryError, match="position_ids"):
+            model(**inputs)
+        two_rows = batch.model_inputs()
+        two_rows["input_ids"] = two_rows["input_ids"].repeat(2, 1)
+        two_rows["position_ids"] = two_rows["position_ids"].repeat(2, 1)
+        with pytest.raises(BoundaryError, match="one row"):
+            model(**two_rows)
+    finally:
+        assembly.undo()
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("model_type,overrides", [("llama", dict(num_key_value_heads=2)),
+                                                   ("mistral", dict(sliding_window=3)), ("bert", {})])
+def test_patched_model_gives_original_results_on_padded_batch(model_type, overrides, side):
+    model = tiny_model(model_type, **overrides)
+    inputs = padded(make_examples([2, 9, 5]), side)
+    with torch.no_grad():
+        before = model(**inputs).last_hidden_state
+        assembly = assemble(model, {"task": "hidden_states"})
+        after = model(**inputs).last_hidden_state
+        single = model(input_ids=inputs["input_ids"][1:2]).last_hidden_state  # no mask, no boundaries
+        assembly.undo()
+        single_before = model(input_ids=inputs["input_ids"][1:2]).last_hidden_state
+    real = inputs["attention_mask"].bool()
+    torch.testing.assert_close(after[real], before[real], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(single, single_before, atol=1e-6, rtol=1e-5)
+
+
+def test_generate_works_and_matches_unpatched():
+    model = tiny_model("llama", head="causal_lm", num_key_value_heads=2)
+    inputs = padded(make_examples([3, 7]), side="left")
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=1)
+    before = model.generate(**inputs, **kwargs)
+    assembly = assemble(model, {"task": "causal_lm"})
+    try:
+        after = model.generate(**inputs, **kwargs)
+    finally:
+        assembly.undo()
+    assert torch.equal(before, after)
+
+
+def test_undo_restores_model_exactly():
+    model = tiny_model("llama")
+    hooks_before = dict(model.base_model._forward_pre_hooks)
+    assembly = assemble(model, {"task": "hidden_states"})
+    assert model.config._attn_implementation == "padfree_exact"
+    assert all(m.config._attn_implementation == "padfree_exact" for m in model.modules() if hasattr(m, "config"))
+    assert patch_of(model) is assembly.patch
+    described = assembly.patch.describe()
+    assert described["attn_implementation"] == "sdpa -> padfree_exact" and "LlamaAttention" in described["attention_modules"]
+    assembly.undo()
+    assembly.undo()  # twice is harmless
+    assert model.config._attn_implementation == "sdpa"
+    assert dict(model.base_model._forward_pre_hooks) == hooks_before
+    assert patch_of(model) is None
+
+
+def test_double_patch_is_refused():
+    model = tiny_model("llama")
+    assembly = assemble(model, {"task": "hidden_states"})
+    try:
+        with pytest.raises(PadfreeError, match="already patched"):
+            assemble(model, {"task": "hidden_states"})
+    finally:
+        assembly.undo()
+
+
+def test_peft_model_is_unwrapped_and_equivalent():
+    peft = pytest.importorskip("peft")
+    model = tiny_model("llama", num_key_value_heads=2)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    examples = make_examples([5, 1, 11])
+    with torch.no_grad():
+        reference = [lora(input_ids=torch.tensor([ex["input_ids"]])).last_hidden_state[0] for ex in examples]
+    assembly = assemble(lora, {"task": "hidden_states"})
+    try:
+        assert assembly.model is model
+        batch = assembly.collator(examples)
+        with torch.no_grad():
+            packed = lora(**batch.model_inputs()).last_hidden_state[0]
+    finally:
+        assembly.undo()
+    cu = batch["cu_seq_lens_q"].tolist()
+    for i, want in enumerate(reference):
+        torch.testing.assert_close(packed[cu[i] : cu[i + 1]], want, atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_architecture_says_what_is_supported():
+    model = tiny_model("gpt2", n_embd=64, n_layer=2, n_head=4)
+    with pytest.raises(UnsupportedArchitectureError) as info:
+        assemble(model, {"task": "hidden_states"})
+    message = str(info.value)
+    assert "'gpt2'" in message and "llama" in message and "bert" in message and "writing-a-plugin" in message
+
+
+def test_model_without_attention_interface_is_refused(monkeypatch):
+    model = tiny_model("llama")
+    monkeypatch.setattr(type(model), "set_attn_implementation", lambda self, name: None)
+    with pytest.raises(UnsupportedArchitectureError, match="AttentionInterface"):
+        assemble(model, {"task": "hidden_states"})
+    assert patch_of(model) is None
+
+
+def test_backend_selection_and_errors():
+    config = tiny_config("llama")
+    assert plan(config, {"attention": "auto"}, device_type="cpu").backend.name == "exact"
+    with pytest.raises(BackendUnavailableError, match="'varlen' was requested"):
+        plan(config, {"attention": "varlen"}, device_type="cpu")
+    with pytest.raises(BackendUnavailableError, match="flash_attn"):
+        plan(config, {"attention": "flash_attn"}, device_type="cpu")
+    with pytest.raises(ConfigError, match="Did you mean 'flash_attn'"):
+        plan(config, {"attention": "flsh_attn"})
+    with pytest.raises(ConfigError, match="Did you mean 'causal_lm'"):
+        plan(config, {"task": "causal_llm"})
+    with pytest.raises(ConfigError, match="architecture 'lama'"):
+        plan(config, {"architecture": "lama"})
+
+
+def test_forced_backend_missing_feature_is_an_error():
+    """A backend that cannot implement a feature the model uses is refused, naming the feature."""
+    from padfree_plugins import AttentionBackend, PluginHost, hookimpl
+    from padfree_plugins.attention.backends import exact_varlen
+
+    class NoWindowPlugin:
+        @hookimpl
+        def register_attention_backends(self):
+            return [AttentionBackend("nowindow", exact_varlen, features=frozenset({"causal", "gqa"}))]
+
+    host = PluginHost({"nowindow": NoWindowPlugin()})
+    config = tiny_config("mistral", sliding_window=8, num_key_value_heads=2)
+    with pytest.raises(BackendUnavailableError, match="sliding_window"):
+        plan(config, {"attention": "nowindow"}, host=host, device_type="cpu")
+    assert plan(config, {"attention": "auto"}, host=host, device_type="cpu").backend.name == "exact"
