@@ -154,13 +154,14 @@ class Assembly:
     collator: Any
     pooler: Any
     reverter: Any
+    forward: Any
 
     def undo(self) -> None:
         self.patch.undo()
 
     def describe(self) -> dict[str, Any]:
         return {**self.plan.describe(), **{f"patch {k}": v for k, v in self.patch.describe().items()},
-                "collator": type(self.collator).__name__,
+                "collator": type(self.collator).__name__, "forward": type(self.forward).__name__,
                 "pooler": type(self.pooler).__name__ if self.pooler else "-"}
 
 
@@ -180,8 +181,9 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
     if mode and pooler is None:
         raise ConfigError(f"no plugin provides pooling mode {mode!r} for {resolved.architecture.name}")
     reverter = host.hook.revert_output(**call)
+    forward = host.hook.task_forward(**call)
     patch = host.hook.patch_model(model=inner, architecture=resolved.architecture, backend=resolved.backend,
                                   fallback=resolved.fallback, config=config)
     if patch is None:
         raise PluginError(f"no plugin could patch {type(inner).__name__}")
-    return Assembly(inner, config, resolved, patch, collator, pooler, reverter)
+    return Assembly(inner, config, resolved, patch, collator, pooler, reverter, forward)

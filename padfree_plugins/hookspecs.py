@@ -64,3 +64,19 @@ def pool(task, architecture, mode, config):
 def revert_output(task, architecture, config):
     """Return a reverter: a picklable callable ``(packed [1, T, ...], batch) -> (padded [n, Lmax, ...],
     attention_mask [n, Lmax])`` for code that insists on padded tensors, or ``None``."""
+
+
+@hookspec(firstresult=True)
+def task_forward(task, architecture, config):
+    """Return a picklable callable ``(model, batch, **loss_kwargs) -> transformers ModelOutput`` that runs a
+    patched model on a packed batch for this task (e.g. per-example pooling and a classification head, since
+    transformers' ``*ForSequenceClassification`` heads pool one token per *row*). ``None`` lets the next plugin
+    answer; the builtin default calls ``model(**batch.model_inputs(*task.model_keys))``."""
+
+
+@hookspec(firstresult=True)
+def wrap_trainer(trainer, assembly, config):
+    """Make ``trainer`` (HF ``Trainer``, TRL ``SFTTrainer``, a sentence-transformers trainer, …) train
+    ``assembly.model`` padding-free: feed it ``assembly.collator`` batches and compute the loss through
+    ``assembly.forward``. Return an object with ``undo()`` that restores the trainer, or ``None`` if this plugin
+    does not know this kind of trainer."""

@@ -59,6 +59,8 @@ class Task:
     ``example_keys`` are stacked one value per example (e.g. a class label or a group id).
     ``required_keys`` must be present in every example. ``masked_first_keys`` are token keys whose first value
     in every example is set to -100, so that no example is trained to continue the one before it.
+    ``model_keys`` are the batch keys, besides ``input_ids``, positions and boundaries, that the default forward
+    passes to the model (e.g. ``labels`` for causal LM, ``token_type_ids`` for encoders).
     """
 
     name: str
@@ -66,6 +68,7 @@ class Task:
     example_keys: tuple[str, ...] = ()
     required_keys: tuple[str, ...] = ("input_ids",)
     masked_first_keys: tuple[str, ...] = ()
+    model_keys: tuple[str, ...] = ("token_type_ids",)
     needs_pooling: bool = False
     priority: int = 0
     description: str = ""

@@ -6,6 +6,7 @@ All are ``trylast`` so that any other plugin implementing the same hook is asked
 from __future__ import annotations
 
 from ..collator import DEFAULT_TOKEN_KEYS, PackingCollator
+from ..forward import ModelForward
 from ..hookspecs import hookimpl
 from ..patching import ModelPatch
 from ..pooling import POOLERS
@@ -40,3 +41,8 @@ def pool(task, architecture, mode, config):
 @hookimpl(trylast=True)
 def revert_output(task, architecture, config):
     return Reverter()
+
+
+@hookimpl(trylast=True)
+def task_forward(task, architecture, config):
+    return ModelForward(task.model_keys)

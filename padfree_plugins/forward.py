@@ -1,0 +1,23 @@
+"""How a patched model is called on a packed batch (the default ``task_forward``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .batch import BOUNDARY_KEYS
+
+
+@dataclass(frozen=True)
+class ModelForward:
+    """Call ``model`` with the packing keys plus ``model_keys`` that the batch has (e.g. ``labels``)."""
+
+    model_keys: tuple[str, ...] = ()
+
+    def inputs(self, batch: Mapping) -> dict[str, Any]:
+        keys = ("input_ids", "position_ids", *BOUNDARY_KEYS, *self.model_keys)
+        return {key: batch[key] for key in keys if key in batch}
+
+    def __call__(self, model: Any, batch: Mapping, **loss_kwargs: Any) -> Any:
+        return model(**self.inputs(batch), **loss_kwargs)
