@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Literal
 
 import numpy as np
@@ -39,6 +40,25 @@ def _as_int_array(value: Any, key: str, index: int) -> np.ndarray:
     if array.size and not np.issubdtype(array.dtype, np.integer):
         raise BatchError(f"example {index}: {key!r} must hold integers, got dtype {array.dtype}")
     return array.astype(np.int64, copy=False)
+
+
+def _concat_int_lists(values: Sequence[Any], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """All examples' ``key`` as one flat int64 array plus the per-example lengths.
+
+    Plain Python lists (what tokenizers and datasets give) take one conversion for the whole batch; anything else,
+    or anything suspicious, goes example by example so that errors name the example.
+    """
+    if all(type(v) is list for v in values):
+        try:
+            flat = np.asarray(list(chain.from_iterable(values)))
+        except ValueError:  # ragged nested lists: the per-example path names the culprit
+            flat = np.empty((0, 0))
+        if flat.ndim == 1 and (flat.size == 0 or np.issubdtype(flat.dtype, np.integer)):
+            lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+            return flat.astype(np.int64, copy=False), lengths
+    arrays = [_as_int_array(v, key, i) for i, v in enumerate(values)]
+    lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+    return np.concatenate(arrays), lengths
 
 
 @dataclass
@@ -73,37 +93,31 @@ class PackingCollator:
 
     def __call__(self, examples: Sequence[Mapping[str, Any]]) -> PackedBatch:
         examples = self._check_examples(examples)
-        ids = [_as_int_array(ex["input_ids"], "input_ids", i) for i, ex in enumerate(examples)]
-        lengths = np.fromiter((a.size for a in ids), dtype=np.int64, count=len(ids))
-        self._check_lengths(lengths)
-        full_lengths = lengths
-        if self.max_length is not None and self.on_overlong == "truncate":
-            ids = [a[: self.max_length] for a in ids]
-            lengths = np.minimum(lengths, self.max_length)
+        ids, full_lengths = _concat_int_lists([ex["input_ids"] for ex in examples], "input_ids")
+        self._check_lengths(full_lengths)
+        keep = self._kept_tokens(full_lengths)
+        lengths = full_lengths if keep is None else np.minimum(full_lengths, self.max_length)
+        if keep is not None:
+            ids = ids[keep]
 
-        n, total = len(ids), int(lengths.sum())
+        n, total = len(examples), int(lengths.sum())
         cu = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(lengths, out=cu[1:])
-        starts = np.repeat(cu[:-1], lengths)
-        positions = np.arange(total, dtype=np.int64) - starts + self.position_start
-        batch = PackedBatch(
-            input_ids=torch.from_numpy(np.concatenate(ids)).unsqueeze(0),
-            position_ids=torch.from_numpy(positions).unsqueeze(0),
-            cu_seq_lens_q=torch.from_numpy(cu.astype(np.int32)),
-            max_length_q=int(lengths.max()),
-            seq_idx=torch.from_numpy(np.repeat(np.arange(n, dtype=np.int32), lengths)).unsqueeze(0),
-        )
-        batch["cu_seq_lens_k"] = batch["cu_seq_lens_q"]
-        batch["max_length_k"] = batch["max_length_q"]
+        positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], lengths) + self.position_start
+        example_index = np.repeat(np.arange(n, dtype=np.int32), lengths)
+        columns = {"input_ids": ids, "position_ids": positions, "seq_idx": example_index}
         for key in self.token_keys:
-            values = self._token_key(examples, key, full_lengths)
+            values = self._token_key(examples, key, full_lengths, keep)
             if values is not None:
-                batch[key] = values
+                columns[key] = values
+        for key in self.masked_first_keys:
+            if key in columns:
+                columns[key][cu[:-1]] = self.ignore_index
+        batch = PackedBatch({key: torch.from_numpy(values.reshape(1, -1)) for key, values in columns.items()})
+        batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.from_numpy(cu.astype(np.int32))
+        batch["max_length_q"] = batch["max_length_k"] = int(lengths.max())
         for key in self.example_keys:
             batch[key] = self._example_key(examples, key)
-        for key in self.masked_first_keys:
-            if key in batch:
-                batch[key][0, cu[:-1]] = self.ignore_index
         return batch
 
     # -- checks --------------------------------------------------------------------------------------------------
@@ -150,7 +164,16 @@ class PackingCollator:
                     f"({over.size} such example(s)); truncate them when tokenizing or set on_overlong: truncate"
                 )
 
-    def _token_key(self, examples: Sequence[Mapping[str, Any]], key: str, lengths: np.ndarray) -> torch.Tensor | None:
+    def _kept_tokens(self, full_lengths: np.ndarray) -> np.ndarray | None:
+        """Boolean mask over the concatenated tokens when truncating, else ``None``."""
+        if self.max_length is None or self.on_overlong != "truncate" or full_lengths.max() <= self.max_length:
+            return None
+        total = int(full_lengths.sum())
+        starts = np.repeat(np.cumsum(full_lengths) - full_lengths, full_lengths)
+        return np.arange(total) - starts < self.max_length
+
+    def _token_key(self, examples: Sequence[Mapping[str, Any]], key: str, lengths: np.ndarray,
+                   keep: np.ndarray | None) -> np.ndarray | None:
         """``key`` of every example concatenated; ``lengths`` are the untruncated ``input_ids`` lengths."""
         have = [key in ex and ex[key] is not None for ex in examples]
         if not any(have):
@@ -162,16 +185,15 @@ class PackingCollator:
                 f"{key!r} is present in some examples but not in example {have.index(False)}: "
                 "give it to every example or to none"
             )
-        arrays = [_as_int_array(ex[key], key, i) for i, ex in enumerate(examples)]
-        for i, (array, length) in enumerate(zip(arrays, lengths)):
-            if array.size != length:
-                raise BatchError(
-                    f"example {i}: {key!r} has {array.size} values but input_ids has {int(length)} tokens; "
-                    "they must be the same length"
-                )
-        if self.max_length is not None and self.on_overlong == "truncate":
-            arrays = [a[: self.max_length] for a in arrays]
-        return torch.from_numpy(np.concatenate(arrays)).unsqueeze(0)
+        flat, key_lengths = _concat_int_lists([ex[key] for ex in examples], key)
+        wrong = np.flatnonzero(key_lengths != lengths)
+        if wrong.size:
+            i = int(wrong[0])
+            raise BatchError(
+                f"example {i}: {key!r} has {int(key_lengths[i])} values but input_ids has {int(lengths[i])} tokens; "
+                "they must be the same length"
+            )
+        return flat if keep is None else flat[keep]  # always a fresh array: masking never touches the caller's data
 
     def _example_key(self, examples: Sequence[Mapping[str, Any]], key: str) -> torch.Tensor:
         values = [ex[key] for ex in examples]

@@ -79,7 +79,7 @@ class PluginHost:
         environ = os.environ if environ is None else environ
         self.block = set(block) | _split_env(environ.get("PADFREE_PLUGINS_BLOCK"))
         env_allow = _split_env(environ.get("PADFREE_PLUGINS_ALLOW"))
-        self.allow = (set(allow) if allow is not None else set()) | env_allow or None
+        self.allow = None if allow is None and not env_allow else set(allow or ()) | env_allow
         self.pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
         self.pm.add_hookspecs(hookspecs)
         self.records: dict[str, PluginRecord] = {}
@@ -148,7 +148,16 @@ class PluginHost:
         except Exception as exc:  # noqa: BLE001 - pluggy validation errors, duplicate objects …
             self._fail(record, f"invalid plugin: {type(exc).__name__}: {exc}")
             return
-        record.hooks = tuple(sorted(hc.name for hc in self.pm.get_hookcallers(plugin) or ()))
+        callers = self.pm.get_hookcallers(plugin) or ()
+        unknown = [hc.name for hc in callers if hc.spec is None and not any(
+            impl.plugin is plugin and impl.optionalhook for impl in hc.get_hookimpls())]
+        if unknown:  # a misspelt hook would never be called: say so instead of loading a plugin that does nothing
+            self.pm.unregister(plugin)
+            specs = [name for name, caller in vars(self.pm.hook).items() if getattr(caller, "spec", None)]
+            self._fail(record, f"unknown hook {unknown[0]!r}.{did_you_mean(unknown[0], specs)} "
+                               f"Hooks: {', '.join(sorted(specs))}.")
+            return
+        record.hooks = tuple(sorted(hc.name for hc in callers))
         declared: dict[str, list[Any]] = {}
         for hook_name, spec_type in DECLARATION_HOOKS.items():
             function = getattr(plugin, hook_name, None)

@@ -17,10 +17,12 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import attention
+from .attention import PACKED_CALL
 from .errors import BoundaryError, PadfreeError, UnsupportedArchitectureError
 from .specs import Architecture, AttentionBackend
 
 PATCH_ATTRIBUTE = "_padfree_patch"
+
 
 
 def unwrap_model(model: Any) -> Any:
@@ -43,13 +45,18 @@ def _bound_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
     if not args:
         return kwargs
     try:
-        return inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
     except TypeError:
         return kwargs
+    arguments = dict(bound.arguments)
+    for name, parameter in bound.signature.parameters.items():  # GPT-NeoX passes input_ids positionally: the
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:       # boundaries then sit inside ``**kwargs``
+            arguments.update(arguments.pop(name, {}))
+    return arguments
 
 
-def boundary_guard(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook: raise :class:`BoundaryError` on a packed row that lacks its boundaries."""
+def check_boundaries(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Raise :class:`BoundaryError` on a packed row that lacks its boundaries; return whether the call is packed."""
     inputs = _bound_inputs(module, args, kwargs)
     position_ids = inputs.get("position_ids")
     attention_mask = inputs.get("attention_mask")
@@ -67,11 +74,11 @@ def boundary_guard(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
                 "a packed batch needs position_ids restarting at every example; without them positions would "
                 "run on across examples. Use padfree_plugins' collator."
             )
-        return
+        return True
     if position_ids is None or position_ids.ndim != 2 or position_ids.shape[-1] < 2:
-        return
+        return False
     if attention_mask is not None and attention_mask.ndim != 2:
-        return  # a custom 4D mask states the structure itself
+        return False  # a custom 4D mask states the structure itself
     restarts = position_ids[:, 1:] != position_ids[:, :-1] + 1
     if attention_mask is not None:
         real = attention_mask.bool()
@@ -83,6 +90,7 @@ def boundary_guard(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             "Pack with padfree_plugins' collator (it adds cu_seq_lens_q / max_length_q), or pass an ordinary "
             "padded batch."
         )
+    return False
 
 
 @dataclass
@@ -97,6 +105,7 @@ class ModelPatch:
     previous_implementation: str | None
     handles: list[RemovableHandle] = field(default_factory=list)
     active: bool = True
+    _call_tokens: list = field(default_factory=list, repr=False)
 
     @classmethod
     def apply(cls, model: Any, architecture: Architecture, backend: AttentionBackend,
@@ -115,9 +124,21 @@ class ModelPatch:
             )
         base = getattr(model, "base_model", model)
         patch = cls(model, architecture, backend, fallback, name, previous)
-        patch.handles.append(base.register_forward_pre_hook(boundary_guard, with_kwargs=True))
+        patch.handles.append(base.register_forward_pre_hook(patch._before_forward, with_kwargs=True))
+        patch.handles.append(base.register_forward_hook(patch._after_forward, with_kwargs=True, always_call=True))
         setattr(model, PATCH_ATTRIBUTE, patch)
         return patch
+
+    def _before_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Guard the inputs and mark packed calls in :data:`PACKED_CALL` for attention to check."""
+        self._call_tokens.append(PACKED_CALL.set(False))  # pushed first: the after-hook pops it even on error
+        if check_boundaries(module, args, kwargs):
+            PACKED_CALL.set(True)
+
+    def _after_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """Restore :data:`PACKED_CALL` as it was before this forward (runs even when the forward raised)."""
+        if self._call_tokens:
+            PACKED_CALL.reset(self._call_tokens.pop())
 
     def undo(self) -> None:
         """Restore the previous attention implementation and remove the guard. Safe to call twice."""

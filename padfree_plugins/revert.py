@@ -8,6 +8,8 @@ from typing import Literal
 
 import torch
 
+from .pooling import packed_tokens
+
 
 @dataclass(frozen=True)
 class Reverter:
@@ -23,6 +25,9 @@ class Reverter:
         if packed.ndim < 2 or packed.shape[0] != 1:
             raise ValueError(f"packed outputs are [1, T, ...]; got shape {tuple(packed.shape)}")
         rows = packed[0]
+        total = packed_tokens(batch)
+        if total is not None and rows.shape[0] != total:
+            raise ValueError(f"the packed outputs have {rows.shape[0]} tokens but the packed batch has {total}")
         cu = batch["cu_seq_lens_q"].to(rows.device, torch.long)
         lengths = cu.diff()
         n, longest, total = lengths.numel(), int(batch["max_length_q"]), rows.shape[0]

@@ -223,7 +223,8 @@ def test_all_ones_attention_mask_is_fine_and_dropped():
 
 
 def test_batch_helpers():
-    batch = PackingCollator(token_keys=("labels",))([{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [3], "labels": [3]}])
+    examples = [{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [3], "labels": [3]}]
+    batch = PackingCollator(token_keys=("labels",))(examples)
     assert set(batch.boundary_kwargs()) == {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
     assert set(batch.model_inputs()) == {"input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
                                          "max_length_q", "max_length_k"}
@@ -358,7 +359,8 @@ def test_non_integer_input_ids(bad):
 
 def test_non_integer_token_key():
     with pytest.raises(BatchError, match=r"example 1: 'labels' must hold integers"):
-        PackingCollator(token_keys=("labels",))([{"input_ids": [1], "labels": [1]}, {"input_ids": [1], "labels": [0.5]}])
+        PackingCollator(token_keys=("labels",))([{"input_ids": [1], "labels": [1]},
+                                                 {"input_ids": [1], "labels": [0.5]}])
 
 
 @pytest.mark.parametrize("bad", [[[1, 2], [3, 4]], torch.ones(3, 4, dtype=torch.long), np.ones((2, 1, 3), dtype=int)])

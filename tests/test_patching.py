@@ -190,3 +190,29 @@ def test_forced_backend_missing_feature_is_an_error():
     with pytest.raises(BackendUnavailableError, match="sliding_window"):
         plan(config, {"attention": "nowindow"}, host=host, device_type="cpu")
     assert plan(config, {"attention": "auto"}, host=host, device_type="cpu").backend.name == "exact"
+
+
+def test_layer_dropping_boundaries_raises_instead_of_mixing():
+    """StableLM's decoder layer does not pass **kwargs to attention: declaring it is not enough, and the packed
+    forward must raise rather than attend across examples."""
+    from padfree_plugins import Architecture, PluginHost, hookimpl
+    from padfree_plugins.attention import PACKED_CALL
+
+    class StableLmDeclaration:
+        @hookimpl
+        def register_architectures(self):
+            return [Architecture("stablelm", ("stablelm",), "decoder")]
+
+    model = tiny_model("stablelm")
+    assembly = assemble(model, {"task": "hidden_states"}, host=PluginHost({"stablelm-naive": StableLmDeclaration()}))
+    try:
+        batch = assembly.collator(make_examples([3, 4]))
+        with pytest.raises(BoundaryError, match="does not pass \\*\\*kwargs"):
+            model(**batch.model_inputs())
+        assert PACKED_CALL.get() is False  # reset although the forward raised
+        with pytest.raises(BoundaryError, match="restart inside a row"):
+            model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+        assert PACKED_CALL.get() is False
+        model(input_ids=torch.tensor([[5, 6, 7]]))  # ordinary calls still work
+    finally:
+        assembly.undo()

@@ -223,3 +223,30 @@ def test_reverter_pickles():
     packed = torch.randn(1, 4, 2)
     for a, b in zip(clone(packed, batch), reverter(packed, batch)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tokens", [4, 6])
+@pytest.mark.parametrize("mode", sorted(POOLERS))
+def test_pooler_rejects_hidden_states_of_another_length(mode, tokens):
+    """Never silently wrong: first/last would otherwise gather from rows that belong to no example."""
+    batch = packed_batch([3, 2])
+    with pytest.raises(ValueError, match=rf"hidden states have {tokens} tokens but the packed batch has 5"):
+        make_pooler(mode)(torch.zeros(1, tokens, 3), batch)
+
+
+@pytest.mark.parametrize("tokens", [4, 6])
+def test_reverter_rejects_outputs_of_another_length(tokens):
+    batch = packed_batch([3, 2])
+    with pytest.raises(ValueError, match=rf"packed outputs have {tokens} tokens but the packed batch has 5"):
+        Reverter()(torch.zeros(1, tokens, 3), batch)
+
+
+def test_boundaries_only_batch_is_enough():
+    """A batch with nothing but the boundaries (e.g. rebuilt by other code) still pools and re-pads."""
+    full = packed_batch([3, 1, 2])
+    batch = {"cu_seq_lens_q": full["cu_seq_lens_q"], "max_length_q": full["max_length_q"]}
+    hidden = random_hidden(6, 2, 3)
+    for mode in sorted(POOLERS):
+        torch.testing.assert_close(make_pooler(mode)(hidden, batch), per_example_pool(mode, hidden, full))
+    for a, b in zip(Reverter()(hidden, batch), Reverter()(hidden, full)):
+        assert torch.equal(a, b)

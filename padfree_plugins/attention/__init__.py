@@ -12,6 +12,7 @@ with a mask function in ``AttentionMaskInterface``:
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,12 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ..errors import BoundaryError
 from ..specs import AttentionBackend
 from .backends import attend
+
+#: True while a patched model runs a packed batch (set by the guard, reset when the forward ends, even on error).
+#: Attention reads it to refuse a call that lost the boundaries on the way: a layer that does not forward
+#: ``**kwargs`` to attention would otherwise attend across examples silently. Context-local, so threads and
+#: async tasks never see each other's calls.
+PACKED_CALL: ContextVar[bool] = ContextVar("padfree_packed_call", default=False)
 
 IMPLEMENTATION_PREFIX = "padfree_"
 #: Keyword arguments that change attention semantics in ways no backend here implements.
@@ -60,6 +67,13 @@ class PadfreeAttention:
         causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
         cu_seq_lens_q = kwargs.get("cu_seq_lens_q")
         if cu_seq_lens_q is None:
+            if PACKED_CALL.get():
+                raise BoundaryError(
+                    f"{type(module).__name__} was called without the example boundaries during a packed forward: "
+                    "a layer of this model does not pass **kwargs on to attention, so it would attend across "
+                    "examples. This architecture needs a plugin that implements patch_model (see "
+                    "docs/writing-a-plugin.md)."
+                )
             return self._ordinary(module, query, key, value, attention_mask, scaling, dropout,
                                   sliding_window, softcap, causal, kwargs)
         if query.shape[0] != 1:

@@ -62,7 +62,7 @@ def test_packed_forward_equals_each_example_alone():
     assert packed.shape[:2] == (1, cu[-1])
     for i, want in enumerate(expected):
         got = packed[0, cu[i] : cu[i + 1]]
-        torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=lambda m: f"example {i} (length {LENGTHS[i]}): {m}")
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=lambda m: f"example {i} of {LENGTHS}: {m}")
 
     # The test can fail: the same row without boundaries, through the unpatched model, mixes the examples.
     mixed = model(input_ids=batch["input_ids"]).last_hidden_state
