@@ -42,6 +42,10 @@ class PadfreeConfig:
                            default="auto")
     architecture: str = _help("architecture plugin to use: auto (from config.model_type) or an architecture name",
                               default="auto")
+    attention_dropout: Literal["keep", "disable"] = _help(
+        "keep: attention-probability dropout as the model defines it (the varlen backend cannot do it, so auto then "
+        "picks flash_attn or exact); disable: no attention dropout, so varlen can run (hidden dropout unaffected)",
+        default="keep")
     max_length: int | None = _help("longest example in tokens (default: no limit)", default=None, minimum=1)
     on_overlong: Literal["error", "truncate"] = _help("what to do with an example longer than max_length",
                                                       default="error")

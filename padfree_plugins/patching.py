@@ -109,12 +109,13 @@ class ModelPatch:
 
     @classmethod
     def apply(cls, model: Any, architecture: Architecture, backend: AttentionBackend,
-              fallback: AttentionBackend | None = None) -> "ModelPatch":
+              fallback: AttentionBackend | None = None, *, attention_dropout: bool = True) -> "ModelPatch":
+        """Patch ``model``; ``attention_dropout=False`` runs attention without probability dropout."""
         model = unwrap_model(model)
         if getattr(model, PATCH_ATTRIBUTE, None) is not None:
             raise PadfreeError(f"{type(model).__name__} is already patched; undo the first patch before patching again")
         previous = model.config._attn_implementation
-        name = attention.register(backend, fallback)
+        name = attention.register(backend, fallback, attention_dropout)
         model.set_attn_implementation(name)
         if model.config._attn_implementation != name:
             raise UnsupportedArchitectureError(

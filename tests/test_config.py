@@ -234,7 +234,8 @@ def test_every_described_key_is_accepted():
     samples = {"int | null": 4, "str": "x", "str | null": "mean", "'error' | 'truncate'": "truncate",
                "list[str]": ["a"]}
     for key, type_name, _ in describe_fields():
-        value = samples.get(type_name, {})
+        literal = type_name.split(" | ")[-1].strip("'") if type_name.startswith("'") else None
+        value = samples.get(type_name, literal if literal is not None else {})
         data: dict = {}
         *parents, leaf = key.split(".")
         node = data

@@ -216,3 +216,46 @@ def test_layer_dropping_boundaries_raises_instead_of_mixing():
         model(input_ids=torch.tensor([[5, 6, 7]]))  # ordinary calls still work
     finally:
         assembly.undo()
+
+
+def test_attention_dropout_policy():
+    """attention_dropout: keep respects the model's attention dropout (so a backend without dropout is not chosen
+    by auto, with a note); disable turns it off, which lets that backend run."""
+    from padfree_plugins import AttentionBackend, PluginHost, hookimpl
+    from padfree_plugins.attention.backends import exact_varlen
+
+    class NoDropoutBackend:
+        @hookimpl
+        def register_attention_backends(self):
+            return [AttentionBackend("nodrop", exact_varlen, speed_rank=50,
+                                     features=frozenset({"causal", "bidirectional", "gqa"}))]
+
+    host = PluginHost({"nodrop": NoDropoutBackend()})
+    config = tiny_config("bert", attention_probs_dropout_prob=0.5)
+    kept = plan(config, {"task": "hidden_states"}, host=host, device_type="cpu")
+    assert kept.backend.name == "exact" and "dropout" in kept.features
+    assert any("attention_dropout: disable" in note for note in kept.notes)
+    dropped = plan(config, {"task": "hidden_states", "attention_dropout": "disable"}, host=host, device_type="cpu")
+    assert dropped.backend.name == "nodrop"
+
+    model = tiny_model("bert", attention_probs_dropout_prob=0.5, hidden_dropout_prob=0.0)
+    batch_examples = make_examples([6, 9])
+    with torch.no_grad():
+        reference, batch, _ = _packed(model, batch_examples, {"task": "hidden_states"})
+        model.train()
+        torch.manual_seed(1)
+        kept_out, _, _ = _packed(model, batch_examples, {"task": "hidden_states"})
+        disabled_out, _, assembly = _packed(model, batch_examples, {"task": "hidden_states",
+                                                                    "attention_dropout": "disable"})
+    assert "nodropout" in assembly.patch.implementation
+    assert not torch.allclose(kept_out, reference)
+    torch.testing.assert_close(disabled_out, reference)
+
+
+def _packed(model, examples, config):
+    assembly = assemble(model, config)
+    try:
+        batch = assembly.collator(examples)
+        return model(**batch.model_inputs()).last_hidden_state, batch, assembly
+    finally:
+        assembly.undo()

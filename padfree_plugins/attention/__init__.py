@@ -35,9 +35,15 @@ IMPLEMENTATION_PREFIX = "padfree_"
 _UNSUPPORTED_KWARGS = ("s_aux", "sinks", "position_bias", "alibi_slopes")
 
 
-def implementation_name(backend: AttentionBackend | str) -> str:
-    """The transformers ``attn_implementation`` name for a backend, e.g. ``padfree_exact``."""
-    return IMPLEMENTATION_PREFIX + (backend if isinstance(backend, str) else backend.name)
+def implementation_name(backend: AttentionBackend, fallback: AttentionBackend | None = None,
+                        attention_dropout: bool = True) -> str:
+    """The transformers ``attn_implementation`` name of one variant, e.g. ``padfree_exact`` or
+    ``padfree_varlen_or_exact_nodropout``: every variant has its own name, so models patched differently in one
+    process never overwrite each other's function."""
+    name = IMPLEMENTATION_PREFIX + backend.name
+    if fallback is not None and fallback.name != backend.name:
+        name += f"_or_{fallback.name}"
+    return name if attention_dropout else name + "_nodropout"
 
 
 def padfree_mask(*args, attention_mask=None, **kwargs):
@@ -54,6 +60,7 @@ class PadfreeAttention:
 
     backend: AttentionBackend
     fallback: AttentionBackend | None = None
+    attention_dropout: bool = True
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                  sliding_window=None, softcap=None, **kwargs):
@@ -63,6 +70,8 @@ class PadfreeAttention:
                     f"{type(module).__name__} passes {name!r} to attention, which padfree-plugins does not "
                     "implement; this architecture needs its own plugin (see docs/writing-a-plugin.md)"
                 )
+        if not self.attention_dropout:
+            dropout = 0.0
         causal = kwargs.get("is_causal")
         causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
         cu_seq_lens_q = kwargs.get("cu_seq_lens_q")
@@ -118,15 +127,16 @@ class PadfreeAttention:
         return out.transpose(1, 2).contiguous(), None
 
 
-def register(backend: AttentionBackend, fallback: AttentionBackend | None = None) -> str:
-    """Register the implementation for ``backend`` with transformers and return its name.
+def register(backend: AttentionBackend, fallback: AttentionBackend | None = None,
+             attention_dropout: bool = True) -> str:
+    """Register the implementation of this variant with transformers and return its name.
 
-    Registering again replaces the previous function of that name (the same backend, possibly another
-    fallback); the registry belongs to transformers, so nothing here keeps state.
+    Registering the same variant again replaces its function with an equal one; the registry belongs to
+    transformers, so nothing here keeps state.
     """
-    name = implementation_name(backend)
     if fallback is not None and fallback.name == backend.name:
         fallback = None
-    AttentionInterface.register(name, PadfreeAttention(backend, fallback))
+    name = implementation_name(backend, fallback, attention_dropout)
+    AttentionInterface.register(name, PadfreeAttention(backend, fallback, attention_dropout))
     AttentionMaskInterface.register(name, padfree_mask)
     return name

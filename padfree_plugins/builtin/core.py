@@ -15,6 +15,10 @@ from ..revert import Reverter
 
 @hookimpl(trylast=True)
 def collate(task, architecture, model_config, config):
+    if task.name == "causal_lm":  # labels default to input_ids; examples must fit the model's positions
+        from ..causal_lm import causal_lm_collator
+
+        return causal_lm_collator(task, architecture, model_config, config)
     token_keys = tuple(dict.fromkeys((*DEFAULT_TOKEN_KEYS, *task.token_keys)))
     return PackingCollator(
         position_start=int(architecture.position_start(model_config)),
@@ -29,7 +33,8 @@ def collate(task, architecture, model_config, config):
 
 @hookimpl(trylast=True)
 def patch_model(model, architecture, backend, fallback, config):
-    return ModelPatch.apply(model, architecture, backend, fallback)
+    return ModelPatch.apply(model, architecture, backend, fallback,
+                            attention_dropout=config.attention_dropout == "keep")
 
 
 @hookimpl(trylast=True)

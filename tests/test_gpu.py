@@ -1,0 +1,45 @@
+"""GPU checks (skipped without CUDA): the fast backends on real models equal the per-example reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from padfree_plugins import assemble
+from tests.conftest import make_examples, split_packed, tiny_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _compare(model_type, attention, dtype, atol, **overrides):
+    model = tiny_model(model_type, hidden_size=256, num_attention_heads=4, intermediate_size=512,
+                       **overrides).to("cuda", dtype)
+    examples = make_examples([1, 200, 37, 64, 5, 64])
+    with torch.no_grad():
+        reference = [model(input_ids=torch.tensor([ex["input_ids"]], device="cuda")).last_hidden_state[0]
+                     for ex in examples]
+        assembly = assemble(model, {"task": "hidden_states", "attention": attention})
+        try:
+            batch = assembly.collator(examples).to("cuda")
+            packed = model(**batch.model_inputs()).last_hidden_state
+        finally:
+            assembly.undo()
+    worst = max((got.float() - want.float()).abs().max().item()
+                for got, want in zip(split_packed(packed, batch), reference))
+    assert worst < atol, f"{model_type} {attention} {dtype}: max |diff| {worst}"
+    return assembly
+
+
+@pytest.mark.parametrize("model_type,overrides", [("llama", dict(num_key_value_heads=2)),
+                                                   ("mistral", dict(num_key_value_heads=2, sliding_window=16)),
+                                                   ("bert", {})])
+def test_varlen_backend_on_real_models(model_type, overrides):
+    if model_type == "bert":
+        overrides = dict(overrides, attention_probs_dropout_prob=0.0)
+    assembly = _compare(model_type, "varlen", torch.bfloat16, 6e-2, **overrides)
+    assert assembly.plan.backend.name == "varlen"
+
+
+def test_auto_picks_varlen_and_falls_back_to_exact_for_fp32():
+    assembly = _compare("llama", "auto", torch.float32, 1e-4, num_key_value_heads=2)
+    assert assembly.plan.backend.name in ("varlen", "flash_attn") and assembly.plan.fallback.name == "exact"
