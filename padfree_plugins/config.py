@@ -33,6 +33,28 @@ class PluginsConfig:
 
 
 @dataclass
+class BatchingConfig:
+    """How training batches are formed: a fixed number of examples, or a token budget filled by bin packing."""
+
+    strategy: Literal["examples", "tokens"] = _help(
+        "examples: the trainer's usual fixed number of examples per batch; tokens: micro-batches filled up to "
+        "max_tokens_per_batch by bin packing, balanced across ranks", default="examples")
+    max_tokens_per_batch: int | None = _help(
+        "token budget of one micro-batch on one rank (required with strategy: tokens)", default=None, minimum=1)
+    window: int = _help("examples shuffled and packed together at a time; more packs tighter, fewer mixes more "
+                        "(raised to at least 4 steps' worth of tokens)", default=1024, minimum=1)
+    on_overlong_example: Literal["error", "split"] = _help(
+        "an example longer than max_tokens_per_batch: error, or split into chunks trained as independent examples "
+        "(positions restart in every chunk)", default="error")
+    seed: int | None = _help("shuffle seed; each epoch reshuffles (null: the trainer's data_seed or seed, else 0)",
+                             default=None)
+    drop_last: bool = _help("keep only steps whose micro-batches are full; the few examples left over sit out the "
+                            "epoch (default: every example once per epoch, the last steps lighter)", default=False)
+    length_column: str = _help("dataset column with example lengths, used when present (otherwise lengths are "
+                               "computed once from input_ids)", default="length")
+
+
+@dataclass
 class PadfreeConfig:
     """Everything ``padfree.yaml`` can say. Defaults give padding-free causal-LM training with the fastest
     attention backend available on the machine."""
@@ -53,6 +75,8 @@ class PadfreeConfig:
                                 default=None)
     task_options: dict[str, Any] = _help("options passed to the task plugin", default_factory=dict)
     plugins: PluginsConfig = _help("plugins this config requires or blocks", default_factory=PluginsConfig)
+    batching: BatchingConfig = _help("how training batches are formed (token budget, balance across ranks)",
+                                     default_factory=BatchingConfig)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, *, source: str = "config") -> "PadfreeConfig":

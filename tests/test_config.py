@@ -215,8 +215,11 @@ def test_directory_is_not_a_config(tmp_path):
 def test_describe_fields_lists_every_key_with_help():
     rows = describe_fields()
     keys = [key for key, _, _ in rows]
-    expected = [f.name for f in dataclasses.fields(PadfreeConfig) if f.name != "plugins"]
-    expected += [f"plugins.{f.name}" for f in dataclasses.fields(PluginsConfig)]
+    sections = {f.name: f.default_factory for f in dataclasses.fields(PadfreeConfig)
+                if dataclasses.is_dataclass(f.default_factory)}
+    assert sections["plugins"] is PluginsConfig
+    expected = [f.name for f in dataclasses.fields(PadfreeConfig) if f.name not in sections]
+    expected += [f"{name}.{f.name}" for name, cls in sections.items() for f in dataclasses.fields(cls)]
     assert sorted(keys) == sorted(expected)
     assert len(keys) == len(set(keys))
     for key, type_name, help_text in rows:
@@ -232,7 +235,7 @@ def test_describe_fields_lists_every_key_with_help():
 def test_every_described_key_is_accepted():
     """Each key describe_fields reports can be set in a config (docs and loader agree)."""
     samples = {"int | null": 4, "str": "x", "str | null": "mean", "'error' | 'truncate'": "truncate",
-               "list[str]": ["a"]}
+               "list[str]": ["a"], "int": 4, "bool": True}
     for key, type_name, _ in describe_fields():
         literal = type_name.split(" | ")[-1].strip("'") if type_name.startswith("'") else None
         value = samples.get(type_name, literal if literal is not None else {})

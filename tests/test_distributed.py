@@ -1,0 +1,173 @@
+"""Distributed padding-free training on accelerate: 2-process DDP equals one process; the Trainer contract.
+
+The DDP run is ``examples/accelerate_loop.py`` under ``accelerate launch`` (2 CPU processes, gloo). The reference
+is computed here, literally: one process, each step's global batch (the micro-batches of both ranks) packed into
+one row, the plain mean token loss.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from padfree_plugins import assemble, load_config
+from padfree_plugins.distributed import num_label_tokens
+from padfree_plugins.sampler import token_budget_sampler, trainer_train_dataloader
+
+from tests.conftest import make_examples
+
+ROOT = Path(__file__).resolve().parents[1]
+LOOP_ARGS = ["--examples", "96", "--median-length", "20", "--max-tokens", "192", "--epochs", "2"]
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("accelerate_loop", ROOT / "examples" / "accelerate_loop.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_group(command: list[str], env: dict, timeout: float) -> tuple[int, str]:
+    """Run ``command`` in its own process group; on timeout kill the whole group (launcher and workers)."""
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"accelerate launch did not finish in {timeout} s:\n{output[-6000:]}")
+    return process.returncode, output
+
+
+def reference_run(ranks: int = 2) -> tuple[list[float], list[list[int]]]:
+    """Single process, same model, data and plan: each step's global batch packed into one row, mean loss."""
+    loop = load_example()
+    args = loop.parse_args(LOOP_ARGS)
+    config = load_config(args.config)
+    config.batching.max_tokens_per_batch = args.max_tokens
+    model = loop.tiny_llama()
+    assembly = assemble(model, config)
+    dataset = loop.synthetic_dataset(args.examples, args.median_length, model.config.vocab_size)
+    sampler = token_budget_sampler(dataset, config, num_replicas=ranks)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    model.train()
+    losses, tokens = [], []
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        plan = sampler.plan()
+        for step in range(len(plan) // ranks):
+            micro = plan[step * ranks : (step + 1) * ranks]
+            batch = assembly.collator([dataset[i] for b in micro for i in b])
+            loss = assembly.forward(model, batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            tokens.append([int(sampler.lengths[b].sum()) for b in micro])
+    assembly.undo()
+    return losses, tokens
+
+
+def test_ddp_two_processes_equals_single_process(tmp_path):
+    out = tmp_path / "ddp.json"
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "configs" / "accelerate" / "ddp_cpu.yaml"), "--main_process_port", str(free_port()),
+               str(ROOT / "examples" / "accelerate_loop.py"), *LOOP_ARGS, "--out", str(out)]
+    returncode, output = run_group(command, env, timeout=180)
+    assert returncode == 0, output[-6000:]
+    ddp = json.loads(out.read_text())
+    assert ddp["processes"] == 2
+
+    losses, tokens = reference_run(ranks=2)
+    assert len(ddp["losses"]) == len(losses) >= 10  # two epochs
+    assert ddp["tokens"] == tokens  # rank r trained micro-batch s*2 + r of the shared plan
+    assert max(abs(a - b) for a, b in zip(ddp["losses"], losses)) < 1e-4
+    assert losses[-1] < losses[0]  # it trains
+    spread = max(max(t) / min(t) for t in tokens)
+    assert spread <= 1.1, spread  # tiny budget (192 tokens): balanced to within a few tokens
+
+
+def test_trainer_contract_every_example_once_per_epoch(tmp_path):
+    """What the trainer wrapper does in get_train_dataloader: HF Trainer + trainer_train_dataloader, on a
+    datasets.Dataset with a length column and a text column the model does not take."""
+    import datasets
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    config = load_config({"batching": {"strategy": "tokens", "max_tokens_per_batch": 160}})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    assembly = assemble(model, config)
+    examples = make_examples([5 + (7 * i) % 40 for i in range(40)], seed=1)
+    table = datasets.Dataset.from_list([{**ex, "length": len(ex["input_ids"]), "text": "x"} for ex in examples])
+    seen: list[list[tuple]] = []
+
+    def collate(rows):
+        assert all(set(row) == {"input_ids"} for row in rows)  # Trainer's unused columns were removed
+        seen.append([tuple(row["input_ids"]) for row in rows])
+        return assembly.collator(rows).model_inputs("labels")
+
+    class TokenBudgetTrainer(Trainer):
+        def get_train_dataloader(self):
+            loader = trainer_train_dataloader(self, config)
+            return loader if loader is not None else super().get_train_dataloader()
+
+    args = TrainingArguments(output_dir=str(tmp_path), num_train_epochs=2, learning_rate=1e-3, report_to=[],
+                             save_strategy="no", use_cpu=True, seed=3, logging_steps=50, disable_tqdm=True)
+    trainer = TokenBudgetTrainer(model=model, args=args, train_dataset=table, data_collator=collate)
+    loader = trainer.get_train_dataloader()
+    steps = len(loader)
+    seen.clear()
+    trainer.train()
+    assembly.undo()
+
+    assert trainer.state.global_step == 2 * steps
+    everything = sorted(tuple(ex["input_ids"]) for ex in examples)
+    epochs = [seen[:steps], seen[steps:]]
+    for epoch in epochs:
+        assert sorted(row for batch in epoch for row in batch) == everything  # each example once per epoch
+        assert all(sum(map(len, batch)) <= 160 for batch in epoch)
+    assert epochs[0] != epochs[1]  # reshuffled: Trainer's set_epoch reached the sampler
+    assert loader.batch_sampler.sampler.seed == 3  # batching.seed null: the trainer's seed
+
+
+def test_trainer_keeps_its_own_dataloader_for_example_count_batching():
+    assert trainer_train_dataloader(object(), {"batching": {"strategy": "examples"}}) is None
+
+
+def test_num_label_tokens_counts_what_the_shifted_loss_counts():
+    from padfree_plugins.collator import PackingCollator
+
+    batch = PackingCollator(token_keys=("labels",), masked_first_keys=("labels",))(
+        [{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8, 9], "labels": [8, -100]}])
+    assert batch["labels"].tolist() == [[-100, 6, 7, -100, -100]]
+    assert num_label_tokens(batch).item() == 2
+    assert num_label_tokens(batch, shift=False).item() == 2
+
+
+@pytest.mark.parametrize("name", ["ddp_cpu.yaml", "ddp.yaml", "fsdp.yaml", "deepspeed_zero2.yaml",
+                                  "deepspeed_zero3.yaml"])
+def test_accelerate_configs_are_valid(name):
+    """The accelerate config examples in configs/accelerate load with accelerate's own parser."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    loaded = load_config_from_file(str(ROOT / "configs" / "accelerate" / name))
+    assert loaded.num_processes >= 2 and loaded.mixed_precision in ("no", "bf16")

@@ -1,0 +1,284 @@
+"""Token-budget batching: every example once per epoch, budget, balance, determinism, over-long examples, config."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from padfree_plugins.config import BatchingConfig, load_config
+from padfree_plugins.demo import lognormal_lengths
+from padfree_plugins.errors import BatchError, ConfigError
+from padfree_plugins.packing import balanced_partition, best_fit_decreasing, plan_epoch
+from padfree_plugins.sampler import (
+    ChunkedDataset,
+    Items,
+    TokenBudgetBatchSampler,
+    example_lengths,
+    token_budget_dataloader,
+    token_budget_sampler,
+)
+
+from tests.conftest import make_examples
+
+
+def sampler_or_skip(lengths, budget, **kwargs) -> TokenBudgetBatchSampler:
+    """A sampler whose first plan exists (tiny random sets can be impossible to spread over the ranks)."""
+    sampler = TokenBudgetBatchSampler(lengths, budget, **kwargs)
+    try:
+        sampler.plan()
+    except ValueError as error:
+        assert "cannot be spread" in str(error)
+        assume(False)
+    return sampler
+
+
+length_sets = st.lists(st.integers(1, 120), min_size=1, max_size=250)
+
+
+# -- every example exactly once ----------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=length_sets, slack=st.integers(0, 300), num_replicas=st.sampled_from([1, 2, 3, 8]),
+       window=st.integers(1, 64), seed=st.integers(0, 3), epoch=st.integers(0, 3))
+def test_every_example_once_within_budget(lengths, slack, num_replicas, window, seed, epoch):
+    assume(len(lengths) >= num_replicas)
+    budget = max(lengths) + slack
+    sampler = sampler_or_skip(lengths, budget, num_replicas=num_replicas, window=window, seed=seed)
+    sampler.set_epoch(epoch)
+    batches = list(sampler)
+    assert len(batches) == len(sampler) and len(batches) % num_replicas == 0
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    assert all(b and sum(lengths[i] for i in b) <= budget for b in batches)
+
+    per_rank = []
+    for rank in range(num_replicas):
+        shard = TokenBudgetBatchSampler(lengths, budget, num_replicas=num_replicas, rank=rank, window=window,
+                                        seed=seed)
+        shard.set_epoch(epoch)
+        per_rank.append(list(shard))
+        assert len(per_rank[-1]) == len(shard) == len(batches) // num_replicas
+        assert per_rank[-1] == batches[rank::num_replicas]
+    union = [i for rank in per_rank for b in rank for i in b]
+    assert sorted(union) == list(range(len(lengths)))  # union of ranks == all examples, no duplicates
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=length_sets, num_replicas=st.sampled_from([2, 3, 4]), seed=st.integers(0, 5))
+def test_accelerate_shards_give_every_example_once(lengths, num_replicas, seed):
+    """Through accelerate's own BatchSamplerShard (what accelerator.prepare wraps the sampler in)."""
+    from accelerate.data_loader import BatchSamplerShard
+
+    assume(len(lengths) >= num_replicas)
+    sampler = sampler_or_skip(lengths, 2 * max(lengths), num_replicas=num_replicas, seed=seed)
+    plan = sampler.plan()
+    shards = [list(BatchSamplerShard(sampler, num_replicas, rank)) for rank in range(num_replicas)]
+    for rank, shard in enumerate(shards):
+        assert shard == plan[rank::num_replicas]  # rank r trains micro-batch s*N + r: no padding, no repeats
+        assert len(BatchSamplerShard(sampler, num_replicas, rank)) == len(shard)
+    assert sorted(i for shard in shards for b in shard for i in b) == list(range(len(lengths)))
+
+
+def test_drop_last_keeps_only_full_steps():
+    lengths = lognormal_lengths(3000, 120, 0.6, 8, 1024, 0)
+    sampler = TokenBudgetBatchSampler(lengths, 4096, num_replicas=4, drop_last=True)
+    tokens = sampler.tokens_per_step()
+    assert tokens.min() >= 0.95 * 4096
+    used = [i for b in sampler for i in b]
+    assert len(used) == len(set(used)) and len(used) > 0.95 * len(lengths)
+
+
+# -- determinism and cheap, exact len ------------------------------------------------------------------------------
+
+
+def test_same_seed_and_epoch_same_plan_other_epochs_reshuffle():
+    lengths = lognormal_lengths(2000, 120, 0.6, 8, 1024, 1)
+    a = TokenBudgetBatchSampler(lengths, 4096, num_replicas=2, seed=7)
+    b = TokenBudgetBatchSampler(lengths, 4096, num_replicas=2, seed=7)
+    other_seed = TokenBudgetBatchSampler(lengths, 4096, num_replicas=2, seed=8)
+    for epoch in (0, 1, 2):
+        a.set_epoch(epoch)
+        b.set_epoch(epoch)
+        assert list(a) == list(b)
+    assert a.plan(0) != a.plan(1) != a.plan(2)
+    assert a.plan(0) != other_seed.plan(0)
+    first = [i for batch in a.plan(0) for i in batch]
+    assert first != [i for batch in a.plan(1) for i in batch]  # a different order, not only other batches
+
+
+def test_len_is_exact_cached_and_the_same_every_epoch():
+    lengths = lognormal_lengths(5000, 120, 0.6, 8, 1024, 2)
+    sampler = TokenBudgetBatchSampler(lengths, 4096, num_replicas=8)
+    plan = sampler.plan()
+    assert sampler.plan() is plan  # computed once per epoch
+    counts = set()
+    for epoch in range(4):
+        sampler.set_epoch(epoch)
+        counts.add(len(sampler))
+        assert len(sampler) == len(list(sampler))
+    assert counts == {len(plan)}
+    assert len(plan) // 8 == int(np.ceil(sum(lengths) / (8 * 4096)))  # as few steps as the tokens allow
+
+
+def test_set_epoch_through_accelerate_reaches_the_sampler():
+    """accelerate's prepared dataloader sets the epoch on ``batch_sampler.sampler`` when it wraps the sampler."""
+    from accelerate.data_loader import prepare_data_loader
+
+    lengths = lognormal_lengths(400, 60, 0.6, 4, 400, 3)
+    examples = make_examples(lengths)
+    loader = token_budget_dataloader(examples, lambda rows: rows, {"batching": {"strategy": "tokens",
+                                     "max_tokens_per_batch": 1024}}, num_replicas=2)
+    prepared = prepare_data_loader(loader, num_processes=2, process_index=1, put_on_device=False)
+    sampler = loader.batch_sampler
+    prepared.set_epoch(3)
+    assert sampler.epoch == 3
+    assert len(prepared) == len(sampler) // 2
+
+
+# -- balance -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_replicas", [2, 8])
+@pytest.mark.parametrize("budget", [4096, 16384])
+def test_rank_token_spread_within_5_percent(num_replicas, budget):
+    lengths = lognormal_lengths(20000, 120, 0.6, 8, 2048, 0)  # lognormal, median 120, sigma 0.6
+    sampler = TokenBudgetBatchSampler(lengths, budget, num_replicas=num_replicas)
+    for epoch in (0, 1):
+        tokens = sampler.tokens_per_step(epoch)
+        spread = tokens.max(axis=1) / tokens.min(axis=1)
+        assert spread.max() <= 1.05, (epoch, spread.max())
+        assert tokens.sum() == sum(lengths)
+        assert tokens.mean() >= 0.97 * budget  # and the budget is used
+
+
+def test_packing_helpers():
+    lengths = [5, 4, 3, 3, 2, 1]
+    bins = best_fit_decreasing(list(range(6)), lengths, 6)
+    assert sorted(i for b in bins for i in b) == list(range(6))
+    assert all(sum(lengths[i] for i in b) <= 6 for b in bins) and len(bins) == 3
+    natural = plan_epoch(lengths, 6, order=range(6), rng=np.random.default_rng(0), num_replicas=1)
+    stretched = plan_epoch(lengths, 6, order=range(6), rng=np.random.default_rng(0), num_replicas=1, num_steps=5)
+    assert len(natural) == 3 and len(stretched) == 5  # the tail spread over the steps asked for
+    assert sorted(i for b in stretched for i in b) == list(range(6))
+    parts = balanced_partition(list(range(6)), lengths, 2, 10)
+    assert sorted(sum(lengths[i] for i in p) for p in parts) == [9, 9]
+    assert balanced_partition(list(range(6)), lengths, 2, 8) is None
+
+
+# -- over-long examples --------------------------------------------------------------------------------------------
+
+
+def test_overlong_example_is_a_clear_error():
+    with pytest.raises(BatchError) as info:
+        TokenBudgetBatchSampler([10, 300, 20, 500], 256)
+    message = str(info.value)
+    for fragment in ("example 1 has 300 tokens", "max_tokens_per_batch=256", "2 such example(s)", "longest 500",
+                     "on_overlong_example: split"):
+        assert fragment in message, (fragment, message)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 200), min_size=1, max_size=60), budget=st.integers(1, 64))
+def test_split_covers_every_token_once(lengths, budget):
+    items = Items.from_lengths(np.asarray(lengths), budget, "split")
+    assert (items.lengths >= 1).all() and (items.lengths <= budget).all()
+    for example, length in enumerate(lengths):
+        chunks = np.flatnonzero(items.example == example)
+        assert items.start[chunks[0]] == 0 and items.stop[chunks[-1]] == length
+        assert (items.start[chunks[1:]] == items.stop[chunks[:-1]]).all()  # contiguous, in order
+
+
+def test_split_examples_train_as_independent_chunks():
+    from padfree_plugins.collator import PackingCollator
+
+    lengths = [30, 250, 12, 100, 7]
+    examples = make_examples(lengths, seed=4)
+    for ex in examples:
+        ex["labels"] = list(ex["input_ids"])
+        ex["score"] = 1.5
+    config = {"batching": {"strategy": "tokens", "max_tokens_per_batch": 64, "on_overlong_example": "split"}}
+    collator = PackingCollator(token_keys=("labels",), masked_first_keys=("labels",))
+    loader = token_budget_dataloader(examples, collator, config)
+    assert isinstance(loader.dataset, ChunkedDataset) and len(loader.dataset) == 1 + 4 + 1 + 2 + 1
+    total, pieces = 0, []
+    for batch in loader:
+        assert batch.num_tokens <= 64
+        total += batch.num_tokens
+        cu = batch["cu_seq_lens_q"].tolist()
+        for a, b in zip(cu[:-1], cu[1:]):
+            pieces.append(batch["input_ids"][0, a:b].tolist())
+            assert batch["position_ids"][0, a].item() == 0  # positions restart in every chunk
+            assert batch["labels"][0, a].item() == -100
+    assert total == sum(lengths)
+    view = loader.dataset
+    assert sorted(map(tuple, pieces)) == sorted(tuple(view[i]["input_ids"]) for i in range(len(view)))
+    for example, ex in enumerate(examples):  # every example is the concatenation of its chunks, in order
+        chunks = [view[int(i)]["input_ids"] for i in np.flatnonzero(view.items.example == example)]
+        assert sum(chunks, []) == ex["input_ids"]
+    chunk = view[2]  # example 1, tokens 64:128
+    assert chunk["input_ids"] == examples[1]["input_ids"][64:128] and chunk["labels"] == examples[1]["labels"][64:128]
+    assert chunk["score"] == 1.5
+    assert view[0] is examples[0]  # whole examples are served as they are
+
+
+# -- lengths and config ----------------------------------------------------------------------------------------------
+
+
+def test_lengths_from_list_column_input_ids_and_rows():
+    import datasets
+
+    ids = [[1, 2, 3], [4], [5, 6]]
+    rows = [{"input_ids": x} for x in ids]
+    assert example_lengths(lengths=[3, 1, 2]).tolist() == [3, 1, 2]
+    assert example_lengths(rows).tolist() == [3, 1, 2]
+    table = datasets.Dataset.from_dict({"input_ids": ids})
+    assert example_lengths(table).tolist() == [3, 1, 2]
+    assert example_lengths(table.select([2, 0])).tolist() == [2, 3]  # respects the indices mapping
+    with_column = table.add_column("length", [30, 10, 20])
+    assert example_lengths(with_column).tolist() == [30, 10, 20]  # the column wins: no pass over input_ids
+    with pytest.raises(BatchError, match="2 lengths for a dataset of 3"):
+        example_lengths(rows, lengths=[1, 2])
+    with pytest.raises(BatchError, match="example 1 has no tokens"):
+        example_lengths(lengths=[3, 0])
+    with pytest.raises(BatchError, match="neither a 'length' column nor 'input_ids'"):
+        example_lengths(datasets.Dataset.from_dict({"text": ["a"]}))
+
+
+def test_batching_config_section():
+    config = load_config("configs/token_budget.yaml")
+    assert config.batching.strategy == "tokens" and config.batching.max_tokens_per_batch == 4096
+    assert load_config(None).batching == BatchingConfig()
+    with pytest.raises(ConfigError, match="Did you mean 'max_tokens_per_batch'"):
+        load_config({"batching": {"max_token_per_batch": 10}})
+    with pytest.raises(ConfigError, match="Did you mean 'tokens'"):
+        load_config({"batching": {"strategy": "token"}})
+    with pytest.raises(ConfigError, match="max_tokens_per_batch must be at least 1"):
+        load_config({"batching": {"max_tokens_per_batch": 0}})
+    with pytest.raises(ConfigError, match="on_overlong_example must be one of 'error', 'split'"):
+        load_config({"batching": {"on_overlong_example": "truncate"}})
+    with pytest.raises(ConfigError, match="max_tokens_per_batch is not set"):
+        token_budget_sampler([{"input_ids": [1]}], {"batching": {"strategy": "tokens"}})
+
+
+# -- benchmark ---------------------------------------------------------------------------------------------------
+
+
+def test_bench_batching_command_meets_the_balance_target():
+    import json
+
+    from typer.testing import CliRunner
+
+    from padfree_plugins.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "batching", "--examples", "3000", "--time-steps", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    token_rows = [r for r in report["balance"] if r["batching"].startswith("tokens")]
+    example_rows = [r for r in report["balance"] if r["batching"].startswith("examples")]
+    assert {(r["law"], r["ranks"]) for r in token_rows} == {(law, n) for law in ("lognormal", "mix") for n in (2, 8)}
+    for r in token_rows:
+        assert r["spread_max"] <= 1.05 and r["idle"] < 0.01, r
+    assert all(r["spread_mean"] > 1.05 for r in example_rows)  # what token budgets fix
+    assert {r["ranks"] for r in report["throughput"]} == {2, 8} and set(report["gain"]) == {"2", "8"}
