@@ -5,10 +5,13 @@
     batch = assembly.collator(examples)             # one packed row with explicit boundaries
     out = model(**batch.model_inputs())             # attention stays inside each example
     assembly.undo()                                 # the model is as before
+
+    acceleration = accelerate(trainer, "padfree.yaml")  # HF Trainer / TRL SFTTrainer, padding-free
 """
 
 from importlib.metadata import PackageNotFoundError, version
 
+from .arguments import AccelerationArguments
 from .assembly import Assembly, assemble, plan
 from .batch import PackedBatch
 from .collator import PackingCollator
@@ -26,6 +29,7 @@ from .hookspecs import hookimpl
 from .host import PluginHost
 from .patching import ModelPatch, patch_of, unwrap_model
 from .specs import Architecture, AttentionBackend, Task
+from .trainer import Acceleration, accelerate
 
 try:
     __version__ = version("padfree-plugins")
@@ -33,8 +37,9 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree th
     __version__ = "0+unknown"
 
 __all__ = [
-    "Architecture", "Assembly", "AttentionBackend", "BackendUnavailableError", "BatchError", "BoundaryError",
-    "ConfigError", "ModelPatch", "PackedBatch", "PackingCollator", "PadfreeConfig", "PadfreeError", "PluginError",
-    "PluginHost", "Task", "UnsupportedArchitectureError", "assemble", "hookimpl", "load_config", "patch_of", "plan",
+    "Acceleration", "AccelerationArguments", "Architecture", "Assembly", "AttentionBackend",
+    "BackendUnavailableError", "BatchError", "BoundaryError", "ConfigError", "ModelPatch", "PackedBatch",
+    "PackingCollator", "PadfreeConfig", "PadfreeError", "PluginError", "PluginHost", "Task",
+    "UnsupportedArchitectureError", "accelerate", "assemble", "hookimpl", "load_config", "patch_of", "plan",
     "unwrap_model", "__version__",
 ]

@@ -14,6 +14,7 @@ from .config import PadfreeConfig, load_config
 from .errors import BackendUnavailableError, ConfigError, PluginError, UnsupportedArchitectureError, did_you_mean
 from .host import PluginHost
 from .patching import ModelPatch, unwrap_model
+from .probe import PROBE, PROBE_PLUGIN, probed_architecture, verify
 from .specs import Architecture, AttentionBackend, Task
 
 EXACT_BACKEND = "exact"
@@ -76,6 +77,8 @@ def _model_type(model_config: Any) -> str:
 def resolve_architecture(host: PluginHost, model_config: Any, config: PadfreeConfig) -> tuple[Architecture, str]:
     model_type = _model_type(model_config)
     claims = host.architectures()
+    if config.architecture == PROBE:  # declared model types as usual; an undeclared one is probed at assembly
+        return claims[model_type] if model_type in claims else (probed_architecture(model_config), PROBE_PLUGIN)
     if config.architecture != "auto":
         by_name = {spec.name: (spec, plugin) for spec, plugin in claims.values()}
         if config.architecture not in by_name:
@@ -89,7 +92,8 @@ def resolve_architecture(host: PluginHost, model_config: Any, config: PadfreeCon
         raise UnsupportedArchitectureError(
             f"model type {model_type!r} is not supported by any installed plugin.{did_you_mean(model_type, claims)} "
             f"Supported model types: {supported}. To add one, install or write an architecture plugin "
-            "(docs/writing-a-plugin.md): it declares the model type, and the equivalence test proves it exact."
+            "(docs/writing-a-plugin.md): it declares the model type, and the equivalence test proves it exact. "
+            "Or set architecture: probe to accept it after an equivalence check on the model itself."
         )
     return claims[model_type]
 
@@ -138,9 +142,21 @@ def plan(model_config: Any, config: PadfreeConfig | dict | str | None = None, *,
     task, task_plugin = tasks[config.task]
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     features = attention_features(model_config, architecture)
+    if config.attention_dropout == "disable":
+        features -= {"dropout"}
     backend, fallback = resolve_backend(host, config.attention, device_type, features)
+    notes = list(host.notes)
+    if architecture_plugin == PROBE_PLUGIN:
+        notes.append(f"model type {model_config.model_type!r} is declared by no plugin: assembly accepts it only if "
+                     "the equivalence probe passes on the model itself")
+    if config.attention == "auto" and "dropout" in features:
+        faster = [b.name for b, _ in host.backends().values()
+                  if b.speed_rank > backend.speed_rank and not b.cannot_run(device_type, None, features - {"dropout"})]
+        if faster:
+            notes.append(f"the model uses attention dropout, which {', '.join(faster)} cannot do: using "
+                         f"{backend.name}; set attention_dropout: disable to use {faster[0]}")
     return Plan(architecture, architecture_plugin, task, task_plugin, backend, fallback, features, device_type,
-                int(architecture.position_start(model_config)), list(host.notes))
+                int(architecture.position_start(model_config)), notes)
 
 
 @dataclass
@@ -186,4 +202,10 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
                                   fallback=resolved.fallback, config=config)
     if patch is None:
         raise PluginError(f"no plugin could patch {type(inner).__name__}")
+    if resolved.architecture_plugin == PROBE_PLUGIN:
+        try:
+            verify(inner, resolved.position_start)
+        except BaseException:
+            patch.undo()
+            raise
     return Assembly(inner, config, resolved, patch, collator, pooler, reverter, forward)

@@ -1,0 +1,363 @@
+"""SFT benchmark: padded vs HF native packing vs padfree-plugins, same model, same batches, one run.
+
+Three ways to run a causal-LM training step (forward + backward of the loss) on the same examples:
+
+* ``padded``: right-padded ``[n, L_max]`` batch with ``attention_mask``, labels -100 on padding, sdpa attention;
+* ``hf_native``: ``transformers.DataCollatorWithFlattening`` (one ``[1, T]`` row, ``position_ids`` restarting per
+  example) on the unpatched sdpa model with ``use_cache=False``, so that transformers' own packed-sequence mask is
+  used (a block-diagonal ``[T, T]`` mask for sdpa);
+* ``padfree``: :func:`~padfree_plugins.assemble` with its collator, ``cu_seq_lens`` computed once, attention
+  backend ``auto`` (``exact`` on CPU, ``varlen`` / ``flash_attn`` on CUDA in 16-bit).
+
+Batches are collated and moved to the device beforehand (collator speed is ``bench collator``'s job); each timed
+step is the model's forward + backward, gradients cleared in between, no optimizer step (so every variant sees
+the same weights and the losses can be compared). Variants are interleaved — every batch runs all three, in an
+order that rotates each round — so that machine noise hits them alike; figures are medians over rounds, and ratios
+are taken within a round before the median.
+
+Reported per (length law, batch size, variant): real (non-pad) tokens/s, step time, memory, loss parity (largest
+relative loss difference from ``padded`` over the batches), padding share of the padded batch.
+
+Memory: on CUDA, ``torch.cuda.max_memory_allocated`` during the timed steps (weights + gradients + activations +
+transients). On CPU there is no allocator counter (RSS keeps freed memory, ``tracemalloc`` does not see torch), so
+the figure is the activation memory a step keeps for backward: the bytes of every distinct tensor storage saved by
+autograd during the forward (``torch.autograd.graph.saved_tensors_hooks``), measured on one untimed step. It is
+the part padding inflates; weights and gradients are the same for all variants.
+
+Threads: on CPU, ``padfree-plugins bench sft`` runs with one intra-op thread unless ``--threads`` says otherwise.
+On a shared machine, OpenMP barriers across contended cores cost milliseconds per parallel region and then
+dominate every small kernel, so the comparison would measure the scheduler (and punish the variant with more,
+smaller kernels: per-example attention). The thread count and the load average are reported with the results.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import PadfreeError
+
+VARIANTS = ("padded", "hf_native", "padfree")
+MODEL_SIZES = {
+    # smoke tests
+    "micro": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=2048),
+    # CPU default: 4 layers, d=256, GQA 8 / 2
+    "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048),
+    # TinyLlama 1.1B shape (the GPU run, next to ../shared/bench/gpu_anchor.py)
+    "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+               num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048),
+}
+#: Length laws: (median, sigma) lognormal components with their weights.
+LAWS = {
+    "lognormal": [(1.0, 120, 0.6)],  # OrcaMath / Alpaca-like
+    "mix": [(0.8, 40, 0.5), (0.2, 600, 0.3)],  # mostly short, a few long: the worst case for padding
+}
+
+
+@dataclass
+class BenchSettings:
+    device: str = "cpu"
+    dtype: str = "float32"
+    model_size: str = "tiny"
+    batch_sizes: tuple[int, ...] = (4, 16)
+    laws: tuple[str, ...] = ("lognormal", "mix")
+    batches: int = 4
+    rounds: int = 3
+    warmup: int = 1
+    seed: int = 0
+    min_length: int = 8
+    max_length: int = 2048
+
+
+@dataclass
+class BenchRow:
+    law: str
+    batch_size: int
+    variant: str
+    real_tokens: int
+    padding_fraction: float
+    tokens_per_s: float
+    step_ms: float
+    memory_bytes: int
+    memory_kind: str
+    loss_rel_diff: float
+    speedup_vs_padded: float = 1.0
+    speedup_vs_hf: float = float("nan")
+    backend: str = ""
+
+
+@dataclass
+class BenchResult:
+    settings: BenchSettings
+    rows: list[BenchRow]
+    environment: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({"settings": asdict(self.settings), "environment": self.environment,
+                           "rows": [asdict(r) for r in self.rows]}, indent=2)
+
+
+# -- data -------------------------------------------------------------------------------------------------------
+
+
+def draw_lengths(law: str, n: int, seed: int, low: int, high: int) -> list[int]:
+    """``n`` example lengths from a named law (a mixture of lognormals), clipped to ``[low, high]``."""
+    if law not in LAWS:
+        raise PadfreeError(f"unknown length law {law!r}; choose from {', '.join(LAWS)}")
+    generator = torch.Generator().manual_seed(seed)
+    weights = torch.tensor([w for w, _, _ in LAWS[law]])
+    component = torch.multinomial(weights, n, replacement=True, generator=generator)
+    medians = torch.tensor([m for _, m, _ in LAWS[law]], dtype=torch.float64)[component]
+    sigmas = torch.tensor([s for _, _, s in LAWS[law]], dtype=torch.float64)[component]
+    draws = torch.exp(torch.randn(n, generator=generator, dtype=torch.float64) * sigmas + medians.log())
+    return draws.round().clamp(low, high).long().tolist()
+
+
+def make_examples(lengths: list[int], vocab: int, seed: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        ids = torch.randint(3, vocab, (n,), generator=generator).tolist()
+        out.append({"input_ids": ids, "labels": list(ids)})
+    return out
+
+
+def padded_inputs(examples: list[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    longest = max(len(ex["input_ids"]) for ex in examples)
+    ids = torch.full((len(examples), longest), pad_id)
+    labels = torch.full((len(examples), longest), -100)
+    mask = torch.zeros(len(examples), longest, dtype=torch.long)
+    for i, ex in enumerate(examples):
+        n = len(ex["input_ids"])
+        ids[i, :n] = labels[i, :n] = torch.tensor(ex["input_ids"])
+        mask[i, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+# -- measurement ------------------------------------------------------------------------------------------------
+
+
+def build_model(settings: BenchSettings) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    if settings.model_size not in MODEL_SIZES:
+        raise PadfreeError(f"unknown model size {settings.model_size!r}; choose from {', '.join(MODEL_SIZES)}")
+    torch.manual_seed(settings.seed)
+    config = LlamaConfig(**MODEL_SIZES[settings.model_size], use_cache=False)
+    dtype = getattr(torch, settings.dtype)
+    with torch.device(settings.device):  # initialise on the device: a 1.1B model initialises in seconds on a GPU
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    return model.to(settings.device).train()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def saved_activation_bytes(step: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the distinct storages autograd saves for backward during ``step()`` (which returns the loss)."""
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = step()
+    loss.backward()
+    return sum(seen.values())
+
+
+class Runner:
+    """Runs one variant's training step on prepared inputs; ``padfree`` patches the model only around its steps."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        from transformers import DataCollatorWithFlattening
+
+        from ..assembly import assemble
+        from ..host import PluginHost
+
+        self.model, self.device = model, device
+        self.host = PluginHost()
+        self.flatten = DataCollatorWithFlattening(return_position_ids=True)
+        assembly = assemble(model, {"task": "causal_lm"}, host=self.host)
+        self.collator, self.forward, self.backend = assembly.collator, assembly.forward, assembly.plan.backend.name
+        assembly.undo()
+        self.assembly = None
+
+    def prepare(self, variant: str, examples: list[dict]) -> dict:
+        if variant == "padded":
+            inputs = padded_inputs(examples)
+        elif variant == "hf_native":
+            inputs = dict(self.flatten(examples))
+        else:
+            inputs = self.collator(examples)
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+    def enter(self, variant: str) -> None:
+        from ..assembly import assemble
+
+        if variant == "padfree" and self.assembly is None:
+            self.assembly = assemble(self.model, {"task": "causal_lm"}, host=self.host)
+        elif variant != "padfree" and self.assembly is not None:
+            self.assembly.undo()
+            self.assembly = None
+
+    def loss(self, variant: str, inputs: dict) -> torch.Tensor:
+        if variant == "padfree":
+            return self.forward(self.model, inputs, use_cache=False).loss
+        return self.model(**inputs, use_cache=False).loss
+
+    def close(self) -> None:
+        self.enter("padded")
+
+
+def run_sft_benchmark(settings: BenchSettings, progress: Callable[[str], None] | None = None) -> BenchResult:
+    """Measure every (law, batch size) for all variants; see the module docstring."""
+    device = torch.device(settings.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise PadfreeError(f"--device {settings.device} was asked for, but CUDA is not available here "
+                           f"(torch {torch.__version__}); run on a GPU machine or use --device cpu")
+    if settings.dtype not in ("float32", "bfloat16", "float16"):
+        raise PadfreeError(f"--dtype must be float32, bfloat16 or float16, not {settings.dtype!r}")
+    say = progress or (lambda _: None)
+    model = build_model(settings)
+    vocab = model.config.vocab_size
+    high = min(settings.max_length, model.config.max_position_embeddings)
+    runner = Runner(model, device)
+    rows: list[BenchRow] = []
+    try:
+        for law in settings.laws:
+            for batch_size in settings.batch_sizes:
+                rows += _measure(runner, settings, law, batch_size, vocab, high, say)
+    finally:
+        runner.close()
+    environment = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+                   else "cpu", "threads": torch.get_num_threads(), "padfree backend": runner.backend}
+    try:
+        environment["load average (1, 5, 15 min)"] = [round(x, 2) for x in __import__("os").getloadavg()]
+    except OSError:  # pragma: no cover - not on every platform
+        pass
+    return BenchResult(settings, rows, environment)
+
+
+def _measure(runner: Runner, settings: BenchSettings, law: str, batch_size: int, vocab: int, high: int,
+             say: Callable[[str], None]) -> list[BenchRow]:
+    device = runner.device
+    batches = []
+    for b in range(settings.batches):
+        seed = settings.seed + 1000 * batch_size + b
+        examples = make_examples(draw_lengths(law, batch_size, seed, settings.min_length, high), vocab, seed)
+        batches.append((examples, {v: runner.prepare(v, examples) for v in VARIANTS}))
+    real = [sum(len(ex["input_ids"]) for ex in examples) for examples, _ in batches]
+    padded_tokens = [len(examples) * max(len(ex["input_ids"]) for ex in examples) for examples, _ in batches]
+    times = {v: [] for v in VARIANTS}  # per round: seconds spent on all batches
+    losses = {v: [] for v in VARIANTS}  # first round: the loss of every batch
+    memory = {v: 0 for v in VARIANTS}
+    model = runner.model
+
+    def step(variant: str, inputs: dict) -> tuple[float, float]:
+        model.zero_grad(set_to_none=True)
+        _sync(device)
+        start = time.perf_counter()
+        loss = runner.loss(variant, inputs)
+        loss.backward()
+        _sync(device)
+        return time.perf_counter() - start, float(loss.detach())
+
+    for variant in VARIANTS:  # warm-up, then the memory figure on untimed steps
+        runner.enter(variant)
+        for _ in range(settings.warmup):
+            step(variant, batches[0][1][variant])
+        for _, prepared in batches:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+                step(variant, prepared[variant])
+                memory[variant] = max(memory[variant], torch.cuda.max_memory_allocated(device))
+            else:
+                model.zero_grad(set_to_none=True)
+                memory[variant] = max(memory[variant], saved_activation_bytes(
+                    lambda: runner.loss(variant, prepared[variant])))
+    for r in range(settings.rounds):
+        order = VARIANTS[r % 3:] + VARIANTS[: r % 3]
+        spent = {v: 0.0 for v in VARIANTS}
+        for _, prepared in batches:
+            for variant in order:
+                runner.enter(variant)
+                elapsed, loss = step(variant, prepared[variant])
+                spent[variant] += elapsed
+                if r == 0:
+                    losses[variant].append(loss)
+        for v in VARIANTS:
+            times[v].append(spent[v])
+        say(f"{law} bs{batch_size} round {r + 1}/{settings.rounds}: "
+            + ", ".join(f"{v} {sum(real) / spent[v]:,.0f} tok/s" for v in VARIANTS))
+    model.zero_grad(set_to_none=True)
+    total_real = sum(real)
+    rows = []
+    for v in VARIANTS:
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses[v], losses["padded"]))
+        rows.append(BenchRow(
+            law=law, batch_size=batch_size, variant=v, real_tokens=total_real,
+            padding_fraction=1 - total_real / sum(padded_tokens),
+            tokens_per_s=total_real / statistics.median(times[v]),
+            step_ms=statistics.median(times[v]) / len(batches) * 1e3,
+            memory_bytes=int(memory[v]), memory_kind="cuda peak" if device.type == "cuda" else "saved activations",
+            loss_rel_diff=rel,
+            speedup_vs_padded=statistics.median(p / t for p, t in zip(times["padded"], times[v])),
+            speedup_vs_hf=statistics.median(h / t for h, t in zip(times["hf_native"], times[v])),
+            backend=runner.backend if v == "padfree" else "sdpa",
+        ))
+    return rows
+
+
+# -- output -----------------------------------------------------------------------------------------------------
+
+
+def plot(result: BenchResult, path: Path) -> Path:
+    """Bar charts of real tokens/s and memory per (law, batch size) and variant, written to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(dict.fromkeys((r.law, r.batch_size) for r in result.rows))
+    by = {(r.law, r.batch_size, r.variant): r for r in result.rows}
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / len(VARIANTS)
+    for i, variant in enumerate(VARIANTS):
+        xs = [c + (i - 1) * width for c in range(len(configs))]
+        axes[0].bar(xs, [by[(law, bs, variant)].tokens_per_s for law, bs in configs], width, label=variant)
+        axes[1].bar(xs, [by[(law, bs, variant)].memory_bytes / 2**20 for law, bs in configs], width, label=variant)
+    labels = [f"{law}, bs {bs}\n{by[(law, bs, 'padded')].padding_fraction:.0%} padding" for law, bs in configs]
+    kind = result.rows[0].memory_kind if result.rows else ""
+    for ax, title in zip(axes, ("real (non-pad) tokens / s", f"memory, MiB ({kind})")):
+        ax.set_xticks(range(len(configs)), labels)
+        ax.set_title(title)
+        ax.legend()
+    s = result.settings
+    device = result.environment.get("device")
+    figure.suptitle(f"SFT step (forward + backward), Llama {s.model_size}, {s.dtype}, {device}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def write_outputs(result: BenchResult, out: Path) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "bench_sft.json", "png": out / "bench_sft.png"}
+    paths["json"].write_text(result.to_json())
+    plot(result, paths["png"])
+    return paths

@@ -1,0 +1,13 @@
+"""DistilBERT: a BERT-shaped encoder without token types (its forward takes no ``token_type_ids``).
+
+Positions start at 0; ``DistilBertForSequenceClassification`` pools the first token, then ``pre_classifier``.
+"""
+
+from ...hookspecs import hookimpl
+from ...specs import Architecture
+
+
+@hookimpl
+def register_architectures():
+    return [Architecture("distilbert", model_types=("distilbert",), kind="encoder", default_pooling="first",
+                         description="DistilBERT encoders (no token_type_ids)")]

@@ -1,0 +1,10 @@
+"""Gemma: a Llama-shaped decoder (embeddings scaled by sqrt(hidden), GeGLU); no window, no soft-capping."""
+
+from ...hookspecs import hookimpl
+from ...specs import Architecture
+
+
+@hookimpl
+def register_architectures():
+    return [Architecture("gemma", model_types=("gemma",), kind="decoder", default_pooling="last",
+                         description="Gemma 2B / 7B decoders")]

@@ -1,0 +1,20 @@
+"""Gemma 2: attention-logit soft-capping on every layer and a sliding window on every other layer.
+
+Soft-capping is applied by the attention backend (``softcap``), so ``attention: auto`` only picks backends that
+implement it (``exact``, ``flash_attn``; not ``varlen``). The final-logit soft-capping is on the LM head and
+needs nothing from packing.
+"""
+
+from ...hookspecs import hookimpl
+from ...specs import Architecture
+from ._features import softcap_features, window_features
+
+
+def gemma2_features(model_config) -> frozenset[str]:
+    return window_features(model_config) | softcap_features(model_config)
+
+
+@hookimpl
+def register_architectures():
+    return [Architecture("gemma2", model_types=("gemma2",), kind="decoder", features=gemma2_features,
+                         default_pooling="last", description="Gemma 2 decoders (soft-capping, sliding window)")]

@@ -1,0 +1,10 @@
+"""GPT-NeoX: fused qkv, partial rotary embeddings, parallel residual (Pythia, GPT-NeoX-20B)."""
+
+from ...hookspecs import hookimpl
+from ...specs import Architecture
+
+
+@hookimpl
+def register_architectures():
+    return [Architecture("gpt_neox", model_types=("gpt_neox",), kind="decoder", default_pooling="last",
+                         description="GPT-NeoX and Pythia decoders")]

@@ -1,0 +1,11 @@
+"""Phi-3 / Phi-3.5 / Phi-4: fused qkv projection, partial RoPE variants, optional sliding window."""
+
+from ...hookspecs import hookimpl
+from ...specs import Architecture
+from ._features import window_features
+
+
+@hookimpl
+def register_architectures():
+    return [Architecture("phi3", model_types=("phi3",), kind="decoder", features=window_features,
+                         default_pooling="last", description="Phi-3, Phi-3.5-mini and Phi-4 decoders")]

@@ -1,0 +1,28 @@
+"""Strict reading of ``task_options`` (padfree.yaml) for the builtin tasks: unknown keys and bad values are errors."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import ConfigError, did_you_mean
+
+
+def read_options(task: str, options: Mapping[str, Any], defaults: Mapping[str, Any],
+                 choices: Mapping[str, tuple] | None = None) -> dict[str, Any]:
+    """``defaults`` updated with ``options``; a :class:`ConfigError` for an unknown key, or a value not in
+    ``choices``."""
+    for key in options:
+        if key not in defaults:
+            raise ConfigError(
+                f"task_options: {key!r} is not an option of task {task!r}.{did_you_mean(str(key), defaults)} "
+                f"Options: {', '.join(defaults)}."
+            )
+    values = {**defaults, **options}
+    for key, allowed in (choices or {}).items():
+        if values[key] not in allowed:
+            raise ConfigError(
+                f"task_options: {key} of task {task!r} must be one of {', '.join(map(repr, allowed))}, "
+                f"got {values[key]!r}.{did_you_mean(str(values[key]), map(str, allowed))}"
+            )
+    return values

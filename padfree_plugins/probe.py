@@ -1,0 +1,133 @@
+"""The equivalence probe: prove, on the real model, that an undeclared architecture is safe to pack.
+
+A model type that no plugin declares is refused by default. With ``architecture: probe`` in the acceleration
+config, assembly instead patches the model and runs a tiny check before handing it over: a few short random
+examples (one of them a single token, two of equal length) go through the patched model once packed and once
+each alone; the packed outputs must equal the per-example ones. Eval mode and no gradients while it runs; the
+model's train/eval mode and the global random state are left as they were. If the outputs differ (or the
+packed forward raises), the patch is undone and assembly fails with the measured difference and how to add a
+plugin, so that an architecture that mixes examples is never trained silently wrong.
+
+A model type that a plugin declares is used as declared: ``probe`` only changes what happens to unknown ones.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .collator import PackingCollator
+from .errors import UnsupportedArchitectureError
+from .specs import Architecture
+
+#: The value of ``architecture:`` that asks for a probe of undeclared model types.
+PROBE = "probe"
+#: The plugin name a probed architecture is attributed to (in ``Plan.architecture_plugin``).
+PROBE_PLUGIN = "probe"
+#: Example lengths of the probe: a single token, equal lengths, a longer one.
+PROBE_LENGTHS = (1, 9, 9, 23, 4)
+#: Largest relative difference accepted, by parameter dtype (16-bit kernels differ by rounding, not by mixing).
+TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+
+
+def probed_architecture(model_config: Any) -> Architecture:
+    """The provisional declaration of an undeclared model type, valid only once :func:`verify` passes."""
+    model_type = model_config.model_type
+    if getattr(model_config, "is_encoder_decoder", False):
+        raise UnsupportedArchitectureError(
+            f"model type {model_type!r} is an encoder-decoder model; padding-free packing (and its probe) covers "
+            "decoder-only and encoder-only models. Add an architecture plugin for it (docs/writing-a-plugin.md)."
+        )
+    return Architecture(f"probed:{model_type}", (model_type,), kind="decoder", default_pooling="last",
+                        description=f"{model_type}, accepted by the equivalence probe at assembly")
+
+
+@dataclass
+class ProbeResult:
+    """What the probe measured: the largest relative difference, or why the packed forward failed."""
+
+    model_type: str
+    error: float | None
+    tolerance: float
+    failure: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None and self.error is not None and self.error <= self.tolerance
+
+    def explain(self) -> str:
+        found = (f"the packed forward failed: {self.failure}" if self.failure else
+                 f"packed outputs differ from each example run alone by {self.error:.2e} (relative; tolerance "
+                 f"{self.tolerance:.0e})")
+        return (
+            f"model type {self.model_type!r} failed the padding-free equivalence probe: {found.rstrip('.')}. "
+            "Training it padding-free would mix examples, so it is refused. To support it, write an architecture "
+            "plugin (docs/writing-a-plugin.md): declare the model type and, if its layers do not pass **kwargs on to "
+            "attention or its positions are not position_ids, implement patch_model; the equivalence test in the "
+            "plugin template proves it exact."
+        )
+
+
+def _outputs(result: Any) -> torch.Tensor:
+    for name in ("logits", "last_hidden_state"):
+        value = getattr(result, name, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(result, (tuple, list)) and result and isinstance(result[0], torch.Tensor):
+        return result[0]
+    raise TypeError(f"the model returned {type(result).__name__}, with neither logits nor last_hidden_state")
+
+
+def _vocab_size(model: Any) -> int:
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embeddings is not None and hasattr(embeddings, "num_embeddings"):
+        return int(embeddings.num_embeddings)
+    return int(model.config.get_text_config().vocab_size)
+
+
+def run_probe(model: Any, position_start: int = 0, lengths: tuple[int, ...] = PROBE_LENGTHS,
+              seed: int = 0) -> ProbeResult:
+    """Compare packed and per-example outputs of a patched ``model`` (a transformers ``PreTrainedModel``)."""
+    parameter = next(model.parameters())
+    tolerance = TOLERANCE.get(parameter.dtype, 5e-2)
+    model_type = getattr(model.config, "model_type", type(model).__name__)
+    vocab = _vocab_size(model)
+    generator = torch.Generator().manual_seed(seed)
+    low = min(10, vocab - 1)
+    examples = [{"input_ids": torch.randint(low, vocab, (n,), generator=generator).tolist()} for n in lengths]
+    batch = PackingCollator(position_start=position_start)(examples).to(parameter.device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            try:
+                packed = _outputs(model(**batch.model_inputs()))[0].float()
+            except Exception as exc:  # noqa: BLE001 - any failure of the packed forward is a refusal
+                return ProbeResult(model_type, None, tolerance, f"{type(exc).__name__}: {exc}")
+            error, start = 0.0, 0
+            for example in examples:
+                ids = torch.tensor([example["input_ids"]], device=parameter.device)
+                alone = _outputs(model(input_ids=ids))[0].float()
+                got = packed[start : start + ids.shape[1]]
+                start += ids.shape[1]
+                if got.shape != alone.shape:
+                    return ProbeResult(model_type, None, tolerance,
+                                       f"packed outputs have shape {tuple(got.shape)} per example, expected "
+                                       f"{tuple(alone.shape)}")
+                scale = alone.abs().max().clamp(min=1e-6)
+                difference = float(((got - alone).abs().max() / scale).item())
+                error = max(error, difference if math.isfinite(difference) else math.inf)
+    finally:
+        model.train(was_training)
+    return ProbeResult(model_type, error, tolerance)
+
+
+def verify(model: Any, position_start: int = 0) -> ProbeResult:
+    """Run the probe and raise :class:`UnsupportedArchitectureError` (with the measurement) unless it passes."""
+    result = run_probe(model, position_start)
+    if not result.ok:
+        raise UnsupportedArchitectureError(result.explain())
+    return result

@@ -1,0 +1,433 @@
+"""Padding-free training with HF ``Trainer`` and TRL ``SFTTrainer``: ``accelerate(trainer, "padfree.yaml")``.
+
+Build the trainer as usual (no flag to change, ``remove_unused_columns`` left as it is), then::
+
+    acceleration = padfree_plugins.accelerate(trainer, "padfree.yaml")
+    trainer.train()                 # packed batches, same loss as padded
+    acceleration.undo()             # optional: the trainer and the model are as before
+
+What changes on the trainer, all of it undone by ``undo()``:
+
+* **the model** is patched by :func:`~padfree_plugins.assembly.assemble` (peft models are unwrapped);
+* **data_collator** becomes the assembly's packing collator (:class:`TrainerCollator`); rows that TRL packed
+  itself (``packing=True``, a ``seq_lengths`` column) are split back into their examples first;
+* **column removal**: the trainer's signature columns gain the task's keys, so ``remove_unused_columns=True``
+  (the default) keeps everything the collator needs;
+* **compute_loss** calls ``assembly.forward(model, batch, **loss_kwargs)`` and reads ``.loss`` — the contract that
+  lets task plugins (embeddings, classification) bring their own per-example heads to the same wrapper. It
+  passes ``num_items_in_batch`` when the trainer counts it (gradient accumulation) and applies
+  ``average_tokens_across_devices`` exactly as the trainer would;
+* **get_train_dataloader**, only with ``batching.strategy: tokens`` in the config: micro-batches filled up to a
+  token budget and balanced across ranks (:mod:`padfree_plugins.sampler`);
+* **prediction_step** (``evaluate`` / ``predict``) runs padding-free too. Per-token outputs come back packed
+  ``[1, T, ...]``; they are re-padded with ``assembly.reverter`` to ``[n, L_max, ...]`` (labels padded with -100)
+  so that ``compute_metrics`` and ``preprocess_logits_for_metrics`` see the shapes they always saw.
+
+TRL ``SFTTrainer``: it refuses a custom collator when its own ``padding_free=True`` is set and requires
+``max_length=None`` for padding-free training without packing. Neither applies here: build the SFTTrainer
+normally (its own collator, any ``max_length`` — it truncates during dataset preparation), then accelerate it;
+the collator is swapped after construction. The loss goes through TRL's fused LM head
+(``fused_lm_head=True``: log-probabilities without materialising the logits), and TRL's metrics
+(``mean_token_accuracy``, ``entropy``, ``num_tokens``, MoE ``aux_loss``) are recorded as TRL records them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from .assembly import Assembly, assemble
+from .config import PadfreeConfig, load_config
+from .datacheck import check_dataset
+from .errors import PadfreeError, PluginError
+from .host import PluginHost
+from .patching import unwrap_model
+
+ACCELERATION_ATTRIBUTE = "_padfree_acceleration"
+TrainerKind = Literal["hf", "sft"]
+
+
+# -- which trainers the builtin wrapper knows ------------------------------------------------------------------
+
+
+def _library_class(trainer: Any, module_prefix: str, name: str) -> type | None:
+    for cls in type(trainer).__mro__:
+        if cls.__name__ == name and cls.__module__.startswith(module_prefix):
+            return cls
+    return None
+
+
+def trainer_kind(trainer: Any) -> TrainerKind | None:
+    """``"sft"`` for TRL ``SFTTrainer``, ``"hf"`` for transformers ``Trainer``, ``None`` for anything else.
+
+    A subclass that overrides ``compute_loss`` or ``prediction_step`` (DPO, reward, sentence-transformers
+    trainers, custom ones) is not claimed: what it does with a batch is unknown, so feeding it packed rows could
+    be silently wrong. A plugin that knows it can implement ``wrap_trainer``.
+    """
+    base = _library_class(trainer, "transformers", "Trainer")
+    if base is None:
+        return None
+    sft = _library_class(trainer, "trl", "SFTTrainer")
+    owner = sft or base
+    cls = type(trainer)
+    if cls.compute_loss is not owner.compute_loss or cls.prediction_step is not owner.prediction_step:
+        return None
+    return "sft" if sft is not None else "hf"
+
+
+# -- the collator as the trainer sees it --------------------------------------------------------------------------
+
+
+def split_packed_row(row: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A row that TRL packed (``seq_lengths``) -> its examples; per-token lists are cut, other values copied."""
+    lengths = [int(n) for n in row["seq_lengths"]]
+    total = len(row["input_ids"])
+    if sum(lengths) != total:
+        raise PadfreeError(f"a packed row has {total} tokens but its seq_lengths add up to {sum(lengths)}")
+    per_token = {k: v for k, v in row.items() if k != "seq_lengths" and hasattr(v, "__len__") and not isinstance(v, str)
+                 and len(v) == total}
+    other = {k: v for k, v in row.items() if k != "seq_lengths" and k not in per_token}
+    examples, start = [], 0
+    for n in lengths:
+        examples.append({**other, **{k: v[start : start + n] for k, v in per_token.items()}})
+        start += n
+    return examples
+
+
+@dataclass
+class TrainerCollator:
+    """The assembly's collator as a trainer's ``data_collator`` (picklable, for DataLoader workers)."""
+
+    collator: Any
+
+    def __call__(self, rows: list[Mapping[str, Any]]) -> Any:
+        if rows and isinstance(rows[0], Mapping) and "seq_lengths" in rows[0]:
+            rows = [example for row in rows for example in split_packed_row(row)]
+        return self.collator(rows)
+
+
+def _per_token(value: Any, batch: Mapping) -> bool:
+    return (isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[0] == 1
+            and value.shape[1] == batch["input_ids"].shape[-1])
+
+
+# -- the patch ----------------------------------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+@dataclass
+class TrainerPatch:
+    """What :meth:`apply` changed on a trainer, and how to change it back (:meth:`undo`)."""
+
+    trainer: Any
+    assembly: Assembly
+    kind: TrainerKind
+    saved: dict[str, Any] = field(default_factory=dict)
+    active: bool = True
+
+    @classmethod
+    def apply(cls, trainer: Any, assembly: Assembly) -> "TrainerPatch":
+        kind = trainer_kind(trainer)
+        if kind is None:
+            raise PadfreeError(f"{type(trainer).__name__} is not a transformers Trainer / TRL SFTTrainer this wrapper "
+                               "knows (it overrides compute_loss or prediction_step)")
+        if getattr(trainer.args, "n_gpu", 1) > 1:
+            raise PadfreeError(
+                "the trainer would use torch.nn.DataParallel (several GPUs in one process), which splits a batch by "
+                "rows; a packed batch is one row. Launch with `accelerate launch` or `torchrun` (one process per "
+                "GPU), or make one GPU visible with CUDA_VISIBLE_DEVICES."
+            )
+        if trainer.model is None or unwrap_model(trainer.model) is not assembly.model:
+            raise PadfreeError("the assembly was built for another model than trainer.model")
+        _check_collator(trainer.data_collator)
+        _check_datasets(trainer, assembly.collator)
+        trainer._set_signature_columns_if_needed()
+        patch = cls(trainer, assembly, kind)
+        for name in ("data_collator", "_signature_columns"):
+            patch.saved[name] = getattr(trainer, name)
+        for name in ("compute_loss", "prediction_step", "loss_is_scaled_for_ga"):
+            patch.saved[name] = trainer.__dict__.get(name, _MISSING)
+        trainer.data_collator = TrainerCollator(assembly.collator)
+        trainer._signature_columns = _signature_columns(trainer._signature_columns, assembly)
+        trainer.compute_loss = patch.compute_loss
+        trainer.prediction_step = patch.prediction_step
+        if getattr(getattr(assembly.config, "batching", None), "strategy", "examples") == "tokens":
+            patch.saved["get_train_dataloader"] = trainer.__dict__.get("get_train_dataloader", _MISSING)
+            trainer.get_train_dataloader = patch.train_dataloader
+        scaled = getattr(assembly.forward, "loss_is_scaled_for_ga", None)
+        if scaled is not None:  # a task forward that says whether it normalises by num_items_in_batch itself
+            trainer.loss_is_scaled_for_ga = scaled
+        return patch
+
+    def undo(self) -> None:
+        """Restore the collator, the signature columns and the trainer's own compute_loss / prediction_step."""
+        if not self.active:
+            return
+        for name, value in self.saved.items():
+            if value is _MISSING:
+                self.trainer.__dict__.pop(name, None)
+            else:
+                setattr(self.trainer, name, value)
+        self.active = False
+
+    # -- what the trainer calls ---------------------------------------------------------------------------------
+
+    def train_dataloader(self) -> Any:
+        """``batching.strategy: tokens``: micro-batches filled up to a token budget (:mod:`padfree_plugins.sampler`)."""
+        from .sampler import trainer_train_dataloader
+
+        return trainer_train_dataloader(self.trainer, self.assembly.config, self.trainer.data_collator)
+
+    def model_kwargs(self, fused: bool) -> dict[str, Any]:
+        """Keyword arguments for the model besides the batch: TRL's fused LM head and MoE router logits."""
+        if self.kind != "sft":
+            return {}
+        kwargs: dict[str, Any] = {"use_cache": False}
+        if fused:
+            kwargs["fused_lm_head"] = True
+        if getattr(self.trainer, "aux_loss_enabled", False):
+            kwargs["output_router_logits"] = True
+        return kwargs
+
+    def _uses_own_loss(self) -> bool:
+        """Label smoothing or a ``compute_loss_func``: the loss is computed from the logits, outside the model."""
+        trainer = self.trainer
+        return trainer.label_smoother is not None or trainer.compute_loss_func is not None
+
+    def compute_loss(self, model: Any, inputs: Mapping, return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        """The loss of a packed batch, through ``assembly.forward`` (the trainer's ``compute_loss``)."""
+        trainer = self.trainer
+        own_loss = self._uses_own_loss() and "labels" in inputs
+        kwargs = self.model_kwargs(fused=not own_loss)
+        if num_items_in_batch is not None and (self.kind == "sft" or trainer.model_accepts_loss_kwargs):
+            kwargs["num_items_in_batch"] = num_items_in_batch
+        if own_loss:
+            labels = inputs["labels"]
+            kwargs.pop("num_items_in_batch", None)
+            outputs = self.assembly.forward(model, {k: v for k, v in inputs.items() if k != "labels"}, **kwargs)
+            if trainer.compute_loss_func is not None:
+                loss = trainer.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+            else:
+                loss = trainer.label_smoother(outputs, labels, shift_labels=self.assembly.plan.task.name == "causal_lm",
+                                              num_items_in_batch=num_items_in_batch)
+        else:
+            outputs = self.assembly.forward(model, inputs, **kwargs)
+            loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]
+            if loss is None:
+                raise PadfreeError(
+                    f"the model returned no loss for task {self.assembly.plan.task.name!r}: does the batch carry "
+                    f"labels? Batch keys: {', '.join(inputs)}"
+                )
+            if self.kind == "sft":
+                loss = self._sft_extras(outputs, inputs, loss, num_items_in_batch)
+        loss = self._scale_for_devices(loss, num_items_in_batch)
+        return (loss, outputs) if return_outputs else loss
+
+    def _scale_for_devices(self, loss: torch.Tensor, num_items_in_batch: Any) -> torch.Tensor:
+        """``average_tokens_across_devices``: ``num_items_in_batch`` counts every rank's tokens, and DDP averages
+        the gradients over ranks, so the loss is multiplied back by the number of ranks (as the trainers do)."""
+        trainer = self.trainer
+        counted = self.kind == "sft" or trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None
+        if trainer.args.average_tokens_across_devices and num_items_in_batch is not None and counted:
+            loss = loss * (trainer.accelerator.num_processes // trainer.get_tp_size())
+        return loss
+
+    def _sft_extras(self, outputs: Any, inputs: Mapping, loss: torch.Tensor, num_items_in_batch: Any) -> torch.Tensor:
+        """TRL's bookkeeping around the fused loss: its metrics, and the MoE aux loss averaged over accumulation."""
+        trainer = self.trainer
+        mode = "train" if trainer.model.training else "eval"
+        metrics = getattr(trainer, "_metrics", None)
+        gather = trainer.accelerator.gather_for_metrics
+        aux_loss = getattr(outputs, "aux_loss", None)
+        if aux_loss is not None and num_items_in_batch is not None:
+            # the fused forward adds coef * aux once per micro-batch; TRL spreads it over the accumulation steps
+            coef = getattr(trainer, "router_aux_loss_coef", 0.0) or 0.0
+            loss = loss - coef * aux_loss * (1 - 1 / trainer.current_gradient_accumulation_steps)
+        if metrics is None:
+            return loss
+        label_mask = getattr(outputs, "label_mask", None)
+        if label_mask is not None:
+            num_valid = gather(label_mask.sum()).sum()
+            for name, value in (("entropy", getattr(outputs, "entropy", None)),
+                                ("mean_token_accuracy", getattr(outputs, "is_top1", None))):
+                if value is not None:
+                    total = gather(value.detach().sum()).sum()
+                    metrics[mode][name].append((total / num_valid).item() if num_valid > 0 else 0.0)
+        if mode == "train" and hasattr(trainer, "_total_train_tokens"):
+            tokens = torch.tensor(inputs["input_ids"].shape[-1], device=inputs["input_ids"].device)
+            trainer._total_train_tokens += gather(tokens).sum().item() // getattr(trainer, "_tp_size", 1)
+        if hasattr(trainer, "_total_train_tokens"):
+            metrics[mode]["num_tokens"] = [trainer._total_train_tokens]
+        if aux_loss is not None:
+            metrics[mode]["aux_loss"].append(gather(aux_loss.detach()).mean().item())
+        return loss
+
+    def prediction_step(self, model: Any, inputs: Mapping, prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
+        """Evaluation / prediction on a packed batch; per-token outputs and labels re-padded for metrics."""
+        trainer = self.trainer
+        inputs = trainer._prepare_inputs(inputs)
+        has_labels = bool(trainer.label_names) and all(inputs.get(k) is not None for k in trainer.label_names)
+        num_items = (trainer._get_num_items_in_batch([inputs], trainer.args.device)
+                     if has_labels and self.kind == "hf" else None)
+        with torch.no_grad(), trainer.compute_loss_context_manager():
+            if prediction_loss_only:
+                loss = self.compute_loss(model, inputs, num_items_in_batch=num_items) if has_labels else None
+                return (None if loss is None else loss.detach().mean(), None, None)
+            if has_labels and (self._uses_own_loss() or self.kind == "sft"):
+                loss, outputs = self.compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items)
+                if self.kind == "sft" and not self._uses_own_loss():
+                    # the fused LM head builds no logits: one more forward for them, as TRL itself does
+                    outputs = self.assembly.forward(model, {k: v for k, v in inputs.items() if k != "labels"},
+                                                    **self.model_kwargs(fused=False))
+            else:
+                kwargs = self.model_kwargs(fused=False)
+                if num_items is not None and trainer.model_accepts_loss_kwargs:
+                    kwargs["num_items_in_batch"] = num_items
+                batch = inputs if has_labels else {k: v for k, v in inputs.items() if k not in trainer.label_names}
+                outputs = self.assembly.forward(model, batch, **kwargs)
+                loss = outputs.get("loss") if isinstance(outputs, Mapping) else None
+                loss = None if loss is None or not has_labels else self._scale_for_devices(loss, num_items)
+        if ignore_keys is None:
+            ignore_keys = list(getattr(getattr(unwrap_model(model), "config", None), "keys_to_ignore_at_inference",
+                                       ["past_key_values"]))
+        items = outputs.items() if isinstance(outputs, Mapping) else enumerate(outputs)
+        skip = (*ignore_keys, "loss")
+        logits = tuple(self._repad(v, inputs, None) for k, v in items if k not in skip and v is not None)
+        labels = None
+        if has_labels:
+            labels = tuple(self._repad(inputs[k], inputs, -100) for k in trainer.label_names)
+            labels = labels[0] if len(labels) == 1 else labels
+        logits = logits[0] if len(logits) == 1 else logits
+        return (None if loss is None else loss.detach().mean(), _detach(logits), _detach(labels))
+
+    def _repad(self, value: Any, batch: Mapping, fill: float | None) -> Any:
+        """A packed per-token tensor ``[1, T, ...]`` -> ``[n, L_max, ...]``; anything else unchanged."""
+        if not _per_token(value, batch):
+            return value
+        padded, mask = self.assembly.reverter(value.unsqueeze(-1) if value.ndim == 2 else value, batch)
+        if value.ndim == 2:
+            padded = padded.squeeze(-1)
+        if fill is not None:
+            padded = padded.masked_fill(~mask.bool().reshape(mask.shape + (1,) * (padded.ndim - 2)), fill)
+        return padded
+
+
+def _detach(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, tuple):
+        return tuple(_detach(v) for v in value)
+    return value
+
+
+def _signature_columns(columns: list[str] | None, assembly: Assembly) -> list[str]:
+    """The trainer's signature columns plus every key the task's collator reads (and TRL's ``seq_lengths``)."""
+    task = assembly.plan.task
+    keys = ("input_ids", *task.required_keys, *task.token_keys, *task.example_keys, "seq_lengths")
+    return list(dict.fromkeys((*(columns or ()), *keys)))
+
+
+#: Collators whose work the packing collator does (padding, labels from input_ids, flattening): replacing them
+#: changes nothing but the padding. Any other collator may compute features or labels, and is refused.
+REPLACEABLE_COLLATORS = {
+    "transformers": ("DataCollatorWithPadding", "DataCollatorForSeq2Seq", "DataCollatorWithFlattening",
+                     "DataCollatorForLanguageModeling", "DefaultDataCollator", "default_data_collator"),
+    "trl": ("DataCollatorForLanguageModeling",),
+}
+
+
+def _check_collator(collator: Any) -> None:
+    """Refuse to replace a data collator that may build features or labels of its own (never silently wrong)."""
+    if collator is None:
+        return
+    kind = collator if inspect.isfunction(collator) else type(collator)
+    name, module = getattr(kind, "__name__", ""), getattr(kind, "__module__", "") or ""
+    library = module.split(".")[0]
+    if name in REPLACEABLE_COLLATORS.get(library, ()) and not getattr(collator, "mlm", False):
+        return
+    raise PadfreeError(
+        f"the trainer's data_collator is {module}.{name}, which padfree-plugins would replace with its packing "
+        "collator: that keeps input_ids and the dataset's labels (-100 where no loss) but nothing a custom collator "
+        "computes. Build such features and labels in the dataset (dataset.map), or, if the collator only pads, set "
+        "trainer.data_collator = None before accelerating."
+    )
+
+
+def _check_datasets(trainer: Any, collator: Any) -> None:
+    """Find over-long, empty or misaligned examples before training starts (see :mod:`padfree_plugins.datacheck`)."""
+    if trainer.train_dataset is not None:
+        check_dataset(trainer.train_dataset, collator, "train")
+    evals = trainer.eval_dataset
+    if isinstance(evals, Mapping):
+        for name, dataset in evals.items():
+            check_dataset(dataset, collator, f"eval ({name})")
+    elif evals is not None:
+        check_dataset(evals, collator, "eval")
+
+
+# -- the entry point ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Acceleration:
+    """A trainer made padding-free: the assembly (model, collator, …) and the trainer patch. ``undo()`` reverts."""
+
+    trainer: Any
+    assembly: Assembly
+    trainer_patch: Any
+    active: bool = True
+
+    def undo(self) -> None:
+        """Restore the trainer (collator, compute_loss, prediction_step, columns) and the model. Safe twice."""
+        if not self.active:
+            return
+        self.trainer_patch.undo()
+        self.assembly.undo()
+        if getattr(self.trainer, ACCELERATION_ATTRIBUTE, None) is self:
+            delattr(self.trainer, ACCELERATION_ATTRIBUTE)
+        self.active = False
+
+    def describe(self) -> dict[str, Any]:
+        return {"trainer": type(self.trainer).__name__, "wrapper": type(self.trainer_patch).__name__,
+                **self.assembly.describe()}
+
+
+def accelerate(trainer: Any, config: PadfreeConfig | dict | str | None = None, *,
+               host: PluginHost | None = None) -> Acceleration:
+    """Make ``trainer`` (HF ``Trainer``, TRL ``SFTTrainer``, or any a plugin knows) train padding-free.
+
+    The trainer is changed in place; the returned :class:`Acceleration` undoes it. Bad datasets (examples too long
+    for the model, labels not aligned with input_ids), unsupported architectures and unusable attention backends
+    are errors here, before training starts.
+    """
+    config = load_config(config)
+    previous = getattr(trainer, ACCELERATION_ATTRIBUTE, None)
+    if previous is not None and previous.active:
+        raise PadfreeError(f"{type(trainer).__name__} is already padding-free; call .undo() on the first acceleration "
+                           "before accelerating it again")
+    if getattr(trainer, "model", None) is None:
+        raise PadfreeError("the trainer has no model yet (model_init?): pass a model to the trainer, then accelerate")
+    host = host or PluginHost(block=config.plugins.block)
+    assembly = assemble(trainer.model, config, host=host)
+    try:
+        trainer_patch = host.hook.wrap_trainer(trainer=trainer, assembly=assembly, config=config)
+        if trainer_patch is None:
+            raise PluginError(
+                f"no plugin knows how to make {type(trainer).__name__} padding-free. The builtin wrapper takes "
+                "transformers.Trainer and trl.SFTTrainer (and subclasses that keep their compute_loss and "
+                "prediction_step); for another trainer install a plugin implementing wrap_trainer, or use "
+                "padfree_plugins.assemble() and feed its collator and forward yourself."
+            )
+    except BaseException:
+        assembly.undo()
+        raise
+    acceleration = Acceleration(trainer, assembly, trainer_patch)
+    setattr(trainer, ACCELERATION_ATTRIBUTE, acceleration)
+    return acceleration

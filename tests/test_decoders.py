@@ -1,0 +1,213 @@
+"""Every builtin decoder family trains padding-free exactly as padded (CPU fp32), and unknown decoders are probed.
+
+For each family: the causal-LM loss of a packed batch equals the loss of the same examples padded (right padding,
+attention mask, -100 labels on padding) within 1e-5, and every parameter's gradient within 1e-4. The tiny configs
+switch on what makes each family special: sliding windows shorter than the examples, Gemma 2's soft-capping, MoE
+routers with their load-balancing loss.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from padfree_plugins import PluginHost, UnsupportedArchitectureError, assemble, patch_of, plan
+from padfree_plugins.probe import run_probe
+from tests.conftest import make_examples, tiny_config
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: tiny models gain nothing from more, and on a shared 2-core machine (the suite runs with
+    -n 2) oversubscribed OpenMP threads make every kernel 10-100x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
+DECODERS = {
+    "llama": ("llama", dict(num_key_value_heads=2)),
+    "mistral": ("mistral", dict(num_key_value_heads=2, sliding_window=4)),
+    "mixtral": ("mixtral", dict(num_key_value_heads=2, sliding_window=4, num_local_experts=4, **MOE)),
+    "qwen2": ("qwen2", dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=1)),
+    "qwen2_moe": ("qwen2_moe", dict(num_key_value_heads=2, num_experts=4, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=32, **MOE)),
+    "qwen3": ("qwen3", dict(num_key_value_heads=2, head_dim=16)),
+    "qwen3_moe": ("qwen3_moe", dict(num_key_value_heads=2, head_dim=16, num_experts=4, moe_intermediate_size=32,
+                                    **MOE)),
+    "gemma": ("gemma", dict(num_key_value_heads=2, head_dim=16)),
+    "gemma2": ("gemma2", dict(num_key_value_heads=2, head_dim=16, sliding_window=4, attn_logit_softcapping=2.0,
+                              final_logit_softcapping=5.0)),
+    "gemma3": ("gemma3_text", dict(num_key_value_heads=2, head_dim=16, sliding_window=4,
+                                   layer_types=["sliding_attention", "full_attention"])),
+    "phi3": ("phi3", dict(num_key_value_heads=2)),
+    "granite": ("granite", dict(num_key_value_heads=2, attention_multiplier=0.3)),
+    "olmo2": ("olmo2", dict(num_key_value_heads=2)),
+    "gpt_neox": ("gpt_neox", dict()),
+    "starcoder2": ("starcoder2", dict(num_key_value_heads=2, sliding_window=4)),
+}
+LENGTHS = [1, 13, 6, 20, 2, 6]
+
+
+def causal_lm(model_type: str, **overrides):
+    """A tiny causal LM, fp32, seeded; eager attention where transformers refuses sdpa (Gemma 2 soft-capping).
+
+    Gemma 2's query and key projections are scaled up so that attention scores reach the soft-cap (random
+    initial weights give scores far below it, where capping changes nothing)."""
+    torch.manual_seed(0)
+    implementation = "eager" if model_type == "gemma2" else "sdpa"
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), attn_implementation=implementation)
+    if model_type == "gemma2":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(6)
+                layer.self_attn.k_proj.weight.mul_(6)
+    return model
+
+
+def padded_batch(examples):
+    longest = max(len(ex["input_ids"]) for ex in examples)
+    ids = torch.full((len(examples), longest), 1)
+    labels = torch.full((len(examples), longest), -100)
+    mask = torch.zeros(len(examples), longest, dtype=torch.long)
+    for i, ex in enumerate(examples):
+        n = len(ex["input_ids"])
+        ids[i, :n] = labels[i, :n] = torch.tensor(ex["input_ids"])
+        mask[i, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def loss_and_grads(model, inputs):
+    model.zero_grad(set_to_none=True)
+    loss = model(**inputs, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_packed_loss_and_gradients_equal_padded(name):
+    model_type, overrides = DECODERS[name]
+    model = causal_lm(model_type, **overrides).train()  # dropout is 0 in these configs; MoE routers in train mode
+    examples = make_examples(LENGTHS, seed=1)
+    want_loss, want_grads = loss_and_grads(model, padded_batch(examples))
+    assembly = assemble(model, {"task": "causal_lm"})
+    try:
+        assert assembly.plan.architecture_plugin == name
+        batch = assembly.collator(examples)
+        got_loss, got_grads = loss_and_grads(model, assembly.forward.inputs(batch))
+    finally:
+        assembly.undo()
+    torch.testing.assert_close(got_loss, want_loss, atol=1e-5, rtol=1e-5)
+    assert want_grads.keys() == got_grads.keys() and len(want_grads) > 5
+    for key, want in want_grads.items():
+        torch.testing.assert_close(got_grads[key], want, atol=1e-4, rtol=1e-4, msg=lambda m: f"{key}: {m}")
+
+
+def packed_logits(model, examples):
+    assembly = assemble(model, {"task": "causal_lm"})
+    try:
+        with torch.no_grad():
+            return model(**assembly.collator(examples).model_inputs()).logits
+    finally:
+        assembly.undo()
+
+
+def test_gemma2_softcapping_and_window_are_really_exercised():
+    """Gemma 2's soft-capping and its window (4, shorter than the examples) both change the packed outputs."""
+    examples = make_examples([20, 13, 9])
+    _, overrides = DECODERS["gemma2"]
+    reference = packed_logits(causal_lm("gemma2", **overrides).eval(), examples)
+    uncapped = packed_logits(causal_lm("gemma2", **{**overrides, "attn_logit_softcapping": None}).eval(), examples)
+    unwindowed = packed_logits(causal_lm("gemma2", **{**overrides, "sliding_window": 64}).eval(), examples)
+    assert (reference - uncapped).abs().max() > 1e-3
+    assert (reference - unwindowed).abs().max() > 1e-3
+    features = plan(tiny_config("gemma2", **overrides), {"task": "causal_lm"}, device_type="cpu").features
+    assert {"softcap", "sliding_window", "gqa", "causal"} <= features
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_moe_router_loss_is_part_of_the_packed_loss(name):
+    """The load-balancing loss is included (output_router_logits) and equals the padded one, real tokens only."""
+    model_type, overrides = DECODERS[name]
+    model = causal_lm(model_type, **overrides).eval()
+    examples = make_examples(LENGTHS, seed=2)
+    with torch.no_grad():
+        padded = model(**padded_batch(examples), use_cache=False)
+        assembly = assemble(model, {"task": "causal_lm"})
+        try:
+            packed = model(**assembly.forward.inputs(assembly.collator(examples)), use_cache=False)
+        finally:
+            assembly.undo()
+    assert packed.aux_loss is not None and float(packed.aux_loss) > 0
+    torch.testing.assert_close(packed.aux_loss, padded.aux_loss, atol=1e-5, rtol=1e-5)
+
+
+def test_every_listed_decoder_is_its_own_plugin():
+    architectures = PluginHost().architectures()
+    for name, (model_type, _) in DECODERS.items():
+        spec, plugin = architectures[model_type]
+        assert (spec.name, plugin, spec.kind) == (name, name, "decoder")
+
+
+# -- unknown decoders: the equivalence probe ---------------------------------------------------------------------
+
+
+def test_unknown_decoder_is_refused_without_probe():
+    model = causal_lm("olmo")
+    with pytest.raises(UnsupportedArchitectureError, match="architecture: probe"):
+        assemble(model, {"task": "causal_lm"})
+
+
+def test_probe_accepts_a_safe_unknown_decoder_and_leaves_state_alone():
+    model = causal_lm("olmo").train()
+    rng = torch.random.get_rng_state()
+    assembly = assemble(model, {"task": "causal_lm", "architecture": "probe"})
+    try:
+        assert assembly.plan.architecture_plugin == "probe" and assembly.plan.architecture.name == "probed:olmo"
+        assert model.training and torch.equal(torch.random.get_rng_state(), rng)
+        examples = make_examples([3, 11])
+        with torch.no_grad():
+            logits = model(**assembly.collator(examples).model_inputs()).logits
+            alone = model(input_ids=torch.tensor([examples[1]["input_ids"]])).logits
+        torch.testing.assert_close(logits[0, 3:], alone[0], atol=1e-5, rtol=1e-5)
+    finally:
+        assembly.undo()
+
+
+def test_probe_refuses_stablelm_and_restores_the_model():
+    """StableLM's decoder layers do not pass **kwargs on to attention: the boundaries never arrive."""
+    model = causal_lm("stablelm", num_key_value_heads=2)
+    with pytest.raises(UnsupportedArchitectureError) as info:
+        assemble(model, {"task": "causal_lm", "architecture": "probe"})
+    message = str(info.value)
+    assert "'stablelm' failed the padding-free equivalence probe" in message and "writing-a-plugin" in message
+    assert patch_of(model) is None and model.config._attn_implementation == "sdpa"
+
+
+def test_probe_measures_a_decoder_that_runs_packed_but_wrong(monkeypatch):
+    """GPT-2 (undeclared, absolute learned positions) passes the probe; made to number positions across the whole
+    row instead of per example, it runs packed without error but wrong, and the probe measures it."""
+    model = causal_lm("gpt2", n_embd=64, n_layer=2, n_head=4)
+    assembly = assemble(model, {"task": "causal_lm", "architecture": "probe"})
+    try:
+        result = run_probe(assembly.model)
+        assert result.ok and result.error < 1e-5
+    finally:
+        assembly.undo()
+    table = model.transformer.wpe
+    original = table.forward
+    monkeypatch.setattr(table, "forward", lambda ids: original(torch.arange(ids.shape[-1])[None]))
+    with pytest.raises(UnsupportedArchitectureError, match=r"differ from each example run alone by \d"):
+        assemble(model, {"task": "causal_lm", "architecture": "probe"})
+    assert patch_of(model) is None
+
+
+def test_probe_keeps_declared_architectures():
+    model = causal_lm("qwen2", num_key_value_heads=2)
+    assembly = assemble(model, {"task": "causal_lm", "architecture": "probe"})
+    try:
+        assert assembly.plan.architecture_plugin == "qwen2"
+    finally:
+        assembly.undo()

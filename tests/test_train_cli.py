@@ -1,0 +1,141 @@
+"""``padfree-plugins train`` and ``--acceleration_config``: the embedded default trains; bad input fails before
+the first training step, with a message that says what to do."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import HfArgumentParser, Trainer, TrainingArguments
+from typer.testing import CliRunner
+
+from padfree_plugins import AccelerationArguments, ConfigError
+from padfree_plugins.cli import app
+from padfree_plugins.train import run_train
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "padfree.yaml"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: tiny models gain nothing from more, and on a shared 2-core machine oversubscribed
+    OpenMP threads make every kernel 10-100x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """Fail the test if training starts: every error below must come before it."""
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("training started although the input is bad")
+
+    monkeypatch.setattr(Trainer, "train", refuse)
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, ["train", *args])
+
+
+def test_embedded_default_trains_and_prints_a_finite_falling_loss():
+    result = invoke("--acceleration_config", str(CONFIG), "--max_steps", "12", "--logging_steps", "3")
+    assert result.exit_code == 0, result.output
+    losses = [float(x) for x in re.findall(r"step +\d+ +loss (\d+\.\d+)", result.output)]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    assert "architecture: llama (decoder, plugin llama)" in result.output
+    before, after = map(float, re.search(r"eval loss: (\S+) before training -> (\S+) after", result.output).groups())
+    assert after < before
+    assert re.search(r"12 steps in .* real tokens", result.output)
+
+
+def test_help_lists_training_arguments_and_the_acceleration_config():
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for flag in ("--acceleration_config", "--learning_rate", "--model_name_or_path", "--dataset"):
+        assert flag in result.output
+
+
+def test_acceleration_arguments_parse_with_hf_argument_parser(tmp_path):
+    parser = HfArgumentParser((TrainingArguments, AccelerationArguments))
+    _, acceleration = parser.parse_args_into_dataclasses(
+        args=["--output_dir", str(tmp_path), "--acceleration_config", str(CONFIG)])
+    assert acceleration.config.task == "causal_lm" and acceleration.config.attention == "auto"
+    _, inline = parser.parse_args_into_dataclasses(
+        args=["--output_dir", str(tmp_path), "--acceleration_config", '{"attention": "exact", "max_length": 64}'])
+    assert (inline.config.attention, inline.config.max_length) == ("exact", 64)
+    _, absent = parser.parse_args_into_dataclasses(args=["--output_dir", str(tmp_path)])
+    assert absent.config is None and absent.accelerate(object()) is None  # no flag: nothing happens
+    with pytest.raises(ConfigError, match="does not exist"):
+        parser.parse_args_into_dataclasses(args=["--output_dir", str(tmp_path), "--acceleration_config", "nope.yaml"])
+    with pytest.raises(ConfigError, match="Did you mean 'attention'"):
+        parser.parse_args_into_dataclasses(
+            args=["--output_dir", str(tmp_path), "--acceleration_config", '{"attenton": "exact"}'])
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def write_config(path: Path, **values) -> str:
+    base = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=64)
+    path.write_text(json.dumps({**base, **values}))
+    return str(path)
+
+
+def test_custom_model_config_and_saved_dataset(tmp_path):
+    import datasets
+
+    texts = [{"text": f"row {i}: " + " ".join(["word"] * (i % 7 + 1))} for i in range(24)]
+    datasets.Dataset.from_list(texts).save_to_disk(str(tmp_path / "saved"))
+    report = run_train(["--model_config", write_config(tmp_path / "qwen2.json", model_type="qwen2", vocab_size=300),
+                        "--dataset", str(tmp_path / "saved"), "--vocab_size", "300", "--max_steps", "3",
+                        "--per_device_train_batch_size", "4", "--logging_steps", "1",
+                        "--acceleration_config", str(CONFIG)], print_fn=None)
+    assert report.steps == 3 and len(report.losses) == 3 and report.setup["architecture"].startswith("qwen2")
+    assert report.tokens > 0 and all(math.isfinite(loss) for _, loss in report.losses)
+
+
+@pytest.mark.usefixtures("no_training")
+def test_examples_longer_than_the_model_are_an_error_before_training(tmp_path):
+    rows = [{"input_ids": list(range(5, 25))}] * 3 + [{"input_ids": [7] * 80}]
+    result = invoke("--dataset", write_jsonl(tmp_path / "long.jsonl", rows),
+                    "--model_config", write_config(tmp_path / "llama.json", model_type="llama"))
+    assert result.exit_code == 2, result.output
+    assert "example 3 of the train dataset has 80 tokens but the model takes at most 64" in result.output
+    assert "max_position_embeddings=64" in result.output and "on_overlong: truncate" in result.output
+
+
+@pytest.mark.usefixtures("no_training")
+def test_labels_shorter_than_input_ids_are_an_error_before_training(tmp_path):
+    rows = [{"input_ids": [5, 6, 7, 8], "labels": [5, 6, 7, 8]}] * 3 + [{"input_ids": [5, 6, 7], "labels": [5, 6]}]
+    result = invoke("--dataset", write_jsonl(tmp_path / "labels.jsonl", rows), "--eval_fraction", "0")
+    assert result.exit_code == 2, result.output
+    assert "example 3 of the train dataset: 'labels' has 2 values but input_ids has 3 tokens" in result.output
+
+
+@pytest.mark.usefixtures("no_training")
+def test_unsupported_architecture_is_an_error_before_training(tmp_path):
+    result = invoke("--model_config", write_config(tmp_path / "gpt2.json", model_type="gpt2", n_embd=32, n_layer=1,
+                                                   n_head=2))
+    assert result.exit_code == 2, result.output
+    assert "model type 'gpt2' is not supported" in result.output and "architecture: probe" in result.output
+
+
+@pytest.mark.usefixtures("no_training")
+@pytest.mark.parametrize("config,message", [
+    ('{"attention": "flash_attn"}', "attention backend 'flash_attn' was requested but cannot be used"),
+    ('{"attention": "flsh_attn"}', "Did you mean 'flash_attn'"),
+    ('{"max_length": 4096}', "max_length: 4096 is more than the model takes (512 tokens"),
+])
+def test_bad_acceleration_config_is_an_error_before_training(config, message):
+    result = invoke("--acceleration_config", config)
+    assert result.exit_code == 2, result.output
+    assert message in result.output

@@ -1,0 +1,300 @@
+"""``accelerate(trainer)``: HF Trainer and TRL SFTTrainer train padding-free with the loss curve of padded training.
+
+Every comparison runs the same tiny model (same seed, same data order, dropout 0) twice: padded with the trainer's
+usual path, and padding-free after ``accelerate``. Datasets carry -100 prompt masks (completion-only loss) and an
+extra string column, and ``remove_unused_columns`` stays at its default.
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+
+import datasets
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, TrainingArguments
+
+from padfree_plugins import BatchError, PadfreeError, PluginError, accelerate, patch_of
+from padfree_plugins.train import train_tokenizer
+from padfree_plugins.trainer import TrainerCollator, split_packed_row
+from tests.conftest import tiny_config
+
+trl = pytest.importorskip("trl")
+peft = pytest.importorskip("peft")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: tiny models gain nothing from more, and on a shared 2-core machine (the suite runs with
+    -n 2) oversubscribed OpenMP threads make every kernel 10-100x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+STEPS = 30
+
+
+def rows(n: int = 64, seed: int = 0, longest: int = 60) -> list[dict]:
+    """Random examples of 2..longest tokens; a random prefix of each is a prompt (labels -100)."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(2, longest, (1,), generator=generator))
+        ids = torch.randint(5, 128, (length,), generator=generator).tolist()
+        prompt = int(torch.randint(0, length // 2 + 1, (1,), generator=generator))
+        out.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:], "source": "synthetic"})
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def tokenizer():
+    return train_tokenizer(["a tiny corpus for a tiny tokenizer"] * 4, vocab_size=280)
+
+
+def padded_collator():
+    """The padded reference for HF Trainer: right padding, attention mask, -100 labels on padding."""
+    return DataCollatorForSeq2Seq(tokenizer(), padding=True, label_pad_token_id=-100)
+
+
+def make_trainer(kind: str, packed: bool, *, lora: bool = False, train=None, **overrides):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", num_key_value_heads=2), attn_implementation="sdpa")
+    if lora:
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                           target_modules=["q_proj", "v_proj", "gate_proj"]))
+    settings = dict(output_dir=tempfile.mkdtemp(), max_steps=STEPS, per_device_train_batch_size=4,
+                    per_device_eval_batch_size=5, learning_rate=3e-3 if lora else 1e-3, logging_steps=1,
+                    save_strategy="no", report_to="none", seed=0, disable_tqdm=True, dataloader_pin_memory=False)
+    settings.update(overrides)
+    train = datasets.Dataset.from_list(rows()) if train is None else train
+    evaluation = datasets.Dataset.from_list(rows(13, seed=1))
+    if kind == "sft":
+        args = trl.SFTConfig(**{"bf16": False, **settings})
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
+                                 processing_class=tokenizer())
+    else:
+        trainer = Trainer(model=model, args=TrainingArguments(**settings), train_dataset=train,
+                          eval_dataset=evaluation, data_collator=padded_collator())
+    acceleration = accelerate(trainer, {"task": "causal_lm"}) if packed else None
+    return trainer, acceleration
+
+
+def losses(trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+@functools.lru_cache(maxsize=None)
+def padded_run(kind: str, lora: bool = False, accumulation: int = 1) -> tuple[list[float], float]:
+    trainer, _ = make_trainer(kind, packed=False, lora=lora, gradient_accumulation_steps=accumulation,
+                              per_device_train_batch_size=2 if accumulation > 1 else 4)
+    trainer.train()
+    return losses(trainer), trainer.evaluate()["eval_loss"]
+
+
+def assert_same_curve(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want) == STEPS
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=0)
+    assert want[-1] < want[0] - 0.05, "the reference did not train: the comparison would prove little"
+
+
+CURVES = {f"{kind}-{variant}": (kind, accumulation, lora) for kind in ("hf", "sft")
+          for variant, accumulation, lora in (("full", 1, False), ("accumulation4", 4, False), ("lora", 1, True))}
+
+
+@pytest.mark.parametrize("kind,accumulation,lora", CURVES.values(), ids=CURVES.keys())
+def test_loss_curve_equals_padded(kind, accumulation, lora):
+    want, want_eval = padded_run(kind, lora, accumulation)
+    trainer, acceleration = make_trainer(kind, packed=True, lora=lora, gradient_accumulation_steps=accumulation,
+                                         per_device_train_batch_size=2 if accumulation > 1 else 4)
+    assert acceleration.trainer_patch.kind == kind
+    trainer.train()
+    assert_same_curve(losses(trainer), want)
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(want_eval, abs=1e-5)
+
+
+def test_sft_metrics_are_recorded_like_trl():
+    """mean_token_accuracy, entropy and num_tokens (real tokens, no padding) match TRL's padded run."""
+    logged = {}
+    for packed in (False, True):
+        trainer, _ = make_trainer("sft", packed=packed, max_steps=4, logging_steps=2)
+        trainer.train()
+        logged[packed] = [entry for entry in trainer.state.log_history if "loss" in entry]
+    for want, got in zip(logged[False], logged[True]):
+        assert got["num_tokens"] == want["num_tokens"] > 0
+        assert got["mean_token_accuracy"] == pytest.approx(want["mean_token_accuracy"], abs=1e-6)
+        assert got["entropy"] == pytest.approx(want["entropy"], abs=1e-4)
+
+
+def test_gradient_checkpointing_gives_the_same_curve():
+    want, _ = padded_run("hf")
+    trainer, _ = make_trainer("hf", packed=True, activation_checkpointing=True)
+    trainer.train()
+    assert trainer.model.is_activation_checkpointing
+    assert_same_curve(losses(trainer), want)
+
+
+def test_trl_packed_rows_are_split_back_into_examples():
+    """Rows packed by TRL (``seq_lengths``) survive column removal and never attend across their examples."""
+    examples = rows()
+    packs = []
+    for i in range(0, len(examples), 2):
+        pair = examples[i : i + 2]
+        packs.append({"input_ids": sum((ex["input_ids"] for ex in pair), []),
+                      "labels": sum((ex["labels"] for ex in pair), []),
+                      "seq_lengths": [len(ex["input_ids"]) for ex in pair], "source": "packed"})
+    assert split_packed_row(packs[0]) == [{"source": "packed", **{k: ex[k] for k in ("input_ids", "labels")}}
+                                          for ex in examples[:2]]
+    trainer, _ = make_trainer("hf", packed=True, train=datasets.Dataset.from_list(packs), max_steps=3,
+                              per_device_train_batch_size=2)
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert batch["cu_seq_lens_q"].numel() == 5  # 2 rows of 2 examples each
+    trainer.train()
+
+
+def test_evaluate_and_predict_are_padding_free_and_metrics_see_padded_shapes():
+    seen = []
+    padded, _ = make_trainer("hf", packed=False)
+    packed, acceleration = make_trainer("hf", packed=True)
+    hook = acceleration.assembly.model.register_forward_pre_hook(lambda m, a, k: seen.append(k), with_kwargs=True)
+    try:
+        got = packed.predict(packed.eval_dataset)
+    finally:
+        hook.remove()
+    want = padded.predict(padded.eval_dataset)
+    assert seen and all("cu_seq_lens_q" in k and "attention_mask" not in k for k in seen)
+    assert got.metrics["test_loss"] == pytest.approx(want.metrics["test_loss"], abs=1e-5)
+    assert got.predictions.shape == want.predictions.shape and got.label_ids.shape == want.label_ids.shape
+    # each example's first label is -100 in a packed batch (a causal LM never predicts it); the rest is the user's
+    assert (got.label_ids[:, 0] == -100).all() and (got.label_ids[:, 1:] == want.label_ids[:, 1:]).all()
+    real = want.label_ids != -100
+    torch.testing.assert_close(torch.tensor(got.predictions[real]), torch.tensor(want.predictions[real]),
+                               atol=1e-5, rtol=1e-5)
+
+    def accuracy(prediction):
+        logits, labels = prediction.predictions[:, :-1], prediction.label_ids[:, 1:]
+        mask = labels != -100
+        return {"accuracy": float((logits.argmax(-1) == labels)[mask].mean())}
+
+    for trainer in (padded, packed):
+        trainer.compute_metrics = accuracy
+    assert packed.evaluate()["eval_accuracy"] == pytest.approx(padded.evaluate()["eval_accuracy"])
+
+
+def test_undo_restores_the_trainer_and_the_model():
+    trainer, _ = make_trainer("hf", packed=False)
+    before = {name: getattr(trainer, name) for name in ("data_collator", "compute_loss", "prediction_step")}
+    trainer._set_signature_columns_if_needed()
+    columns = list(trainer._signature_columns)
+    acceleration = accelerate(trainer, {"task": "causal_lm"})
+    assert isinstance(trainer.data_collator, TrainerCollator) and "compute_loss" in vars(trainer)
+    with pytest.raises(PadfreeError, match="already padding-free"):
+        accelerate(trainer, {"task": "causal_lm"})
+    acceleration.undo()
+    acceleration.undo()  # twice is harmless
+    assert trainer.data_collator is before["data_collator"]
+    assert "compute_loss" not in vars(trainer) and "prediction_step" not in vars(trainer)
+    assert trainer.compute_loss == before["compute_loss"] and trainer._signature_columns == columns
+    assert patch_of(trainer.model) is None and trainer.model.config._attn_implementation == "sdpa"
+    trainer.train()  # padded again
+    assert_same_curve(losses(trainer), padded_run("hf")[0])
+
+
+def test_generate_after_training_works_as_usual():
+    trainer, acceleration = make_trainer("hf", packed=True, max_steps=5)
+    trainer.train()
+    model = trainer.model.eval()
+    prompt = torch.tensor([[7, 8, 9, 10], [1, 1, 11, 12]])  # the second row left-padded
+    kwargs = dict(attention_mask=torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]), max_new_tokens=6, do_sample=False,
+                  pad_token_id=1)
+    patched = model.generate(prompt, **kwargs)
+    acceleration.undo()
+    assert patched.shape == (2, 10) and torch.equal(patched, model.generate(prompt, **kwargs))
+
+
+def test_average_tokens_across_devices_scales_like_the_trainer(monkeypatch):
+    """With 2 processes, the loss normalised by every rank's token count is multiplied back by 2, as HF does."""
+    examples = rows(6)
+    reference, _ = make_trainer("hf", packed=False)
+    trainer, acceleration = make_trainer("hf", packed=True)
+    monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda self: 2))
+    items = torch.tensor(sum(sum(label != -100 for label in ex["labels"][1:]) for ex in examples) * 2)
+    batch = trainer._prepare_inputs(acceleration.assembly.collator(examples))
+    for average in (True, False):
+        for t in (reference, trainer):
+            t.args.average_tokens_across_devices = average
+        padded = padded_collator()([{k: ex[k] for k in ("input_ids", "labels")} for ex in examples])
+        want = Trainer.compute_loss(reference, reference.model, padded, num_items_in_batch=items)
+        got = trainer.compute_loss(trainer.model, batch, num_items_in_batch=items)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_sft_with_its_own_padding_free_flag_is_taken_over():
+    """TRL's padding_free=True (which needs max_length=None) builds its own collator; ours replaces it."""
+    trainer, _ = make_trainer("sft", packed=True, padding_free=True, max_length=None, max_steps=3)
+    assert isinstance(trainer.data_collator, TrainerCollator)
+    trainer.train()
+
+
+def test_a_collator_with_logic_of_its_own_is_refused():
+    """A custom collator may build labels (e.g. masking prompts); replacing it silently would change training."""
+    trainer, _ = make_trainer("hf", packed=False)
+    trainer.data_collator = lambda rows: padded_collator()(rows)
+    with pytest.raises(PadfreeError, match="data_collator is .*<lambda>.*dataset.map"):
+        accelerate(trainer, {"task": "causal_lm"})
+    assert patch_of(trainer.model) is None
+    trainer.data_collator = None  # the documented way out for a collator that only pads
+    accelerate(trainer, {"task": "causal_lm"}).undo()
+
+
+def test_unknown_trainer_subclass_is_refused_and_the_model_restored():
+    class CustomLoss(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
+    trainer = CustomLoss(model=model, args=TrainingArguments(output_dir=tempfile.mkdtemp(), report_to="none"),
+                         train_dataset=datasets.Dataset.from_list(rows(8)))
+    with pytest.raises(PluginError, match="no plugin knows how to make CustomLoss padding-free"):
+        accelerate(trainer, {"task": "causal_lm"})
+    assert patch_of(model) is None
+
+
+def test_bad_dataset_is_refused_before_training():
+    bad = rows(8)
+    bad[5] = {**bad[5], "labels": bad[5]["labels"][:-1]}
+    with pytest.raises(BatchError, match="example 5 of the train dataset: 'labels' has"):
+        make_trainer("hf", packed=True, train=datasets.Dataset.from_list(bad))
+    too_long = rows(8, longest=300)
+    with pytest.raises(BatchError, match="the model takes at most 256"):
+        make_trainer("hf", packed=True, train=datasets.Dataset.from_list(too_long))
+
+
+def test_token_budget_batching_replaces_the_train_dataloader():
+    """``batching.strategy: tokens`` in the config: micro-batches filled up to the budget (padfree_plugins.sampler)."""
+    trainer, _ = make_trainer("hf", packed=False, max_steps=3)
+    acceleration = accelerate(trainer, {"task": "causal_lm",
+                                        "batching": {"strategy": "tokens", "max_tokens_per_batch": 128}})
+    batches = list(trainer.get_train_dataloader())
+    assert sum(b["cu_seq_lens_q"].numel() - 1 for b in batches) == 64  # every example once per epoch
+    assert all(b["input_ids"].shape[-1] <= 128 for b in batches) and len(batches) < 64 / 4
+    trainer.train()
+    acceleration.undo()
+    assert "get_train_dataloader" not in vars(trainer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["hf", "sft"])
+def test_bf16_training_on_gpu_follows_the_padded_curve(kind):
+    """On CUDA with bf16 autocast the fast backend (varlen / flash_attn) runs; the curve matches to bf16 rounding."""
+    curves = {}
+    for packed in (False, True):
+        trainer, acceleration = make_trainer(kind, packed=packed, bf16=True, max_steps=10)
+        trainer.train()
+        curves[packed] = losses(trainer)[:10]
+        if acceleration:
+            assert acceleration.assembly.plan.backend.name in ("varlen", "flash_attn")
+    torch.testing.assert_close(torch.tensor(curves[True]), torch.tensor(curves[False]), atol=3e-2, rtol=1e-2)
