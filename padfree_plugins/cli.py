@@ -125,6 +125,33 @@ def demo(
     console.print("max |diff|: largest difference between padded and padding-free hidden states of any example.")
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, add_help_option=False)
+def train(ctx: typer.Context) -> None:
+    """Fine-tune a causal LM padding-free with HF Trainer. Every TrainingArguments flag passes through, plus
+    --acceleration_config padfree.yaml, --model_name_or_path / --model_config, --dataset (see --help). Without
+    a model or a dataset: trains a tiny Llama on the instruction dataset shipped with padfree-plugins."""
+    from .train import run_train
+
+    try:
+        report = run_train(ctx.args, print_fn=lambda line: console.print(line, highlight=False))
+    except (PadfreeError, OSError) as error:
+        _fail(error)
+    table = Table(title="training loss (padding-free)")
+    for column in ("step", "loss", ""):
+        table.add_column(column, justify="right" if column else "left")
+    losses = [loss for _, loss in report.losses]
+    low, high = (min(losses), max(losses)) if losses else (0.0, 1.0)
+    for step, loss in report.losses:
+        width = 1 + int(39 * (loss - low) / (high - low)) if high > low else 1
+        table.add_row(str(step), f"{loss:.4f}", "█" * width)
+    console.print(table)
+    if report.eval_before is not None:
+        console.print(f"eval loss: {report.eval_before:.4f} before training -> {report.eval_after:.4f} after",
+                      highlight=False)
+    console.print(f"{report.steps} steps in {report.runtime_s:.1f} s, {report.tokens:,} real tokens "
+                  f"({report.tokens_per_s:,.0f} tokens/s, no padding)", highlight=False)
+
+
 bench_app = typer.Typer(help="Benchmarks: side-by-side ratios measured in one run.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
@@ -148,6 +175,149 @@ def bench_collator(
     for r in results:
         table.add_row(str(r.batch_size), f"{r.ours_ms:.3f}", f"{r.hf_ms:.3f}", f"{r.ratio:.2f}")
     console.print(table)
+
+
+@bench_app.command("embedding")
+def bench_embedding(
+    device: Annotated[str, typer.Option(help="cpu or cuda (cuda fails loudly without a GPU).")] = "cpu",
+    dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16 … (default: float32 on cpu, bfloat16 "
+                                                      "on cuda).")] = None,
+    workload: Annotated[Optional[list[str]], typer.Option(
+        help="task:model:batch_size:median, repeatable (task embedding or reranker; model minilm, bert-base or "
+             "tiny). Default: the real all-MiniLM-L6-v2 on cpu, BERT-base shapes on cuda.")] = None,
+    batches: Annotated[int, typer.Option(help="Timed batches per round.")] = 3,
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds (the fastest round of each side counts).")] = 3,
+    attention: Annotated[str, typer.Option(help="Attention backend of the padding-free side.")] = "auto",
+    threads: Annotated[Optional[int], typer.Option(help="torch intra-op threads (1 on a busy shared machine).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Embedding and reranker training steps, padded vs padding-free, interleaved in one run."""
+    from .benchmarks.embedding import parse_workload, run_embedding_benchmark
+
+    try:
+        workloads = tuple(parse_workload(w) for w in workload) if workload else None
+        results = run_embedding_benchmark(workloads, device=device, dtype=dtype, batches=batches, rounds=rounds,
+                                          attention=attention, threads=threads)
+    except PadfreeError as error:
+        _fail(error)
+    if as_json:
+        print(json.dumps([{k: v for k, v in r.as_dict().items() if k != "losses"} for r in results], indent=2))
+        return
+    table = Table(title="training step (fwd + bwd), padded vs padding-free, same weights and batches; "
+                        "real (non-pad) tokens/s")
+    for column in ("task", "model", "batch", "padding", "padded tok/s", "padfree tok/s", "speedup", "ideal",
+                   "of ideal", "padded MiB", "padfree MiB", "max |loss diff|", "max |out diff|", "backend"):
+        table.add_column(column, justify="right")
+    for r in results:
+        table.add_row(r.task, r.model, f"{r.batch_size} (median {r.median:g})", f"{r.padding_fraction:.0%}",
+                      f"{r.padded_tokens_per_s:,.0f}", f"{r.padfree_tokens_per_s:,.0f}", f"{r.speedup:.2f}x",
+                      f"{r.ideal_speedup:.2f}x", f"{r.of_ideal:.0%}", f"{r.padded_memory_mib:,.0f}",
+                      f"{r.padfree_memory_mib:,.0f}", f"{r.max_loss_diff:.1e}", f"{r.max_output_diff:.1e}",
+                      f"{r.backend} {r.device} {r.dtype}")
+    console.print(table)
+    if results:
+        console.print(f"memory: {results[0].memory_kind}; ideal = 1 / (1 - padding fraction).", highlight=False)
+
+
+@bench_app.command("sft")
+def bench_sft(
+    device: Annotated[str, typer.Option(help="cpu, or cuda / cuda:N (fails if CUDA is missing).")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
+    model_size: Annotated[str, typer.Option(help="tiny (4 layers, d=256), 1b (TinyLlama 1.1B shape), micro.")] = "tiny",
+    batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "4,16",
+    laws: Annotated[str, typer.Option(help="Comma-separated length laws: lognormal (median 120, sigma 0.6), "
+                                           "mix (80% median 40, 20% median 600).")] = "lognormal,mix",
+    batches: Annotated[int, typer.Option(help="Distinct batches per (law, batch size).")] = 4,
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds; figures are medians over rounds.")] = 3,
+    warmup: Annotated[int, typer.Option(help="Untimed warm-up steps per variant.")] = 1,
+    max_length: Annotated[int, typer.Option(help="Longest example (lengths are clipped).")] = 2048,
+    threads: Annotated[Optional[int], typer.Option(help="torch intra-op threads. Default on CPU: 1 (on a shared "
+                                                       "machine, OpenMP barriers on contended cores otherwise "
+                                                       "dominate small kernels); on CUDA: torch's choice.")] = None,
+    out: Annotated[Path, typer.Option(help="Directory for bench_sft.json and bench_sft.png.")] = Path("out/bench-sft"),
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Causal-LM training step: padded vs HF native packing vs padfree-plugins, same model and batches, one run."""
+    import torch
+
+    from .benchmarks.sft import BenchSettings, run_sft_benchmark, write_outputs
+
+    if threads is not None or device == "cpu":
+        torch.set_num_threads(threads or 1)
+    settings = BenchSettings(device=device, dtype=dtype, model_size=model_size,
+                             batch_sizes=tuple(int(b) for b in batch_sizes.split(",")),
+                             laws=tuple(law.strip() for law in laws.split(",")), batches=batches, rounds=rounds,
+                             warmup=warmup, max_length=max_length)
+    try:
+        result = run_sft_benchmark(settings, progress=None if as_json else
+                                   (lambda line: console.print(line, highlight=False)))
+    except PadfreeError as error:
+        _fail(error)
+    paths = write_outputs(result, out)
+    if as_json:
+        print(result.to_json())
+        return
+    kind = result.rows[0].memory_kind if result.rows else ""
+    table = Table(title=f"SFT step (fwd + bwd), Llama {model_size}, {dtype}, {result.environment['device']}: "
+                        "real tokens/s, medians of interleaved rounds")
+    for column in ("law", "batch", "padding", "variant", "tokens/s", "step ms", "vs padded", "vs HF native",
+                   f"memory MiB ({kind})", "loss rel. diff", "attention"):
+        table.add_column(column, justify="right")
+    for r in result.rows:
+        table.add_row(r.law, str(r.batch_size), f"{r.padding_fraction:.0%}", r.variant, f"{r.tokens_per_s:,.0f}",
+                      f"{r.step_ms:,.1f}", f"{r.speedup_vs_padded:.2f}x",
+                      "-" if r.variant != "padfree" else f"{r.speedup_vs_hf:.2f}x", f"{r.memory_bytes / 2**20:,.1f}",
+                      f"{r.loss_rel_diff:.1e}", r.backend)
+    console.print(table)
+    console.print(f"environment: {result.environment}", highlight=False)
+    console.print(f"wrote {paths['json']} and {paths['png']}", highlight=False)
+
+
+@bench_app.command("batching")
+def bench_batching(
+    examples: Annotated[int, typer.Option(help="Examples per length law (balance part).")] = 20000,
+    max_tokens: Annotated[int, typer.Option(help="Token budget per micro-batch (balance part).")] = 4096,
+    ranks: Annotated[str, typer.Option(help="Comma-separated simulated rank counts.")] = "2,8",
+    laws: Annotated[str, typer.Option(help="Comma-separated length laws: lognormal, mix.")] = "lognormal,mix",
+    time_steps: Annotated[int, typer.Option(help="Steps timed per batching (throughput part; 0 skips it).")] = 8,
+    time_max_tokens: Annotated[int, typer.Option(help="Token budget of the timed micro-batches.")] = 2048,
+    time_law: Annotated[str, typer.Option(help="Length law of the timed run.")] = "lognormal",
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+) -> None:
+    """Example-count vs token-budget batching across simulated ranks: token spread, padding, real tokens/s."""
+    from .benchmarks.batching import gain, run_balance, run_throughput
+
+    rank_counts = tuple(int(n) for n in ranks.split(","))
+    try:
+        balance = run_balance(tuple(laws.split(",")), rank_counts, examples, max_tokens)
+        timed = run_throughput(time_law, rank_counts, time_steps, time_max_tokens) if time_steps > 0 else []
+    except (PadfreeError, ValueError) as error:
+        _fail(error)
+    if as_json:
+        print(json.dumps({"balance": [r.__dict__ for r in balance],
+                          "throughput": [{**r.__dict__, "tokens_per_s": r.tokens_per_s} for r in timed],
+                          "gain": gain(timed)}, indent=2, default=float))
+        return
+    table = Table(title=f"rank balance per step, one epoch of {examples:,} examples (budget {max_tokens} tokens)")
+    for column in ("law", "ranks", "batching", "steps", "tokens / micro-batch", "spread mean", "spread max",
+                   "padding if padded", "idle (sync wait)"):
+        table.add_column(column, justify="right")
+    for r in balance:
+        table.add_row(r.law, str(r.ranks), r.batching, str(r.steps), f"{r.tokens_per_micro_batch:,.0f}",
+                      f"{r.spread_mean:.3f}", f"{r.spread_max:.3f}", f"{r.padding:.1%}", f"{r.idle:.1%}")
+    console.print(table)
+    console.print("spread: max / min tokens over the ranks of a step. idle: rank time spent waiting for the slowest "
+                  "rank of each step.", highlight=False)
+    if timed:
+        gains = gain(timed)
+        table = Table(title=f"tiny Llama fwd+bwd per rank, step time = slowest rank ({time_law}, {time_steps} steps)")
+        for column in ("ranks", "batching", "real tokens", "spread mean", "seconds", "real tok/s", "gain"):
+            table.add_column(column, justify="right")
+        for r in timed:
+            mark = f"{gains[r.ranks]:.2f}x" if r.batching.startswith("tokens") and r.ranks in gains else ""
+            table.add_row(str(r.ranks), r.batching, f"{r.real_tokens:,}", f"{r.spread_mean:.3f}",
+                          f"{r.seconds:.2f}", f"{r.tokens_per_s:,.0f}", mark)
+        console.print(table)
 
 
 def main() -> None:

@@ -34,9 +34,12 @@ def unwrap_model(model: Any) -> Any:
             model = model.get_base_model()
         elif hasattr(model, "module") and isinstance(getattr(model, "module"), torch.nn.Module):  # DDP
             model = model.module
+        elif isinstance(model, torch.nn.Sequential) and len(model) and hasattr(model[0], "auto_model"):
+            model = model[0].auto_model  # sentence-transformers: the transformers model of its Transformer module
     if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
         raise UnsupportedArchitectureError(
-            f"{type(model).__name__} is not a transformers PreTrainedModel (nor a peft / DDP wrapper of one)"
+            f"{type(model).__name__} is not a transformers PreTrainedModel (nor a peft / DDP / "
+            "sentence-transformers wrapper of one)"
         )
     return model
 

@@ -98,6 +98,10 @@ def exact_varlen(
     distinct lengths, not of examples. No work is spent on padding; nothing crosses an example boundary.
     """
     key, value = _expand_kv(key, value, query.shape[1])
+    if cu_seq_lens_k is cu_seq_lens_q or (cu_seq_lens_k.shape == cu_seq_lens_q.shape
+                                          and torch.equal(cu_seq_lens_k, cu_seq_lens_q)):
+        return _self_attention_by_length(query, key, value, cu_seq_lens_q, causal=causal, scale=scale,
+                                         window=window, softcap=softcap, dropout=dropout)
     q_all, k_all, v_all = (t.transpose(0, 1) for t in (query, key, value))  # [H, T, D]
     bounds_q = cu_seq_lens_q.tolist()
     bounds_k = bounds_q if cu_seq_lens_k is cu_seq_lens_q else cu_seq_lens_k.tolist()
@@ -114,6 +118,50 @@ def exact_varlen(
         for j, i in enumerate(members):
             pieces[i] = out[j]
     return torch.cat(pieces, dim=1).transpose(0, 1)  # [T, H, D]
+
+
+def _self_attention_by_length(query, key, value, cu_seq_lens, **options) -> torch.Tensor:
+    """:func:`exact_varlen` when queries and keys share their boundaries (self-attention, the usual case).
+
+    The tokens are reordered once so that examples of equal length sit together (one ``index_select`` per
+    tensor), each length group is a contiguous block viewed as ``[examples, L, H, D]`` (``split``, no copy),
+    and the output is put back in order with one more ``index_select``. The backward pass is then a few
+    gathers and one ``cat`` instead of a zero-filled full-size gradient per example slice.
+    """
+    lengths = cu_seq_lens.diff().long().cpu()
+    order = torch.sort(lengths, stable=True).indices
+    sorted_lengths = lengths[order]
+    starts = cu_seq_lens[:-1].long().cpu()[order]
+    total = query.shape[0]
+    moved = starts - (torch.cumsum(sorted_lengths, 0) - sorted_lengths)
+    perm = torch.repeat_interleave(moved, sorted_lengths, output_size=total) + torch.arange(total)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(total)
+    perm, inverse = perm.to(query.device), inverse.to(query.device)
+    group_lengths, counts = (t.tolist() for t in torch.unique_consecutive(sorted_lengths, return_counts=True))
+    sizes = [n * m for n, m in zip(group_lengths, counts)]
+    q_groups, k_groups, v_groups = (torch.split(_PermuteRows.apply(t, perm, inverse), sizes)
+                                    for t in (query, key, value))
+    outputs = []
+    for n, m, q, k, v in zip(group_lengths, counts, q_groups, k_groups, v_groups):
+        q, k, v = (t.view(m, n, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))  # [m, H, n, D]
+        out = attend(q, k, v, **options)
+        outputs.append(out.transpose(1, 2).reshape(m * n, out.shape[1], out.shape[-1]))  # [m * n, H, D]
+    return _PermuteRows.apply(torch.cat(outputs), inverse, perm)  # [T, H, D]
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``x[perm]`` for a permutation: the backward is the inverse gather (no scatter-add, no zero fill)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
 
 
 # -- torch varlen_attn (CUDA, FlashAttention-2 inside ATen) -----------------------------------------------------

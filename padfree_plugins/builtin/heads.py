@@ -1,0 +1,171 @@
+"""Per-example heads on a packed row: run the model's base once, pool one vector per example, apply the model's
+own head modules to those vectors.
+
+transformers' ``*ForSequenceClassification`` heads pool one token per *row*, so on a packed ``[1, T]`` row they
+would return one result for ``n`` examples. Here the base model runs packed, the token each head reads is
+gathered per example (CLS at ``cu[:-1]``, the last token at ``cu[1:] - 1``, or ModernBERT's mean) and the
+head's own modules (pooler, dropout, dense layers, ``score``) run on ``[n, H]`` — the same weights and the same
+arithmetic as the padded forward, with no padding.
+
+A model family missing from :data:`SEQUENCE_HEADS` is refused with an error saying how to add it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from functools import lru_cache
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..batch import BOUNDARY_KEYS
+from ..errors import UnsupportedArchitectureError
+from ..patching import unwrap_model
+from ..pooling import FirstTokenPooler, LastTokenPooler, MeanPooler
+
+_first, _last, _mean = FirstTokenPooler(), LastTokenPooler(), MeanPooler()
+
+
+@lru_cache(maxsize=64)
+def _forward_parameters(cls: type) -> frozenset[str]:
+    return frozenset(inspect.signature(cls.forward).parameters)
+
+
+def call_model(model: Any, compute: Callable[[Any], Any]) -> Any:
+    """``compute(inner)`` for the transformers model ``inner`` inside ``model``, run *as its forward* through every
+    wrapper around it (DDP, FSDP, peft), so that the wrappers do what they do around a forward — DDP prepares the
+    gradient all-reduce, which it skips for submodules called directly. A bare model is computed directly.
+
+    The forward is replaced for the duration of the call only (an instance attribute, removed in ``finally``).
+    """
+    inner = unwrap_model(model)
+    if model is inner:
+        return compute(inner)
+    if "forward" in inner.__dict__:
+        raise RuntimeError(f"{type(inner).__name__}.forward is already replaced on this instance (a nested call?)")
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        inner.__dict__.pop("forward", None)  # compute may call the model's own forward (a bare base model)
+        return compute(inner)
+
+    inner.forward = forward
+    try:
+        return model()
+    finally:
+        inner.__dict__.pop("forward", None)
+
+
+def base_model(model: Any) -> Any:
+    """The transformer body of a transformers model with a head (``model.bert``, ``model.model`` …)."""
+    return unwrap_model(model).base_model
+
+
+def run_base(model: Any, batch: Mapping) -> torch.Tensor:
+    """The packed last hidden states ``[1, T, H]`` of ``model``'s base on a packed batch (no KV cache)."""
+    base = base_model(model)
+    accepted = _forward_parameters(type(base))
+    inputs = {key: batch[key] for key in ("input_ids", "position_ids", *BOUNDARY_KEYS) if key in batch}
+    if "token_type_ids" in batch and "token_type_ids" in accepted:
+        inputs["token_type_ids"] = batch["token_type_ids"]
+    if "use_cache" in accepted:
+        inputs["use_cache"] = False
+    return base(**inputs).last_hidden_state
+
+
+# -- sequence-classification heads, one per model family: (model, packed hidden [1, T, H], batch) -> [n, labels] --
+
+
+def _bert_head(model, hidden, batch):
+    """BERT: CLS -> pooler (dense + tanh) -> dropout -> classifier."""
+    pooled = model.bert.pooler(_first(hidden, batch).unsqueeze(1))
+    return model.classifier(model.dropout(pooled))
+
+
+def _classification_head_module(model, hidden, batch):
+    """RoBERTa / XLM-R / ELECTRA: ``model.classifier`` takes ``features[:, 0]`` of ``[n, 1, H]``."""
+    return model.classifier(_first(hidden, batch).unsqueeze(1))
+
+
+def _distilbert_head(model, hidden, batch):
+    """DistilBERT: first token -> pre_classifier -> ReLU -> dropout -> classifier."""
+    pooled = torch.relu(model.pre_classifier(_first(hidden, batch)))
+    return model.classifier(model.dropout(pooled))
+
+
+def _modernbert_head(model, hidden, batch):
+    """ModernBERT: CLS or mean (``config.classifier_pooling``) -> head -> drop -> classifier."""
+    mode = model.config.classifier_pooling
+    if mode not in ("cls", "mean"):
+        raise UnsupportedArchitectureError(f"ModernBERT classifier_pooling {mode!r} is not supported (cls, mean)")
+    pooled = _first(hidden, batch) if mode == "cls" else _mean(hidden, batch)
+    return model.classifier(model.drop(model.head(pooled)))
+
+
+def _score_head(model, hidden, batch):
+    """Decoders (Llama, Qwen2/3, Mistral …): the last token of every example -> ``score``."""
+    return model.score(_last(hidden, batch))
+
+
+#: ``config.model_type`` -> head function. Decoders with a ``score`` layer need no entry.
+SEQUENCE_HEADS: dict[str, Callable] = {
+    "bert": _bert_head,
+    "roberta": _classification_head_module,
+    "xlm-roberta": _classification_head_module,
+    "electra": _classification_head_module,
+    "distilbert": _distilbert_head,
+    "modernbert": _modernbert_head,
+}
+
+
+def sequence_head(model: Any) -> Callable:
+    """The head function for a transformers ``*ForSequenceClassification`` model."""
+    inner = unwrap_model(model)
+    head = SEQUENCE_HEADS.get(inner.config.model_type)
+    if head is not None:
+        return head
+    if isinstance(getattr(inner, "score", None), torch.nn.Module):
+        return _score_head
+    raise UnsupportedArchitectureError(
+        f"{type(inner).__name__}: padfree-plugins does not know how this sequence-classification head pools "
+        f"(model type {inner.config.model_type!r}). Supported: {', '.join(SEQUENCE_HEADS)} and decoders with a "
+        "`score` layer. A plugin can add it with a task_forward hook (docs/writing-a-plugin.md)."
+    )
+
+
+def sequence_logits(model: Any, batch: Mapping) -> torch.Tensor:
+    """Per-example logits ``[n, num_labels]`` of a ``*ForSequenceClassification`` model on a packed batch."""
+    head = sequence_head(model)
+    return head(unwrap_model(model), run_base(model, batch), batch)
+
+
+# -- generative scoring (yes / no token logits of a causal LM) --------------------------------------------------
+
+
+def token_logits(model: Any, batch: Mapping, token_ids: torch.Tensor) -> torch.Tensor:
+    """The logits of ``token_ids`` (int64 ``[k]``) at every example's last token: ``[n, k]``.
+
+    Only those ``k`` rows of the LM head are multiplied (never the whole vocabulary); the output scaling a model
+    applies to its logits (Cohere ``logit_scale``, Granite ``logits_scaling``, Gemma ``final_logit_softcapping``)
+    is applied the same way.
+    """
+    inner = unwrap_model(model)
+    head = inner.get_output_embeddings()
+    if head is None or not hasattr(head, "weight"):
+        raise UnsupportedArchitectureError(
+            f"{type(inner).__name__} has no language-model head: generative (yes/no) scoring needs a "
+            "*ForCausalLM model (load it with AutoModelForCausalLM)"
+        )
+    last = _last(run_base(inner, batch), batch)
+    token_ids = token_ids.to(head.weight.device)
+    bias = head.bias.index_select(0, token_ids) if getattr(head, "bias", None) is not None else None
+    logits = F.linear(last, head.weight.index_select(0, token_ids), bias)
+    text_config = inner.config.get_text_config()
+    if getattr(text_config, "logit_scale", None) is not None:
+        logits = logits * text_config.logit_scale
+    if getattr(text_config, "logits_scaling", None) is not None:
+        logits = logits / text_config.logits_scaling
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits

@@ -1,0 +1,180 @@
+"""Make a sentence-transformers model padding-free with any attention backend, and undo it.
+
+sentence-transformers 6 can already run text packed: its ``Transformer`` module "flattens" a batch when
+``can_flatten_inputs`` is set (its ``data_collator`` turns the tokenized texts into one row with
+``cu_seq_lens_q``), and its ``Pooling`` module then reduces that row per text over ``cu_seq_lens_q`` (gather /
+``index_add``, no re-padding). It only switches this on for FlashAttention models, and never for a
+``CrossEncoder``, whose classification head pools one token per *row*.
+
+:func:`patch_module` switches it on for any backend, reusing all of that:
+
+1. the transformers model inside is patched by padfree-plugins (``padfree_<backend>`` attention, which keeps
+   every text to itself through the boundaries) — done by :func:`padfree_plugins.assemble`;
+2. the module's flattening switch is set, with padfree-plugins' packing collator (positions from the
+   architecture, e.g. from 2 for XLM-R; int32 ``cu_seq_lens``; python-int max lengths, so no device sync);
+3. for a ``CrossEncoder`` the module's forward runs the base model packed and the model's own head on every
+   text's pooled token (:func:`padfree_plugins.builtin.heads.sequence_logits`).
+
+Everything after the ``Transformer`` module must understand packed features: ``Pooling`` (all its modes,
+``include_prompt=False`` too), and the modules that act on the pooled vector or per token (``Dense``,
+``Normalize``, ``LayerNorm``, ``Dropout``). Anything else is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from padfree_plugins import PackingCollator, assemble, load_config
+from padfree_plugins.batch import BOUNDARY_KEYS
+from padfree_plugins.builtin.heads import sequence_logits
+from padfree_plugins.errors import ConfigError, UnsupportedArchitectureError
+
+#: sentence-transformers modules that work on a packed row (after the Transformer module).
+PACKED_SAFE_MODULES = frozenset({"Pooling", "Normalize", "Dense", "LayerNorm", "Dropout"})
+#: The Transformer module tasks this integration runs, and the padfree task the inner model is assembled for.
+MODULE_TASKS = {"feature-extraction": "hidden_states", "sequence-classification": "seq_cls"}
+_MISSING = object()
+_SAVED = ("can_flatten_inputs", "data_collator", "_flatten_position_offset", "model_forward_params", "forward")
+
+
+def transformer_module(model: Any) -> Any:
+    """The first (``Transformer``) module of a ``SentenceTransformer`` / ``CrossEncoder``, checked."""
+    from sentence_transformers.base.modules.transformer import Transformer
+
+    if not len(model) or not isinstance(model[0], Transformer):
+        first = type(model[0]).__name__ if len(model) else "nothing"
+        raise UnsupportedArchitectureError(
+            f"{type(model).__name__} starts with {first}, not a sentence-transformers Transformer module: only models "
+            "whose first module is a Transformer (not a Router, StaticEmbedding …) can run padding-free"
+        )
+    module = model[0]
+    if module.transformer_task not in MODULE_TASKS:
+        raise UnsupportedArchitectureError(
+            f"the Transformer module's task is {module.transformer_task!r}; padding-free runs "
+            f"{' and '.join(MODULE_TASKS)} (SentenceTransformer embeddings, CrossEncoder scores)"
+        )
+    if getattr(module, "_unpad_inputs", None) is False:
+        raise ConfigError("this model's Transformer module has unpad_inputs=False (the model cannot take flattened "
+                          "inputs); leave it unset to run padding-free")
+    for later in list(model)[1:]:
+        name = type(later).__name__
+        if name not in PACKED_SAFE_MODULES or not type(later).__module__.startswith("sentence_transformers"):
+            raise UnsupportedArchitectureError(
+                f"{type(model).__name__} has a {name} module, which reads padded token embeddings; padding-free "
+                f"supports {', '.join(sorted(PACKED_SAFE_MODULES))} after the Transformer module"
+            )
+    return module
+
+
+def module_config(config: Any, module: Any) -> Any:
+    """The padfree config for the model inside ``module``: the user's, with the task the module implies."""
+    config = load_config(config)
+    if config.pooling is not None:
+        raise ConfigError(
+            f"pooling: {config.pooling} in the config: a sentence-transformers model pools with its own Pooling "
+            "module, which runs padding-free as configured; remove pooling from the config"
+        )
+    return dataclasses.replace(config, task=MODULE_TASKS[module.transformer_task])
+
+
+@dataclass
+class PackedHeadForward:
+    """A CrossEncoder Transformer module's forward: per-text head logits on packed features, else the original."""
+
+    module: Any
+
+    def __call__(self, features: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        if "cu_seq_lens_q" not in features:
+            return type(self.module).forward(self.module, features, **kwargs)
+        features[self.module.module_output_name] = sequence_logits(self.module.model, features)
+        return features
+
+
+@dataclass
+class ModulePatch:
+    """The changes :func:`patch_module` made to a Transformer module; :meth:`undo` restores it exactly."""
+
+    module: Any
+    saved: dict[str, Any] = field(default_factory=dict)
+    active: bool = True
+
+    def undo(self) -> None:
+        if not self.active:
+            return
+        for name, value in self.saved.items():
+            if value is _MISSING:
+                self.module.__dict__.pop(name, None)
+            else:
+                setattr(self.module, name, value)
+        self.active = False
+
+
+def patch_module(module: Any, collator: Any) -> ModulePatch:
+    """Switch the module's flattening on with ``collator``; per-text heads for sequence classification."""
+    patch = ModulePatch(module, {name: module.__dict__.get(name, _MISSING) for name in _SAVED})
+    module.can_flatten_inputs = True
+    module.data_collator = collator
+    module._flatten_position_offset = 0  # our collator already starts positions where the architecture does
+    if module.model_forward_params is not None:
+        module.model_forward_params = set(module.model_forward_params) | {"position_ids", *BOUNDARY_KEYS}
+    if module.transformer_task == "sequence-classification":
+        module.forward = PackedHeadForward(module)
+    return patch
+
+
+def packing_collator(assembly: Any, config: Any) -> PackingCollator:
+    """The collator the module flattens with: positions and limits from the assembly's plan and config."""
+    return PackingCollator(position_start=assembly.plan.position_start, max_length=config.max_length,
+                           on_overlong=config.on_overlong)
+
+
+@dataclass
+class PadfreeModel:
+    """A sentence-transformers model made padding-free by :func:`enable`; ``undo()`` restores it (model and
+    module). Also a context manager."""
+
+    model: Any
+    assembly: Any
+    patch: ModulePatch
+
+    def undo(self) -> None:
+        self.patch.undo()
+        self.assembly.undo()
+
+    def __enter__(self) -> "PadfreeModel":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.undo()
+
+
+def enable(model: Any, config: Any = None, *, host: Any = None) -> PadfreeModel:
+    """Make a ``SentenceTransformer`` or ``CrossEncoder`` padding-free: ``encode()`` / ``predict()`` and
+    training (any trainer or loss that calls the model) then run on packed rows with any attention backend.
+
+    ``config``: a padfree config (dict, YAML path, :class:`~padfree_plugins.PadfreeConfig`); ``attention`` picks
+    the backend (``exact`` on CPU); the task is implied by the model.
+    """
+    module = transformer_module(model)
+    config = module_config(config, module)
+    assembly = assemble(module.auto_model, config, host=host)
+    try:
+        patch = patch_module(module, packing_collator(assembly, config))
+    except BaseException:
+        assembly.undo()
+        raise
+    return PadfreeModel(model, assembly, patch)
+
+
+def encode(model: Any, inputs: Any, config: Any = None, **kwargs: Any) -> Any:
+    """``model.encode(inputs, **kwargs)`` padding-free (the model is restored afterwards)."""
+    with enable(model, config):
+        return model.encode(inputs, **kwargs)
+
+
+def predict(model: Any, inputs: Any, config: Any = None, **kwargs: Any) -> Any:
+    """``cross_encoder.predict(inputs, **kwargs)`` padding-free (the model is restored afterwards)."""
+    with enable(model, config):
+        return model.predict(inputs, **kwargs)

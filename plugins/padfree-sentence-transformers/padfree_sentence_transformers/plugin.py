@@ -1,0 +1,38 @@
+"""The padfree-plugins hook: ``padfree_plugins.accelerate(trainer, cfg)`` for sentence-transformers trainers.
+
+``SentenceTransformerTrainer`` and ``CrossEncoderTrainer`` (and subclasses) are recognised; any other trainer gets
+``None`` so that the next plugin answers. The trainer itself is left alone: its data collator tokenizes through
+``model.preprocess``, which — once the model's Transformer module is patched (:mod:`.model`) — packs every column
+into one row; its losses call the model, whose Pooling module pools per text and whose CrossEncoder head scores
+per text. ``undo()`` restores the module (``accelerate``'s own ``undo`` restores the model's attention).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from padfree_plugins import PadfreeError, hookimpl, unwrap_model
+
+from .model import module_config, packing_collator, patch_module, transformer_module
+
+TRAINERS = ("SentenceTransformerTrainer", "CrossEncoderTrainer")
+
+
+def trainer_kind(trainer: Any) -> str | None:
+    """The sentence-transformers trainer class ``trainer`` is (or derives from), or ``None``."""
+    for cls in type(trainer).__mro__:
+        if cls.__name__ in TRAINERS and cls.__module__.startswith("sentence_transformers"):
+            return cls.__name__
+    return None
+
+
+@hookimpl
+def wrap_trainer(trainer, assembly, config):
+    if trainer_kind(trainer) is None:
+        return None
+    model = trainer.model
+    module = transformer_module(model)
+    config = module_config(config, module)
+    if unwrap_model(model) is not assembly.model:
+        raise PadfreeError("the assembly was built for another model than trainer.model")
+    return patch_module(module, packing_collator(assembly, config))

@@ -1,0 +1,69 @@
+"""Shared by the task tests: the tiny encoder / decoder configs, padded reference batches, gradient checks."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.conftest import tiny_model
+
+#: Encoder architecture plugins and the overrides their tiny configs need.
+ENCODERS = {
+    "bert": {},
+    "roberta": {},
+    "xlm-roberta": {},
+    "distilbert": dict(hidden_dim=128),
+    "electra": dict(embedding_size=32),
+    "modernbert": dict(local_attention=4, global_attn_every_n_layers=2, num_hidden_layers=3, cls_token_id=0,
+                       sep_token_id=2),
+}
+#: Decoder architecture plugins (GQA) used as embedders, classifiers and rerankers.
+DECODERS = {
+    "llama": dict(num_key_value_heads=2),
+    "qwen2": dict(num_key_value_heads=2),
+    "qwen3": dict(num_key_value_heads=2, head_dim=16),
+}
+ARCHITECTURES = {**ENCODERS, **DECODERS}
+PAD = 1  # tiny configs' pad_token_id; example token ids start at 5
+
+
+def model_for(name: str, head: str = "base", **overrides):
+    return tiny_model(name, head=head, **{**ARCHITECTURES[name], **overrides})
+
+
+def padded(examples, keys=("input_ids",), pad=PAD):
+    """Right-padded ``[n, L_max]`` tensors of ``keys`` plus the attention mask (the reference batch)."""
+    longest = max(len(ex["input_ids"]) for ex in examples)
+    out = {}
+    for key in keys:
+        fill = pad if key == "input_ids" else 0
+        out[key] = torch.full((len(examples), longest), fill, dtype=torch.long)
+        for i, ex in enumerate(examples):
+            out[key][i, : len(ex[key])] = torch.tensor(ex[key])
+    lengths = torch.tensor([len(ex["input_ids"]) for ex in examples])
+    out["attention_mask"] = (torch.arange(longest)[None] < lengths[:, None]).long()
+    return out
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    """The parameters' gradients (cloned), then cleared."""
+    found = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return found
+
+
+def assert_grads_close(got: dict, want: dict, atol: float = 1e-4) -> None:
+    assert want, "the reference produced no gradients"
+    assert got.keys() == want.keys(), f"different parameters got gradients: {sorted(got.keys() ^ want.keys())}"
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=atol, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def pair_examples(lengths, seed: int = 0):
+    """Examples with token types: the first third of each is segment 0, the rest segment 1 (a sentence pair)."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        ids = torch.randint(5, 128, (n,), generator=generator).tolist()
+        first = max(1, n // 3) if n > 1 else 0
+        out.append({"input_ids": ids, "token_type_ids": [0] * first + [1] * (n - first)})
+    return out

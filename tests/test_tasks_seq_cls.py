@@ -1,0 +1,162 @@
+"""Task seq_cls: per-example heads on a packed row equal the model's own padded forward — logits, loss (every
+problem type) and gradients — for every encoder and decoder plugin; bad inputs are clear errors."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from padfree_plugins import BatchError, ConfigError, UnsupportedArchitectureError, assemble
+from tests.conftest import make_examples
+from tests.tasks_common import ARCHITECTURES, assert_grads_close, grads, model_for, padded, pair_examples
+
+CONFIG = "configs/seq_cls.yaml"
+PROBLEMS = {
+    "single_label": dict(num_labels=3),
+    "regression": dict(num_labels=1),
+    "multi_label": dict(num_labels=3, problem_type="multi_label_classification"),
+}
+
+
+def labelled(examples, problem):
+    for i, ex in enumerate(examples):
+        ex["label"] = {"single_label": i % 3, "regression": 0.5 * i - 1.0,
+                       "multi_label": [float(i % 2), 1.0, float(i % 3 == 0)]}[problem]
+    return examples
+
+
+def padded_reference(model, examples, keys=("input_ids",)):
+    """The model's own forward on a right-padded batch, with labels: (loss, logits, gradients)."""
+    inputs = padded(examples, keys)
+    labels = [ex["label"] for ex in examples]
+    labels = torch.tensor(labels, dtype=torch.long if isinstance(labels[0], int) else torch.float)
+    out = model(**inputs, labels=labels)
+    out.loss.backward()
+    return out.loss.detach(), out.logits.detach(), grads(model)
+
+
+def packed_run(model, examples, config=None):
+    assembly = assemble(model, config or CONFIG)
+    try:
+        batch = assembly.collator(examples)
+        out = assembly.forward(model, batch)
+        out.loss.backward()
+        return out.loss.detach(), out.logits.detach(), grads(model)
+    finally:
+        assembly.undo()
+
+
+@pytest.mark.parametrize("problem", PROBLEMS)
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_logits_loss_and_gradients_equal_padded(name, problem):
+    model = model_for(name, head="seq_cls", **PROBLEMS[problem])
+    examples = labelled(make_examples([1, 13, 7, 30, 7]), problem)  # a one-token example, equal lengths
+    want_loss, want_logits, want_grads = padded_reference(model, examples)
+    loss, logits, got_grads = packed_run(model, examples)
+    torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loss, want_loss, atol=1e-5, rtol=1e-5)
+    assert_grads_close(got_grads, want_grads)
+
+
+@pytest.mark.parametrize("name", ["bert", "llama"])
+def test_batch_of_one(name):
+    model = model_for(name, head="seq_cls", num_labels=3)
+    examples = labelled(make_examples([9]), "single_label")
+    want_loss, want_logits, want_grads = padded_reference(model, examples)
+    loss, logits, got_grads = packed_run(model, examples)
+    torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loss, want_loss, atol=1e-5, rtol=1e-5)
+    assert_grads_close(got_grads, want_grads)
+
+
+def test_modernbert_mean_classifier_pooling():
+    model = model_for("modernbert", head="seq_cls", num_labels=3, classifier_pooling="mean")
+    examples = labelled(make_examples([1, 11, 6]), "single_label")
+    want_loss, want_logits, want_grads = padded_reference(model, examples)
+    loss, logits, got_grads = packed_run(model, examples)
+    torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5)
+    assert_grads_close(got_grads, want_grads)
+
+
+@pytest.mark.parametrize("name", ["bert", "electra"])
+def test_sentence_pairs_carry_token_type_ids(name):
+    model = model_for(name, head="seq_cls", num_labels=3)
+    examples = labelled(pair_examples([2, 9, 17]), "single_label")
+    want_loss, want_logits, _ = padded_reference(model, examples, keys=("input_ids", "token_type_ids"))
+    loss, logits, _ = packed_run(model, examples, {"task": "seq_cls", "attention": "exact",
+                                                   "task_options": {"pairs": True}})
+    torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5)
+    # and the token types matter: without them the logits change
+    plain = [{"input_ids": ex["input_ids"], "label": ex["label"]} for ex in examples]
+    _, plain_logits, _ = packed_run(model, plain)
+    assert (plain_logits - logits).abs().max() > 1e-4
+
+
+def test_missing_token_type_ids_for_a_pair_model_is_an_error():
+    model = model_for("bert", head="seq_cls", num_labels=2)  # type_vocab_size=2
+    assembly = assemble(model, {"task": "seq_cls", "task_options": {"pairs": True}})
+    try:
+        with pytest.raises(BatchError, match=r"sentence pairs .*type_vocab_size=2.* no 'token_type_ids'"):
+            assembly.collator(make_examples([3, 4]))
+        one_segment = [{"input_ids": [5, 6, 7], "token_type_ids": [0, 0, 0]}]
+        with pytest.raises(BatchError, match=r"example 0 is marked as a sentence pair .* token_type_ids are all 0"):
+            assembly.collator(one_segment)
+    finally:
+        assembly.undo()
+
+
+def test_pairs_need_no_token_types_without_a_token_type_vocabulary():
+    model = model_for("distilbert", head="seq_cls", num_labels=2)  # no type_vocab_size
+    assembly = assemble(model, {"task": "seq_cls", "task_options": {"pairs": True}})
+    try:
+        assert "token_type_ids" not in assembly.collator(make_examples([3, 4]))
+    finally:
+        assembly.undo()
+
+
+def test_inference_batches_need_no_labels_and_labels_are_all_or_none():
+    model = model_for("bert", head="seq_cls", num_labels=2)
+    assembly = assemble(model, CONFIG)
+    try:
+        batch = assembly.collator(make_examples([3, 4]))
+        out = assembly.forward(model, batch)
+        assert out.loss is None and out.logits.shape == (2, 2)
+        examples = make_examples([3, 4])
+        examples[0]["label"] = 1
+        with pytest.raises(BatchError, match="present in some examples but not in example 1"):
+            assembly.collator(examples)
+    finally:
+        assembly.undo()
+
+
+def test_unknown_task_option_is_an_error():
+    model = model_for("bert", head="seq_cls")
+    with pytest.raises(ConfigError, match="'pair' is not an option of task 'seq_cls'. Did you mean 'pairs'"):
+        assemble(model, {"task": "seq_cls", "task_options": {"pair": True}})
+
+
+def test_unknown_head_is_refused():
+    from padfree_plugins.builtin.heads import sequence_head
+
+    class Strange(torch.nn.Module):
+        config = type("C", (), {"model_type": "strange"})()
+
+        def set_attn_implementation(self, name):
+            pass
+
+    with pytest.raises(UnsupportedArchitectureError, match="does not know how this sequence-classification head"):
+        sequence_head(Strange())
+
+
+def test_collator_and_forward_pickle():
+    model = model_for("bert", head="seq_cls", num_labels=2)
+    assembly = assemble(model, CONFIG)
+    try:
+        collator, forward = pickle.loads(pickle.dumps((assembly.collator, assembly.forward)))
+        examples = labelled(make_examples([3, 5]), "single_label")
+        torch.testing.assert_close(forward(model, collator(examples)).logits,
+                                   assembly.forward(model, assembly.collator(examples)).logits)
+    finally:
+        assembly.undo()

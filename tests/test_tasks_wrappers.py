@@ -1,0 +1,82 @@
+"""Task forwards run *through* the wrappers around a model: peft (LoRA) and DistributedDataParallel. DDP must see
+the forward, or it never prepares the gradient all-reduce and ranks silently drift apart."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from padfree_plugins import assemble
+from tests.conftest import make_examples
+from tests.tasks_common import assert_grads_close, grads, model_for, padded
+
+peft = pytest.importorskip("peft")
+
+
+def labelled(lengths):
+    examples = make_examples(lengths)
+    for i, ex in enumerate(examples):
+        ex["label"] = i % 2
+    return examples
+
+
+def padded_reference(model, examples):
+    out = model(**padded(examples), labels=torch.tensor([ex["label"] for ex in examples]))
+    out.loss.backward()
+    return out.logits.detach(), grads(model)
+
+
+def test_lora_sequence_classification_equals_padded():
+    model = model_for("bert", head="seq_cls", num_labels=2)
+    model = peft.get_peft_model(model, peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, lora_dropout=0.0,
+                                                       target_modules=["query", "value"]))
+    examples = labelled([1, 9, 4, 15])
+    want_logits, want_grads = padded_reference(model, examples)
+    assembly = assemble(model, "configs/seq_cls.yaml")
+    try:
+        out = assembly.forward(model, assembly.collator(examples))
+        out.loss.backward()
+    finally:
+        assembly.undo()
+    torch.testing.assert_close(out.logits.detach(), want_logits, atol=1e-5, rtol=1e-5)
+    got = grads(model)
+    assert any("lora_" in name for name in got) and any("classifier" in name for name in got)
+    assert_grads_close(got, want_grads)
+
+
+@pytest.fixture
+def process_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("task", ["seq_cls", "embedding"])
+def test_ddp_sees_the_forward(process_group, task):
+    head = "seq_cls" if task == "seq_cls" else "base"
+    model = model_for("bert", head=head, num_labels=2)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=task == "embedding")
+    calls = []
+    ddp.register_forward_pre_hook(lambda module, args: calls.append(type(module).__name__))
+    config = {"task": task, "attention": "exact"}
+    if task == "embedding":
+        config.update(pooling="mean", task_options={"loss": "MultipleNegativesRankingLoss"})
+        examples = [{"anchor_input_ids": a["input_ids"], "positive_input_ids": b["input_ids"]}
+                    for a, b in zip(make_examples([3, 7, 1]), make_examples([5, 2, 9], seed=1))]
+    else:
+        examples = labelled([3, 7, 1])
+    assembly = assemble(ddp, config)
+    try:
+        batch = assembly.collator(examples)
+        for _ in range(2):  # a second step: DDP raises if the first reduction never happened
+            assembly.forward(ddp, batch).loss.backward()
+        with_ddp = grads(model)
+        for _ in range(2):
+            assembly.forward(model, batch).loss.backward()
+        alone = grads(model)
+    finally:
+        assembly.undo()
+    assert calls == ["DistributedDataParallel"] * 2
+    assert "forward" not in model.__dict__  # the temporary forward is gone
+    assert_grads_close(with_ddp, alone)
