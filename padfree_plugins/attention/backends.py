@@ -44,11 +44,12 @@ def segment_mask(
 
 
 def attend(q, k, v, *, causal, scale=None, window=None, softcap=None, dropout=0.0, mask=None):
-    """Exact attention of ``[B, H, Lq, D]`` queries over ``[B, H, Lk, D]`` keys (heads already expanded).
+    """Exact attention of ``[B, H, Lq, D]`` queries over ``[B, H_kv, Lk, D]`` keys (``H_kv`` divides ``H``).
 
     ``mask`` (optional, boolean, True = attend, broadcastable to ``[B, H, Lq, Lk]``) is combined with the
     causal / window structure.
     """
+    grouped = k.shape[-3] != q.shape[-3]
     explicit = mask is not None or softcap is not None
     structure = segment_mask(q.shape[-2], k.shape[-2], causal, window, q.device, always=explicit and causal)
     if mask is not None:
@@ -56,7 +57,10 @@ def attend(q, k, v, *, causal, scale=None, window=None, softcap=None, dropout=0.
     if softcap is None:
         use_flag = structure is None and causal and q.shape[-2] > 1
         return F.scaled_dot_product_attention(q, k, v, attn_mask=structure, dropout_p=dropout, scale=scale,
-                                              is_causal=use_flag)
+                                              is_causal=use_flag, enable_gqa=grouped)
+    if grouped:
+        repeat = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
     scores = torch.matmul(q, k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
     scores = torch.tanh(scores / softcap) * softcap
     if structure is not None:
@@ -97,7 +101,8 @@ def exact_varlen(
     Examples of equal length are stacked into one call, so the number of kernel launches is the number of
     distinct lengths, not of examples. No work is spent on padding; nothing crosses an example boundary.
     """
-    key, value = _expand_kv(key, value, query.shape[1])
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})")
     if cu_seq_lens_k is cu_seq_lens_q or (cu_seq_lens_k.shape == cu_seq_lens_q.shape
                                           and torch.equal(cu_seq_lens_k, cu_seq_lens_q)):
         return _self_attention_by_length(query, key, value, cu_seq_lens_q, causal=causal, scale=scale,
