@@ -152,8 +152,20 @@ def train(ctx: typer.Context) -> None:
                   f"({report.tokens_per_s:,.0f} tokens/s, no padding)", highlight=False)
 
 
-bench_app = typer.Typer(help="Benchmarks: side-by-side ratios measured in one run.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks: side-by-side ratios measured in one run. Without a subcommand: all of "
+                             "them with their defaults (the README's main job).")
 app.add_typer(bench_app, name="bench")
+
+
+@bench_app.callback(invoke_without_command=True)
+def bench_all(ctx: typer.Context) -> None:
+    """Run every benchmark with its defaults: collator, sft, embedding, batching."""
+    if ctx.invoked_subcommand is not None:
+        return
+    for title, command in (("collator", bench_collator), ("sft (causal LM)", bench_sft),
+                           ("embedding and reranker", bench_embedding), ("batching", bench_batching)):
+        console.rule(f"bench {title}")
+        command()
 
 
 @bench_app.command("collator")
@@ -242,6 +254,7 @@ def bench_sft(
 
     from .benchmarks.sft import BenchSettings, run_sft_benchmark, write_outputs
 
+    previous_threads = torch.get_num_threads()
     if threads is not None or device == "cpu":
         torch.set_num_threads(threads or 1)
     settings = BenchSettings(device=device, dtype=dtype, model_size=model_size,
@@ -253,6 +266,8 @@ def bench_sft(
                                    (lambda line: console.print(line, highlight=False)))
     except PadfreeError as error:
         _fail(error)
+    finally:
+        torch.set_num_threads(previous_threads)
     paths = write_outputs(result, out)
     if as_json:
         print(result.to_json())

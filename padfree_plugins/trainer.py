@@ -153,7 +153,7 @@ class TrainerPatch:
         for name in ("compute_loss", "prediction_step", "loss_is_scaled_for_ga"):
             patch.saved[name] = trainer.__dict__.get(name, _MISSING)
         trainer.data_collator = TrainerCollator(assembly.collator)
-        trainer._signature_columns = _signature_columns(trainer._signature_columns, assembly)
+        trainer._signature_columns = _signature_columns(trainer, assembly)
         trainer.compute_loss = patch.compute_loss
         trainer.prediction_step = patch.prediction_step
         if getattr(getattr(assembly.config, "batching", None), "strategy", "examples") == "tokens":
@@ -327,11 +327,22 @@ def _detach(value: Any) -> Any:
     return value
 
 
-def _signature_columns(columns: list[str] | None, assembly: Assembly) -> list[str]:
-    """The trainer's signature columns plus every key the task's collator reads (and TRL's ``seq_lengths``)."""
+def _signature_columns(trainer: Any, assembly: Assembly) -> list[str]:
+    """The trainer's signature columns plus every key the task's collator reads (and TRL's ``seq_lengths``).
+
+    A collator whose keys depend on the dataset (e.g. the embedding task's ``<column>_input_ids``) says which
+    dataset columns it reads through a ``dataset_columns(names)`` method.
+    """
     task = assembly.plan.task
-    keys = ("input_ids", *task.required_keys, *task.token_keys, *task.example_keys, "seq_lengths")
-    return list(dict.fromkeys((*(columns or ()), *keys)))
+    keys = ["input_ids", *task.required_keys, *task.token_keys, *task.example_keys, "seq_lengths"]
+    reads = getattr(assembly.collator, "dataset_columns", None)
+    if reads is not None:
+        datasets = [trainer.train_dataset]
+        evals = trainer.eval_dataset
+        datasets += list(evals.values()) if isinstance(evals, Mapping) else [evals]
+        for dataset in datasets:
+            keys += reads(getattr(dataset, "column_names", None) or [])
+    return list(dict.fromkeys((*(trainer._signature_columns or ()), *keys)))
 
 
 #: Collators whose work the packing collator does (padding, labels from input_ids, flattening): replacing them

@@ -129,8 +129,17 @@ def build_model(name: str, task: str, device: str, dtype: torch.dtype) -> torch.
     if name == "minilm":
         path = minilm_path()
         config = AutoConfig.from_pretrained(path, **no_dropout, **({"num_labels": 1} if task == "reranker" else {}))
-        model = cls.from_pretrained(path, config=config, attn_implementation="sdpa",
-                                    **({} if task == "reranker" else {"add_pooling_layer": False}))
+        from transformers.utils import logging as hf_logging
+
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # the load report (unused pooler, new reranker head) is expected here
+        hf_logging.disable_progress_bar()
+        try:
+            model = cls.from_pretrained(path, config=config, attn_implementation="sdpa",
+                                        **({} if task == "reranker" else {"add_pooling_layer": False}))
+        finally:
+            hf_logging.set_verbosity(verbosity)
+            hf_logging.enable_progress_bar()
     else:
         shapes = {"bert-base": dict(vocab_size=30522, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
                                     num_attention_heads=12),

@@ -19,8 +19,8 @@ into columns, go to the loss's own ``compute_loss_from_embeddings``.
 * ``columns``: the column names in order (default: those of the first row).
 
 The pooling mode is ``pooling:`` (default: the architecture's — CLS for encoders, last token for decoders).
-With HF ``Trainer`` set ``remove_unused_columns=False``: the column names (``anchor_input_ids`` …) are the
-dataset's own, so the trainer cannot know them from the model's signature.
+With HF ``Trainer``, ``remove_unused_columns`` can stay at its default: the collator names the dataset columns it
+reads (``dataset_columns``), and :func:`padfree_plugins.accelerate` keeps them.
 """
 
 from __future__ import annotations

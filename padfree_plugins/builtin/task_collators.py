@@ -259,6 +259,11 @@ class ColumnsCollator(_PackingLimits):
     packing: PackingCollator
     columns: tuple[str, ...] = ()
 
+    def dataset_columns(self, names: Sequence[str]) -> list[str]:
+        """Which of a dataset's column ``names`` this collator reads (so a trainer keeps them)."""
+        suffixes = ("_input_ids", "_token_type_ids", f"_{PROMPT_LENGTH_KEY}")
+        return [name for name in names if name in LABEL_KEYS or name.endswith(suffixes)]
+
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> PackedBatch:
         if isinstance(rows, Mapping) or not len(rows):
             raise BatchError("the embedding collator takes a non-empty list of rows (one dict per row)")

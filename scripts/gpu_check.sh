@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU check, run on the device machine in one call (see docs/benchmarks.md):
+#   run(command="bash scripts/gpu_check.sh", carry=[".whl", ".gpu"], timeout_s=590)
+# .whl: wheels the GPU image lacks or has older (transformers 5.23, sentence-transformers 6.2), fetched with
+#       pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl NAME==VERSION
+# .gpu: copies of ../shared/bench/gpu_anchor.py and gpu_anchor_encoder.py (the shared folder does not travel).
+# Writes everything under $OUT (or out/gpu when run by hand).
+set -u -o pipefail
+OUT="${OUT:-out/gpu}"; mkdir -p "$OUT"
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"   # PYTHON=.venv/bin/python SKIP_INSTALL=1 for a dry run on a CPU machine
+log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
+
+if [ -z "${SKIP_INSTALL:-}" ]; then
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+  fi
+  $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . -e plugins/padfree-example \
+    -e plugins/padfree-sentence-transformers > /tmp/pip.log 2>&1 || { tail -20 /tmp/pip.log; exit 1; }
+fi
+$PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
+      torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')" | tee -a "$OUT/summary.txt"
+
+log "GPU tests"
+timeout 180 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_attention.py tests/test_gpu.py \
+  tests/test_trainer.py tests/test_bench_sft.py tests/test_bench_embedding.py 2>&1 | tail -15 | tee -a "$OUT/summary.txt"
+
+log "decoder anchor (../shared/bench/gpu_anchor.py), 1.1B Llama shape, bf16"
+for bs in 16 4; do
+  timeout 120 $PY .gpu/gpu_anchor.py --bs $bs ${ANCHOR_ARGS:-} --out "$OUT/anchor_bs$bs.json" 2>&1 \
+    | grep -E "^(padded_sdpa|native_pf_sdpa|varlen_collator_kwargs|dense)" | cut -c1-240 | tee -a "$OUT/summary.txt"
+done
+
+log "ours: padfree-plugins bench sft --device cuda --dtype bfloat16 --model-size 1b"
+timeout 240 $PY -m padfree_plugins.cli bench sft --device cuda --dtype bfloat16 --model-size 1b \
+  --laws lognormal --batch-sizes 4,16 --batches 6 --rounds 3 --warmup 3 --out "$OUT" 2>&1 \
+  | grep -E "│|environment" | tee -a "$OUT/summary.txt"
+
+log "encoder anchor (../shared/bench/gpu_anchor_encoder.py), BERT-base shape, bf16"
+for spec in "128 60" "32 120"; do set -- $spec
+  timeout 90 $PY .gpu/gpu_anchor_encoder.py --bs $1 --median $2 ${ANCHOR_ARGS:-} --out "$OUT/anchor_enc_bs$1.json" \
+    2>&1 | grep -E "^(padded|varlen)" | cut -c1-240 | tee -a "$OUT/summary.txt"
+done
+
+log "ours: padfree-plugins bench embedding --device cuda"
+timeout 180 $PY -m padfree_plugins.cli bench embedding --device cuda --batches 8 --rounds 3 2>&1 \
+  | grep -E "│|memory" | tee -a "$OUT/summary.txt"
+log "done"
