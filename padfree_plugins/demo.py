@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .assembly import assemble
+from .padding import pad_examples
 
 
 @dataclass
@@ -54,16 +55,6 @@ def demo_models() -> dict[str, torch.nn.Module]:
     return {"llama": llama, "bert": bert}
 
 
-def _padded(examples: list[dict]) -> dict[str, torch.Tensor]:
-    longest = max(len(ex["input_ids"]) for ex in examples)
-    ids = torch.zeros(len(examples), longest, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, ex in enumerate(examples):
-        ids[i, : len(ex["input_ids"])] = torch.tensor(ex["input_ids"])
-        mask[i, : len(ex["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask}
-
-
 def _time_step(model, inputs: dict, repeats: int) -> float:
     """Median seconds of a forward+backward of the summed hidden states."""
     times = []
@@ -84,7 +75,7 @@ def run_demo(batch_size: int = 16, median: float = 120, sigma: float = 0.6, repe
         generator = torch.Generator().manual_seed(seed)
         examples = [{"input_ids": torch.randint(5, model.config.vocab_size, (n,), generator=generator).tolist()}
                     for n in lengths]
-        padded = _padded(examples)
+        padded = pad_examples(examples)
         with torch.no_grad():
             reference = model(**padded).last_hidden_state
         assembly = assemble(model, {"task": "hidden_states"})

@@ -73,3 +73,13 @@ def fake_distribution(tmp_path, monkeypatch):
         return tmp_path
 
     return install
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread per test process: tiny models gain nothing from more, and with ``-n 2`` on a 2-core
+    machine oversubscribed OpenMP threads make every small kernel many times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from padfree_plugins.padding import pad_examples
 from tests.conftest import tiny_model
 
 #: Encoder architecture plugins and the overrides their tiny configs need.
@@ -32,16 +33,7 @@ def model_for(name: str, head: str = "base", **overrides):
 
 def padded(examples, keys=("input_ids",), pad=PAD):
     """Right-padded ``[n, L_max]`` tensors of ``keys`` plus the attention mask (the reference batch)."""
-    longest = max(len(ex["input_ids"]) for ex in examples)
-    out = {}
-    for key in keys:
-        fill = pad if key == "input_ids" else 0
-        out[key] = torch.full((len(examples), longest), fill, dtype=torch.long)
-        for i, ex in enumerate(examples):
-            out[key][i, : len(ex[key])] = torch.tensor(ex[key])
-    lengths = torch.tensor([len(ex["input_ids"]) for ex in examples])
-    out["attention_mask"] = (torch.arange(longest)[None] < lengths[:, None]).long()
-    return out
+    return pad_examples(examples, keys, pad_token_id=pad)
 
 
 def grads(model) -> dict[str, torch.Tensor]:

@@ -17,12 +17,6 @@ TINY = dict(model_size="micro", batch_sizes=(3,), laws=("lognormal", "mix"), bat
             max_length=96)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_variants_agree_and_outputs_are_written(tmp_path):

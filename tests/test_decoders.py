@@ -13,18 +13,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from padfree_plugins import PluginHost, UnsupportedArchitectureError, assemble, patch_of, plan
+from padfree_plugins.padding import pad_examples
 from padfree_plugins.probe import run_probe
 from tests.conftest import make_examples, tiny_config
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: tiny models gain nothing from more, and on a shared 2-core machine (the suite runs with
-    -n 2) oversubscribed OpenMP threads make every kernel 10-100x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
 DECODERS = {
@@ -68,15 +61,7 @@ def causal_lm(model_type: str, **overrides):
 
 
 def padded_batch(examples):
-    longest = max(len(ex["input_ids"]) for ex in examples)
-    ids = torch.full((len(examples), longest), 1)
-    labels = torch.full((len(examples), longest), -100)
-    mask = torch.zeros(len(examples), longest, dtype=torch.long)
-    for i, ex in enumerate(examples):
-        n = len(ex["input_ids"])
-        ids[i, :n] = labels[i, :n] = torch.tensor(ex["input_ids"])
-        mask[i, :n] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return pad_examples(examples, ("input_ids", "labels"), pad_token_id=1)
 
 
 def loss_and_grads(model, inputs):

@@ -16,18 +16,12 @@ from padfree_plugins import (
     patch_of,
     plan,
 )
+from padfree_plugins.padding import pad_examples
 from tests.conftest import make_examples, tiny_config, tiny_model
 
 
 def padded(examples, side="right"):
-    longest = max(len(ex["input_ids"]) for ex in examples)
-    ids = torch.full((len(examples), longest), 1)
-    mask = torch.zeros_like(ids)
-    for i, ex in enumerate(examples):
-        n = len(ex["input_ids"])
-        cols = slice(0, n) if side == "right" else slice(longest - n, longest)
-        ids[i, cols], mask[i, cols] = torch.tensor(ex["input_ids"]), 1
-    return {"input_ids": ids, "attention_mask": mask}
+    return pad_examples(examples, pad_token_id=1, side=side)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "bert"])

@@ -20,13 +20,6 @@ STEPS = 8
 NO_DROPOUT = {"bert": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), "qwen3": {}}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from more threads; on a shared 2-core machine they slow everything down."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def settings(**overrides) -> TrainingArguments:

@@ -20,14 +20,6 @@ from padfree_plugins.train import run_train
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "padfree.yaml"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: tiny models gain nothing from more, and on a shared 2-core machine oversubscribed
-    OpenMP threads make every kernel 10-100x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

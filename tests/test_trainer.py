@@ -24,14 +24,6 @@ trl = pytest.importorskip("trl")
 peft = pytest.importorskip("peft")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: tiny models gain nothing from more, and on a shared 2-core machine (the suite runs with
-    -n 2) oversubscribed OpenMP threads make every kernel 10-100x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 STEPS = 30
 

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from ..errors import PadfreeError
+from ..padding import pad_examples
 
 VARIANTS = ("padded", "hf_native", "padfree")
 MODEL_SIZES = {
@@ -131,21 +132,6 @@ def make_examples(lengths: list[int], vocab: int, seed: int) -> list[dict]:
     return out
 
 
-def padded_inputs(examples: list[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    longest = max(len(ex["input_ids"]) for ex in examples)
-    ids = torch.full((len(examples), longest), pad_id)
-    labels = torch.full((len(examples), longest), -100)
-    mask = torch.zeros(len(examples), longest, dtype=torch.long)
-    for i, ex in enumerate(examples):
-        n = len(ex["input_ids"])
-        ids[i, :n] = labels[i, :n] = torch.tensor(ex["input_ids"])
-        mask[i, :n] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
-# -- measurement ------------------------------------------------------------------------------------------------
-
-
 def build_model(settings: BenchSettings) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -198,7 +184,7 @@ class Runner:
 
     def prepare(self, variant: str, examples: list[dict]) -> dict:
         if variant == "padded":
-            inputs = padded_inputs(examples)
+            inputs = pad_examples(examples, ("input_ids", "labels"))
         elif variant == "hf_native":
             inputs = dict(self.flatten(examples))
         else:
