@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .batch import PackedBatch
-from .collator import DEFAULT_TOKEN_KEYS, PackingCollator
+from .collator import DEFAULT_TOKEN_KEYS, PackingCollator, WrapsPackingCollator
 from .config import PadfreeConfig
 from .errors import BatchError, ConfigError
 from .specs import Architecture, Task
@@ -35,7 +35,7 @@ def model_token_limit(model_config: Any, position_start: int = 0) -> int | None:
 
 
 @dataclass
-class CausalLMCollator:
+class CausalLMCollator(WrapsPackingCollator):
     """The ``causal_lm`` collator: a :class:`PackingCollator` plus default labels and the model-limit check.
 
     ``model_limit`` (set when the acceleration config gives no ``max_length``) is checked before packing so that
@@ -46,15 +46,6 @@ class CausalLMCollator:
     labels_from_input_ids: bool = True
     model_limit: int | None = None
     limit_source: str = ""
-
-    @property
-    def max_length(self) -> int | None:
-        """The longest example this collator accepts (or truncates to)."""
-        return self.packing.max_length
-
-    @property
-    def on_overlong(self) -> str:
-        return self.packing.on_overlong
 
     def overlong_message(self, index: int, length: int, where: str = "") -> str:
         """The error for an example longer than :attr:`max_length` (also used by the dataset check)."""

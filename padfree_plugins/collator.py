@@ -211,3 +211,17 @@ class PackingCollator:
             return torch.from_numpy(array.astype(np.int64))
         return torch.from_numpy(array.astype(np.float32))
 
+
+class WrapsPackingCollator:
+    """Mixin for task collators built around a :class:`PackingCollator` in ``self.packing``: exposes its
+    ``max_length`` and ``on_overlong`` (read by the dataset checks before training)."""
+
+    packing: PackingCollator
+
+    @property
+    def max_length(self) -> int | None:
+        return self.packing.max_length
+
+    @property
+    def on_overlong(self) -> str:
+        return self.packing.on_overlong

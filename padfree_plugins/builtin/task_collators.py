@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..batch import PackedBatch
-from ..collator import PackingCollator
+from ..collator import PackingCollator, WrapsPackingCollator
 from ..errors import BatchError
 from ..pooling import PROMPT_LENGTH_KEY
 from . import core
@@ -69,22 +69,8 @@ def _first_position(flags: np.ndarray) -> int:
     return int(np.flatnonzero(flags)[0])
 
 
-class _PackingLimits:
-    """``max_length`` / ``on_overlong`` of the wrapped packing collator (read by dataset checks)."""
-
-    packing: PackingCollator
-
-    @property
-    def max_length(self) -> int | None:
-        return self.packing.max_length
-
-    @property
-    def on_overlong(self) -> str:
-        return self.packing.on_overlong
-
-
 @dataclass
-class ExampleCollator(_PackingLimits):
+class ExampleCollator(WrapsPackingCollator):
     """Packs examples that each get one output (a class, a score).
 
     Args:
@@ -243,7 +229,7 @@ def columns_of(row: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 @dataclass
-class ColumnsCollator(_PackingLimits):
+class ColumnsCollator(WrapsPackingCollator):
     """Packs every text of every row into one row, column-major (all anchors, then all positives, …).
 
     Rows carry ``<column>_input_ids`` (and optionally ``<column>_token_type_ids``, ``<column>_prompt_length``)
