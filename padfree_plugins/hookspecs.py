@@ -4,10 +4,15 @@ Two kinds of hooks:
 
 * **Declarations** (``register_*``) return lists of :mod:`padfree_plugins.specs` objects. Every plugin's results
   are collected; when two plugins declare the same name, the host picks one deterministically and records a note.
-* **Assembly hooks** (``collate``, ``patch_model``, ``pool``, ``revert_output``) are ``firstresult``: the first
-  plugin that returns something other than ``None`` wins, later-registered plugins first, so a third-party plugin
-  overrides a builtin one (builtins are ``trylast``). They run once, when a model is assembled, and return plain
-  picklable objects; nothing calls a hook in the training loop.
+* **Assembly hooks** (``collate``, ``patch_model``, ``pool``, ``revert_output``, ``task_forward``,
+  ``wrap_trainer``) are ``firstresult``: the first plugin that returns something other than ``None`` wins. They
+  run once, when a model is assembled (or a trainer wrapped), and return plain picklable objects; nothing calls a
+  hook in the training loop.
+
+Order: pluggy asks later-registered plugins first, and ``trylast`` ones after all others. The generic builtin
+answers (plugin ``core``) are ``trylast``, so any plugin that answers wins over them. A plugin that handles only
+some tasks or architectures (the builtin ``seq_cls``, ``reranker``, ``embedding`` included) implements plain hooks
+that return ``None`` for what is not theirs — ``if task.name != "mine": return None``.
 """
 
 from __future__ import annotations
