@@ -74,6 +74,8 @@ class PackingCollator:
         on_overlong: ``"error"`` (default) or ``"truncate"`` examples longer than ``max_length``.
         masked_first_keys: token keys (e.g. ``"labels"``) whose first value in every example is set to
             ``ignore_index``, so that no example learns to predict its first token from the one before it.
+        limit_source: when ``max_length`` is the model's own limit rather than the config's, what sets it (e.g.
+            ``LlamaConfig.max_position_embeddings=2048``); error messages name it.
     """
 
     position_start: int = 0
@@ -84,6 +86,7 @@ class PackingCollator:
     on_overlong: Literal["error", "truncate"] = "error"
     masked_first_keys: tuple[str, ...] = ()
     ignore_index: int = -100
+    limit_source: str = ""
 
     def __post_init__(self) -> None:
         if self.on_overlong not in ("error", "truncate"):
@@ -159,10 +162,20 @@ class PackingCollator:
             over = np.flatnonzero(lengths > self.max_length)
             if over.size:
                 i = int(over[0])
-                raise BatchError(
-                    f"example {i} has {int(lengths[i])} tokens, more than max_length={self.max_length} "
-                    f"({over.size} such example(s)); truncate them when tokenizing or set on_overlong: truncate"
-                )
+                raise BatchError(f"{self.overlong_message(i, int(lengths[i]))} ({over.size} such example(s))")
+
+    def overlong_message(self, index: int, length: int, where: str = "") -> str:
+        """The error for an example longer than ``max_length`` (also used by the dataset check)."""
+        if self.limit_source:
+            return (
+                f"example {index}{where} has {length} tokens but the model takes at most {self.max_length} "
+                f"({self.limit_source}); truncate it when tokenizing, or set max_length: {self.max_length} and "
+                "on_overlong: truncate in the acceleration config"
+            )
+        return (
+            f"example {index}{where} has {length} tokens, more than max_length={self.max_length}; truncate it when "
+            "tokenizing or set on_overlong: truncate in the acceleration config"
+        )
 
     def _kept_tokens(self, full_lengths: np.ndarray) -> np.ndarray | None:
         """Boolean mask over the concatenated tokens when truncating, else ``None``."""

@@ -79,8 +79,8 @@ def check_dataset(dataset: Any, collator: Any, name: str = "train") -> int | Non
             over = np.flatnonzero(ids > limit)
             if over.size:
                 row = int(over[0])
-                message = (collator.overlong_message(offset + row, int(ids[row]), where)
-                           if hasattr(collator, "overlong_message") else
+                message = (packing.overlong_message(offset + row, int(ids[row]), where)
+                           if hasattr(packing, "overlong_message") else
                            f"example {offset + row}{where} has {int(ids[row])} tokens, more than max_length={limit}")
                 raise BatchError(f"{message} ({over.size} example(s) too long in this chunk)")
         for key in token_keys:

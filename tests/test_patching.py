@@ -253,3 +253,25 @@ def _packed(model, examples, config):
         return model(**batch.model_inputs()).last_hidden_state, batch, assembly
     finally:
         assembly.undo()
+
+
+@pytest.mark.parametrize("model_type,task", [("bert", "hidden_states"), ("roberta", "seq_cls"),
+                                             ("llama", "causal_lm")])
+def test_example_longer_than_the_model_takes_is_a_clear_error(model_type, task):
+    """Every task refuses an example longer than the model's position table, naming the limit (instead of an
+    index error inside the position embeddings, or silent extrapolation)."""
+    from padfree_plugins import BatchError
+
+    head = {"seq_cls": "seq_cls", "causal_lm": "causal_lm"}.get(task, "base")
+    model = tiny_model(model_type, head=head)  # max_position_embeddings=256
+    limit = 256 - (model.config.pad_token_id + 1 if model_type == "roberta" else 0)
+    assembly = assemble(model, {"task": task})
+    try:
+        with pytest.raises(BatchError, match=f"at most {limit} .*max_position_embeddings=256"):
+            assembly.collator(make_examples([5, limit + 1]))
+        assembly.collator(make_examples([5, limit]))  # the longest that fits
+    finally:
+        assembly.undo()
+    with pytest.raises(ConfigError, match="more than the model takes"):
+        assemble(model, {"task": task, "max_length": limit + 1})
+    assert patch_of(model) is None

@@ -6,6 +6,7 @@ All are ``trylast`` so that any other plugin implementing the same hook is asked
 from __future__ import annotations
 
 from ..collator import DEFAULT_TOKEN_KEYS, PackingCollator
+from ..errors import ConfigError
 from ..forward import ModelForward
 from ..hookspecs import hookimpl
 from ..patching import ModelPatch
@@ -13,22 +14,44 @@ from ..pooling import POOLERS
 from ..revert import Reverter
 
 
+def model_token_limit(model_config, position_start: int = 0) -> int | None:
+    """The longest example the model's position table takes (``None`` when the config states no limit)."""
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    limit = getattr(text_config, "max_position_embeddings", None)
+    return int(limit) - int(position_start) if isinstance(limit, int) and limit > 0 else None
+
+
+def packing_collator(task, architecture, model_config, config) -> PackingCollator:
+    """The core packing collator for a task and a model: positions from the architecture, keys from the task,
+    and ``max_length`` from the config or else the model's own limit (so that an over-long example is a clear
+    error, not an index error deep inside the position embeddings)."""
+    start = int(architecture.position_start(model_config))
+    limit = model_token_limit(model_config, start)
+    source = f"{type(model_config).__name__}.max_position_embeddings={limit + start}" if limit else ""
+    if config.max_length is not None and limit is not None and config.max_length > limit:
+        raise ConfigError(
+            f"max_length: {config.max_length} is more than the model takes ({limit} tokens, {source}); "
+            f"set max_length to at most {limit}"
+        )
+    return PackingCollator(
+        position_start=start,
+        token_keys=tuple(dict.fromkeys((*DEFAULT_TOKEN_KEYS, *task.token_keys))),
+        example_keys=task.example_keys,
+        required_keys=task.required_keys,
+        max_length=config.max_length if config.max_length is not None else limit,
+        on_overlong=config.on_overlong,
+        masked_first_keys=task.masked_first_keys,
+        limit_source="" if config.max_length is not None or limit is None else source,
+    )
+
+
 @hookimpl(trylast=True)
 def collate(task, architecture, model_config, config):
-    if task.name == "causal_lm":  # labels default to input_ids; examples must fit the model's positions
+    if task.name == "causal_lm":  # labels default to input_ids
         from ..causal_lm import causal_lm_collator
 
         return causal_lm_collator(task, architecture, model_config, config)
-    token_keys = tuple(dict.fromkeys((*DEFAULT_TOKEN_KEYS, *task.token_keys)))
-    return PackingCollator(
-        position_start=int(architecture.position_start(model_config)),
-        token_keys=token_keys,
-        example_keys=task.example_keys,
-        required_keys=task.required_keys,
-        max_length=config.max_length,
-        on_overlong=config.on_overlong,
-        masked_first_keys=task.masked_first_keys,
-    )
+    return packing_collator(task, architecture, model_config, config)
 
 
 @hookimpl(trylast=True)
