@@ -5,13 +5,16 @@ All are ``trylast`` so that any other plugin implementing the same hook is asked
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..collator import DEFAULT_TOKEN_KEYS, PackingCollator
 from ..errors import ConfigError
 from ..forward import ModelForward
 from ..hookspecs import hookimpl
 from ..patching import ModelPatch
-from ..pooling import POOLERS
+from ..pooling import POOLING_MODES, make_pooler
 from ..revert import Reverter
+from ..specs import Architecture
 
 
 def model_token_limit(model_config, position_start: int = 0) -> int | None:
@@ -62,8 +65,26 @@ def patch_model(model, architecture, backend, fallback, config):
 
 @hookimpl(trylast=True)
 def pool(task, architecture, mode, config):
-    pooler = POOLERS.get(mode)
-    return pooler() if pooler else None
+    """Every builtin mode (``pooling.POOLING_MODES``), with prompt exclusion (``task_options.include_prompt``)."""
+    if mode not in POOLING_MODES:
+        return None
+    return choose_pooler(architecture, mode, config.task_options.get("include_prompt", True))
+
+
+FIRST_TOKEN_MODES = ("first", "cls")
+
+
+def choose_pooler(architecture: Architecture, mode: str, include_prompt: bool = True) -> Any:
+    """The pooler for ``mode`` on ``architecture``; a :class:`ConfigError` for a mode the model cannot do."""
+    if architecture.kind == "decoder" and mode in FIRST_TOKEN_MODES:
+        raise ConfigError(
+            f"pooling {mode!r} cannot work with {architecture.name}: in a causal decoder the first token attends "
+            "to nothing but itself, so it carries no information about the text. Use last (the usual choice for "
+            "decoder embedders), mean or weighted_mean"
+        )
+    if not isinstance(include_prompt, bool):
+        raise ConfigError(f"task_options: include_prompt must be true or false, got {include_prompt!r}")
+    return make_pooler(mode, include_prompt=include_prompt)
 
 
 @hookimpl(trylast=True)

@@ -37,7 +37,7 @@ from ..errors import BatchError, ConfigError, did_you_mean
 from ..hookspecs import hookimpl
 from ..specs import Task
 from .heads import call_model, run_base
-from .poolers import choose_pooler
+from .core import choose_pooler
 from .task_collators import ColumnsCollator, packing_for
 from .task_options import read_options
 
