@@ -94,6 +94,11 @@ class AttentionBackend:
     priority: int = 0
     description: str = ""
 
+    def accepts(self, device_type: str, dtype: Any) -> bool:
+        """Whether tensors of this device type and dtype suit the kernel (cheap: called in every attention)."""
+        name = str(dtype).removeprefix("torch.")
+        return device_type in self.devices and (not self.dtypes or name in self.dtypes)
+
     def cannot_run(self, device_type: str, dtype: Any = None, features: frozenset[str] = frozenset()) -> str | None:
         """Why this backend cannot run on ``device_type`` with ``dtype`` and ``features``; ``None`` if it can."""
         reason = self.available()

@@ -275,3 +275,38 @@ def test_example_longer_than_the_model_takes_is_a_clear_error(model_type, task):
     with pytest.raises(ConfigError, match="more than the model takes"):
         assemble(model, {"task": task, "max_length": limit + 1})
     assert patch_of(model) is None
+
+
+def test_auto_falls_back_to_exact_for_inputs_the_backend_cannot_take():
+    """With attention: auto, a backend limited to some dtypes runs what it can and exact runs the rest; named
+    explicitly, the same backend gets no fallback."""
+    from padfree_plugins import AttentionBackend, PluginHost, hookimpl
+    from padfree_plugins.attention.backends import exact_varlen
+
+    calls = []
+
+    def half_only(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return exact_varlen(*args, **kwargs)
+
+    class HalfOnly:
+        @hookimpl
+        def register_attention_backends(self):
+            return [AttentionBackend("halfonly", half_only, speed_rank=50, dtypes=("bfloat16",))]
+
+    host = PluginHost({"halfonly": HalfOnly()})
+    model = tiny_model("llama", num_key_value_heads=2)
+    examples = make_examples([4, 7])
+    assembly = assemble(model, {"task": "hidden_states"}, host=host)
+    try:
+        assert (assembly.plan.backend.name, assembly.plan.fallback.name) == ("halfonly", "exact")
+        batch = assembly.collator(examples)
+        with torch.no_grad():
+            model(**batch.model_inputs())  # fp32: exact
+            assert calls == []
+            model.to(torch.bfloat16)(**batch.model_inputs())
+        assert calls and set(calls) == {torch.bfloat16}
+    finally:
+        assembly.undo()
+        model.float()
+    assert plan(model.config, {"attention": "halfonly"}, host=host, device_type="cpu").fallback is None

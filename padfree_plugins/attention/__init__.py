@@ -108,7 +108,7 @@ class PadfreeAttention:
         return out.unsqueeze(0), None
 
     def _backend_for(self, query: torch.Tensor) -> AttentionBackend:
-        if self.fallback is None or self.backend.cannot_run(query.device.type, query.dtype) is None:
+        if self.fallback is None or self.backend.accepts(query.device.type, query.dtype):
             return self.backend
         return self.fallback
 
