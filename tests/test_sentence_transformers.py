@@ -205,3 +205,41 @@ def test_wrap_trainer_leaves_other_trainers_to_other_plugins():
     records = padfree_plugins.PluginHost().records
     assert records["sentence-transformers"].status == "ok"
     assert records["sentence-transformers"].hooks == ("wrap_trainer",)
+
+
+def test_token_budget_batching_for_sentence_transformer_trainer(tiny_dirs):
+    """batching.strategy: tokens through the same accelerate() call: every row once per epoch, each micro-batch
+    within the budget (texts of all columns counted), and the trainer's own sampler back after undo()."""
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    from padfree_sentence_transformers.batching import text_lengths
+
+    anchors, positives = sentences(40, seed=8), sentences(40, seed=9)
+    dataset = Dataset.from_dict({"anchor": anchors, "positive": positives, "label": [1.0] * 40})
+    model = tiny_sentence_transformer(tiny_dirs["encoder"])
+    budget = 160
+    config = {"attention": "exact", "batching": {"strategy": "tokens", "max_tokens_per_batch": budget}}
+    args = SentenceTransformerTrainingArguments(output_dir=tempfile.mkdtemp(prefix="padfree-st-"), num_train_epochs=1,
+                                                per_device_train_batch_size=8, logging_steps=1, learning_rate=1e-3,
+                                                report_to=[], seed=0, use_cpu=True, save_strategy="no",
+                                                disable_tqdm=True)
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset.remove_columns("label"),
+                                         loss=MultipleNegativesRankingLoss(model))
+    original = trainer.get_batch_sampler
+    acceleration = padfree_plugins.accelerate(trainer, config)
+    lengths = text_lengths(model, trainer.train_dataset)
+    seen = []
+    for indices in trainer.get_train_dataloader().batch_sampler:
+        seen.extend(indices)
+        assert sum(lengths[i] for i in indices) <= budget
+    assert sorted(seen) == list(range(40))
+    trainer.train()
+    assert all(torch.isfinite(torch.tensor(e["loss"])) for e in trainer.state.log_history if "loss" in e)
+    acceleration.undo()
+    assert trainer.get_batch_sampler == original
+
+    with pytest.raises(ConfigError, match="split"):
+        padfree_plugins.accelerate(trainer, {"attention": "exact", "batching": {
+            "strategy": "tokens", "max_tokens_per_batch": budget, "on_overlong_example": "split"}})

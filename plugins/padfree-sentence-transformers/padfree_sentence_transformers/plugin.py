@@ -4,15 +4,20 @@
 ``None`` so that the next plugin answers. The trainer itself is left alone: its data collator tokenizes through
 ``model.preprocess``, which — once the model's Transformer module is patched (:mod:`.model`) — packs every column
 into one row; its losses call the model, whose Pooling module pools per text and whose CrossEncoder head scores
-per text. ``undo()`` restores the module (``accelerate``'s own ``undo`` restores the model's attention).
+per text. With ``batching.strategy: tokens`` the training batches are filled up to a token budget
+(:mod:`.batching`). ``undo()`` restores the module and the trainer (``accelerate``'s own ``undo`` restores the
+model's attention).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from padfree_plugins import PadfreeError, hookimpl, unwrap_model
+from padfree_plugins.sampler import uses_token_budget
 
+from .batching import BatchSamplerPatch, check_config
 from .model import module_config, packing_collator, patch_module, transformer_module
 
 TRAINERS = ("SentenceTransformerTrainer", "CrossEncoderTrainer")
@@ -26,6 +31,17 @@ def trainer_kind(trainer: Any) -> str | None:
     return None
 
 
+@dataclass
+class TrainerPatches:
+    """Everything :func:`wrap_trainer` changed; :meth:`undo` reverts it, last change first."""
+
+    patches: list
+
+    def undo(self) -> None:
+        for patch in reversed(self.patches):
+            patch.undo()
+
+
 @hookimpl
 def wrap_trainer(trainer, assembly, config):
     if trainer_kind(trainer) is None:
@@ -33,6 +49,10 @@ def wrap_trainer(trainer, assembly, config):
     model = trainer.model
     module = transformer_module(model)
     config = module_config(config, module)
+    check_config(config)
     if unwrap_model(model) is not assembly.model:
         raise PadfreeError("the assembly was built for another model than trainer.model")
-    return patch_module(module, packing_collator(assembly, config))
+    patches = [patch_module(module, packing_collator(assembly, config))]
+    if uses_token_budget(config):
+        patches.append(BatchSamplerPatch.apply(trainer, model, config))
+    return TrainerPatches(patches)
