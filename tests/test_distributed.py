@@ -171,3 +171,31 @@ def test_accelerate_configs_are_valid(name):
 
     loaded = load_config_from_file(str(ROOT / "configs" / "accelerate" / name))
     assert loaded.num_processes >= 2 and loaded.mixed_precision in ("no", "bf16")
+
+
+def test_accelerate_trainer_with_token_budget(tmp_path):
+    """The one call: padfree_plugins.accelerate(trainer, cfg) with batching.strategy: tokens — micro-batches within
+    the budget, every example once per epoch, training runs, undo() restores the trainer's own dataloader."""
+    import datasets
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from padfree_plugins import accelerate
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    examples = make_examples([5 + (7 * i) % 40 for i in range(40)], seed=2)
+    table = datasets.Dataset.from_list(examples)
+    args = TrainingArguments(output_dir=str(tmp_path), num_train_epochs=1, learning_rate=1e-3, report_to=[],
+                             save_strategy="no", use_cpu=True, seed=3, logging_steps=1, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=table)
+    acceleration = accelerate(trainer, {"batching": {"strategy": "tokens", "max_tokens_per_batch": 160}})
+    loader = trainer.get_train_dataloader()
+    batches = list(loader.batch_sampler)
+    assert sorted(i for batch in batches for i in batch) == list(range(40))
+    assert all(sum(len(examples[i]["input_ids"]) for i in batch) <= 160 for batch in batches)
+    assert all(batch["input_ids"].shape[0] == 1 and "cu_seq_lens_q" in batch for batch in loader)
+    trainer.train()
+    assert trainer.state.global_step == len(batches)
+    acceleration.undo()
+    assert "get_train_dataloader" not in trainer.__dict__
