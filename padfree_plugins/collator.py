@@ -144,7 +144,9 @@ class PackingCollator:
                     f"example {i} is missing {', '.join(map(repr, missing))}; it has {', '.join(map(repr, ex))}"
                 )
             mask = ex.get("attention_mask")
-            if mask is not None and not bool(np.all(np.asarray(mask.tolist() if isinstance(mask, torch.Tensor) else mask))):
+            if isinstance(mask, torch.Tensor):
+                mask = mask.tolist()
+            if mask is not None and not bool(np.all(np.asarray(mask))):
                 raise BatchError(
                     f"example {i} is padded (its attention_mask has zeros): pass unpadded examples; "
                     "the collator packs them without any padding"

@@ -168,7 +168,8 @@ def _check(hint: Any, value: Any, where: str) -> Any:
     if origin is Literal:
         if value not in args:
             allowed = ", ".join(map(repr, args))
-            raise ConfigError(f"{where} must be one of {allowed}, got {value!r}.{did_you_mean(str(value), map(str, args))}")
+            hint = did_you_mean(str(value), map(str, args))
+            raise ConfigError(f"{where} must be one of {allowed}, got {value!r}.{hint}")
         return value
     if origin is list:
         if not isinstance(value, list):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-import traceback
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -209,7 +208,8 @@ class PluginHost:
         options = sorted(options, key=lambda o: (-o[0].priority, o[1].source == "builtin", o[1].name))
         if len(options) > 1:
             losers = ", ".join(f"{o[1].name}:{o[0].name}" for o in options[1:])
-            note = f"{kind} {key!r} is claimed by several plugins: using {options[0][1].name}:{options[0][0].name} over {losers}"
+            winner = f"{options[0][1].name}:{options[0][0].name}"
+            note = f"{kind} {key!r} is claimed by several plugins: using {winner} over {losers}"
             if note not in self.notes:
                 self.notes.append(note)
         return options[0][0], options[0][1].name
@@ -228,7 +228,8 @@ class PluginHost:
                 for model_type in item.model_types:
                     grouped.setdefault(model_type, []).append((item, record))
             self._architectures = {
-                model_type: self._pick("model type", model_type, options) for model_type, options in sorted(grouped.items())
+                model_type: self._pick("model type", model_type, options)
+                for model_type, options in sorted(grouped.items())
             }
         return self._architectures
 

@@ -17,8 +17,6 @@ from padfree_plugins.padding import pad_examples
 from padfree_plugins.probe import run_probe
 from tests.conftest import make_examples, tiny_config
 
-
-
 MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
 DECODERS = {
     "llama": ("llama", dict(num_key_value_heads=2)),

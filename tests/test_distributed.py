@@ -22,7 +22,6 @@ import torch
 from padfree_plugins import assemble, load_config
 from padfree_plugins.distributed import num_label_tokens
 from padfree_plugins.sampler import token_budget_sampler, trainer_train_dataloader
-
 from tests.conftest import make_examples
 
 ROOT = Path(__file__).resolve().parents[1]

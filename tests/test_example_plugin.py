@@ -11,9 +11,9 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from conftest import tiny_config
 
 import padfree_plugins
-from conftest import tiny_config
 
 PLUGIN_DIR = Path(__file__).resolve().parents[1] / "plugins" / "padfree-example"
 SETUP_HINT = (

@@ -8,9 +8,9 @@ import types
 
 import pytest
 import torch
+from conftest import make_examples, per_example, tiny_model
 
 import padfree_plugins
-from conftest import make_examples, per_example, tiny_model
 from padfree_plugins import Architecture, AttentionBackend, PluginHost, Task, assemble, hookimpl, plan
 from padfree_plugins.attention.backends import exact_varlen
 from padfree_plugins.errors import PluginError

@@ -100,7 +100,8 @@ def test_undo_restores_model_exactly():
     assert all(m.config._attn_implementation == "padfree_exact" for m in model.modules() if hasattr(m, "config"))
     assert patch_of(model) is assembly.patch
     described = assembly.patch.describe()
-    assert described["attn_implementation"] == "sdpa -> padfree_exact" and "LlamaAttention" in described["attention_modules"]
+    assert described["attn_implementation"] == "sdpa -> padfree_exact"
+    assert "LlamaAttention" in described["attention_modules"]
     assembly.undo()
     assembly.undo()  # twice is harmless
     assert model.config._attn_implementation == "sdpa"
@@ -121,7 +122,8 @@ def test_double_patch_is_refused():
 def test_peft_model_is_unwrapped_and_equivalent():
     peft = pytest.importorskip("peft")
     model = tiny_model("llama", num_key_value_heads=2)
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    lora_config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    lora = peft.get_peft_model(model, lora_config)
     examples = make_examples([5, 1, 11])
     with torch.no_grad():
         reference = [lora(input_ids=torch.tensor([ex["input_ids"]])).last_hidden_state[0] for ex in examples]

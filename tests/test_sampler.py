@@ -19,7 +19,6 @@ from padfree_plugins.sampler import (
     token_budget_dataloader,
     token_budget_sampler,
 )
-
 from tests.conftest import make_examples
 
 

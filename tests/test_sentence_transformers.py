@@ -211,10 +211,9 @@ def test_token_budget_batching_for_sentence_transformer_trainer(tiny_dirs):
     """batching.strategy: tokens through the same accelerate() call: every row once per epoch, each micro-batch
     within the budget (texts of all columns counted), and the trainer's own sampler back after undo()."""
     from datasets import Dataset
+    from padfree_sentence_transformers.batching import text_lengths
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
-
-    from padfree_sentence_transformers.batching import text_lengths
 
     anchors, positives = sentences(40, seed=8), sentences(40, seed=9)
     dataset = Dataset.from_dict({"anchor": anchors, "positive": positives, "label": [1.0] * 40})

@@ -9,7 +9,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 from typer.testing import CliRunner
 

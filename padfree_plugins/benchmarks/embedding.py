@@ -125,18 +125,19 @@ def build_model(name: str, task: str, device: str, dtype: torch.dtype) -> torch.
     no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
     cls = BertForSequenceClassification if task == "reranker" else BertModel
-    extra = {"num_labels": 1} if task == "reranker" else {"add_pooling_layer": False}
+    labels = {"num_labels": 1} if task == "reranker" else {}
+    head = {} if task == "reranker" else {"add_pooling_layer": False}
     if name == "minilm":
-        path = minilm_path()
-        config = AutoConfig.from_pretrained(path, **no_dropout, **({"num_labels": 1} if task == "reranker" else {}))
         from transformers.utils import logging as hf_logging
+
+        path = minilm_path()
+        config = AutoConfig.from_pretrained(path, **no_dropout, **labels)
 
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # the load report (unused pooler, new reranker head) is expected here
         hf_logging.disable_progress_bar()
         try:
-            model = cls.from_pretrained(path, config=config, attn_implementation="sdpa",
-                                        **({} if task == "reranker" else {"add_pooling_layer": False}))
+            model = cls.from_pretrained(path, config=config, attn_implementation="sdpa", **head)
         finally:
             hf_logging.set_verbosity(verbosity)
             hf_logging.enable_progress_bar()
@@ -147,9 +148,8 @@ def build_model(name: str, task: str, device: str, dtype: torch.dtype) -> torch.
                                num_attention_heads=4)}
         if name not in shapes:
             raise PadfreeError(f"unknown benchmark model {name!r}: minilm, bert-base or tiny")
-        labels = {"num_labels": 1} if task == "reranker" else {}
         config = BertConfig(**shapes[name], max_position_embeddings=512, **no_dropout, **labels)
-        model = cls(config, **({} if task == "reranker" else {"add_pooling_layer": False}))
+        model = cls(config, **head)
         model.set_attn_implementation("sdpa")
     return model.to(device=device, dtype=dtype).train()
 

@@ -36,8 +36,8 @@ from transformers.utils import ModelOutput
 from ..errors import BatchError, ConfigError, did_you_mean
 from ..hookspecs import hookimpl
 from ..specs import Task
-from .heads import call_model, run_base
 from .core import choose_pooler
+from .heads import call_model, run_base
 from .task_collators import ColumnsCollator, packing_for
 from .task_options import read_options
 
