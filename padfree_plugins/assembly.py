@@ -5,6 +5,7 @@ Everything the training loop needs comes out of here as plain objects; no hook i
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from .probe import PROBE, PROBE_PLUGIN, probed_architecture, verify
 from .specs import Architecture, AttentionBackend, Task
 
 EXACT_BACKEND = "exact"
+logger = logging.getLogger("padfree_plugins")
 
 
 def attention_features(model_config: Any, architecture: Architecture) -> frozenset[str]:
@@ -188,6 +190,8 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
     host = host or PluginHost(block=config.plugins.block)
     inner = unwrap_model(model)
     resolved = plan(inner.config, config, host=host)
+    for note in resolved.notes:  # plugin precedence, a faster backend the config rules out …
+        logger.warning("padfree-plugins: %s", note)
     call = dict(task=resolved.task, architecture=resolved.architecture, config=config)
     collator = host.hook.collate(model_config=inner.config, **call)
     if collator is None:

@@ -290,7 +290,7 @@ def test_several_broken_plugins_do_not_hide_each_other(fake_distribution):
 # -- conflicts ------------------------------------------------------------------------------------------------------
 
 
-def test_third_party_wins_over_builtin_at_equal_priority(fake_distribution):
+def test_third_party_wins_over_builtin_at_equal_priority(fake_distribution, caplog):
     fake_distribution("zzz-llama", claiming("fastllama"))
     host = PluginHost(environ=NO_ENV)
     spec, plugin = host.architectures()["llama"]
@@ -303,7 +303,9 @@ def test_third_party_wins_over_builtin_at_equal_priority(fake_distribution):
     resolved = plan(tiny_model("llama").config, {"attention": "exact"}, host=host)
     assert resolved.architecture.name == "fastllama" and resolved.architecture_plugin == "zzz-llama"
     assert any("fastllama" in n for n in resolved.notes)
-    assert_llama_assembles(host)
+    with caplog.at_level("WARNING", logger="padfree_plugins"):
+        assert_llama_assembles(host)
+    assert any("zzz-llama:fastllama" in record.getMessage() for record in caplog.records)  # visible when training
 
 
 def test_builtin_wins_over_lower_priority(fake_distribution):
