@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, run on the device machine in one call (see docs/benchmarks.md):
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl", ".gpu"], timeout_s=590)
-# .whl: wheels the GPU image lacks or has older (transformers 5.23, sentence-transformers 6.2), fetched with
-#       pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl NAME==VERSION
+# Prepare the carried folders with scripts/gpu_prepare.sh:
+# .whl: wheels the GPU image lacks or has older (transformers 5.23, sentence-transformers 6.2)
 # .gpu: copies of ../shared/bench/gpu_anchor.py and gpu_anchor_encoder.py (the shared folder does not travel).
 # Writes everything under $OUT (or out/gpu when run by hand).
 set -u -o pipefail
@@ -35,7 +35,7 @@ done
 log "ours: padfree-plugins bench sft --device cuda --dtype bfloat16 --model-size 1b"
 timeout 240 $PY -m padfree_plugins.cli bench sft --device cuda --dtype bfloat16 --model-size 1b \
   --laws lognormal --batch-sizes 4,16 --batches 6 --rounds 3 --warmup 3 --out "$OUT" 2>&1 \
-  | grep -E "│|environment" | tee -a "$OUT/summary.txt"
+  | grep -E "│|environment|[Ee]rror" | tee -a "$OUT/summary.txt"
 
 log "encoder anchor (../shared/bench/gpu_anchor_encoder.py), BERT-base shape, bf16"
 for spec in "128 60" "32 120"; do set -- $spec
@@ -45,5 +45,5 @@ done
 
 log "ours: padfree-plugins bench embedding --device cuda"
 timeout 180 $PY -m padfree_plugins.cli bench embedding --device cuda --batches 8 --rounds 3 2>&1 \
-  | grep -E "│|memory" | tee -a "$OUT/summary.txt"
+  | grep -E "│|memory|[Ee]rror" | tee -a "$OUT/summary.txt"
 log "done"
