@@ -16,8 +16,12 @@ if [ -z "${SKIP_INSTALL:-}" ]; then
     $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site
   fi
-  $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . -e plugins/padfree-example \
-    -e plugins/padfree-sentence-transformers > /tmp/pip.log 2>&1 || { tail -20 /tmp/pip.log; exit 1; }
+  $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . > /tmp/pip.log 2>&1 \
+    || { tail -20 /tmp/pip.log; exit 1; }
+  for plugin in plugins/*/; do  # a plugin that fails to install shows up as missing, nothing more
+    $PY -m pip install -q --no-index --no-deps --no-build-isolation -e "$plugin" >> /tmp/pip.log 2>&1 \
+      || echo "could not install $plugin" | tee -a "$OUT/summary.txt"
+  done
 fi
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
       torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')" | tee -a "$OUT/summary.txt"
