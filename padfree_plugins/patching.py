@@ -177,3 +177,21 @@ def patch_of(model: Any) -> ModelPatch | None:
         return getattr(unwrap_model(model), PATCH_ATTRIBUTE, None)
     except UnsupportedArchitectureError:
         return None
+
+
+#: Marks an attribute an object did not have in its own ``__dict__`` before a patch set it.
+MISSING = object()
+
+
+def own_attribute(obj: Any, name: str) -> Any:
+    """``obj``'s own instance attribute ``name`` (not its class's), or :data:`MISSING` — what a patch saves."""
+    return obj.__dict__.get(name, MISSING)
+
+
+def restore_attributes(obj: Any, saved: dict[str, Any]) -> None:
+    """Undo instance-attribute patches: put back saved values, delete those that were :data:`MISSING`."""
+    for name, value in saved.items():
+        if value is MISSING:
+            obj.__dict__.pop(name, None)
+        else:
+            setattr(obj, name, value)

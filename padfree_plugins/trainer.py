@@ -45,7 +45,7 @@ from .config import PadfreeConfig, load_config
 from .datacheck import check_dataset
 from .errors import PadfreeError, PluginError
 from .host import PluginHost
-from .patching import unwrap_model
+from .patching import own_attribute, restore_attributes, unwrap_model
 
 ACCELERATION_ATTRIBUTE = "_padfree_acceleration"
 TrainerKind = Literal["hf", "sft"]
@@ -117,7 +117,6 @@ def _per_token(value: Any, batch: Mapping) -> bool:
 
 # -- the patch ----------------------------------------------------------------------------------------------------
 
-_MISSING = object()
 
 
 @dataclass
@@ -151,13 +150,13 @@ class TrainerPatch:
         for name in ("data_collator", "_signature_columns"):
             patch.saved[name] = getattr(trainer, name)
         for name in ("compute_loss", "prediction_step", "loss_is_scaled_for_ga"):
-            patch.saved[name] = trainer.__dict__.get(name, _MISSING)
+            patch.saved[name] = own_attribute(trainer, name)
         trainer.data_collator = TrainerCollator(assembly.collator)
         trainer._signature_columns = _signature_columns(trainer, assembly)
         trainer.compute_loss = patch.compute_loss
         trainer.prediction_step = patch.prediction_step
         if getattr(getattr(assembly.config, "batching", None), "strategy", "examples") == "tokens":
-            patch.saved["get_train_dataloader"] = trainer.__dict__.get("get_train_dataloader", _MISSING)
+            patch.saved["get_train_dataloader"] = own_attribute(trainer, "get_train_dataloader")
             trainer.get_train_dataloader = patch.train_dataloader
         scaled = getattr(assembly.forward, "loss_is_scaled_for_ga", None)
         if scaled is not None:  # a task forward that says whether it normalises by num_items_in_batch itself
@@ -168,11 +167,7 @@ class TrainerPatch:
         """Restore the collator, the signature columns and the trainer's own compute_loss / prediction_step."""
         if not self.active:
             return
-        for name, value in self.saved.items():
-            if value is _MISSING:
-                self.trainer.__dict__.pop(name, None)
-            else:
-                setattr(self.trainer, name, value)
+        restore_attributes(self.trainer, self.saved)
         self.active = False
 
     # -- what the trainer calls ---------------------------------------------------------------------------------

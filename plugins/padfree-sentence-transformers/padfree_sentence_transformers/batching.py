@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from padfree_plugins.errors import BatchError, ConfigError
+from padfree_plugins.patching import own_attribute, restore_attributes
 from padfree_plugins.sampler import batching_config, token_budget_sampler, uses_token_budget
 
 
@@ -80,15 +81,12 @@ class BatchSamplerPatch:
 
     @classmethod
     def apply(cls, trainer: Any, model: Any, config: Any) -> "BatchSamplerPatch":
-        saved = trainer.__dict__.get("get_batch_sampler")
+        saved = own_attribute(trainer, "get_batch_sampler")
         trainer.get_batch_sampler = TokenBudgetBatches(trainer, model, config, trainer.get_batch_sampler)
         return cls(trainer, saved)
 
     def undo(self) -> None:
         if not self.active:
             return
-        if self.saved is None:
-            self.trainer.__dict__.pop("get_batch_sampler", None)
-        else:
-            self.trainer.get_batch_sampler = self.saved
+        restore_attributes(self.trainer, {"get_batch_sampler": self.saved})
         self.active = False

@@ -30,12 +30,12 @@ from padfree_plugins import PackingCollator, assemble, load_config
 from padfree_plugins.batch import BOUNDARY_KEYS
 from padfree_plugins.builtin.heads import sequence_logits
 from padfree_plugins.errors import ConfigError, UnsupportedArchitectureError
+from padfree_plugins.patching import own_attribute, restore_attributes
 
 #: sentence-transformers modules that work on a packed row (after the Transformer module).
 PACKED_SAFE_MODULES = frozenset({"Pooling", "Normalize", "Dense", "LayerNorm", "Dropout"})
 #: The Transformer module tasks this integration runs, and the padfree task the inner model is assembled for.
 MODULE_TASKS = {"feature-extraction": "hidden_states", "sequence-classification": "seq_cls"}
-_MISSING = object()
 _SAVED = ("can_flatten_inputs", "data_collator", "_flatten_position_offset", "model_forward_params", "forward")
 
 
@@ -103,17 +103,13 @@ class ModulePatch:
     def undo(self) -> None:
         if not self.active:
             return
-        for name, value in self.saved.items():
-            if value is _MISSING:
-                self.module.__dict__.pop(name, None)
-            else:
-                setattr(self.module, name, value)
+        restore_attributes(self.module, self.saved)
         self.active = False
 
 
 def patch_module(module: Any, collator: Any) -> ModulePatch:
     """Switch the module's flattening on with ``collator``; per-text heads for sequence classification."""
-    patch = ModulePatch(module, {name: module.__dict__.get(name, _MISSING) for name in _SAVED})
+    patch = ModulePatch(module, {name: own_attribute(module, name) for name in _SAVED})
     module.can_flatten_inputs = True
     module.data_collator = collator
     module._flatten_position_offset = 0  # our collator already starts positions where the architecture does
