@@ -237,12 +237,26 @@ def bench_sft(
     dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
     model_size: Annotated[str, typer.Option(help="tiny (4 layers, d=256), 1b (TinyLlama 1.1B shape), micro.")] = "tiny",
     batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "4,16",
-    laws: Annotated[str, typer.Option(help="Comma-separated length laws: lognormal (median 120, sigma 0.6), "
-                                           "mix (80% median 40, 20% median 600).")] = "lognormal,mix",
-    batches: Annotated[int, typer.Option(help="Distinct batches per (law, batch size).")] = 4,
+    laws: Annotated[Optional[str], typer.Option(help="Comma-separated length laws: lognormal (median 120, sigma "
+                                                     "0.6), mix (80% median 40, 20% median 600), dataset (lengths "
+                                                     "of --dataset). Default: lognormal,mix; dataset with "
+                                                     "--dataset.")] = None,
+    dataset: Annotated[Optional[str], typer.Option(help="Measure on the lengths of your data: a local .json / "
+                                                       ".jsonl / .parquet / .csv file or a save_to_disk directory "
+                                                       "with input_ids (or text, with --tokenizer).")] = None,
+    dataset_split: Annotated[str, typer.Option(help="Split of a saved DatasetDict.")] = "train",
+    tokenizer: Annotated[Optional[str], typer.Option(help="Local tokenizer directory for a --dataset of text or "
+                                                         "prompt + completion rows.")] = None,
+    model_config: Annotated[Optional[str], typer.Option(help="A config.json (or a directory holding one) of any "
+                                                            "supported decoder, randomly initialised, instead of "
+                                                            "--model-size.")] = None,
+    batches: Annotated[int, typer.Option(help="Distinct batches per (law, batch size).")] = 8,
     rounds: Annotated[int, typer.Option(help="Interleaved rounds; figures are medians over rounds.")] = 3,
     warmup: Annotated[int, typer.Option(help="Untimed warm-up steps per variant.")] = 1,
     max_length: Annotated[int, typer.Option(help="Longest example (lengths are clipped).")] = 2048,
+    peak_tflops: Annotated[Optional[float], typer.Option(help="MFU denominator in TFLOP/s. Default: 790 on CUDA "
+                                                             "(as gpu_anchor.py), the measured matmul rate on "
+                                                             "CPU.")] = None,
     threads: Annotated[Optional[int], typer.Option(help="torch intra-op threads. Default on CPU: 1 (on a shared "
                                                        "machine, OpenMP barriers on contended cores otherwise "
                                                        "dominate small kernels); on CUDA: torch's choice.")] = None,
@@ -257,10 +271,13 @@ def bench_sft(
     previous_threads = torch.get_num_threads()
     if threads is not None or device == "cpu":
         torch.set_num_threads(threads or 1)
+    default_laws = "dataset" if dataset else "lognormal,mix"
     settings = BenchSettings(device=device, dtype=dtype, model_size=model_size,
                              batch_sizes=tuple(int(b) for b in batch_sizes.split(",")),
-                             laws=tuple(law.strip() for law in laws.split(",")), batches=batches, rounds=rounds,
-                             warmup=warmup, max_length=max_length)
+                             laws=tuple(law.strip() for law in (laws or default_laws).split(",")),
+                             batches=batches, rounds=rounds, warmup=warmup, max_length=max_length,
+                             peak_tflops=peak_tflops, model_config=model_config, dataset=dataset,
+                             dataset_split=dataset_split, tokenizer=tokenizer)
     try:
         result = run_sft_benchmark(settings, progress=None if as_json else
                                    (lambda line: console.print(line, highlight=False)))
@@ -273,16 +290,17 @@ def bench_sft(
         print(result.to_json())
         return
     kind = result.rows[0].memory_kind if result.rows else ""
-    table = Table(title=f"SFT step (fwd + bwd), Llama {model_size}, {dtype}, {result.environment['device']}: "
+    model = model_config or f"Llama {model_size}"
+    table = Table(title=f"SFT step (fwd + bwd), {model}, {dtype}, {result.environment['device']}: "
                         "real tokens/s, medians of interleaved rounds")
     for column in ("law", "batch", "padding", "variant", "tokens/s", "step ms", "vs padded", "vs HF native",
-                   f"memory MiB ({kind})", "loss rel. diff", "attention"):
+                   f"memory MiB ({kind})", "MFU", "loss rel. diff", "attention"):
         table.add_column(column, justify="right")
     for r in result.rows:
         table.add_row(r.law, str(r.batch_size), f"{r.padding_fraction:.0%}", r.variant, f"{r.tokens_per_s:,.0f}",
                       f"{r.step_ms:,.1f}", f"{r.speedup_vs_padded:.2f}x",
                       "-" if r.variant != "padfree" else f"{r.speedup_vs_hf:.2f}x", f"{r.memory_bytes / 2**20:,.1f}",
-                      f"{r.loss_rel_diff:.1e}", r.backend)
+                      f"{r.mfu:.0%}", f"{r.loss_rel_diff:.1e}", r.backend)
     console.print(table)
     console.print(f"environment: {result.environment}", highlight=False)
     console.print(f"wrote {paths['json']} and {paths['png']}", highlight=False)

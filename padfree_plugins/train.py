@@ -210,26 +210,33 @@ def _largest_token(rows: Any) -> int:
     return int(largest) if largest is not None else 0
 
 
-def _model_config(script: TrainScriptArguments) -> Any:
+def load_model_config(source: str, flag: str = "--model_config") -> Any:
+    """A transformers config from a ``config.json`` file or a directory holding one (offline)."""
     from transformers import AutoConfig
 
-    if script.model_name_or_path:
-        return AutoConfig.from_pretrained(script.model_name_or_path)
-    path = Path(script.model_config)
+    path = Path(source)
     if path.is_dir():
         return AutoConfig.from_pretrained(str(path))
     if not path.is_file():
-        raise ConfigError(f"--model_config {script.model_config!r} does not exist")
+        raise ConfigError(f"{flag} {source!r} does not exist (give a config.json or a directory holding one)")
     data = json.loads(path.read_text())
     if "model_type" not in data:
         raise ConfigError(f"{path}: a model config needs a model_type (e.g. \"llama\")")
     return AutoConfig.for_model(data.pop("model_type"), **data)
 
 
+def _model_config(script: TrainScriptArguments) -> Any:
+    from transformers import AutoConfig
+
+    if script.model_name_or_path:
+        return AutoConfig.from_pretrained(script.model_name_or_path)
+    return load_model_config(script.model_config)
+
+
 # -- the run -----------------------------------------------------------------------------------------------------
 
 
-def _quietly(function: Callable[..., Any], *args: Any) -> Any:
+def quietly(function: Callable[..., Any], *args: Any) -> Any:
     """Run ``function`` without datasets' progress bars (a few hundred rows map in milliseconds)."""
     import datasets
 
@@ -299,7 +306,7 @@ def run_train(argv: Sequence[str] = (), print_fn: Callable[[str], None] | None =
         model_config = tiny_llama_config(vocab, tokenizer)
     setup = plan(model_config, config, device_type=training.device.type).describe()
 
-    data = _quietly(tokenize, rows, tokenizer, script.completion_only_loss, script.truncate_to)
+    data = quietly(tokenize, rows, tokenizer, script.completion_only_loss, script.truncate_to)
     evaluation = None
     if script.eval_fraction > 0 and len(data) >= 10:
         split = data.train_test_split(test_size=script.eval_fraction, seed=training.seed)

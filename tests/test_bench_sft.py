@@ -32,6 +32,21 @@ def test_variants_agree_and_outputs_are_written(tmp_path):
     assert paths["png"].read_bytes()[:4] == b"\x89PNG"
 
 
+def test_mfu_is_six_matmul_parameters_per_token_over_the_peak():
+    from padfree_plugins.benchmarks.sft import build_model
+
+    settings = BenchSettings(**{**TINY, "laws": ("lognormal",)}, peak_tflops=0.5)
+    result = run_sft_benchmark(settings)
+    model = build_model(settings)
+    parameters = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    for row in result.rows:
+        assert row.mfu == pytest.approx(6 * parameters * row.tokens_per_s / 0.5e12)
+    assert result.environment["MFU peak source"] == "given"
+    measured = run_sft_benchmark(BenchSettings(**{**TINY, "laws": ("lognormal",)}))
+    assert "measured" in measured.environment["MFU peak source"]
+    assert measured.environment["MFU peak TFLOP/s"] > 0 and all(row.mfu > 0 for row in measured.rows)
+
+
 def test_length_laws():
     lognormal = draw_lengths("lognormal", 4000, seed=0, low=8, high=2048)
     assert 110 < sorted(lognormal)[2000] < 130  # median 120
@@ -47,6 +62,7 @@ def test_cli_prints_the_table(tmp_path):
                                       "--max-length", "64", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert "hf_native" in result.output and "padfree" in result.output and "vs padded" in result.output
+    assert "MFU" in result.output
     assert (tmp_path / "bench_sft.png").is_file()
 
 
@@ -66,3 +82,65 @@ def test_gpu_bf16_run_uses_a_fast_backend_and_measures_cuda_memory():
     assert padfree.backend in ("varlen", "flash_attn")
     assert all(r.memory_kind == "cuda peak" and r.memory_bytes > 0 for r in result.rows)
     assert all(r.loss_rel_diff < 2e-2 for r in result.rows)
+
+
+def test_dataset_lengths_and_a_model_config(tmp_path):
+    from padfree_plugins.benchmarks.sft import dataset_lengths, sample_lengths
+
+    data = tmp_path / "data.jsonl"
+    lengths = [5, 9, 0, 17, 30, 64]
+    data.write_text("".join(json.dumps({"input_ids": list(range(n))}) + "\n" for n in lengths))
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "qwen2", "vocab_size": 128, "hidden_size": 32,
+                                  "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "max_position_embeddings": 48}))
+    settings = BenchSettings(**{**TINY, "laws": ("dataset",)}, dataset=str(data), model_config=str(config))
+    assert dataset_lengths(settings) == [5, 9, 17, 30, 64]  # the empty row is left out
+    drawn = sample_lengths([5, 9, 17, 30, 64], 200, seed=1, high=48)
+    assert set(drawn) == {5, 9, 17, 30, 48}  # every row can be drawn; longer than the model takes: clipped
+    result = run_sft_benchmark(settings)
+    assert result.environment["model"] == "Qwen2ForCausalLM"
+    assert result.environment["dataset"]["examples"] == 5
+    assert [r.law for r in result.rows] == ["dataset"] * 3
+    assert all(r.loss_rel_diff < 1e-5 for r in result.rows)
+
+
+def test_dataset_errors(tmp_path):
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"text": "hello"}) + "\n")
+    with pytest.raises(PadfreeError, match="no input_ids.*--tokenizer"):
+        run_sft_benchmark(BenchSettings(**{**TINY, "laws": ("dataset",)}, dataset=str(text)))
+    with pytest.raises(PadfreeError, match="needs --dataset"):
+        run_sft_benchmark(BenchSettings(**{**TINY, "laws": ("dataset",)}))
+    result = CliRunner().invoke(app, ["bench", "sft", "--model-size", "micro", "--dataset", str(tmp_path / "no.jsonl"),
+                                      "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "does not exist" in result.output
+    encoder = tmp_path / "distilbert.json"
+    encoder.write_text(json.dumps({"model_type": "distilbert", "vocab_size": 64, "dim": 32, "n_layers": 1,
+                                   "n_heads": 2, "hidden_dim": 64}))
+    with pytest.raises(PadfreeError, match="cannot build a causal LM.*'distilbert'"):
+        run_sft_benchmark(BenchSettings(**TINY, model_config=str(encoder)))
+
+
+def test_cli_defaults_to_the_dataset_law(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": list(range(n))}) + "\n" for n in (3, 7, 12)))
+    result = CliRunner().invoke(app, ["bench", "sft", "--model-size", "micro", "--dataset", str(data),
+                                      "--batch-sizes", "2", "--batches", "1", "--rounds", "1", "--warmup", "0",
+                                      "--out", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    assert {row["law"] for row in json.loads(result.output)["rows"]} == {"dataset"}
+
+
+def test_text_rows_are_measured_with_their_tokenizer(tmp_path):
+    from padfree_plugins.benchmarks.sft import dataset_lengths
+    from padfree_plugins.train import train_tokenizer
+
+    texts = ["a short one", "a somewhat longer sentence of text", "x"]
+    tokenizer = train_tokenizer(texts * 20, vocab_size=300)
+    tokenizer.save_pretrained(tmp_path / "tok")
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    lengths = dataset_lengths(BenchSettings(dataset=str(data), tokenizer=str(tmp_path / "tok")))
+    eos = 1  # the tokenize step appends the end-of-sequence token
+    assert lengths == [len(tokenizer(t, add_special_tokens=False)["input_ids"]) + eos for t in texts]

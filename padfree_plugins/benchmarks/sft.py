@@ -16,7 +16,14 @@ order that rotates each round — so that machine noise hits them alike; figures
 are taken within a round before the median.
 
 Reported per (length law, batch size, variant): real (non-pad) tokens/s, step time, memory, loss parity (largest
-relative loss difference from ``padded`` over the batches), padding share of the padded batch.
+relative loss difference from ``padded`` over the batches), padding share of the padded batch, and MFU.
+
+MFU counts ``6 × N`` FLOPs per real token (forward + backward, attention left out), ``N`` being the parameters
+that multiply: all of them except the input embedding table (a lookup), unless it is tied to the LM head.
+``../shared/bench/gpu_anchor.py`` counts every parameter, which reads ~6% higher on its 1.1B shape. The peak: on
+CUDA ``--peak-tflops`` (default 790, the anchor's figure for an H100 / H200 in bf16); on CPU the fp32
+matrix-multiply rate measured on the spot at the benchmark's thread count, so that the figure says how close a
+step runs to what this CPU's matmuls can do.
 
 Memory: on CUDA, ``torch.cuda.max_memory_allocated`` during the timed steps (weights + gradients + activations +
 transients). On CPU there is no allocator counter (RSS keeps freed memory, ``tracemalloc`` does not see torch), so
@@ -28,6 +35,9 @@ Threads: on CPU, ``padfree-plugins bench sft`` runs with one intra-op thread unl
 On a shared machine, OpenMP barriers across contended cores cost milliseconds per parallel region and then
 dominate every small kernel, so the comparison would measure the scheduler (and punish the variant with more,
 smaller kernels: per-example attention). The thread count and the load average are reported with the results.
+
+Your own data: ``dataset`` (a local file or ``save_to_disk`` directory) gives the law ``"dataset"``, whose batches
+are drawn at random from the dataset's example lengths; ``model_config`` times any supported decoder's shape.
 """
 
 from __future__ import annotations
@@ -71,12 +81,17 @@ class BenchSettings:
     model_size: str = "tiny"
     batch_sizes: tuple[int, ...] = (4, 16)
     laws: tuple[str, ...] = ("lognormal", "mix")
-    batches: int = 4
+    batches: int = 8
     rounds: int = 3
     warmup: int = 1
     seed: int = 0
     min_length: int = 8
     max_length: int = 2048
+    peak_tflops: float | None = None  # MFU denominator; None: 790 on CUDA, the measured matmul rate on CPU
+    model_config: str | None = None  # a config.json (any supported decoder) instead of model_size
+    dataset: str | None = None  # lengths of the law "dataset" come from this local dataset
+    dataset_split: str = "train"
+    tokenizer: str | None = None  # local tokenizer for a dataset of text / prompt + completion rows
 
 
 @dataclass
@@ -94,6 +109,7 @@ class BenchRow:
     speedup_vs_padded: float = 1.0
     speedup_vs_hf: float = float("nan")
     backend: str = ""
+    mfu: float = float("nan")
 
 
 @dataclass
@@ -113,7 +129,8 @@ class BenchResult:
 def draw_lengths(law: str, n: int, seed: int, low: int, high: int) -> list[int]:
     """``n`` example lengths from a named law (a mixture of lognormals), clipped to ``[low, high]``."""
     if law not in LAWS:
-        raise PadfreeError(f"unknown length law {law!r}; choose from {', '.join(LAWS)}")
+        raise PadfreeError(f"unknown length law {law!r}; choose from {', '.join(LAWS)}, or {DATASET_LAW} with a "
+                           "--dataset")
     generator = torch.Generator().manual_seed(seed)
     weights = torch.tensor([w for w, _, _ in LAWS[law]])
     component = torch.multinomial(weights, n, replacement=True, generator=generator)
@@ -121,6 +138,38 @@ def draw_lengths(law: str, n: int, seed: int, low: int, high: int) -> list[int]:
     sigmas = torch.tensor([s for _, _, s in LAWS[law]], dtype=torch.float64)[component]
     draws = torch.exp(torch.randn(n, generator=generator, dtype=torch.float64) * sigmas + medians.log())
     return draws.round().clamp(low, high).long().tolist()
+
+
+#: The law whose lengths are drawn from ``BenchSettings.dataset``.
+DATASET_LAW = "dataset"
+
+
+def dataset_lengths(settings: BenchSettings) -> list[int]:
+    """Token counts of every non-empty row of ``settings.dataset`` (tokenized with ``settings.tokenizer`` when the
+    rows hold text rather than ``input_ids``)."""
+    from ..train import load_rows, quietly, tokenize
+
+    rows = quietly(load_rows, settings.dataset, settings.dataset_split)
+    if "input_ids" not in rows.column_names:
+        if settings.tokenizer is None:
+            raise PadfreeError(f"{settings.dataset}: rows have no input_ids (columns: {', '.join(rows.column_names)}); "
+                               "give --tokenizer DIR to tokenize their text, or pre-tokenize the dataset")
+        from transformers import AutoTokenizer
+
+        rows = quietly(tokenize, rows, AutoTokenizer.from_pretrained(settings.tokenizer))
+    import pyarrow.compute as pc
+
+    lengths = [n for n in pc.list_value_length(rows.with_format("arrow")[:]["input_ids"]).to_pylist() if n]
+    if not lengths:
+        raise PadfreeError(f"{settings.dataset}: no non-empty example to draw lengths from")
+    return lengths
+
+
+def sample_lengths(lengths: list[int], n: int, seed: int, high: int) -> list[int]:
+    """``n`` lengths drawn at random from a dataset's (as a shuffled loader would), clipped to ``high``."""
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.randint(len(lengths), (n,), generator=generator).tolist()
+    return [min(lengths[i], high) for i in picks]
 
 
 def make_examples(lengths: list[int], vocab: int, seed: int) -> list[dict]:
@@ -135,14 +184,58 @@ def make_examples(lengths: list[int], vocab: int, seed: int) -> list[dict]:
 def build_model(settings: BenchSettings) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    if settings.model_size not in MODEL_SIZES:
+    if settings.model_config is not None:
+        from ..train import load_model_config
+
+        config = load_model_config(settings.model_config, "--model-config")
+        config.use_cache = False
+    elif settings.model_size not in MODEL_SIZES:
         raise PadfreeError(f"unknown model size {settings.model_size!r}; choose from {', '.join(MODEL_SIZES)}")
+    else:
+        config = LlamaConfig(**MODEL_SIZES[settings.model_size], use_cache=False)
     torch.manual_seed(settings.seed)
-    config = LlamaConfig(**MODEL_SIZES[settings.model_size], use_cache=False)
     dtype = getattr(torch, settings.dtype)
     with torch.device(settings.device):  # initialise on the device: a 1.1B model initialises in seconds on a GPU
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+        try:
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+        except ValueError as error:  # not a causal LM (an encoder config), or no sdpa for it
+            raise PadfreeError(f"cannot build a causal LM with sdpa attention from {config.model_type!r}: "
+                               f"{str(error).splitlines()[0]}") from error
     return model.to(settings.device).train()
+
+
+#: MFU peak on CUDA when none is given: the figure ``../shared/bench/gpu_anchor.py`` uses (bf16, H100 / H200).
+CUDA_PEAK_TFLOPS = 790.0
+
+
+def matmul_flops_per_s(device: torch.device, dtype: torch.dtype, size: int = 1024, repeats: int = 8) -> float:
+    """The rate of one square ``size``-matrix multiply in ``dtype`` on ``device``, measured now (FLOP/s)."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    _sync(device)
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+def matmul_parameters(model: torch.nn.Module) -> int:
+    """Parameters that take part in matrix multiplies: all but an input embedding that is not the LM head."""
+    total = sum(p.numel() for p in model.parameters())
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    return total if embedding is head else total - embedding.numel()
+
+
+def peak_flops(settings: BenchSettings, device: torch.device) -> tuple[float, str]:
+    """The MFU denominator and where it comes from."""
+    if settings.peak_tflops is not None:
+        return settings.peak_tflops * 1e12, "given"
+    if device.type == "cuda":
+        return CUDA_PEAK_TFLOPS * 1e12, "default for H100 / H200 bf16, as gpu_anchor.py"
+    return matmul_flops_per_s(device, getattr(torch, settings.dtype)), "measured fp32 matmul rate of this CPU"
 
 
 def _sync(device: torch.device) -> None:
@@ -221,16 +314,29 @@ def run_sft_benchmark(settings: BenchSettings, progress: Callable[[str], None] |
     model = build_model(settings)
     vocab = model.config.vocab_size
     high = min(settings.max_length, model.config.max_position_embeddings)
+    if DATASET_LAW in settings.laws and settings.dataset is None:
+        raise PadfreeError(f"the length law {DATASET_LAW!r} needs --dataset PATH")
+    lengths = dataset_lengths(settings) if settings.dataset is not None else None
     runner = Runner(model, device)
+    peak, peak_source = peak_flops(settings, device)
+    flops_per_token = 6 * matmul_parameters(model)
     rows: list[BenchRow] = []
     try:
         for law in settings.laws:
             for batch_size in settings.batch_sizes:
-                rows += _measure(runner, settings, law, batch_size, vocab, high, say)
+                rows += _measure(runner, settings, law, batch_size, vocab, high, say, lengths)
     finally:
         runner.close()
-    environment = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
-                   else "cpu", "threads": torch.get_num_threads(), "padfree backend": runner.backend}
+    for row in rows:
+        row.mfu = flops_per_token * row.tokens_per_s / peak
+    environment = {"model": type(model).__name__, "torch": torch.__version__,
+                   "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                   "threads": torch.get_num_threads(), "padfree backend": runner.backend,
+                   "MFU peak TFLOP/s": round(peak / 1e12, 3), "MFU peak source": peak_source,
+                   "MFU FLOPs per token": flops_per_token}
+    if lengths is not None:
+        environment["dataset"] = {"path": settings.dataset, "examples": len(lengths),
+                                  "median length": statistics.median(lengths), "longest": max(lengths)}
     try:
         environment["load average (1, 5, 15 min)"] = [round(x, 2) for x in __import__("os").getloadavg()]
     except OSError:  # pragma: no cover - not on every platform
@@ -239,12 +345,14 @@ def run_sft_benchmark(settings: BenchSettings, progress: Callable[[str], None] |
 
 
 def _measure(runner: Runner, settings: BenchSettings, law: str, batch_size: int, vocab: int, high: int,
-             say: Callable[[str], None]) -> list[BenchRow]:
+             say: Callable[[str], None], lengths: list[int] | None = None) -> list[BenchRow]:
     device = runner.device
     batches = []
     for b in range(settings.batches):
         seed = settings.seed + 1000 * batch_size + b
-        examples = make_examples(draw_lengths(law, batch_size, seed, settings.min_length, high), vocab, seed)
+        drawn = (sample_lengths(lengths, batch_size, seed, high) if law == DATASET_LAW
+                 else draw_lengths(law, batch_size, seed, settings.min_length, high))
+        examples = make_examples(drawn, vocab, seed)
         batches.append((examples, {v: runner.prepare(v, examples) for v in VARIANTS}))
     real = [sum(len(ex["input_ids"]) for ex in examples) for examples, _ in batches]
     padded_tokens = [len(examples) * max(len(ex["input_ids"]) for ex in examples) for examples, _ in batches]
@@ -334,7 +442,8 @@ def plot(result: BenchResult, path: Path) -> Path:
         ax.legend()
     s = result.settings
     device = result.environment.get("device")
-    figure.suptitle(f"SFT step (forward + backward), Llama {s.model_size}, {s.dtype}, {device}")
+    model = s.model_config or f"Llama {s.model_size}"
+    figure.suptitle(f"SFT step (forward + backward), {model}, {s.dtype}, {device}")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
