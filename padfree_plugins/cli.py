@@ -136,15 +136,18 @@ def train(ctx: typer.Context) -> None:
         report = run_train(ctx.args, print_fn=lambda line: console.print(line, highlight=False))
     except (PadfreeError, OSError) as error:
         _fail(error)
-    table = Table(title="training loss (padding-free)")
-    for column in ("step", "loss", ""):
-        table.add_column(column, justify="right" if column else "left")
-    losses = [loss for _, loss in report.losses]
-    low, high = (min(losses), max(losses)) if losses else (0.0, 1.0)
-    for step, loss in report.losses:
-        width = 1 + int(39 * (loss - low) / (high - low)) if high > low else 1
-        table.add_row(str(step), f"{loss:.4f}", "█" * width)
-    console.print(table)
+    if report.losses:
+        table = Table(title="training loss (padding-free)")
+        for column in ("step", "loss", ""):
+            table.add_column(column, justify="right" if column else "left")
+        losses = [loss for _, loss in report.losses]
+        low, high = min(losses), max(losses)
+        for step, loss in report.losses:
+            width = 1 + int(39 * (loss - low) / (high - low)) if high > low else 1
+            table.add_row(str(step), f"{loss:.4f}", "█" * width)
+        console.print(table)
+    else:
+        console.print("no training loss was logged (fewer steps than --logging_steps)", highlight=False)
     if report.eval_before is not None:
         console.print(f"eval loss: {report.eval_before:.4f} before training -> {report.eval_after:.4f} after",
                       highlight=False)

@@ -108,7 +108,12 @@ def parse_arguments(argv: Sequence[str]) -> tuple[TrainScriptArguments, Any, Acc
         prefix += ["--output_dir", tempfile.mkdtemp(prefix="padfree-train-")]
         if not _has_flag(argv, "--save_strategy"):
             prefix += ["--save_strategy", "no"]  # a throwaway directory: nothing worth saving into it
-    script, training, acceleration = parser.parse_args_into_dataclasses(args=[*prefix, *argv])
+    try:
+        script, training, acceleration = parser.parse_args_into_dataclasses(args=[*prefix, *argv])
+    except ConfigError:
+        raise
+    except ValueError as error:  # TrainingArguments' own checks (e.g. --bf16 on a machine without bf16 support)
+        raise ConfigError(f"invalid training arguments: {error}") from error
     if not 0 <= script.eval_fraction < 1:
         raise ConfigError(f"--eval_fraction must be in [0, 1), got {script.eval_fraction}")
     return script, training, acceleration, embedded

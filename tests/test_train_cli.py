@@ -130,3 +130,16 @@ def test_bad_acceleration_config_is_an_error_before_training(config, message):
     result = invoke("--acceleration_config", config)
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+@pytest.mark.usefixtures("no_training")
+def test_invalid_training_arguments_are_a_clear_error():
+    result = invoke("--load_best_model_at_end", "true", "--eval_strategy", "no", "--save_strategy", "steps")
+    assert result.exit_code == 2, result.output
+    assert "error: invalid training arguments" in result.output and "Traceback" not in result.output
+
+
+def test_a_run_shorter_than_the_logging_interval_says_so():
+    result = invoke("--max_steps", "2", "--logging_steps", "5")
+    assert result.exit_code == 0, result.output
+    assert "no training loss was logged" in result.output and "2 steps in" in result.output
