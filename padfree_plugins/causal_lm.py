@@ -9,7 +9,12 @@ before it). This module adds what a causal-LM dataset needs on top:
   (completion-only / assistant-only loss), are kept as they are;
 * **the model's limit** (for every task, by :func:`padfree_plugins.builtin.core.packing_collator`): an example
   longer than ``max_position_embeddings`` (minus the architecture's first position) is an error that says what to
-  do, instead of an index error or silent extrapolation mid-training.
+  do, instead of an index error or silent extrapolation mid-training;
+* **labelled logits only** (:func:`keep_labelled_logits`, task option ``labelled_logits_only``, on by default):
+  for training through HF ``Trainer`` the batch also names the positions whose next token carries a label, so the
+  model projects only those onto the vocabulary (transformers' ``logits_to_keep``) and the loss reads their
+  labels (``shift_labels``). Same loss and gradients; prompt / user-turn tokens of completion-only SFT, and the
+  last token of every example, no longer cost an LM-head row and a softmax over the vocabulary.
 """
 
 from __future__ import annotations
@@ -19,13 +24,43 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .batch import PackedBatch
 from .collator import PackingCollator, WrapsPackingCollator
 from .config import PadfreeConfig
 from .specs import Architecture, Task
 
 #: ``task_options`` of the ``causal_lm`` task, with their defaults.
-OPTIONS = {"labels_from_input_ids": True}
+OPTIONS = {"labels_from_input_ids": True, "labelled_logits_only": True}
+#: Batch keys added by :func:`keep_labelled_logits` (model inputs of the ``causal_lm`` task when present).
+LABELLED_LOGITS_KEYS = ("logits_to_keep", "shift_labels")
+
+
+def keep_labelled_logits(batch: Any) -> Any:
+    """Add ``logits_to_keep`` (the positions whose next label is not -100, int64 ``[K]``) and ``shift_labels``
+    (those labels, ``[1, K]``) to a packed causal-LM batch, in place; a batch without labels is left as it is.
+
+    The model then computes logits ``[1, K, V]`` for those positions only and its loss uses ``shift_labels`` as
+    they are; transformers' ``Trainer`` counts ``shift_labels`` for ``num_items_in_batch``. Run on the host, in
+    the collator: no device synchronisation in the training step.
+    """
+    labels = batch.get("labels")
+    if labels is None:
+        return batch
+    row = labels.reshape(-1)
+    shifted = torch.cat([row[1:], row.new_full((1,), -100)])
+    positions = torch.nonzero(shifted != -100).reshape(-1)
+    batch["logits_to_keep"] = positions
+    batch["shift_labels"] = shifted[positions].unsqueeze(0)
+    return batch
+
+
+def drop_labelled_logits(batch: Any) -> Any:
+    """``batch`` without the keys of :func:`keep_labelled_logits` (for calls that need every position's logits)."""
+    if not any(key in batch for key in LABELLED_LOGITS_KEYS):
+        return batch
+    return {key: value for key, value in batch.items() if key not in LABELLED_LOGITS_KEYS}
 
 
 @dataclass
@@ -35,6 +70,8 @@ class CausalLMCollator(WrapsPackingCollator):
 
     packing: PackingCollator
     labels_from_input_ids: bool = True
+    #: Whether trainers should add :func:`keep_labelled_logits`'s keys (the collator itself never does).
+    labelled_logits_only: bool = True
 
     def __call__(self, examples: Sequence[Mapping[str, Any]]) -> PackedBatch:
         if (self.labels_from_input_ids and isinstance(examples, Sequence) and examples
@@ -49,7 +86,8 @@ def causal_lm_collator(task: Task, architecture: Architecture, model_config: Any
     from .builtin.core import packing_collator
     from .builtin.task_options import read_options
 
-    options = read_options(task.name, config.task_options, OPTIONS, {"labels_from_input_ids": (True, False)})
+    options = read_options(task.name, config.task_options, OPTIONS,
+                           {"labels_from_input_ids": (True, False), "labelled_logits_only": (True, False)})
     required = tuple(dict.fromkeys((*task.required_keys, *(() if options["labels_from_input_ids"] else ("labels",)))))
     packing = dataclasses.replace(packing_collator(task, architecture, model_config, config), required_keys=required)
-    return CausalLMCollator(packing, options["labels_from_input_ids"])
+    return CausalLMCollator(packing, options["labels_from_input_ids"], options["labelled_logits_only"])

@@ -257,6 +257,8 @@ def bench_sft(
     rounds: Annotated[int, typer.Option(help="Interleaved rounds; figures are medians over rounds.")] = 3,
     warmup: Annotated[int, typer.Option(help="Untimed warm-up steps per variant.")] = 1,
     max_length: Annotated[int, typer.Option(help="Longest example (lengths are clipped).")] = 2048,
+    prompt_share: Annotated[float, typer.Option(help="Share of each example that is prompt (labels -100), as in "
+                                                     "completion-only SFT.")] = 0.0,
     peak_tflops: Annotated[Optional[float], typer.Option(help="MFU denominator in TFLOP/s. Default: 790 on CUDA "
                                                              "(as gpu_anchor.py), the measured matmul rate on "
                                                              "CPU.")] = None,
@@ -280,7 +282,7 @@ def bench_sft(
                              laws=tuple(law.strip() for law in (laws or default_laws).split(",")),
                              batches=batches, rounds=rounds, warmup=warmup, max_length=max_length,
                              peak_tflops=peak_tflops, model_config=model_config, dataset=dataset,
-                             dataset_split=dataset_split, tokenizer=tokenizer)
+                             dataset_split=dataset_split, tokenizer=tokenizer, prompt_share=prompt_share)
     try:
         result = run_sft_benchmark(settings, progress=None if as_json else
                                    (lambda line: console.print(line, highlight=False)))
@@ -294,7 +296,8 @@ def bench_sft(
         return
     kind = result.rows[0].memory_kind if result.rows else ""
     model = model_config or f"Llama {model_size}"
-    table = Table(title=f"SFT step (fwd + bwd), {model}, {dtype}, {result.environment['device']}: "
+    prompts = f", {prompt_share:.0%} of each example is prompt" if prompt_share else ""
+    table = Table(title=f"SFT step (fwd + bwd), {model}, {dtype}, {result.environment['device']}{prompts}: "
                         "real tokens/s, medians of interleaved rounds")
     for column in ("law", "batch", "padding", "variant", "tokens/s", "step ms", "vs padded", "vs HF native",
                    f"memory MiB ({kind})", "MFU", "loss rel. diff", "attention"):

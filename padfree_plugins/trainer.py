@@ -41,6 +41,7 @@ from typing import Any, Literal
 import torch
 
 from .assembly import Assembly, assemble
+from .causal_lm import drop_labelled_logits, keep_labelled_logits
 from .config import PadfreeConfig, load_config
 from .datacheck import check_dataset
 from .errors import PadfreeError, PluginError
@@ -100,14 +101,28 @@ def split_packed_row(row: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 @dataclass
 class TrainerCollator:
-    """The assembly's collator as a trainer's ``data_collator`` (picklable, for DataLoader workers)."""
+    """The assembly's collator as a trainer's ``data_collator`` (picklable, for DataLoader workers);
+    ``labelled_logits`` adds :func:`~padfree_plugins.causal_lm.keep_labelled_logits`'s keys to each batch."""
 
     collator: Any
+    labelled_logits: bool = False
 
     def __call__(self, rows: list[Mapping[str, Any]]) -> Any:
         if rows and isinstance(rows[0], Mapping) and "seq_lengths" in rows[0]:
             rows = [example for row in rows for example in split_packed_row(row)]
-        return self.collator(rows)
+        batch = self.collator(rows)
+        return keep_labelled_logits(batch) if self.labelled_logits else batch
+
+
+def labelled_logits_apply(trainer: Any, assembly: Assembly, kind: TrainerKind) -> bool:
+    """Whether batches should carry ``logits_to_keep`` / ``shift_labels``: the ``causal_lm`` task with its option on,
+    HF ``Trainer`` (TRL's fused LM head builds no logits anyway), the model's own loss (label smoothing and a
+    ``compute_loss_func`` read every position's logits) and a model whose forward takes ``logits_to_keep``."""
+    if kind != "hf" or not getattr(assembly.collator, "labelled_logits_only", False):
+        return False
+    if trainer.label_smoother is not None or trainer.compute_loss_func is not None:
+        return False
+    return "logits_to_keep" in inspect.signature(type(assembly.model).forward).parameters
 
 
 def _per_token(value: Any, batch: Mapping) -> bool:
@@ -151,7 +166,7 @@ class TrainerPatch:
             patch.saved[name] = getattr(trainer, name)
         for name in ("compute_loss", "prediction_step", "loss_is_scaled_for_ga"):
             patch.saved[name] = own_attribute(trainer, name)
-        trainer.data_collator = TrainerCollator(assembly.collator)
+        trainer.data_collator = TrainerCollator(assembly.collator, labelled_logits_apply(trainer, assembly, kind))
         trainer._signature_columns = _signature_columns(trainer, assembly)
         trainer.compute_loss = patch.compute_loss
         trainer.prediction_step = patch.prediction_step
@@ -199,6 +214,8 @@ class TrainerPatch:
         """The loss of a packed batch, through ``assembly.forward`` (the trainer's ``compute_loss``)."""
         trainer = self.trainer
         own_loss = self._uses_own_loss() and "labels" in inputs
+        if own_loss or return_outputs:  # the logits of every position are wanted
+            inputs = drop_labelled_logits(inputs)
         kwargs = self.model_kwargs(fused=not own_loss)
         if num_items_in_batch is not None and (self.kind == "sft" or trainer.model_accepts_loss_kwargs):
             kwargs["num_items_in_batch"] = num_items_in_batch
@@ -286,7 +303,7 @@ class TrainerPatch:
                 if num_items is not None and trainer.model_accepts_loss_kwargs:
                     kwargs["num_items_in_batch"] = num_items
                 batch = inputs if has_labels else {k: v for k, v in inputs.items() if k not in trainer.label_names}
-                outputs = self.assembly.forward(model, batch, **kwargs)
+                outputs = self.assembly.forward(model, drop_labelled_logits(batch), **kwargs)
                 loss = outputs.get("loss") if isinstance(outputs, Mapping) else None
                 loss = None if loss is None or not has_labels else self._scale_for_devices(loss, num_items)
         if ignore_keys is None:

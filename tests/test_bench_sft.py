@@ -144,3 +144,15 @@ def test_text_rows_are_measured_with_their_tokenizer(tmp_path):
     lengths = dataset_lengths(BenchSettings(dataset=str(data), tokenizer=str(tmp_path / "tok")))
     eos = 1  # the tokenize step appends the end-of-sequence token
     assert lengths == [len(tokenizer(t, add_special_tokens=False)["input_ids"]) + eos for t in texts]
+
+
+def test_prompt_share_masks_labels_in_every_variant():
+    from padfree_plugins.benchmarks.sft import make_examples
+
+    examples = make_examples([10, 4], vocab=50, seed=0, prompt_share=0.5)
+    assert [ex["labels"][:6].count(-100) for ex in examples] == [5, 2]
+    assert examples[0]["labels"][5:] == examples[0]["input_ids"][5:]
+    result = run_sft_benchmark(BenchSettings(**{**TINY, "laws": ("lognormal",)}, prompt_share=0.5))
+    assert all(r.loss_rel_diff < 1e-5 for r in result.rows)
+    with pytest.raises(PadfreeError, match="prompt-share"):
+        run_sft_benchmark(BenchSettings(**TINY, prompt_share=1.0))

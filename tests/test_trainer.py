@@ -290,3 +290,61 @@ def test_bf16_training_on_gpu_follows_the_padded_curve(kind):
         if acceleration:
             assert acceleration.assembly.plan.backend.name in ("varlen", "flash_attn")
     torch.testing.assert_close(torch.tensor(curves[True]), torch.tensor(curves[False]), atol=3e-2, rtol=1e-2)
+
+
+# -- labelled logits only (HF Trainer, causal_lm) -----------------------------------------------------------------
+
+
+def test_keep_labelled_logits_names_the_positions_whose_next_label_counts():
+    from padfree_plugins.causal_lm import drop_labelled_logits, keep_labelled_logits
+
+    labels = torch.tensor([[-100, -100, 5, 6, -100, -100, 7]])  # example 1: 4 tokens (prompt 2), 2: 3 (prompt 1)
+    batch = keep_labelled_logits({"input_ids": torch.zeros(1, 7, dtype=torch.long), "labels": labels})
+    assert batch["logits_to_keep"].tolist() == [1, 2, 5]  # positions 1, 2 predict 5, 6; position 5 predicts 7
+    assert batch["shift_labels"].tolist() == [[5, 6, 7]]
+    assert set(drop_labelled_logits(batch)) == {"input_ids", "labels"}
+    assert keep_labelled_logits({"input_ids": torch.zeros(1, 3)}).keys() == {"input_ids"}  # no labels: unchanged
+    empty = keep_labelled_logits({"labels": torch.full((1, 4), -100)})
+    assert empty["logits_to_keep"].numel() == 0 and empty["shift_labels"].shape == (1, 0)
+
+
+def test_hf_trainer_projects_only_labelled_positions_with_the_same_loss_and_gradients():
+    trainer, acceleration = make_trainer("hf", packed=True)
+    assert trainer.data_collator.labelled_logits
+    batch = trainer._prepare_inputs(trainer.data_collator(rows(8)))
+    model = trainer.model
+    head_rows = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: head_rows.append(args[0].shape[-2]))
+    results = {}
+    try:
+        for name, inputs in (("labelled", batch), ("all", {k: v for k, v in batch.items()
+                                                           if k not in ("logits_to_keep", "shift_labels")})):
+            model.zero_grad(set_to_none=True)
+            loss = trainer.compute_loss(model, inputs, num_items_in_batch=batch["shift_labels"].ne(-100).sum())
+            loss.backward()
+            results[name] = (loss.detach(), [p.grad.clone() for p in model.parameters()])
+    finally:
+        hook.remove()
+    labelled = int(batch["logits_to_keep"].numel())
+    assert head_rows == [labelled, batch["input_ids"].shape[-1]] and labelled < batch["input_ids"].shape[-1] * 0.9
+    torch.testing.assert_close(results["labelled"][0], results["all"][0], atol=1e-6, rtol=1e-6)
+    for got, want in zip(results["labelled"][1], results["all"][1]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["option off", "label smoothing", "sft"])
+def test_labelled_logits_stay_off_where_every_logit_is_needed(case):
+    if case == "sft":
+        trainer, _ = make_trainer("sft", packed=True)
+    else:
+        trainer, _ = make_trainer("hf", packed=False, label_smoothing_factor=0.1 if case == "label smoothing" else 0)
+        options = {"labelled_logits_only": False} if case == "option off" else {}
+        accelerate(trainer, {"task": "causal_lm", "task_options": options})
+    assert not trainer.data_collator.labelled_logits
+    assert "logits_to_keep" not in trainer.data_collator(rows(3))
+
+
+def test_labelled_logits_option_is_checked():
+    trainer, _ = make_trainer("hf", packed=False)
+    with pytest.raises(PadfreeError, match="labelled_logits_only of task 'causal_lm' must be one of True, False"):
+        accelerate(trainer, {"task": "causal_lm", "task_options": {"labelled_logits_only": "yes"}})

@@ -7,7 +7,10 @@ Three ways to run a causal-LM training step (forward + backward of the loss) on 
   example) on the unpatched sdpa model with ``use_cache=False``, so that transformers' own packed-sequence mask is
   used (a block-diagonal ``[T, T]`` mask for sdpa);
 * ``padfree``: :func:`~padfree_plugins.assemble` with its collator, ``cu_seq_lens`` computed once, attention
-  backend ``auto`` (``exact`` on CPU, ``varlen`` / ``flash_attn`` on CUDA in 16-bit).
+  backend ``auto`` (``exact`` on CPU, ``varlen`` / ``flash_attn`` on CUDA in 16-bit), and — as ``accelerate``
+  runs HF ``Trainer`` — logits only for positions whose next token has a label
+  (:func:`~padfree_plugins.causal_lm.keep_labelled_logits`). ``prompt_share`` masks the first share of every
+  example's labels (completion-only SFT) in all three variants.
 
 Batches are collated and moved to the device beforehand (collator speed is ``bench collator``'s job); each timed
 step is the model's forward + backward, gradients cleared in between, no optimizer step (so every variant sees
@@ -52,6 +55,7 @@ from typing import Any
 
 import torch
 
+from ..causal_lm import keep_labelled_logits
 from ..errors import PadfreeError
 from ..padding import pad_examples
 
@@ -92,6 +96,7 @@ class BenchSettings:
     dataset: str | None = None  # lengths of the law "dataset" come from this local dataset
     dataset_split: str = "train"
     tokenizer: str | None = None  # local tokenizer for a dataset of text / prompt + completion rows
+    prompt_share: float = 0.0  # share of each example whose labels are -100 (completion-only SFT)
 
 
 @dataclass
@@ -172,12 +177,14 @@ def sample_lengths(lengths: list[int], n: int, seed: int, high: int) -> list[int
     return [min(lengths[i], high) for i in picks]
 
 
-def make_examples(lengths: list[int], vocab: int, seed: int) -> list[dict]:
+def make_examples(lengths: list[int], vocab: int, seed: int, prompt_share: float = 0.0) -> list[dict]:
+    """Random token ids; the first ``prompt_share`` of each example is a prompt (labels -100, no loss)."""
     generator = torch.Generator().manual_seed(seed)
     out = []
     for n in lengths:
         ids = torch.randint(3, vocab, (n,), generator=generator).tolist()
-        out.append({"input_ids": ids, "labels": list(ids)})
+        prompt = round(prompt_share * n)
+        out.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
     return out
 
 
@@ -280,8 +287,8 @@ class Runner:
             inputs = pad_examples(examples, ("input_ids", "labels"))
         elif variant == "hf_native":
             inputs = dict(self.flatten(examples))
-        else:
-            inputs = self.collator(examples)
+        else:  # as HF Trainer runs it: logits only where a label counts
+            inputs = keep_labelled_logits(self.collator(examples))
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
     def enter(self, variant: str) -> None:
@@ -308,6 +315,8 @@ def run_sft_benchmark(settings: BenchSettings, progress: Callable[[str], None] |
     if device.type == "cuda" and not torch.cuda.is_available():
         raise PadfreeError(f"--device {settings.device} was asked for, but CUDA is not available here "
                            f"(torch {torch.__version__}); run on a GPU machine or use --device cpu")
+    if not 0 <= settings.prompt_share < 1:
+        raise PadfreeError(f"--prompt-share must be in [0, 1), got {settings.prompt_share}")
     if settings.dtype not in ("float32", "bfloat16", "float16"):
         raise PadfreeError(f"--dtype must be float32, bfloat16 or float16, not {settings.dtype!r}")
     say = progress or (lambda _: None)
@@ -352,7 +361,7 @@ def _measure(runner: Runner, settings: BenchSettings, law: str, batch_size: int,
         seed = settings.seed + 1000 * batch_size + b
         drawn = (sample_lengths(lengths, batch_size, seed, high) if law == DATASET_LAW
                  else draw_lengths(law, batch_size, seed, settings.min_length, high))
-        examples = make_examples(drawn, vocab, seed)
+        examples = make_examples(drawn, vocab, seed, settings.prompt_share)
         batches.append((examples, {v: runner.prepare(v, examples) for v in VARIANTS}))
     real = [sum(len(ex["input_ids"]) for ex in examples) for examples, _ in batches]
     padded_tokens = [len(examples) * max(len(ex["input_ids"]) for ex in examples) for examples, _ in batches]

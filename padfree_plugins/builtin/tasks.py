@@ -17,7 +17,7 @@ def register_tasks():
             "causal_lm",
             token_keys=("labels",),
             masked_first_keys=("labels",),
-            model_keys=("labels", "token_type_ids"),
+            model_keys=("labels", "token_type_ids", "logits_to_keep", "shift_labels"),
             description="causal language modelling / SFT: labels travel per token, each example's first label "
             "is ignored so no example learns from the one before it",
         ),
