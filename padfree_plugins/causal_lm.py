@@ -60,7 +60,8 @@ def drop_labelled_logits(batch: Any) -> Any:
     """``batch`` without the keys of :func:`keep_labelled_logits` (for calls that need every position's logits)."""
     if not any(key in batch for key in LABELLED_LOGITS_KEYS):
         return batch
-    return {key: value for key, value in batch.items() if key not in LABELLED_LOGITS_KEYS}
+    kept = {key: value for key, value in batch.items() if key not in LABELLED_LOGITS_KEYS}
+    return type(batch)(kept) if isinstance(batch, dict) else kept  # a PackedBatch stays one
 
 
 @dataclass

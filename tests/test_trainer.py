@@ -296,6 +296,7 @@ def test_bf16_training_on_gpu_follows_the_padded_curve(kind):
 
 
 def test_keep_labelled_logits_names_the_positions_whose_next_label_counts():
+    from padfree_plugins.batch import PackedBatch
     from padfree_plugins.causal_lm import drop_labelled_logits, keep_labelled_logits
 
     labels = torch.tensor([[-100, -100, 5, 6, -100, -100, 7]])  # example 1: 4 tokens (prompt 2), 2: 3 (prompt 1)
@@ -303,6 +304,8 @@ def test_keep_labelled_logits_names_the_positions_whose_next_label_counts():
     assert batch["logits_to_keep"].tolist() == [1, 2, 5]  # positions 1, 2 predict 5, 6; position 5 predicts 7
     assert batch["shift_labels"].tolist() == [[5, 6, 7]]
     assert set(drop_labelled_logits(batch)) == {"input_ids", "labels"}
+    packed = keep_labelled_logits(PackedBatch(input_ids=torch.zeros(1, 7, dtype=torch.long), labels=labels))
+    assert type(drop_labelled_logits(packed)) is PackedBatch
     assert keep_labelled_logits({"input_ids": torch.zeros(1, 3)}).keys() == {"input_ids"}  # no labels: unchanged
     empty = keep_labelled_logits({"labels": torch.full((1, 4), -100)})
     assert empty["logits_to_keep"].numel() == 0 and empty["shift_labels"].shape == (1, 0)
