@@ -132,7 +132,8 @@ def test_cli_defaults_to_the_dataset_law(tmp_path):
     assert {row["law"] for row in json.loads(result.output)["rows"]} == {"dataset"}
 
 
-def test_text_rows_are_measured_with_their_tokenizer(tmp_path):
+def test_text_rows_are_measured_with_their_tokenizer(tmp_path, monkeypatch):
+    from padfree_plugins.benchmarks import sft
     from padfree_plugins.benchmarks.sft import dataset_lengths
     from padfree_plugins.train import train_tokenizer
 
@@ -144,6 +145,9 @@ def test_text_rows_are_measured_with_their_tokenizer(tmp_path):
     lengths = dataset_lengths(BenchSettings(dataset=str(data), tokenizer=str(tmp_path / "tok")))
     eos = 1  # the tokenize step appends the end-of-sequence token
     assert lengths == [len(tokenizer(t, add_special_tokens=False)["input_ids"]) + eos for t in texts]
+    monkeypatch.setattr(sft, "MAX_TOKENIZED_ROWS", 2)  # a larger text dataset: a random sample is tokenized
+    sample = dataset_lengths(BenchSettings(dataset=str(data), tokenizer=str(tmp_path / "tok")))
+    assert len(sample) == 2 and set(sample) <= set(lengths)
 
 
 def test_prompt_share_masks_labels_in_every_variant():

@@ -149,9 +149,13 @@ def draw_lengths(law: str, n: int, seed: int, low: int, high: int) -> list[int]:
 DATASET_LAW = "dataset"
 
 
+#: Text rows tokenized to estimate a dataset's length law (a seeded random sample of a larger dataset).
+MAX_TOKENIZED_ROWS = 20_000
+
+
 def dataset_lengths(settings: BenchSettings) -> list[int]:
-    """Token counts of every non-empty row of ``settings.dataset`` (tokenized with ``settings.tokenizer`` when the
-    rows hold text rather than ``input_ids``)."""
+    """Token counts of every non-empty row of ``settings.dataset``; rows of text rather than ``input_ids`` are
+    tokenized with ``settings.tokenizer`` (at most :data:`MAX_TOKENIZED_ROWS` of them, drawn at random)."""
     from ..train import load_rows, quietly, tokenize
 
     rows = quietly(load_rows, settings.dataset, settings.dataset_split)
@@ -161,6 +165,8 @@ def dataset_lengths(settings: BenchSettings) -> list[int]:
                                "give --tokenizer DIR to tokenize their text, or pre-tokenize the dataset")
         from transformers import AutoTokenizer
 
+        if len(rows) > MAX_TOKENIZED_ROWS:
+            rows = rows.shuffle(seed=settings.seed).select(range(MAX_TOKENIZED_ROWS))
         rows = quietly(tokenize, rows, AutoTokenizer.from_pretrained(settings.tokenizer))
     import pyarrow.compute as pc
 
