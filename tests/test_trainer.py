@@ -351,3 +351,20 @@ def test_labelled_logits_option_is_checked():
     trainer, _ = make_trainer("hf", packed=False)
     with pytest.raises(PadfreeError, match="labelled_logits_only of task 'causal_lm' must be one of True, False"):
         accelerate(trainer, {"task": "causal_lm", "task_options": {"labelled_logits_only": "yes"}})
+
+
+def test_loss_only_evaluation_keeps_labelled_logits_and_the_padded_loss():
+    trainer, _ = make_trainer("hf", packed=True, prediction_loss_only=True)
+    reference, _ = make_trainer("hf", packed=False, prediction_loss_only=True)
+    rows_seen = []
+    hook = trainer.model.lm_head.register_forward_hook(lambda module, args, out: rows_seen.append(args[0].shape[-2]))
+    try:
+        got = trainer.evaluate()["eval_loss"]
+    finally:
+        hook.remove()
+    sizes = [5, 5, 3]  # per_device_eval_batch_size 5 over 13 examples, in order
+    starts = [0, 5, 10]
+    want_rows = [int(trainer.data_collator(trainer.eval_dataset.select(range(a, a + n)).to_list())["logits_to_keep"]
+                     .numel()) for a, n in zip(starts, sizes)]
+    assert rows_seen == want_rows  # the LM head projected only the labelled positions
+    assert got == pytest.approx(reference.evaluate()["eval_loss"], abs=1e-5)
