@@ -312,3 +312,29 @@ def test_auto_falls_back_to_exact_for_inputs_the_backend_cannot_take():
         assembly.undo()
         model.float()
     assert plan(model.config, {"attention": "halfonly"}, host=host, device_type="cpu").fallback is None
+
+
+def test_torch_compile_keeps_the_packed_result_and_the_guard():
+    """``torch.compile`` (what ``TrainingArguments(torch_compile=True)`` does) on a patched model: same loss and
+    gradients as eager for packed rows of changing size, and the guard still refuses rows without boundaries.
+    ``aot_eager`` traces forward and backward like inductor, without its C++ compile time."""
+    model = tiny_model("llama", head="causal_lm").train()
+    assembly = assemble(model, {"task": "causal_lm"})
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True)
+    try:
+        for lengths in ([5, 9, 3], [12, 4]):
+            batch = assembly.collator(make_examples(lengths))
+            results = []
+            for runner in (model, compiled):
+                model.zero_grad(set_to_none=True)
+                loss = assembly.forward(runner, batch).loss
+                loss.backward()
+                results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+            torch.testing.assert_close(results[1][0], results[0][0], atol=1e-6, rtol=1e-6)
+            for got, want in zip(results[1][1], results[0][1]):
+                torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        flattened = DataCollatorWithFlattening(return_position_ids=True)(make_examples([4, 6]))
+        with pytest.raises(BoundaryError, match="restart inside a row"):
+            compiled(input_ids=flattened["input_ids"], position_ids=flattened["position_ids"])
+    finally:
+        assembly.undo()
