@@ -368,3 +368,13 @@ def test_loss_only_evaluation_keeps_labelled_logits_and_the_padded_loss():
                      .numel()) for a, n in zip(starts, sizes)]
     assert rows_seen == want_rows  # the LM head projected only the labelled positions
     assert got == pytest.approx(reference.evaluate()["eval_loss"], abs=1e-5)
+
+
+def test_torch_compile_through_the_trainer_gives_the_same_curve():
+    eager, _ = make_trainer("hf", packed=True, max_steps=4)
+    eager.train()
+    compiled, _ = make_trainer("hf", packed=True, max_steps=4, torch_compile=True, torch_compile_backend="aot_eager")
+    compiled.train()
+    assert type(compiled.model_wrapped).__name__ == "OptimizedModule"
+    torch.testing.assert_close(torch.tensor(losses(compiled)), torch.tensor(losses(eager)), atol=1e-5, rtol=0)
+    assert compiled.evaluate()["eval_loss"] == pytest.approx(eager.evaluate()["eval_loss"], abs=1e-5)
