@@ -102,7 +102,8 @@ def resolve_architecture(host: PluginHost, model_config: Any, config: PadfreeCon
 
 def resolve_backend(host: PluginHost, requested: str, device_type: str,
                     features: frozenset[str]) -> tuple[AttentionBackend, AttentionBackend | None]:
-    """The backend to use and, for ``auto``, the exact backend as a fallback for inputs it cannot run."""
+    """The backend to use and, for ``auto``, a fallback for inputs it cannot run: the fastest backend here that
+    takes every dtype (``repad`` on a GPU, ``exact`` on a CPU)."""
     backends = {name: spec for name, (spec, _) in host.backends().items()}
     if requested != "auto":
         if requested not in backends:
@@ -118,10 +119,12 @@ def resolve_backend(host: PluginHost, requested: str, device_type: str,
             )
         return backends[requested], None
     ranked = sorted(backends.values(), key=lambda b: (-b.speed_rank, b.name))
-    for backend in ranked:
-        if backend.cannot_run(device_type, None, features) is None:
-            fallback = backends.get(EXACT_BACKEND)
-            return backend, (fallback if fallback is not backend else None)
+    usable = [backend for backend in ranked if backend.cannot_run(device_type, None, features) is None]
+    if usable:
+        backend = usable[0]
+        if not backend.dtypes:  # takes every dtype: nothing to fall back for
+            return backend, None
+        return backend, next((b for b in usable if not b.dtypes), backends.get(EXACT_BACKEND))
     reasons = "; ".join(f"{b.name}: {b.cannot_run(device_type, None, features)}" for b in ranked)
     raise BackendUnavailableError(f"no attention backend can run this model on {device_type}: {reasons}")
 

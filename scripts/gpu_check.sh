@@ -50,4 +50,7 @@ done
 log "ours: padfree-plugins bench embedding --device cuda"
 timeout 180 $PY -m padfree_plugins.cli bench embedding --device cuda --batches 8 --rounds 3 2>&1 \
   | grep -E "│|memory|[Ee]rror" | tee -a "$OUT/summary.txt"
+log "ours, fp32 (auto falls back to repad): padfree-plugins bench embedding --device cuda --dtype float32"
+timeout 90 $PY -m padfree_plugins.cli bench embedding --device cuda --dtype float32 --batches 4 --rounds 2 2>&1 \
+  | grep -E "│|memory|[Ee]rror" | tee -a "$OUT/summary.txt"
 log "done"

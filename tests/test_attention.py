@@ -55,31 +55,41 @@ CASES = {
 }
 
 
+#: The kernels that run on any device (``repad`` is registered for accelerators only, but computes anywhere).
+EXACT_KERNELS = {"exact": backends.exact_varlen, "repad": backends.repad_varlen}
+
+
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 @pytest.mark.parametrize("lengths", [[1], [1, 1, 1], [5, 5, 5], [1, 17, 3, 8, 8, 2]])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
-def test_exact_matches_reference(case, lengths, kv_heads):
+@pytest.mark.parametrize("kernel", EXACT_KERNELS.values(), ids=EXACT_KERNELS.keys())
+def test_exact_kernels_match_reference(kernel, case, lengths, kv_heads):
     q, k, v, cu, longest = packed_inputs(lengths, kv_heads=kv_heads)
-    got = backends.exact_varlen(q, k, v, cu, cu, longest, longest, **case)
+    got = kernel(q, k, v, cu, cu.clone(), longest, longest, **case)
     torch.testing.assert_close(got, reference(q, k, v, lengths, **case), atol=1e-5, rtol=1e-5)
 
 
-def test_exact_gradients_match_reference():
+@pytest.mark.parametrize("case", [CASES["causal-window"], CASES["bidirectional"], CASES["softcap-window"]],
+                         ids=["causal-window", "bidirectional", "softcap-window"])
+@pytest.mark.parametrize("kernel", EXACT_KERNELS.values(), ids=EXACT_KERNELS.keys())
+def test_exact_kernels_gradients_match_reference(kernel, case):
     lengths = [3, 9, 1, 9]
     q, k, v, cu, longest = packed_inputs(lengths)
     inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-    backends.exact_varlen(*inputs, cu, cu, longest, longest, causal=True, window=4).sum().backward()
+    kernel(*inputs, cu, cu, longest, longest, **case).sum().backward()
     ref_inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-    reference(*ref_inputs, lengths, causal=True, window=4).sum().backward()
+    reference(*ref_inputs, lengths, **case).sum().backward()
     for got, want in zip(inputs, ref_inputs):
+        assert torch.isfinite(got.grad).all()  # repad: padding rows never poison the key / value gradients
         torch.testing.assert_close(got.grad, want.grad, atol=1e-5, rtol=1e-5)
 
 
-def test_exact_dropout_is_applied_in_training_only():
+@pytest.mark.parametrize("kernel", EXACT_KERNELS.values(), ids=EXACT_KERNELS.keys())
+def test_exact_kernels_apply_dropout_when_asked(kernel):
     q, k, v, cu, longest = packed_inputs([6, 6])
-    plain = backends.exact_varlen(q, k, v, cu, cu, longest, longest, causal=False)
+    plain = kernel(q, k, v, cu, cu, longest, longest, causal=False)
     torch.manual_seed(0)
-    dropped = backends.exact_varlen(q, k, v, cu, cu, longest, longest, causal=False, dropout=0.5)
+    dropped = kernel(q, k, v, cu, cu, longest, longest, causal=False, dropout=0.5)
     assert not torch.allclose(plain, dropped)
 
 

@@ -40,6 +40,12 @@ def test_varlen_backend_on_real_models(model_type, overrides):
     assert assembly.plan.backend.name == "varlen"
 
 
-def test_auto_picks_varlen_and_falls_back_to_exact_for_fp32():
+def test_auto_picks_varlen_and_falls_back_to_repad_for_fp32():
     assembly = _compare("llama", "auto", torch.float32, 1e-4, num_key_value_heads=2)
-    assert assembly.plan.backend.name in ("varlen", "flash_attn") and assembly.plan.fallback.name == "exact"
+    assert assembly.plan.backend.name in ("varlen", "flash_attn") and assembly.plan.fallback.name == "repad"
+
+
+@pytest.mark.parametrize("model_type,overrides", [("mistral", dict(num_key_value_heads=2, sliding_window=16)),
+                                                   ("bert", dict(attention_probs_dropout_prob=0.0))])
+def test_repad_backend_in_fp32(model_type, overrides):
+    _compare(model_type, "repad", torch.float32, 1e-4, **overrides)

@@ -338,3 +338,65 @@ def test_torch_compile_keeps_the_packed_result_and_the_guard():
             compiled(input_ids=flattened["input_ids"], position_ids=flattened["position_ids"])
     finally:
         assembly.undo()
+
+
+def _repad_on_cpu():
+    """The builtin ``repad`` backend, registered for the CPU under another name (it is an accelerator fallback)."""
+    import dataclasses
+
+    from padfree_plugins import PluginHost, hookimpl
+
+    spec = PluginHost().backends()["repad"][0]
+
+    class RepadOnCPU:
+        @hookimpl
+        def register_attention_backends(self):
+            return [dataclasses.replace(spec, name="repad_cpu", devices=("cpu",))]
+
+    return PluginHost({"repad_cpu": RepadOnCPU()})
+
+
+@pytest.mark.parametrize("model_type,overrides", [("llama", {"num_key_value_heads": 2}),
+                                                  ("mistral", {"sliding_window": 4}), ("bert", {})])
+def test_repad_backend_equals_exact_through_the_model(model_type, overrides):
+    """Outputs and gradients of a patched model with ``repad`` equal those with ``exact``."""
+    host = _repad_on_cpu()
+    model = tiny_model(model_type, **overrides)
+    batch = None
+    results = {}
+    for backend in ("exact", "repad_cpu"):
+        assembly = assemble(model, {"task": "hidden_states", "attention": backend}, host=host)
+        try:
+            batch = batch or assembly.collator(make_examples([1, 6, 9, 3]))
+            model.zero_grad(set_to_none=True)
+            hidden = model(**batch.model_inputs()).last_hidden_state
+            (hidden * torch.linspace(-1, 1, hidden.shape[-1])).sum().backward()
+            results[backend] = (hidden.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None])
+        finally:
+            assembly.undo()
+    torch.testing.assert_close(results["repad_cpu"][0], results["exact"][0], atol=1e-5, rtol=1e-5)
+    for got, want in zip(results["repad_cpu"][1], results["exact"][1]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_auto_fallback_is_the_fastest_backend_that_takes_every_dtype():
+    """On a GPU the fallback for what a 16-bit-only kernel cannot take (fp32) is ``repad`` (a fixed number of
+    kernels, no host sync); on a CPU it is ``exact``; a backend that takes every dtype needs none."""
+    from padfree_plugins import AttentionBackend, PluginHost, hookimpl
+    from padfree_plugins.attention.backends import exact_varlen
+
+    class HalfOnly:
+        @hookimpl
+        def register_attention_backends(self):
+            return [AttentionBackend("halfonly", exact_varlen, speed_rank=50, devices=("cpu", "cuda"),
+                                     dtypes=("bfloat16",))]
+
+    host = PluginHost({"halfonly": HalfOnly()})
+    config = tiny_config("llama")
+    on_gpu = plan(config, {"attention": "auto"}, host=host, device_type="cuda")
+    assert (on_gpu.backend.name, on_gpu.fallback.name) == ("halfonly", "repad")
+    on_cpu = plan(config, {"attention": "auto"}, host=host, device_type="cpu")
+    assert (on_cpu.backend.name, on_cpu.fallback.name) == ("halfonly", "exact")
+    if not torch.cuda.is_available():  # without varlen / flash-attn, repad is the best a GPU gets, for every dtype
+        plain = plan(config, {"attention": "auto"}, device_type="cuda")
+        assert (plain.backend.name, plain.fallback) == ("repad", None)

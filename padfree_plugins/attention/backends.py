@@ -169,6 +169,65 @@ class _PermuteRows(torch.autograd.Function):
         return grad.index_select(0, inverse), None, None
 
 
+# -- re-padded attention (any device, any dtype, a fixed number of kernels) --------------------------------------
+
+
+def _padded_slots(cu_seq_lens: torch.Tensor, total: int, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each of the ``total`` packed tokens, its row in a ``[n * longest]`` right-padded layout, and each
+    example's length. Device-side and sync-free: sizes come from shapes and ``longest`` (a python int)."""
+    starts, lengths = cu_seq_lens[:-1].long(), cu_seq_lens.diff().long()
+    example = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seq_lens.device), lengths,
+                                      output_size=total)
+    position = torch.arange(total, device=cu_seq_lens.device) - starts[example]
+    return example * longest + position, lengths
+
+
+def repad_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_lens_q: torch.Tensor,
+    cu_seq_lens_k: torch.Tensor,
+    max_length_q: int,
+    max_length_k: int,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Exact attention with one masked ``scaled_dot_product_attention`` call: queries, keys and values are
+    scattered into a right-padded ``[n, L_max, H, D]`` view for attention alone (every other layer stays packed),
+    padded keys are masked out, and the output is gathered back to ``[T, H, D]``.
+
+    The number of kernels does not grow with the number of examples and nothing is read on the host, which suits
+    GPUs for inputs the varlen kernels cannot take (fp32); attention costs what it costs padded (``n × L_max²``),
+    so on a CPU :func:`exact_varlen` is faster for mixed lengths. Queries and keys are aligned at each example's
+    start: self-attention, where an example has as many keys as queries (what packed training runs).
+    """
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})")
+    slots_q, lengths_q = _padded_slots(cu_seq_lens_q, query.shape[0], max_length_q)
+    slots_k, lengths_k = (slots_q, lengths_q) if cu_seq_lens_k is cu_seq_lens_q else \
+        _padded_slots(cu_seq_lens_k, key.shape[0], max_length_k)
+    n = lengths_q.numel()
+
+    def padded(x: torch.Tensor, slots: torch.Tensor, longest: int) -> torch.Tensor:  # [n, H, L, D]
+        grid = x.new_zeros(n * longest, *x.shape[1:]).index_copy(0, slots, x)
+        return grid.view(n, longest, *x.shape[1:]).transpose(1, 2)
+
+    q = padded(query, slots_q, max_length_q)
+    k, v = (padded(t, slots_k, max_length_k) for t in _expand_kv(key, value, query.shape[1]))
+    keys = torch.arange(max_length_k, device=query.device)
+    real_key = keys[None, :] < lengths_k[:, None]  # [n, Lk]
+    padding_query = torch.arange(max_length_q, device=query.device)[None, :] >= lengths_q[:, None]  # [n, Lq]
+    # a padding query may see every key: its row is never read, and a fully masked row would be NaN in backward
+    mask = (real_key[:, None, :] | padding_query[:, :, None])[:, None]  # [n, 1, Lq, Lk]
+    out = attend(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, dropout=dropout, mask=mask)
+    return out.transpose(1, 2).reshape(n * max_length_q, *out.shape[1:2], out.shape[-1]).index_select(0, slots_q)
+
+
 # -- torch varlen_attn (CUDA, FlashAttention-2 inside ATen) -----------------------------------------------------
 
 

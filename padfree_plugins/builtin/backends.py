@@ -1,4 +1,5 @@
-"""Builtin attention backends: exact (any device), torch varlen_attn (CUDA), flash-attn (CUDA, if installed)."""
+"""Builtin attention backends: exact (any device), repad (accelerators, any dtype), torch varlen_attn (CUDA),
+flash-attn (CUDA, if installed)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,14 @@ def register_attention_backends():
             speed_rank=0,
             devices=("cpu", "cuda", "mps", "xpu"),
             description="one sdpa call per example length; exact everywhere, the CPU / CI path",
+        ),
+        AttentionBackend(
+            "repad",
+            backends.repad_varlen,
+            speed_rank=5,
+            devices=("cuda", "xpu", "mps"),
+            description="one masked sdpa call on a padded view of attention only; any dtype, no host sync: the "
+            "GPU fallback for inputs the varlen kernels cannot take (fp32)",
         ),
         AttentionBackend(
             "varlen",
