@@ -202,8 +202,11 @@ def repad_varlen(
     padded keys are masked out, and the output is gathered back to ``[T, H, D]``.
 
     The number of kernels does not grow with the number of examples and nothing is read on the host, which suits
-    GPUs for inputs the varlen kernels cannot take (fp32); attention costs what it costs padded (``n × L_max²``),
-    so on a CPU :func:`exact_varlen` is faster for mixed lengths. Queries and keys are aligned at each example's
+    GPUs for inputs the varlen kernels cannot take (fp32): attention costs what it costs in a padded batch
+    (``n × L_max²``) and everything else runs on real tokens only, so a step is never slower than padded, where
+    :func:`exact_varlen`'s per-length calls (dozens for a batch of short texts) can be. On a CPU, where kernel
+    launches are cheap, :func:`exact_varlen` is much faster for mixed lengths (8× on a bs64 batch of short
+    texts), which is why ``repad`` is registered for accelerators only. Queries and keys are aligned at each example's
     start: self-attention, where an example has as many keys as queries (what packed training runs).
     """
     if query.shape[1] % key.shape[1]:
