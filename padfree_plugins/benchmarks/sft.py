@@ -248,7 +248,7 @@ def peak_flops(settings: BenchSettings, device: torch.device) -> tuple[float, st
         return settings.peak_tflops * 1e12, "given"
     if device.type == "cuda":
         return CUDA_PEAK_TFLOPS * 1e12, "default for H100 / H200 bf16, as gpu_anchor.py"
-    return matmul_flops_per_s(device, getattr(torch, settings.dtype)), "measured fp32 matmul rate of this CPU"
+    return matmul_flops_per_s(device, getattr(torch, settings.dtype)), f"measured {settings.dtype} matmul rate here"
 
 
 def _sync(device: torch.device) -> None:
