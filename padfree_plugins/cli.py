@@ -204,13 +204,23 @@ def bench_embedding(
     rounds: Annotated[int, typer.Option(help="Interleaved rounds (the fastest round of each side counts).")] = 3,
     attention: Annotated[str, typer.Option(help="Attention backend of the padding-free side.")] = "auto",
     threads: Annotated[Optional[int], typer.Option(help="torch intra-op threads (1 on a busy shared machine).")] = None,
+    dataset: Annotated[Optional[str], typer.Option(help="Draw every workload's batches from the lengths of your "
+                                                       "data: a local file or save_to_disk directory with "
+                                                       "*input_ids columns, or text columns (with --tokenizer; "
+                                                       "each text is one example).")] = None,
+    dataset_split: Annotated[str, typer.Option(help="Split of a saved DatasetDict.")] = "train",
+    tokenizer: Annotated[Optional[str], typer.Option(help="Local tokenizer directory for a --dataset of text.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Embedding and reranker training steps, padded vs padding-free, interleaved in one run."""
-    from .benchmarks.embedding import parse_workload, run_embedding_benchmark
+    from .benchmarks.embedding import DEFAULT_WORKLOADS, parse_workload, run_embedding_benchmark, with_dataset_lengths
+    from .benchmarks.lengths import dataset_lengths
 
     try:
         workloads = tuple(parse_workload(w) for w in workload) if workload else None
+        if dataset is not None:
+            lengths = dataset_lengths(dataset, split=dataset_split, tokenizer=tokenizer, texts="each")
+            workloads = with_dataset_lengths(workloads or DEFAULT_WORKLOADS.get(device, ()), lengths)
         results = run_embedding_benchmark(workloads, device=device, dtype=dtype, batches=batches, rounds=rounds,
                                           attention=attention, threads=threads)
     except PadfreeError as error:

@@ -56,3 +56,31 @@ def test_cuda_bf16_fast_backend_parity(task):
     assert result.backend in ("varlen", "flash_attn")
     assert result.max_output_diff < 5e-2 and result.max_loss_diff < 5e-2
     assert result.padfree_memory_mib < result.padded_memory_mib
+
+
+def test_dataset_lengths_drive_the_batches(tmp_path):
+    """``--dataset``: an embedding dataset of text columns, tokenized with a local tokenizer; every text is one
+    example, and the batches draw their lengths from those texts."""
+    from padfree_plugins.benchmarks.embedding import make_batches, with_dataset_lengths
+    from padfree_plugins.benchmarks.lengths import dataset_lengths
+    from padfree_plugins.train import train_tokenizer
+
+    rows = [{"anchor": "a short query", "positive": "a much longer passage of text that answers the query"},
+            {"anchor": "another", "positive": None}]
+    train_tokenizer([r["positive"] or r["anchor"] for r in rows] * 10, vocab_size=300).save_pretrained(tmp_path / "tok")
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lengths = dataset_lengths(str(data), tokenizer=str(tmp_path / "tok"), texts="each")
+    assert len(lengths) == 3  # three texts; the missing positive counts as no example
+    (workload,) = with_dataset_lengths((Workload("embedding", "tiny", 6, 12),), lengths)
+    batch = make_batches(workload, 1, vocab_size=1000)[0]
+    low = workload.min_length  # the shortest text a workload builds (CLS, a token, SEP and one more)
+    assert {len(ex[k]) for ex in batch.examples for k in ex} <= {max(n, low) for n in lengths}
+    out = CliRunner().invoke(app, ["bench", "embedding", "--workload", "embedding:tiny:6:10", "--batches", "1",
+                                   "--rounds", "1", "--dataset", str(data), "--tokenizer", str(tmp_path / "tok"),
+                                   "--json"])
+    assert out.exit_code == 0, out.output
+    (result,) = json.loads(out.output)
+    assert result["median"] == pytest.approx(sorted(lengths)[1]) and result["max_loss_diff"] < 1e-5
+    missing = CliRunner().invoke(app, ["bench", "embedding", "--dataset", str(data)])
+    assert missing.exit_code == 2 and "--tokenizer" in missing.output

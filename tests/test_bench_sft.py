@@ -85,7 +85,7 @@ def test_gpu_bf16_run_uses_a_fast_backend_and_measures_cuda_memory():
 
 
 def test_dataset_lengths_and_a_model_config(tmp_path):
-    from padfree_plugins.benchmarks.sft import dataset_lengths, sample_lengths
+    from padfree_plugins.benchmarks.lengths import dataset_lengths, sample_lengths
 
     data = tmp_path / "data.jsonl"
     lengths = [5, 9, 0, 17, 30, 64]
@@ -95,8 +95,8 @@ def test_dataset_lengths_and_a_model_config(tmp_path):
                                   "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                                   "num_key_value_heads": 2, "max_position_embeddings": 48}))
     settings = BenchSettings(**{**TINY, "laws": ("dataset",)}, dataset=str(data), model_config=str(config))
-    assert dataset_lengths(settings) == [5, 9, 17, 30, 64]  # the empty row is left out
-    drawn = sample_lengths([5, 9, 17, 30, 64], 200, seed=1, high=48)
+    assert dataset_lengths(str(data)) == [5, 9, 17, 30, 64]  # the empty row is left out
+    drawn = sample_lengths([5, 9, 17, 30, 64], 200, seed=1, low=1, high=48)
     assert set(drawn) == {5, 9, 17, 30, 48}  # every row can be drawn; longer than the model takes: clipped
     result = run_sft_benchmark(settings)
     assert result.environment["model"] == "Qwen2ForCausalLM"
@@ -133,8 +133,8 @@ def test_cli_defaults_to_the_dataset_law(tmp_path):
 
 
 def test_text_rows_are_measured_with_their_tokenizer(tmp_path, monkeypatch):
-    from padfree_plugins.benchmarks import sft
-    from padfree_plugins.benchmarks.sft import dataset_lengths
+    from padfree_plugins.benchmarks import lengths as module
+    from padfree_plugins.benchmarks.lengths import dataset_lengths
     from padfree_plugins.train import train_tokenizer
 
     texts = ["a short one", "a somewhat longer sentence of text", "x"]
@@ -142,11 +142,11 @@ def test_text_rows_are_measured_with_their_tokenizer(tmp_path, monkeypatch):
     tokenizer.save_pretrained(tmp_path / "tok")
     data = tmp_path / "text.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    lengths = dataset_lengths(BenchSettings(dataset=str(data), tokenizer=str(tmp_path / "tok")))
+    lengths = dataset_lengths(str(data), tokenizer=str(tmp_path / "tok"))
     eos = 1  # the tokenize step appends the end-of-sequence token
     assert lengths == [len(tokenizer(t, add_special_tokens=False)["input_ids"]) + eos for t in texts]
-    monkeypatch.setattr(sft, "MAX_TOKENIZED_ROWS", 2)  # a larger text dataset: a random sample is tokenized
-    sample = dataset_lengths(BenchSettings(dataset=str(data), tokenizer=str(tmp_path / "tok")))
+    monkeypatch.setattr(module, "MAX_TOKENIZED_ROWS", 2)  # a larger text dataset: a random sample is tokenized
+    sample = dataset_lengths(str(data), tokenizer=str(tmp_path / "tok"))
     assert len(sample) == 2 and set(sample) <= set(lengths)
 
 

@@ -24,7 +24,9 @@ no peak statistics on CPU), which is what padding inflates.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +39,7 @@ from ..assembly import assemble
 from ..demo import lognormal_lengths
 from ..errors import PadfreeError
 from ..host import PluginHost
+from .lengths import sample_lengths
 
 CLS, SEP = 101, 102
 
@@ -52,6 +55,8 @@ class Workload:
     sigma: float = 0.6
     min_length: int = 4
     max_length: int = 512
+    #: Lengths of a user's dataset to draw from instead of the lognormal law (``median`` then only labels it).
+    lengths: tuple[int, ...] = field(default=(), repr=False)
 
 
 #: What ``bench embedding`` runs by default on each device.
@@ -171,8 +176,11 @@ def make_batches(workload: Workload, count: int, vocab_size: int, seed: int = 0)
     low = max(workload.min_length, 3 if workload.task == "embedding" else 6)  # CLS, SEP and a token or a pair
     batches = []
     for b in range(count):
-        lengths = lognormal_lengths(workload.batch_size, workload.median, workload.sigma, low, workload.max_length,
-                                    seed + b)
+        if workload.lengths:
+            lengths = sample_lengths(workload.lengths, workload.batch_size, seed + b, low, workload.max_length)
+        else:
+            lengths = lognormal_lengths(workload.batch_size, workload.median, workload.sigma, low,
+                                        workload.max_length, seed + b)
         first = min(1000, vocab_size // 2)  # above the special tokens
         texts = [torch.cat([torch.tensor([CLS]), torch.randint(first, vocab_size, (n - 2,), generator=generator),
                             torch.tensor([SEP])]) for n in lengths]
@@ -371,6 +379,12 @@ def run_embedding_benchmark(workloads: tuple[Workload, ...] | None = None, *, de
                 for w in (workloads or DEFAULT_WORKLOADS[device])]
     finally:
         torch.set_num_threads(previous)
+
+
+def with_dataset_lengths(workloads: tuple[Workload, ...], lengths: list[int]) -> tuple[Workload, ...]:
+    """The workloads with their batches drawn from a dataset's lengths (the median column shows the dataset's)."""
+    median = float(statistics.median(lengths))
+    return tuple(dataclasses.replace(w, lengths=tuple(lengths), median=median) for w in workloads)
 
 
 def parse_workload(text: str) -> Workload:

@@ -58,6 +58,7 @@ import torch
 from ..causal_lm import keep_labelled_logits
 from ..errors import PadfreeError
 from ..padding import pad_examples
+from .lengths import dataset_lengths, sample_lengths
 
 VARIANTS = ("padded", "hf_native", "padfree")
 MODEL_SIZES = {
@@ -147,40 +148,6 @@ def draw_lengths(law: str, n: int, seed: int, low: int, high: int) -> list[int]:
 
 #: The law whose lengths are drawn from ``BenchSettings.dataset``.
 DATASET_LAW = "dataset"
-
-
-#: Text rows tokenized to estimate a dataset's length law (a seeded random sample of a larger dataset).
-MAX_TOKENIZED_ROWS = 20_000
-
-
-def dataset_lengths(settings: BenchSettings) -> list[int]:
-    """Token counts of every non-empty row of ``settings.dataset``; rows of text rather than ``input_ids`` are
-    tokenized with ``settings.tokenizer`` (at most :data:`MAX_TOKENIZED_ROWS` of them, drawn at random)."""
-    from ..train import load_rows, quietly, tokenize
-
-    rows = quietly(load_rows, settings.dataset, settings.dataset_split)
-    if "input_ids" not in rows.column_names:
-        if settings.tokenizer is None:
-            raise PadfreeError(f"{settings.dataset}: rows have no input_ids (columns: {', '.join(rows.column_names)}); "
-                               "give --tokenizer DIR to tokenize their text, or pre-tokenize the dataset")
-        from transformers import AutoTokenizer
-
-        if len(rows) > MAX_TOKENIZED_ROWS:
-            rows = rows.shuffle(seed=settings.seed).select(range(MAX_TOKENIZED_ROWS))
-        rows = quietly(tokenize, rows, AutoTokenizer.from_pretrained(settings.tokenizer))
-    import pyarrow.compute as pc
-
-    lengths = [n for n in pc.list_value_length(rows.with_format("arrow")[:]["input_ids"]).to_pylist() if n]
-    if not lengths:
-        raise PadfreeError(f"{settings.dataset}: no non-empty example to draw lengths from")
-    return lengths
-
-
-def sample_lengths(lengths: list[int], n: int, seed: int, high: int) -> list[int]:
-    """``n`` lengths drawn at random from a dataset's (as a shuffled loader would), clipped to ``high``."""
-    generator = torch.Generator().manual_seed(seed)
-    picks = torch.randint(len(lengths), (n,), generator=generator).tolist()
-    return [min(lengths[i], high) for i in picks]
 
 
 def make_examples(lengths: list[int], vocab: int, seed: int, prompt_share: float = 0.0) -> list[dict]:
@@ -331,7 +298,8 @@ def run_sft_benchmark(settings: BenchSettings, progress: Callable[[str], None] |
     high = min(settings.max_length, model.config.max_position_embeddings)
     if DATASET_LAW in settings.laws and settings.dataset is None:
         raise PadfreeError(f"the length law {DATASET_LAW!r} needs --dataset PATH")
-    lengths = dataset_lengths(settings) if settings.dataset is not None else None
+    lengths = (dataset_lengths(settings.dataset, split=settings.dataset_split, tokenizer=settings.tokenizer,
+                               seed=settings.seed) if settings.dataset is not None else None)
     runner = Runner(model, device)
     peak, peak_source = peak_flops(settings, device)
     flops_per_token = 6 * matmul_parameters(model)
@@ -365,7 +333,7 @@ def _measure(runner: Runner, settings: BenchSettings, law: str, batch_size: int,
     batches = []
     for b in range(settings.batches):
         seed = settings.seed + 1000 * batch_size + b
-        drawn = (sample_lengths(lengths, batch_size, seed, high) if law == DATASET_LAW
+        drawn = (sample_lengths(lengths, batch_size, seed, 1, high) if law == DATASET_LAW
                  else draw_lengths(law, batch_size, seed, settings.min_length, high))
         examples = make_examples(drawn, vocab, seed, settings.prompt_share)
         batches.append((examples, {v: runner.prepare(v, examples) for v in VARIANTS}))
