@@ -378,3 +378,19 @@ def test_torch_compile_through_the_trainer_gives_the_same_curve():
     assert type(compiled.model_wrapped).__name__ == "OptimizedModule"
     torch.testing.assert_close(torch.tensor(losses(compiled)), torch.tensor(losses(eager)), atol=1e-5, rtol=0)
     assert compiled.evaluate()["eval_loss"] == pytest.approx(eager.evaluate()["eval_loss"], abs=1e-5)
+
+
+@pytest.mark.parametrize("batching", [None, {"strategy": "tokens", "max_tokens_per_batch": 160}],
+                         ids=["examples", "token-budget"])
+def test_resume_from_checkpoint_continues_the_same_curve(tmp_path, batching):
+    """Stopping at a checkpoint and resuming trains the steps an uninterrupted run trains (same batches, same
+    losses), with example-count and with token-budget batching."""
+    config = {"task": "causal_lm", **({"batching": batching} if batching else {})}
+    full, _ = make_trainer("hf", packed=False, max_steps=6, output_dir=str(tmp_path / "full"),
+                           save_strategy="steps", save_steps=3)
+    accelerate(full, config)
+    full.train()
+    resumed, _ = make_trainer("hf", packed=False, max_steps=6, output_dir=str(tmp_path / "resumed"))
+    accelerate(resumed, config)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
+    torch.testing.assert_close(torch.tensor(losses(resumed)[3:]), torch.tensor(losses(full)[3:]), atol=1e-6, rtol=0)
