@@ -394,3 +394,29 @@ def test_resume_from_checkpoint_continues_the_same_curve(tmp_path, batching):
     accelerate(resumed, config)
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
     torch.testing.assert_close(torch.tensor(losses(resumed)[3:]), torch.tensor(losses(full)[3:]), atol=1e-6, rtol=0)
+
+
+def test_sft_trainer_on_prompt_completion_text_keeps_the_completion_only_loss():
+    """TRL tokenizes a prompt / completion text dataset and folds its completion mask into labels; packed, the
+    prompt stays out of the loss and the curve is TRL's padded one."""
+    rows_ = [{"prompt": f"question {i} about tiny things", "completion": f" answer {i} " * (1 + i % 4)}
+             for i in range(40)]
+    curves = {}
+    for packed in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config("llama", num_key_value_heads=2, vocab_size=300),
+                                                 attn_implementation="sdpa")
+        args = trl.SFTConfig(output_dir=tempfile.mkdtemp(), max_steps=6, per_device_train_batch_size=4,
+                             learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none", seed=0,
+                             disable_tqdm=True, bf16=False, dataloader_pin_memory=False)
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows_),
+                                 processing_class=tokenizer())
+        if packed:
+            accelerate(trainer, {"task": "causal_lm"})
+            example = trainer.train_dataset[0]
+            batch = trainer.data_collator([example])
+            prompt = sum(label == -100 for label in example["labels"])
+            assert 0 < prompt < len(example["labels"]) and (batch["labels"][0, :prompt] == -100).all()
+        trainer.train()
+        curves[packed] = losses(trainer)
+    torch.testing.assert_close(torch.tensor(curves[True]), torch.tensor(curves[False]), atol=1e-5, rtol=0)
