@@ -118,11 +118,14 @@ def labelled_logits_apply(trainer: Any, assembly: Assembly, kind: TrainerKind) -
     """Whether batches should carry ``logits_to_keep`` / ``shift_labels``: the ``causal_lm`` task with its option on,
     HF ``Trainer`` (TRL's fused LM head builds no logits anyway), the model's own loss (label smoothing and a
     ``compute_loss_func`` read every position's logits) and a model whose forward takes ``logits_to_keep``."""
-    if kind != "hf" or not getattr(assembly.collator, "labelled_logits_only", False):
-        return False
-    if trainer.label_smoother is not None or trainer.compute_loss_func is not None:
+    if kind != "hf" or not getattr(assembly.collator, "labelled_logits_only", False) or uses_own_loss(trainer):
         return False
     return "logits_to_keep" in inspect.signature(type(assembly.model).forward).parameters
+
+
+def uses_own_loss(trainer: Any) -> bool:
+    """Label smoothing or a ``compute_loss_func``: the loss is computed from the logits, outside the model."""
+    return trainer.label_smoother is not None or trainer.compute_loss_func is not None
 
 
 def _per_token(value: Any, batch: Mapping) -> bool:
@@ -204,16 +207,11 @@ class TrainerPatch:
             kwargs["output_router_logits"] = True
         return kwargs
 
-    def _uses_own_loss(self) -> bool:
-        """Label smoothing or a ``compute_loss_func``: the loss is computed from the logits, outside the model."""
-        trainer = self.trainer
-        return trainer.label_smoother is not None or trainer.compute_loss_func is not None
-
     def compute_loss(self, model: Any, inputs: Mapping, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
         """The loss of a packed batch, through ``assembly.forward`` (the trainer's ``compute_loss``)."""
         trainer = self.trainer
-        own_loss = self._uses_own_loss() and "labels" in inputs
+        own_loss = uses_own_loss(self.trainer) and "labels" in inputs
         if own_loss or return_outputs:  # the logits of every position are wanted
             inputs = drop_labelled_logits(inputs)
         kwargs = self.model_kwargs(fused=not own_loss)
@@ -292,9 +290,9 @@ class TrainerPatch:
             if prediction_loss_only:
                 loss = self.compute_loss(model, inputs, num_items_in_batch=num_items) if has_labels else None
                 return (None if loss is None else loss.detach().mean(), None, None)
-            if has_labels and (self._uses_own_loss() or self.kind == "sft"):
+            if has_labels and (uses_own_loss(self.trainer) or self.kind == "sft"):
                 loss, outputs = self.compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items)
-                if self.kind == "sft" and not self._uses_own_loss():
+                if self.kind == "sft" and not uses_own_loss(self.trainer):
                     # the fused LM head builds no logits: one more forward for them, as TRL itself does
                     outputs = self.assembly.forward(model, {k: v for k, v in inputs.items() if k != "labels"},
                                                     **self.model_kwargs(fused=False))

@@ -40,6 +40,7 @@ from ..demo import lognormal_lengths
 from ..errors import PadfreeError
 from ..host import PluginHost
 from .lengths import sample_lengths
+from .measure import saved_activation_bytes, synchronize
 
 CLS, SEP = 101, 102
 
@@ -245,27 +246,6 @@ def padfree_output(workload: Workload, out: Any, n: int) -> torch.Tensor:
     return torch.stack([anchors, positives], dim=1).reshape(n, -1)
 
 
-def _synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def saved_activation_bytes(step: Callable[[], torch.Tensor]) -> int:
-    """Bytes of the distinct tensors autograd saves for the backward pass of ``step()`` (CPU memory proxy)."""
-    seen: dict[tuple[int, int], int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.device.type != "meta":
-            storage = tensor.untyped_storage()
-            seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = step()
-    loss.backward()
-    return sum(seen.values())
-
-
 def _measure(device: str, step: Callable[[], torch.Tensor], model: torch.nn.Module) -> float:
     """Memory of one step in MiB: CUDA peak allocated, or activations saved for backward on CPU."""
     if device == "cuda":
@@ -320,11 +300,11 @@ def run_workload(workload: Workload, *, device: str = "cpu", dtype: str = "float
     padded_mem = _measure(device, lambda: padded(data[0])[0], model)
 
     def timed(loss: Callable[[], torch.Tensor]) -> float:
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         loss().backward()
         model.zero_grad(set_to_none=True)
-        _synchronize(device)
+        synchronize(device)
         return time.perf_counter() - start
 
     def padfree_time(i: int) -> float:

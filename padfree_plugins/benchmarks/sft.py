@@ -59,6 +59,7 @@ from ..causal_lm import keep_labelled_logits
 from ..errors import PadfreeError
 from ..padding import pad_examples
 from .lengths import dataset_lengths, sample_lengths
+from .measure import saved_activation_bytes, synchronize
 
 VARIANTS = ("padded", "hf_native", "padfree")
 MODEL_SIZES = {
@@ -194,11 +195,11 @@ def matmul_flops_per_s(device: torch.device, dtype: torch.dtype, size: int = 102
     b = torch.randn(size, size, device=device, dtype=dtype)
     for _ in range(2):
         a @ b
-    _sync(device)
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(repeats):
         a @ b
-    _sync(device)
+    synchronize(device)
     return 2 * size**3 * repeats / (time.perf_counter() - start)
 
 
@@ -216,26 +217,6 @@ def peak_flops(settings: BenchSettings, device: torch.device) -> tuple[float, st
     if device.type == "cuda":
         return CUDA_PEAK_TFLOPS * 1e12, "default for H100 / H200 bf16, as gpu_anchor.py"
     return matmul_flops_per_s(device, getattr(torch, settings.dtype)), f"measured {settings.dtype} matmul rate here"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def saved_activation_bytes(step: Callable[[], torch.Tensor]) -> int:
-    """Bytes of the distinct storages autograd saves for backward during ``step()`` (which returns the loss)."""
-    seen: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss = step()
-    loss.backward()
-    return sum(seen.values())
 
 
 class Runner:
@@ -346,11 +327,11 @@ def _measure(runner: Runner, settings: BenchSettings, law: str, batch_size: int,
 
     def step(variant: str, inputs: dict) -> tuple[float, float]:
         model.zero_grad(set_to_none=True)
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         loss = runner.loss(variant, inputs)
         loss.backward()
-        _sync(device)
+        synchronize(device)
         return time.perf_counter() - start, float(loss.detach())
 
     for variant in VARIANTS:  # warm-up, then the memory figure on untimed steps
