@@ -182,21 +182,8 @@ def _padded_slots(cu_seq_lens: torch.Tensor, total: int, longest: int) -> tuple[
     return example * longest + position, lengths
 
 
-def repad_varlen(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cu_seq_lens_q: torch.Tensor,
-    cu_seq_lens_k: torch.Tensor,
-    max_length_q: int,
-    max_length_k: int,
-    *,
-    causal: bool,
-    scale: float | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    dropout: float = 0.0,
-) -> torch.Tensor:
+def repad_varlen(query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, *,
+                 causal, scale=None, window=None, softcap=None, dropout=0.0) -> torch.Tensor:
     """Exact attention with one masked ``scaled_dot_product_attention`` call: queries, keys and values are
     scattered into a right-padded ``[n, L_max, H, D]`` view for attention alone (every other layer stays packed),
     padded keys are masked out, and the output is gathered back to ``[T, H, D]``.
