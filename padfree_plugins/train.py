@@ -224,10 +224,16 @@ def load_model_config(source: str, flag: str = "--model_config") -> Any:
         return AutoConfig.from_pretrained(str(path))
     if not path.is_file():
         raise ConfigError(f"{flag} {source!r} does not exist (give a config.json or a directory holding one)")
-    data = json.loads(path.read_text())
-    if "model_type" not in data:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path} is not valid JSON: {error}") from error
+    if not isinstance(data, dict) or "model_type" not in data:
         raise ConfigError(f"{path}: a model config needs a model_type (e.g. \"llama\")")
-    return AutoConfig.for_model(data.pop("model_type"), **data)
+    try:
+        return AutoConfig.for_model(data.pop("model_type"), **data)
+    except ValueError as error:  # an unknown model_type
+        raise ConfigError(f"{path}: {str(error).splitlines()[0]}") from error
 
 
 def _model_config(script: TrainScriptArguments) -> Any:

@@ -160,3 +160,18 @@ def test_prompt_share_masks_labels_in_every_variant():
     assert all(r.loss_rel_diff < 1e-5 for r in result.rows)
     with pytest.raises(PadfreeError, match="prompt-share"):
         run_sft_benchmark(BenchSettings(**TINY, prompt_share=1.0))
+
+
+def test_bad_tokenizer_and_model_config_are_clear_errors(tmp_path):
+    text = tmp_path / "text.jsonl"
+    text.write_text(json.dumps({"text": "hello"}) + "\n")
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text(json.dumps({"model_type": "no_such_model"}))
+    for args, message in ((["--dataset", str(text), "--tokenizer", str(tmp_path / "none")], "cannot load the tokenizer"),
+                          (["--model-config", str(broken)], "not valid JSON"),
+                          (["--model-config", str(unknown)], "no_such_model")):
+        result = CliRunner().invoke(app, ["bench", "sft", "--model-size", "micro", "--out", str(tmp_path), *args])
+        assert result.exit_code == 2 and message in result.output, result.output
+        assert "Traceback" not in result.output

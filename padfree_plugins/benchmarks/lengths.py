@@ -49,7 +49,11 @@ def dataset_lengths(path: str, *, split: str = "train", tokenizer: str | None = 
 def _tokenized(rows: Any, tokenizer: str, texts: str, quietly: Any, tokenize: Any) -> tuple[Any, list[str]]:
     from transformers import AutoTokenizer
 
-    loaded = AutoTokenizer.from_pretrained(tokenizer)
+    try:
+        loaded = AutoTokenizer.from_pretrained(tokenizer)
+    except (OSError, ValueError) as error:
+        raise PadfreeError(f"cannot load the tokenizer {tokenizer!r} (a local directory with its files): "
+                           f"{str(error).splitlines()[0]}") from error
     if texts == "sft":
         return quietly(tokenize, rows, loaded), ["input_ids"]
     strings = [c for c, kind in rows.features.items() if getattr(kind, "dtype", None) in ("string", "large_string")]
