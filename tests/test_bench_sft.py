@@ -169,9 +169,10 @@ def test_bad_tokenizer_and_model_config_are_clear_errors(tmp_path):
     broken.write_text("{not json")
     unknown = tmp_path / "unknown.json"
     unknown.write_text(json.dumps({"model_type": "no_such_model"}))
-    for args, message in ((["--dataset", str(text), "--tokenizer", str(tmp_path / "none")], "cannot load the tokenizer"),
-                          (["--model-config", str(broken)], "not valid JSON"),
-                          (["--model-config", str(unknown)], "no_such_model")):
+    cases = ((["--dataset", str(text), "--tokenizer", str(tmp_path / "none")], "cannot load the tokenizer"),
+             (["--model-config", str(broken)], "not valid JSON"),
+             (["--model-config", str(unknown)], "no_such_model"))
+    for args, message in cases:
         result = CliRunner().invoke(app, ["bench", "sft", "--model-size", "micro", "--out", str(tmp_path), *args])
         assert result.exit_code == 2 and message in result.output, result.output
         assert "Traceback" not in result.output
