@@ -7,6 +7,7 @@ extra string column, and ``remove_unused_columns`` stays at its default.
 
 from __future__ import annotations
 
+import copy
 import functools
 import tempfile
 
@@ -420,3 +421,34 @@ def test_sft_trainer_on_prompt_completion_text_keeps_the_completion_only_loss():
         trainer.train()
         curves[packed] = losses(trainer)
     torch.testing.assert_close(torch.tensor(curves[True]), torch.tensor(curves[False]), atol=1e-5, rtol=0)
+
+
+def test_sft_trainer_on_conversations_keeps_the_assistant_only_loss():
+    """``assistant_only_loss``: TRL masks every non-assistant token from a chat template's generation markers;
+    packed, only the assistant turns count and the curve is TRL's padded one."""
+    chat = copy.deepcopy(tokenizer())
+    chat.chat_template = ("{% for m in messages %}{% if m['role'] == 'assistant' %}A:{% generation %}"
+                          "{{ m['content'] }}{% endgeneration %}{% else %}U:{{ m['content'] }}{% endif %}{% endfor %}")
+    conversations = [{"messages": [{"role": "user", "content": f"question {i} about things"},
+                                   {"role": "assistant", "content": f" answer {i} " * (1 + i % 4)}]}
+                     for i in range(40)]
+    curves = {}
+    for packed in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config("llama", num_key_value_heads=2, vocab_size=300),
+                                                 attn_implementation="sdpa")
+        args = trl.SFTConfig(output_dir=tempfile.mkdtemp(), max_steps=6, per_device_train_batch_size=4,
+                             learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none", seed=0,
+                             disable_tqdm=True, bf16=False, dataloader_pin_memory=False, assistant_only_loss=True)
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(conversations),
+                                 processing_class=chat)
+        if packed:
+            accelerate(trainer, {"task": "causal_lm"})
+            example = trainer.train_dataset[0]
+            masked = sum(label == -100 for label in example["labels"])
+            batch = trainer.data_collator([example])
+            assert 0 < masked < len(example["labels"]) and (batch["labels"][0, :masked] == -100).all()
+        trainer.train()
+        curves[packed] = losses(trainer)
+    torch.testing.assert_close(torch.tensor(curves[True]), torch.tensor(curves[False]), atol=1e-5, rtol=0)
+
