@@ -209,6 +209,8 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
                                   fallback=resolved.fallback, config=config)
     if patch is None:
         raise PluginError(f"no plugin could patch {type(inner).__name__}")
+    if getattr(forward, "runs_inside_model_forward", False):  # per-example heads, run as the model's forward
+        patch.route_compute()
     if resolved.architecture_plugin == PROBE_PLUGIN:
         try:
             verify(inner, resolved.position_start)

@@ -1,15 +1,23 @@
 """Patch a transformers model to run padding-free, and undo it.
 
-A patch does two things, both reversible:
+A patch does these things, all reversible:
 
 1. switches the model's attention implementation to ``padfree_<backend>`` (see :mod:`padfree_plugins.attention`);
 2. installs a guard on the base model that refuses packed rows without boundaries (positions that restart inside
-   a row with no ``cu_seq_lens_q``): without it such a row would silently attend across examples.
+   a row with no ``cu_seq_lens_q``): without it such a row would silently attend across examples;
+3. for tasks that compute per example inside the model's forward (classification, rerankers, embeddings:
+   :meth:`ModelPatch.route_compute`), lets ``model(padfree_compute=fn)`` run ``fn`` as the forward, through
+   every wrapper (DDP, FSDP, peft, accelerate's autocast).
+
+The ``padfree_<backend>`` name stays in transformers' attention registry after ``undo`` (the registry has no
+public way to remove a name); for a call without boundaries it behaves exactly as sdpa.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +30,8 @@ from .errors import BoundaryError, PadfreeError, UnsupportedArchitectureError
 from .specs import Architecture, AttentionBackend
 
 PATCH_ATTRIBUTE = "_padfree_patch"
+#: The keyword of the model's forward that runs a task's computation instead (see :meth:`ModelPatch.route_compute`).
+COMPUTE_KEYWORD = "padfree_compute"
 
 
 
@@ -108,6 +118,8 @@ class ModelPatch:
     previous_implementation: str | None
     handles: list[RemovableHandle] = field(default_factory=list)
     active: bool = True
+    compute_route: Any = field(default=None, repr=False)
+    forward_before_route: Any = field(default=None, repr=False)
     _call_tokens: list = field(default_factory=list, repr=False)
 
     @classmethod
@@ -144,6 +156,41 @@ class ModelPatch:
         if self._call_tokens:
             PACKED_CALL.reset(self._call_tokens.pop())
 
+    def route_compute(self) -> None:
+        """Make ``model(padfree_compute=fn)`` return ``fn(model)``, with every other call unchanged.
+
+        A task that computes per example (its own pooling and heads over the packed base model) then runs *as the
+        forward* of every wrapper around the model, which therefore does around it what it does around a forward:
+        DDP prepares the gradient all-reduce, accelerate's mixed precision autocasts. Installed on the instance at
+        assembly, under any wrapper added later (accelerate's autocast wraps it), and removed by :meth:`undo`.
+        """
+        if self.compute_route is not None:
+            return
+        previous = self.model.__dict__.get("forward")  # a wrapper someone installed before us, if any
+
+        @functools.wraps(type(self.model).forward)  # same signature: Trainer / TRL inspect it
+        def forward_or_compute(model: Any, *args: Any, padfree_compute: Callable | None = None, **kwargs: Any) -> Any:
+            if padfree_compute is not None:
+                return padfree_compute(model)
+            if previous is not None:
+                return previous(*args, **kwargs)
+            return type(model).forward(model, *args, **kwargs)
+
+        self.compute_route = forward_or_compute.__get__(self.model)
+        self.forward_before_route = previous
+        self.model.forward = self.compute_route
+
+    def _remove_compute_route(self) -> None:
+        if self.compute_route is None:
+            return
+        installed = self.model.__dict__.get("forward")
+        if installed is self.compute_route:  # if a wrapper was installed over it since, it stays (transparent)
+            if self.forward_before_route is None:
+                del self.model.__dict__["forward"]
+            else:
+                self.model.forward = self.forward_before_route
+        self.compute_route = None
+
     def undo(self) -> None:
         """Restore the previous attention implementation and remove the guard. Safe to call twice."""
         if not self.active:
@@ -151,6 +198,7 @@ class ModelPatch:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        self._remove_compute_route()
         if self.previous_implementation is not None:
             self.model.set_attn_implementation(self.previous_implementation)
         if getattr(self.model, PATCH_ATTRIBUTE, None) is self:

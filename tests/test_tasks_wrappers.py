@@ -3,6 +3,9 @@ the forward, or it never prepares the gradient all-reduce and ranks silently dri
 
 from __future__ import annotations
 
+import inspect
+from types import MethodType
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -78,5 +81,50 @@ def test_ddp_sees_the_forward(process_group, task):
     finally:
         assembly.undo()
     assert calls == ["DistributedDataParallel"] * 2
-    assert "forward" not in model.__dict__  # the temporary forward is gone
+    assert "forward" not in model.__dict__  # the compute route is gone with the patch
     assert_grads_close(with_ddp, alone)
+
+
+def wrap_like_accelerate_mixed_precision(model):
+    """What ``Accelerator.prepare_model`` does to a model's forward under native mixed precision."""
+    from accelerate.utils import convert_outputs_to_fp32
+
+    forward = model.forward.__func__ if hasattr(model.forward, "__func__") else model.forward
+    model.forward = MethodType(torch.autocast("cpu", dtype=torch.bfloat16)(forward), model)
+    model.forward = MethodType(convert_outputs_to_fp32(model.forward.__func__), model)
+
+
+def test_mixed_precision_and_ddp_wrap_the_per_example_computation(process_group):
+    """accelerate autocasts through an instance ``forward``, then DDP wraps the model (HF Trainer on several GPUs
+    with bf16): the per-example head runs inside both, under autocast, and undo leaves their wrapper working."""
+    model = model_for("bert", head="seq_cls", num_labels=2)
+    signature = inspect.signature(model.forward)
+    assembly = assemble(model, {"task": "seq_cls", "attention": "exact"})
+    assert inspect.signature(model.forward) == signature  # Trainer and TRL read the forward's parameters
+    wrap_like_accelerate_mixed_precision(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    head_dtypes = []
+    model.classifier.register_forward_hook(lambda module, args, out: head_dtypes.append(out.dtype))
+    examples = labelled([3, 7, 1])
+    try:
+        out = assembly.forward(ddp, assembly.collator(examples))
+        out.loss.backward()
+    finally:
+        assembly.undo()
+    assert head_dtypes == [torch.bfloat16] and out.logits.dtype == torch.float32
+    assert out.logits.shape == (3, 2) and all(p.grad is not None for p in model.classifier.parameters())
+    padded_out = ddp(**padded(examples))  # after undo: accelerate's wrapper still runs the model's own forward
+    assert padded_out.logits.shape == (3, 2) and head_dtypes[-1] == torch.bfloat16
+
+
+def test_a_forward_wrapped_before_assembly_still_runs_ordinary_calls():
+    model = model_for("bert", head="seq_cls", num_labels=2)
+    wrap_like_accelerate_mixed_precision(model)
+    wrapper = model.forward
+    assembly = assemble(model, {"task": "seq_cls", "attention": "exact"})
+    examples = labelled([4, 2])
+    try:
+        assert model(**padded(examples)).logits.dtype == torch.float32
+    finally:
+        assembly.undo()
+    assert model.forward is wrapper

@@ -93,6 +93,8 @@ def sentence_transformers_loss(loss: Any, loss_kwargs: Mapping[str, Any]) -> Any
 class EmbeddingForward:
     """``(model, packed batch) -> EmbeddingOutput(loss, embeddings, column_embeddings)``."""
 
+    runs_inside_model_forward = True  # see heads.call_model
+
     pooler: Any
     loss: Any = None
     normalize: bool = False

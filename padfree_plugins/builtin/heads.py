@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from ..batch import BOUNDARY_KEYS
-from ..errors import UnsupportedArchitectureError
-from ..patching import unwrap_model
+from ..errors import PadfreeError, UnsupportedArchitectureError
+from ..patching import COMPUTE_KEYWORD, patch_of, unwrap_model
 from ..pooling import FirstTokenPooler, LastTokenPooler, MeanPooler
 
 _first, _last, _mean = FirstTokenPooler(), LastTokenPooler(), MeanPooler()
@@ -35,25 +35,19 @@ def _forward_parameters(cls: type) -> frozenset[str]:
 
 def call_model(model: Any, compute: Callable[[Any], Any]) -> Any:
     """``compute(inner)`` for the transformers model ``inner`` inside ``model``, run *as its forward* through every
-    wrapper around it (DDP, FSDP, peft), so that the wrappers do what they do around a forward — DDP prepares the
-    gradient all-reduce, which it skips for submodules called directly. A bare model is computed directly.
-
-    The forward is replaced for the duration of the call only (an instance attribute, removed in ``finally``).
+    wrapper around it (DDP, FSDP, peft, accelerate's autocast), so that the wrappers do what they do around a
+    forward — DDP prepares the gradient all-reduce, which it skips for submodules called directly. A bare model is
+    computed directly. Needs the compute route of the model's patch (:meth:`ModelPatch.route_compute`), which
+    assembly installs for forwards marked ``runs_inside_model_forward``.
     """
     inner = unwrap_model(model)
     if model is inner:
         return compute(inner)
-    if "forward" in inner.__dict__:
-        raise RuntimeError(f"{type(inner).__name__}.forward is already replaced on this instance (a nested call?)")
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        inner.__dict__.pop("forward", None)  # compute may call the model's own forward (a bare base model)
-        return compute(inner)
-
-    inner.forward = forward
-    try:
-        return model()
-    finally:
-        inner.__dict__.pop("forward", None)
+    patch = patch_of(inner)
+    if patch is None or patch.compute_route is None:
+        raise PadfreeError(f"{type(inner).__name__} was not assembled for a per-example task: use "
+                           "padfree_plugins.assemble(model, config) (or accelerate) before calling its forward")
+    return model(**{COMPUTE_KEYWORD: compute})
 
 
 def base_model(model: Any) -> Any:

@@ -87,6 +87,8 @@ def listwise_loss(scores: torch.Tensor, batch: Mapping) -> torch.Tensor:
 class RerankerForward:
     """``(model, packed batch) -> RerankerOutput(loss, scores [n], logits)``."""
 
+    runs_inside_model_forward = True  # see heads.call_model
+
     objective: str = "pointwise"
     scorer: str = "head"
     yes_token_id: int | None = None

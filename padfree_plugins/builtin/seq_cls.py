@@ -32,6 +32,8 @@ OPTIONS = {"pairs": False}
 class SequenceClassificationForward:
     """``(model, packed batch) -> SequenceClassifierOutput(loss, logits [n, num_labels])``."""
 
+    runs_inside_model_forward = True  # see heads.call_model
+
     def __call__(self, model: Any, batch: Mapping, **loss_kwargs: Any) -> SequenceClassifierOutput:
         return call_model(model, lambda inner: self.compute(inner, batch))
 
