@@ -5,7 +5,7 @@ Two kinds of hooks:
 * **Declarations** (``register_*``) return lists of :mod:`padfree_plugins.specs` objects. Every plugin's results
   are collected; when two plugins declare the same name, the host picks one deterministically and records a note.
 * **Assembly hooks** (``collate``, ``patch_model``, ``pool``, ``revert_output``, ``task_forward``,
-  ``wrap_trainer``) are ``firstresult``: the first plugin that returns something other than ``None`` wins. They
+  ``trainer_config``, ``wrap_trainer``) are ``firstresult``: the first plugin that returns something other than ``None`` wins. They
   run once, when a model is assembled (or a trainer wrapped), and return plain picklable objects; nothing calls a
   hook in the training loop.
 
@@ -77,6 +77,13 @@ def task_forward(task, architecture, config):
     patched model on a packed batch for this task (e.g. per-example pooling and a classification head, since
     transformers' ``*ForSequenceClassification`` heads pool one token per *row*). ``None`` lets the next plugin
     answer; the builtin default calls ``model(**batch.model_inputs(*task.model_keys))``."""
+
+
+@hookspec(firstresult=True)
+def trainer_config(trainer, config):
+    """Return the config to assemble ``trainer.model`` with when the trainer implies part of it (e.g. the task a
+    sentence-transformers model's modules imply), or ``None`` to keep ``config``. Asked by ``accelerate`` before
+    assembly; the result is what ``wrap_trainer`` then receives."""
 
 
 @hookspec(firstresult=True)

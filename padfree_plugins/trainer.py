@@ -436,6 +436,7 @@ def accelerate(trainer: Any, config: PadfreeConfig | dict | str | None = None, *
     if getattr(trainer, "model", None) is None:
         raise PadfreeError("the trainer has no model yet (model_init?): pass a model to the trainer, then accelerate")
     host = host or PluginHost(block=config.plugins.block)
+    config = host.hook.trainer_config(trainer=trainer, config=config) or config
     assembly = assemble(trainer.model, config, host=host)
     try:
         trainer_patch = host.hook.wrap_trainer(trainer=trainer, assembly=assembly, config=config)

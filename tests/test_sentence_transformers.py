@@ -159,6 +159,8 @@ def train(trainer_cls, args_cls, model, dataset, loss, padfree: bool, probe: lis
     acceleration = padfree_plugins.accelerate(trainer, CONFIG) if padfree else None
     if padfree:
         assert "cu_seq_lens_q" in model.preprocess(probe), "the trainer's batches would not be packed"
+        implied = "seq_cls" if isinstance(model, CrossEncoder) else "hidden_states"
+        assert acceleration.assembly.plan.task.name == implied  # the task the model implies, not the config's
     trainer.train()
     if acceleration is not None:
         acceleration.undo()
@@ -202,9 +204,10 @@ def test_wrap_trainer_leaves_other_trainers_to_other_plugins():
     from padfree_sentence_transformers import plugin
 
     assert plugin.wrap_trainer(trainer=object(), assembly=None, config=None) is None
+    assert plugin.trainer_config(trainer=object(), config=None) is None
     records = padfree_plugins.PluginHost().records
     assert records["sentence-transformers"].status == "ok"
-    assert records["sentence-transformers"].hooks == ("wrap_trainer",)
+    assert records["sentence-transformers"].hooks == ("trainer_config", "wrap_trainer")
 
 
 def test_token_budget_batching_for_sentence_transformer_trainer(tiny_dirs):

@@ -43,12 +43,20 @@ class TrainerPatches:
 
 
 @hookimpl
+def trainer_config(trainer, config):
+    """The user's config with the task the model's Transformer module implies (embedding, seq_cls …)."""
+    if trainer_kind(trainer) is None:
+        return None
+    return module_config(config, transformer_module(trainer.model))
+
+
+@hookimpl
 def wrap_trainer(trainer, assembly, config):
     if trainer_kind(trainer) is None:
         return None
     model = trainer.model
     module = transformer_module(model)
-    config = module_config(config, module)
+    config = module_config(config, module)  # as trainer_config made it, for a caller that skipped that hook
     check_config(config)
     if unwrap_model(model) is not assembly.model:
         raise PadfreeError("the assembly was built for another model than trainer.model")
