@@ -5,9 +5,9 @@ Two kinds of hooks:
 * **Declarations** (``register_*``) return lists of :mod:`padfree_plugins.specs` objects. Every plugin's results
   are collected; when two plugins declare the same name, the host picks one deterministically and records a note.
 * **Assembly hooks** (``collate``, ``patch_model``, ``pool``, ``revert_output``, ``task_forward``,
-  ``trainer_config``, ``wrap_trainer``) are ``firstresult``: the first plugin that returns something other than ``None`` wins. They
-  run once, when a model is assembled (or a trainer wrapped), and return plain picklable objects; nothing calls a
-  hook in the training loop.
+  ``trainer_config``, ``wrap_trainer``) are ``firstresult``: the first plugin that returns something other than
+  ``None`` wins. They run once, when a model is assembled (or a trainer wrapped), and return plain picklable
+  objects; nothing calls a hook in the training loop.
 
 Order: pluggy asks later-registered plugins first, and ``trylast`` ones after all others. The generic builtin
 answers (plugin ``core``) are ``trylast``, so any plugin that answers wins over them. A plugin that handles only

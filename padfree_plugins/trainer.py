@@ -308,6 +308,8 @@ class TrainerPatch:
             ignore_keys = list(getattr(getattr(unwrap_model(model), "config", None), "keys_to_ignore_at_inference",
                                        ["past_key_values"]))
         items = outputs.items() if isinstance(outputs, Mapping) else enumerate(outputs)
+        if self.kind == "sft":  # TRL hands metrics the logits alone (not an MoE's aux loss and router logits)
+            items = [("logits", outputs["logits"])]
         skip = (*ignore_keys, "loss")
         logits = tuple(self._repad(v, inputs, None) for k, v in items if k not in skip and v is not None)
         labels = None

@@ -12,6 +12,7 @@ import functools
 import tempfile
 
 import datasets
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, TrainingArguments
@@ -452,3 +453,25 @@ def test_sft_trainer_on_conversations_keeps_the_assistant_only_loss():
         curves[packed] = losses(trainer)
     torch.testing.assert_close(torch.tensor(curves[True]), torch.tensor(curves[False]), atol=1e-5, rtol=0)
 
+
+
+def test_sft_metrics_on_a_mixture_of_experts_see_the_logits_alone():
+    """TRL turns the router aux loss on for MoE models and hands ``compute_metrics`` only the logits; packed too."""
+    seen = {}
+    for packed in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config("mixtral", num_local_experts=4, num_experts_per_tok=2),
+                                                 attn_implementation="sdpa")
+        args = trl.SFTConfig(output_dir=tempfile.mkdtemp(), per_device_eval_batch_size=4, report_to="none",
+                             bf16=False, disable_tqdm=True, dataloader_pin_memory=False)
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows(8)),
+                                 eval_dataset=datasets.Dataset.from_list(rows(8, seed=1)), processing_class=tokenizer(),
+                                 compute_metrics=lambda p, packed=packed: seen.update({packed: p}) or {})
+        assert trainer.aux_loss_enabled
+        if packed:
+            accelerate(trainer, {"task": "causal_lm"})
+        trainer.evaluate()
+    want, got = seen[False], seen[True]
+    assert isinstance(got.predictions, np.ndarray) and got.predictions.shape == want.predictions.shape
+    real = want.label_ids[:, 1:] != -100  # a packed example's first label is -100 (see above)
+    np.testing.assert_allclose(got.predictions[:, 1:][real], want.predictions[:, 1:][real], atol=1e-5, rtol=1e-5)
