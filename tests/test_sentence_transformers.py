@@ -183,6 +183,29 @@ def test_sentence_transformer_trainer_same_loss_curve(tiny_dirs):
     assert curves[1] == pytest.approx(curves[0], abs=1e-5)
 
 
+@pytest.mark.parametrize("loss_name", ["GISTEmbedLoss", "CachedGISTEmbedLoss"])
+def test_a_guide_model_gets_the_packed_features_padding_free(tiny_dirs, loss_name):
+    """GIST losses hand the trained model's features to the guide (same tokenizer): the guide runs packed too."""
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers.sentence_transformer import losses
+
+    dataset = Dataset.from_dict({"anchor": sentences(32, seed=8), "positive": sentences(32, seed=9)})
+    curves, guides = [], []
+    for padfree in (False, True):
+        model = tiny_sentence_transformer(tiny_dirs["encoder"])
+        guide = tiny_sentence_transformer(tiny_dirs["encoder"], mode="cls")
+        for parameter in guide.parameters():  # a guide that differs from the model
+            parameter.data.add_(0.05 * torch.randn_like(parameter))
+        loss = getattr(losses, loss_name)(model, guide, **({"mini_batch_size": 4} if "Cached" in loss_name else {}))
+        assert not loss.must_retokenize
+        curves.append(train(SentenceTransformerTrainer, SentenceTransformerTrainingArguments, model, dataset,
+                            loss, padfree, ["a text", "another text"]))
+        guides.append(guide)
+    assert curves[1] == pytest.approx(curves[0], abs=1e-5)
+    assert not guides[1][0].can_flatten_inputs  # undo restored the guide too
+
+
 def test_cross_encoder_trainer_same_loss_curve(tiny_dirs):
     from datasets import Dataset
     from sentence_transformers.cross_encoder import CrossEncoderTrainer, CrossEncoderTrainingArguments

@@ -4,9 +4,9 @@
 ``None`` so that the next plugin answers. The trainer itself is left alone: its data collator tokenizes through
 ``model.preprocess``, which — once the model's Transformer module is patched (:mod:`.model`) — packs every column
 into one row; its losses call the model, whose Pooling module pools per text and whose CrossEncoder head scores
-per text. With ``batching.strategy: tokens`` the training batches are filled up to a token budget
-(:mod:`.batching`). ``undo()`` restores the module and the trainer (``accelerate``'s own ``undo`` restores the
-model's attention).
+per text. Other models a loss calls on those features (``GISTEmbedLoss``'s guide) are made padding-free too.
+With ``batching.strategy: tokens`` the training batches are filled up to a token budget (:mod:`.batching`).
+``undo()`` restores the modules and the trainer (``accelerate``'s own ``undo`` restores the model's attention).
 """
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from padfree_plugins import PadfreeError, hookimpl, unwrap_model
 from padfree_plugins.sampler import uses_token_budget
 
 from .batching import BatchSamplerPatch, check_config
-from .model import module_config, packing_collator, patch_module, transformer_module
+from .model import enable, module_config, packing_collator, patch_module, transformer_module
 
 TRAINERS = ("SentenceTransformerTrainer", "CrossEncoderTrainer")
 
@@ -61,6 +63,26 @@ def wrap_trainer(trainer, assembly, config):
     if unwrap_model(model) is not assembly.model:
         raise PadfreeError("the assembly was built for another model than trainer.model")
     patches = [patch_module(module, packing_collator(assembly, config))]
-    if uses_token_budget(config):
-        patches.append(BatchSamplerPatch.apply(trainer, model, config))
+    try:
+        for companion in companion_models(trainer):  # packed features reach it too: it must run padding-free
+            patches.append(enable(companion, config))
+        if uses_token_budget(config):
+            patches.append(BatchSamplerPatch.apply(trainer, model, config))
+    except BaseException:
+        TrainerPatches(patches).undo()
+        raise
     return TrainerPatches(patches)
+
+
+def companion_models(trainer: Any) -> list:
+    """The other sentence-transformers models the trainer's losses call, e.g. ``GISTEmbedLoss``'s guide: the loss
+    hands it the trained model's (packed) features unless it re-tokenizes, so it is made padding-free as well."""
+    from sentence_transformers import CrossEncoder, SentenceTransformer
+
+    losses = trainer.loss.values() if isinstance(trainer.loss, dict) else [trainer.loss]
+    found: dict[int, Any] = {}
+    for loss in losses:
+        for module in loss.modules() if isinstance(loss, torch.nn.Module) else ():
+            if isinstance(module, (SentenceTransformer, CrossEncoder)) and module is not trainer.model:
+                found.setdefault(id(module), module)
+    return list(found.values())
