@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import tempfile
 
+import numpy as np
 import pytest
 import torch
 
@@ -268,3 +269,48 @@ def test_token_budget_batching_for_sentence_transformer_trainer(tiny_dirs):
     with pytest.raises(ConfigError, match="split"):
         padfree_plugins.accelerate(trainer, {"attention": "exact", "batching": {
             "strategy": "tokens", "max_tokens_per_batch": budget, "on_overlong_example": "split"}})
+
+
+@pytest.mark.parametrize("policy", ["proportional", "round_robin"])
+def test_token_budget_batching_with_several_training_datasets(tiny_dirs, policy):
+    """A DatasetDict with a loss per dataset: every micro-batch within the budget and from one dataset; every row
+    once per epoch (proportional) or the datasets in turn (round robin); whole steps interleaved across ranks."""
+    from datasets import Dataset, DatasetDict
+    from padfree_sentence_transformers.batching import InterleavedSteps, text_lengths
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers.sentence_transformer import losses
+
+    pairs = Dataset.from_dict({"anchor": sentences(30, seed=4), "positive": sentences(30, seed=5)})
+    scored = Dataset.from_dict({"sentence1": sentences(20, seed=7), "sentence2": sentences(20, seed=8),
+                                "score": [(i % 11) / 10 for i in range(20)]})
+    model = tiny_sentence_transformer(tiny_dirs["encoder"])
+    budget = 160
+    args = SentenceTransformerTrainingArguments(output_dir=tempfile.mkdtemp(prefix="padfree-st-"), num_train_epochs=1,
+                                                per_device_train_batch_size=8, logging_steps=1, report_to=[],
+                                                use_cpu=True, save_strategy="no", disable_tqdm=True,
+                                                multi_dataset_batch_sampler=policy)
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=DatasetDict(pairs=pairs, sts=scored),
+                                         loss={"pairs": losses.MultipleNegativesRankingLoss(model),
+                                               "sts": losses.CoSENTLoss(model)})
+    acceleration = padfree_plugins.accelerate(trainer, {"attention": "exact", "batching": {
+        "strategy": "tokens", "max_tokens_per_batch": budget}})
+    lengths = np.concatenate([text_lengths(model, pairs), text_lengths(model, scored, ["score"])])
+    batches = list(trainer.get_train_dataloader().batch_sampler)
+    assert all(sum(lengths[i] for i in batch) <= budget for batch in batches)
+    sources = [{i >= len(pairs) for i in batch} for batch in batches]
+    assert all(len(source) == 1 for source in sources)
+    seen = sorted(i for batch in batches for i in batch)
+    if policy == "proportional":
+        assert seen == list(range(len(pairs) + len(scored)))
+    else:
+        assert [source.pop() for source in sources] == [False, True] * (len(batches) // 2)
+    trainer.train()
+    assert trainer.state.global_step == len(batches)
+    acceleration.undo()
+    assert "get_multi_dataset_batch_sampler" not in trainer.__dict__
+
+    two_ranks = [padfree_plugins.sampler.TokenBudgetBatchSampler(text_lengths(model, part), budget, num_replicas=2)
+                 for part in (pairs, Dataset.from_dict({"anchor": sentences(20, seed=1)}))]
+    steps = list(InterleavedSteps([0, len(pairs)], two_ranks, policy))
+    assert len(steps) % 2 == 0
+    assert all((a[0] >= len(pairs)) == (b[0] >= len(pairs)) for a, b in zip(steps[::2], steps[1::2]))

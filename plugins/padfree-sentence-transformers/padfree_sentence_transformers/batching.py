@@ -5,6 +5,10 @@ dataset and for every dataset of a ``DatasetDict`` — then lets accelerate shar
 replaces that method for the training data: the batch sampler is padfree-plugins'
 :class:`~padfree_plugins.sampler.TokenBudgetBatchSampler` (micro-batches filled up to ``max_tokens_per_batch``,
 ranks balanced, every row once per epoch), and every other dataset (evaluation) keeps the trainer's own sampler.
+With several training datasets (a ``DatasetDict``), :class:`TokenBudgetMultiDataset` replaces
+``get_multi_dataset_batch_sampler``: :class:`InterleavedSteps` interleaves the datasets' micro-batches a whole
+step (one micro-batch per rank) at a time, round-robin or proportionally as ``multi_dataset_batch_sampler`` says,
+so that the ranks of a step always share a dataset and a balanced token count.
 
 A row's cost is the tokens of all its text columns (each text is packed separately), counted once by tokenizing
 the dataset with the model's tokenizer, truncated as the model truncates. Special tokens are counted per column,
@@ -20,7 +24,7 @@ import numpy as np
 
 from padfree_plugins.errors import BatchError, ConfigError
 from padfree_plugins.patching import own_attribute, restore_attributes
-from padfree_plugins.sampler import batching_config, token_budget_sampler, uses_token_budget
+from padfree_plugins.sampler import TokenBudgetBatchSampler, batching_config, token_budget_sampler, uses_token_budget
 
 
 def text_lengths(model: Any, dataset: Any, label_columns: Any = ()) -> np.ndarray:
@@ -71,9 +75,67 @@ class TokenBudgetBatches:
                                     num_replicas=self.trainer.accelerator.num_processes)
 
 
+class InterleavedSteps:
+    """The micro-batches of several datasets' token-budget samplers, one whole step at a time: ``round_robin``
+    (a step of each dataset in turn, until one runs out, as sentence-transformers' ``RoundRobinBatchSampler``) or
+    ``proportional`` (every step of every dataset, in a seeded random order, as ``ProportionalBatchSampler``)."""
+
+    def __init__(self, offsets: list[int], samplers: list[TokenBudgetBatchSampler], policy: str, seed: int = 0):
+        self.offsets, self.samplers, self.policy, self.seed, self.epoch = offsets, samplers, policy, seed, 0
+        self.num_replicas = samplers[0].num_replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        for sampler in self.samplers:
+            sampler.set_epoch(epoch)
+
+    def steps(self) -> list[list[list[list[int]]]]:
+        """Per dataset, its steps: ``num_replicas`` micro-batches each, indices into the concatenated dataset."""
+        out = []
+        for offset, sampler in zip(self.offsets, self.samplers):
+            batches = [[offset + i for i in batch] for batch in sampler.plan()]
+            out.append([batches[k:k + self.num_replicas] for k in range(0, len(batches), self.num_replicas)])
+        return out
+
+    def order(self, counts: list[int]) -> list[int]:
+        """The dataset of each step, in order."""
+        if self.policy == "round_robin":
+            return [d for _ in range(min(counts)) for d in range(len(counts))]
+        order = np.repeat(np.arange(len(counts)), counts)
+        return np.random.default_rng((self.seed, self.epoch)).permutation(order).tolist()
+
+    def __iter__(self):
+        per_dataset = self.steps()
+        cursors = [iter(steps) for steps in per_dataset]
+        for dataset in self.order([len(steps) for steps in per_dataset]):
+            yield from next(cursors[dataset])
+
+    def __len__(self) -> int:
+        return len(self.order([len(steps) for steps in self.steps()])) * self.num_replicas
+
+
+@dataclass
+class TokenBudgetMultiDataset:
+    """The trainer's ``get_multi_dataset_batch_sampler`` for token-budget samplers (see the module docstring)."""
+
+    trainer: Any
+    original: Any
+
+    def __call__(self, dataset: Any, batch_samplers: list, generator: Any = None, seed: int | None = 0) -> Any:
+        if not all(isinstance(sampler, TokenBudgetBatchSampler) for sampler in batch_samplers):
+            return self.original(dataset, batch_samplers=batch_samplers, generator=generator, seed=seed)
+        policy = getattr(self.trainer.args.multi_dataset_batch_sampler, "value",
+                         self.trainer.args.multi_dataset_batch_sampler)
+        if policy not in ("round_robin", "proportional"):
+            raise ConfigError(f"batching.strategy: tokens interleaves several training datasets round_robin or "
+                              f"proportional; multi_dataset_batch_sampler={policy!r} is neither")
+        offsets = [0, *np.cumsum([len(part) for part in dataset.datasets])[:-1].tolist()]
+        return InterleavedSteps(offsets, batch_samplers, policy, seed or 0)
+
+
 @dataclass
 class BatchSamplerPatch:
-    """``trainer.get_batch_sampler`` replaced; :meth:`undo` restores it."""
+    """``trainer.get_batch_sampler`` and ``get_multi_dataset_batch_sampler`` replaced; :meth:`undo` restores them."""
 
     trainer: Any
     saved: Any
@@ -81,12 +143,15 @@ class BatchSamplerPatch:
 
     @classmethod
     def apply(cls, trainer: Any, model: Any, config: Any) -> "BatchSamplerPatch":
-        saved = own_attribute(trainer, "get_batch_sampler")
+        names = ("get_batch_sampler", "get_multi_dataset_batch_sampler")
+        saved = {name: own_attribute(trainer, name) for name in names}
         trainer.get_batch_sampler = TokenBudgetBatches(trainer, model, config, trainer.get_batch_sampler)
+        trainer.get_multi_dataset_batch_sampler = TokenBudgetMultiDataset(trainer,
+                                                                          trainer.get_multi_dataset_batch_sampler)
         return cls(trainer, saved)
 
     def undo(self) -> None:
         if not self.active:
             return
-        restore_attributes(self.trainer, {"get_batch_sampler": self.saved})
+        restore_attributes(self.trainer, self.saved)
         self.active = False
