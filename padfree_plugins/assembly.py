@@ -88,7 +88,16 @@ def resolve_architecture(host: PluginHost, model_config: Any, config: PadfreeCon
                 f"architecture {config.architecture!r} is not provided by any plugin."
                 f"{did_you_mean(config.architecture, by_name)} Available: {', '.join(sorted(by_name))}."
             )
-        return by_name[config.architecture]
+        spec, plugin = by_name[config.architecture]
+        if model_type in spec.model_types:
+            return spec, plugin
+        if model_type in claims:  # e.g. bert forced on a roberta model: positions would start in the wrong place
+            raise ConfigError(
+                f"architecture {config.architecture!r} declares model types {', '.join(spec.model_types)}, not "
+                f"{model_type!r}, which {claims[model_type][0].name!r} declares; remove architecture from the "
+                "config (auto picks it) or name that one"
+            )
+        return spec, PROBE_PLUGIN  # an undeclared model type run as a declared architecture: proven at assembly
     if model_type not in claims:
         supported = ", ".join(sorted(claims)) or "none (is padfree-plugins installed? run pip install -e .)"
         raise UnsupportedArchitectureError(
@@ -131,9 +140,18 @@ def resolve_backend(host: PluginHost, requested: str, device_type: str,
 
 def plan(model_config: Any, config: PadfreeConfig | dict | str | None = None, *, host: PluginHost | None = None,
          device_type: str | None = None) -> Plan:
-    """Resolve architecture, task and backend for a model config (no model needed: used by ``check``)."""
+    """Resolve architecture, task and backend for a model config, and check that the task's plugins accept the
+    config (its options, its pooling mode) by building the collator, pooler and forward — no model needed: used
+    by ``check``."""
     config = load_config(config)
     host = host or PluginHost(block=config.plugins.block)
+    resolved = _resolve(model_config, config, host, device_type)
+    Parts.build(host, model_config, config, resolved)
+    return resolved
+
+
+def _resolve(model_config: Any, config: PadfreeConfig, host: PluginHost, device_type: str | None) -> Plan:
+    """Architecture, task and backend for a model config, with notes for the log."""
     host.require(config.plugins.require)
     if not host.loaded():
         raise PluginError("no plugin is loaded: is padfree-plugins installed (pip install -e .)?")
@@ -145,6 +163,9 @@ def plan(model_config: Any, config: PadfreeConfig | dict | str | None = None, *,
             f"Available: {', '.join(sorted(tasks))}."
         )
     task, task_plugin = tasks[config.task]
+    if config.pooling is not None and not (task.needs_pooling or task.pools):
+        raise ConfigError(f"pooling: {config.pooling} is not used by task {task.name!r} (its model or head decides "
+                          "which tokens it reads); remove pooling from the config")
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     features = attention_features(model_config, architecture)
     if config.attention_dropout == "disable":
@@ -152,8 +173,8 @@ def plan(model_config: Any, config: PadfreeConfig | dict | str | None = None, *,
     backend, fallback = resolve_backend(host, config.attention, device_type, features)
     notes = list(host.notes)
     if architecture_plugin == PROBE_PLUGIN:
-        notes.append(f"model type {model_config.model_type!r} is declared by no plugin: assembly accepts it only if "
-                     "the equivalence probe passes on the model itself")
+        notes.append(f"model type {model_config.model_type!r} is declared by no plugin: assembly accepts it as "
+                     f"{architecture.name!r} only if the equivalence probe passes on the model itself")
     if config.attention == "auto" and "dropout" in features:
         faster = [b.name for b, _ in host.backends().values()
                   if b.speed_rank > backend.speed_rank and not b.cannot_run(device_type, None, features - {"dropout"})]
@@ -162,6 +183,28 @@ def plan(model_config: Any, config: PadfreeConfig | dict | str | None = None, *,
                          f"{backend.name}; set attention_dropout: disable to use {faster[0]}")
     return Plan(architecture, architecture_plugin, task, task_plugin, backend, fallback, features, device_type,
                 int(architecture.position_start(model_config)), notes)
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The objects that feed a patched model, from the plugins' hooks: collator, pooler, reverter, forward."""
+
+    collator: Any
+    pooler: Any
+    reverter: Any
+    forward: Any
+
+    @classmethod
+    def build(cls, host: PluginHost, model_config: Any, config: PadfreeConfig, resolved: Plan) -> "Parts":
+        call = dict(task=resolved.task, architecture=resolved.architecture, config=config)
+        collator = host.hook.collate(model_config=model_config, **call)
+        if collator is None:
+            raise PluginError(f"no plugin provides a collator for task {resolved.task.name!r}")
+        mode = config.pooling or (resolved.architecture.default_pooling if resolved.task.needs_pooling else None)
+        pooler = host.hook.pool(mode=mode, **call) if mode else None
+        if mode and pooler is None:
+            raise ConfigError(f"no plugin provides pooling mode {mode!r} for {resolved.architecture.name}")
+        return cls(collator, pooler, host.hook.revert_output(**call), host.hook.task_forward(**call))
 
 
 @dataclass
@@ -192,24 +235,15 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
     config = load_config(config)
     host = host or PluginHost(block=config.plugins.block)
     inner = unwrap_model(model)
-    resolved = plan(inner.config, config, host=host)
+    resolved = _resolve(inner.config, config, host, None)
     for note in resolved.notes:  # plugin precedence, a faster backend the config rules out …
         logger.warning("padfree-plugins: %s", note)
-    call = dict(task=resolved.task, architecture=resolved.architecture, config=config)
-    collator = host.hook.collate(model_config=inner.config, **call)
-    if collator is None:
-        raise PluginError(f"no plugin provides a collator for task {resolved.task.name!r}")
-    mode = config.pooling or (resolved.architecture.default_pooling if resolved.task.needs_pooling else None)
-    pooler = host.hook.pool(mode=mode, **call) if mode else None
-    if mode and pooler is None:
-        raise ConfigError(f"no plugin provides pooling mode {mode!r} for {resolved.architecture.name}")
-    reverter = host.hook.revert_output(**call)
-    forward = host.hook.task_forward(**call)
+    parts = Parts.build(host, inner.config, config, resolved)
     patch = host.hook.patch_model(model=inner, architecture=resolved.architecture, backend=resolved.backend,
                                   fallback=resolved.fallback, config=config)
     if patch is None:
         raise PluginError(f"no plugin could patch {type(inner).__name__}")
-    if getattr(forward, "runs_inside_model_forward", False):  # per-example heads, run as the model's forward
+    if getattr(parts.forward, "runs_inside_model_forward", False):  # per-example heads, run as the model's forward
         patch.route_compute()
     if resolved.architecture_plugin == PROBE_PLUGIN:
         try:
@@ -217,4 +251,4 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
         except BaseException:
             patch.undo()
             raise
-    return Assembly(inner, config, resolved, patch, collator, pooler, reverter, forward)
+    return Assembly(inner, config, resolved, patch, parts.collator, parts.pooler, parts.reverter, parts.forward)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -37,6 +37,29 @@ def main_callback(
 def _fail(error: Exception) -> None:
     console.print(f"[bold red]error:[/] {error}", highlight=False)
     raise typer.Exit(code=2)
+
+
+def _check_positive(value: Optional[float]) -> Optional[float]:
+    if value is not None and value <= 0:
+        raise typer.BadParameter(f"{value:g} is not a positive number")
+    return value
+
+
+def _positive(text: str) -> Any:
+    """An option that takes numbers above 0 only: anything else is a usage error that names the value."""
+    return typer.Option(callback=_check_positive, help=text)
+
+
+def _positive_ints(text: str, option: str) -> tuple[int, ...]:
+    """A comma-separated list of positive integers (``4,16``), or a usage error naming the option and value."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise typer.BadParameter(f"{text!r} is not a comma-separated list of positive integers, e.g. 4,16",
+                                 param_hint=f"'{option}'")
+    return values
 
 
 @app.command("list")
@@ -78,12 +101,17 @@ def check(
 
     from .assembly import plan
     from .config import load_config
+    from .train import check_model_type, load_model_config
 
     try:
         cfg = load_config(config)
         if (model_type is None) == (model is None):
             raise PadfreeError("give exactly one of --model-type or --model")
-        model_config = AutoConfig.from_pretrained(model) if model else AutoConfig.for_model(model_type)
+        if model is not None:
+            model_config = load_model_config(str(model), "--model")
+        else:
+            check_model_type(model_type, "--model-type")
+            model_config = AutoConfig.for_model(model_type)
         resolved = plan(model_config, cfg, device_type=device)
     except (PadfreeError, ValueError, OSError) as error:
         _fail(error)
@@ -101,9 +129,9 @@ def check(
 
 @app.command()
 def demo(
-    batch_size: Annotated[int, typer.Option(help="Examples per batch.")] = 16,
-    median: Annotated[float, typer.Option(help="Median example length (lognormal law).")] = 120,
-    repeats: Annotated[int, typer.Option(help="Timed repeats per variant.")] = 5,
+    batch_size: Annotated[int, _positive("Examples per batch.")] = 16,
+    median: Annotated[float, _positive("Median example length (lognormal law).")] = 120,
+    repeats: Annotated[int, _positive("Timed repeats per variant.")] = 5,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Pack a batch, run tiny models padded and padding-free, print both results and the speed ratio."""
@@ -174,13 +202,17 @@ def bench_all(ctx: typer.Context) -> None:
 @bench_app.command("collator")
 def bench_collator(
     batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "4,16,64",
-    batches: Annotated[int, typer.Option(help="Batches per round.")] = 200,
+    batches: Annotated[int, _positive("Batches per round.")] = 200,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Our packing collator vs transformers.DataCollatorWithFlattening on identical batches."""
     from .benchmarks.collator import run_collator_benchmark
 
-    results = [run_collator_benchmark(int(bs), batches) for bs in batch_sizes.split(",")]
+    sizes = _positive_ints(batch_sizes, "--batch-sizes")
+    try:
+        results = [run_collator_benchmark(bs, batches) for bs in sizes]
+    except PadfreeError as error:
+        _fail(error)
     if as_json:
         print(json.dumps([{**r.__dict__, "ratio": r.ratio} for r in results], indent=2))
         return
@@ -200,10 +232,10 @@ def bench_embedding(
     workload: Annotated[Optional[list[str]], typer.Option(
         help="task:model:batch_size:median, repeatable (task embedding or reranker; model minilm, bert-base or "
              "tiny). Default: the real all-MiniLM-L6-v2 on cpu, BERT-base shapes on cuda.")] = None,
-    batches: Annotated[int, typer.Option(help="Timed batches per round.")] = 3,
-    rounds: Annotated[int, typer.Option(help="Interleaved rounds (the fastest round of each side counts).")] = 3,
+    batches: Annotated[int, _positive("Timed batches per round.")] = 3,
+    rounds: Annotated[int, _positive("Interleaved rounds (the fastest round of each side counts).")] = 3,
     attention: Annotated[str, typer.Option(help="Attention backend of the padding-free side.")] = "auto",
-    threads: Annotated[Optional[int], typer.Option(help="torch intra-op threads (1 on a busy shared machine).")] = None,
+    threads: Annotated[Optional[int], _positive("torch intra-op threads (1 on a busy shared machine).")] = None,
     dataset: Annotated[Optional[str], typer.Option(help="Draw every workload's batches from the lengths of your "
                                                        "data: a local file or save_to_disk directory with "
                                                        "*input_ids columns, or text columns (with --tokenizer; "
@@ -263,22 +295,22 @@ def bench_sft(
     model_config: Annotated[Optional[str], typer.Option(help="A config.json (or a directory holding one) of any "
                                                             "supported decoder, randomly initialised, instead of "
                                                             "--model-size.")] = None,
-    batches: Annotated[int, typer.Option(help="Distinct batches per (law, batch size).")] = 8,
-    rounds: Annotated[int, typer.Option(help="Interleaved rounds; figures are medians over rounds.")] = 3,
+    batches: Annotated[int, _positive("Distinct batches per (law, batch size).")] = 8,
+    rounds: Annotated[int, _positive("Interleaved rounds; figures are medians over rounds.")] = 3,
     warmup: Annotated[int, typer.Option(help="Untimed warm-up steps per variant.")] = 1,
-    max_length: Annotated[int, typer.Option(help="Longest example (lengths are clipped).")] = 2048,
+    max_length: Annotated[int, _positive("Longest example (lengths are clipped).")] = 2048,
     prompt_share: Annotated[float, typer.Option(help="Share of each example that is prompt (labels -100), as in "
                                                      "completion-only SFT.")] = 0.0,
-    peak_tflops: Annotated[Optional[float], typer.Option(help="MFU denominator in TFLOP/s. Default: 790 on CUDA "
-                                                             "(as gpu_anchor.py), the measured matmul rate on "
-                                                             "CPU.")] = None,
-    threads: Annotated[Optional[int], typer.Option(help="torch intra-op threads. Default on CPU: 1 (on a shared "
-                                                       "machine, OpenMP barriers on contended cores otherwise "
-                                                       "dominate small kernels); on CUDA: torch's choice.")] = None,
+    peak_tflops: Annotated[Optional[float], _positive("MFU denominator in TFLOP/s. Default: 790 on CUDA (as "
+                                                      "gpu_anchor.py), the measured matmul rate on CPU.")] = None,
+    threads: Annotated[Optional[int], _positive("torch intra-op threads. Default on CPU: 1 (on a shared machine, "
+                                                "OpenMP barriers on contended cores otherwise dominate small "
+                                                "kernels); on CUDA: torch's choice.")] = None,
     out: Annotated[Path, typer.Option(help="Directory for bench_sft.json and bench_sft.png.")] = Path("out/bench-sft"),
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Causal-LM training step: padded vs HF native packing vs padfree-plugins, same model and batches, one run."""
+    sizes = _positive_ints(batch_sizes, "--batch-sizes")
     import torch
 
     from .benchmarks.sft import BenchSettings, run_sft_benchmark, write_outputs
@@ -287,8 +319,7 @@ def bench_sft(
     if threads is not None or device == "cpu":
         torch.set_num_threads(threads or 1)
     default_laws = "dataset" if dataset else "lognormal,mix"
-    settings = BenchSettings(device=device, dtype=dtype, model_size=model_size,
-                             batch_sizes=tuple(int(b) for b in batch_sizes.split(",")),
+    settings = BenchSettings(device=device, dtype=dtype, model_size=model_size, batch_sizes=sizes,
                              laws=tuple(law.strip() for law in (laws or default_laws).split(",")),
                              batches=batches, rounds=rounds, warmup=warmup, max_length=max_length,
                              peak_tflops=peak_tflops, model_config=model_config, dataset=dataset,
@@ -324,19 +355,19 @@ def bench_sft(
 
 @bench_app.command("batching")
 def bench_batching(
-    examples: Annotated[int, typer.Option(help="Examples per length law (balance part).")] = 20000,
-    max_tokens: Annotated[int, typer.Option(help="Token budget per micro-batch (balance part).")] = 4096,
+    examples: Annotated[int, _positive("Examples per length law (balance part).")] = 20000,
+    max_tokens: Annotated[int, _positive("Token budget per micro-batch (balance part).")] = 4096,
     ranks: Annotated[str, typer.Option(help="Comma-separated simulated rank counts.")] = "2,8",
     laws: Annotated[str, typer.Option(help="Comma-separated length laws: lognormal, mix.")] = "lognormal,mix",
     time_steps: Annotated[int, typer.Option(help="Steps timed per batching (throughput part; 0 skips it).")] = 8,
-    time_max_tokens: Annotated[int, typer.Option(help="Token budget of the timed micro-batches.")] = 2048,
+    time_max_tokens: Annotated[int, _positive("Token budget of the timed micro-batches.")] = 2048,
     time_law: Annotated[str, typer.Option(help="Length law of the timed run.")] = "lognormal",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
     """Example-count vs token-budget batching across simulated ranks: token spread, padding, real tokens/s."""
     from .benchmarks.batching import gain, run_balance, run_throughput
 
-    rank_counts = tuple(int(n) for n in ranks.split(","))
+    rank_counts = _positive_ints(ranks, "--ranks")
     try:
         balance = run_balance(tuple(laws.split(",")), rank_counts, examples, max_tokens)
         timed = run_throughput(time_law, rank_counts, time_steps, time_max_tokens) if time_steps > 0 else []

@@ -53,25 +53,32 @@ class BatchingConfig:
     length_column: str = _help("dataset column with example lengths, used when present (otherwise lengths are "
                                "computed once from input_ids)", default="length")
 
+    def __post_init__(self) -> None:
+        if self.strategy == "tokens" and self.max_tokens_per_batch is None:
+            raise ConfigError("batching.max_tokens_per_batch is not set: strategy: tokens needs the number of tokens "
+                              "one rank processes per micro-batch (e.g. 4 x the longest example)")
+
 
 @dataclass
 class PadfreeConfig:
     """Everything ``padfree.yaml`` can say. Defaults give padding-free causal-LM training with the fastest
     attention backend available on the machine."""
 
-    task: str = _help("training task: causal_lm, hidden_states, or one a plugin provides", default="causal_lm")
-    attention: str = _help("attention backend: auto (fastest available), exact, varlen, flash_attn, or a plugin's",
-                           default="auto")
-    architecture: str = _help("architecture plugin to use: auto (from config.model_type) or an architecture name",
-                              default="auto")
+    task: str = _help("training task: causal_lm, seq_cls, reranker, embedding, hidden_states, or one a plugin "
+                      "provides", default="causal_lm")
+    attention: str = _help("attention backend: auto (fastest available), exact, repad, varlen, flash_attn, or a "
+                           "plugin's", default="auto")
+    architecture: str = _help("architecture plugin to use: auto (from config.model_type), an architecture name, or "
+                              "probe (an undeclared model type, accepted after an equivalence check)", default="auto")
     attention_dropout: Literal["keep", "disable"] = _help(
         "keep: attention-probability dropout as the model defines it (the varlen backend cannot do it, so auto then "
-        "picks flash_attn or exact); disable: no attention dropout, so varlen can run (hidden dropout unaffected)",
-        default="keep")
+        "picks flash_attn, repad or exact); disable: no attention dropout, so varlen can run (hidden dropout "
+        "unaffected)", default="keep")
     max_length: int | None = _help("longest example in tokens (default: no limit)", default=None, minimum=1)
     on_overlong: Literal["error", "truncate"] = _help("what to do with an example longer than max_length",
                                                       default="error")
-    pooling: str | None = _help("per-example pooling: first, last, mean, max (default: the task's / model's)",
+    pooling: str | None = _help("per-example pooling for the embedding and hidden_states tasks: first (cls), last, "
+                                "mean, max, weighted_mean, mean_sqrt_len, or a plugin's (default: the model's)",
                                 default=None)
     task_options: dict[str, Any] = _help("options passed to the task plugin", default_factory=dict)
     plugins: PluginsConfig = _help("plugins this config requires or blocks", default_factory=PluginsConfig)
@@ -94,11 +101,18 @@ def load_config(config: str | Path | dict[str, Any] | PadfreeConfig | None) -> P
         return config
     if isinstance(config, dict):
         return PadfreeConfig.from_dict(config)
+    if not isinstance(config, (str, Path)):
+        raise ConfigError(f"an acceleration config is a YAML path, a dict or a PadfreeConfig, not "
+                          f"{type(config).__name__} {config!r}")
     path = Path(config)
+    if path.is_dir():
+        raise ConfigError(f"acceleration config {str(path)!r} is a directory; give the path of its YAML file")
     if not path.is_file():
         raise ConfigError(f"acceleration config {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if data is not None and not isinstance(data, dict):
@@ -132,6 +146,19 @@ def _type_name(hint: Any) -> str:
         args = ", ".join(_type_name(a) for a in typing.get_args(hint))
         return f"{origin.__name__}[{args}]"
     return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML would keep the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def _build(cls: type, data: Any, where: str) -> Any:

@@ -105,7 +105,9 @@ def run_probe(model: Any, position_start: int = 0, lengths: tuple[int, ...] = PR
         with torch.no_grad():
             try:
                 packed = _outputs(model(**batch.model_inputs()))[0].float()
-            except Exception as exc:  # noqa: BLE001 - any failure of the packed forward is a refusal
+            except torch.OutOfMemoryError:
+                raise  # the machine's limit, not the architecture's
+            except Exception as exc:  # noqa: BLE001 - any other failure of the packed forward is a refusal
                 return ProbeResult(model_type, None, tolerance, f"{type(exc).__name__}: {exc}")
             error, start = 0.0, 0
             for example in examples:

@@ -275,10 +275,7 @@ def token_budget_sampler(dataset: Any, config: PadfreeConfig | BatchingConfig | 
                          seed: int | None = None) -> TokenBudgetBatchSampler:
     """A :class:`TokenBudgetBatchSampler` for ``dataset`` from the ``batching`` section of ``config``.
     ``seed`` is used when the config's ``batching.seed`` is null (default 0)."""
-    cfg = batching_config(config)
-    if cfg.max_tokens_per_batch is None:
-        raise ConfigError("batching.max_tokens_per_batch is not set: token-budget batching needs the number of "
-                          "tokens one rank processes per micro-batch (e.g. 4 x the longest example)")
+    cfg = batching_config(config)  # strategy: tokens without max_tokens_per_batch is a ConfigError on loading
     array = example_lengths(dataset, lengths=lengths, length_column=cfg.length_column)
     return TokenBudgetBatchSampler(array, cfg.max_tokens_per_batch, num_replicas=num_replicas, rank=rank,
                                    window=cfg.window, drop_last=cfg.drop_last, on_overlong=cfg.on_overlong_example,

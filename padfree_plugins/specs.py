@@ -61,6 +61,9 @@ class Task:
     in every example is set to -100, so that no example is trained to continue the one before it.
     ``model_keys`` are the batch keys, besides ``input_ids``, positions and boundaries, that the default forward
     passes to the model (e.g. ``labels`` for causal LM, ``token_type_ids`` for encoders).
+    ``needs_pooling``: the task pools one vector per example (the architecture's default mode unless the config
+    sets ``pooling``); ``pools``: it pools only when the config sets ``pooling``. A config that sets ``pooling``
+    for a task with neither is an error: nothing would read it.
     """
 
     name: str
@@ -70,6 +73,7 @@ class Task:
     masked_first_keys: tuple[str, ...] = ()
     model_keys: tuple[str, ...] = ("token_type_ids",)
     needs_pooling: bool = False
+    pools: bool = False
     priority: int = 0
     description: str = ""
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from .arguments import AccelerationArguments
 from .config import PadfreeConfig
-from .errors import ConfigError, PadfreeError
+from .errors import ConfigError, PadfreeError, did_you_mean
 
 #: The instruction / response pairs shipped with the package (``padfree_plugins/data``).
 DEFAULT_DATASET = "instructions.jsonl"
@@ -37,6 +37,11 @@ EMBEDDED_FLAGS = [
 ]
 #: TrainingArguments defaults of the command (overridable): quiet, countable, nothing reported anywhere.
 COMMON_FLAGS = ["--report_to", "none", "--disable_tqdm", "true", "--include_num_input_tokens_seen", "true"]
+#: The rows train reads, by the columns that make each (the first one present wins).
+ROW_FORMATS = {"input_ids": ("input_ids",), "prompt + completion": ("prompt", "completion"), "text": ("text",)}
+#: Words of torch's optimizer errors -> the TrainingArguments field they are about.
+OPTIMIZER_ARGUMENTS = {"learning rate": "learning_rate", "epsilon": "adam_epsilon", "index 0": "adam_beta1",
+                       "index 1": "adam_beta2", "weight_decay": "weight_decay"}
 
 
 @dataclass
@@ -54,7 +59,8 @@ class TrainScriptArguments:
         "help": "a local .json / .jsonl / .parquet / .csv file, or a directory written by datasets' save_to_disk. "
                 "Rows hold input_ids (and optional labels), or prompt + completion, or text. Default: the "
                 "instruction dataset shipped with padfree-plugins"})
-    dataset_split: str = field(default="train", metadata={"help": "split to read from a saved DatasetDict"})
+    dataset_split: str = field(default="train", metadata={
+        "help": "split to read from a saved DatasetDict (a file or a saved Dataset has the train split only)"})
     eval_fraction: float = field(default=0.1, metadata={"help": "share of the dataset held out for evaluation"})
     max_examples: int | None = field(default=None, metadata={"help": "use only the first N examples"})
     completion_only_loss: bool = field(default=True, metadata={
@@ -122,18 +128,22 @@ def parse_arguments(argv: Sequence[str]) -> tuple[TrainScriptArguments, Any, Acc
 def load_rows(path: str | None, split: str = "train") -> Any:
     """A ``datasets.Dataset`` from a local file or a ``save_to_disk`` directory (the shipped dataset if ``None``)."""
     import datasets
+    from datasets.exceptions import DatasetGenerationError
 
-    if path is None:
+    source = Path(path) if path is not None else None
+    loaded = datasets.load_from_disk(str(source)) if source is not None and source.is_dir() else None
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise ConfigError(f"{path}: no split {split!r}; splits: {', '.join(loaded)} (use --dataset_split)")
+        return loaded[split]
+    if split != "train":
+        raise ConfigError(f"--dataset_split {split!r}: {f'dataset {path!r}' if path else 'the shipped dataset'} has "
+                          "a single (train) split; --dataset_split selects a split of a saved DatasetDict")
+    if loaded is not None:
+        return loaded
+    if source is None:
         text = files("padfree_plugins.data").joinpath(DEFAULT_DATASET).read_text()
         return datasets.Dataset.from_list([json.loads(line) for line in text.splitlines() if line.strip()])
-    source = Path(path)
-    if source.is_dir():
-        loaded = datasets.load_from_disk(str(source))
-        if isinstance(loaded, datasets.DatasetDict):
-            if split not in loaded:
-                raise ConfigError(f"{path}: no split {split!r}; splits: {', '.join(loaded)} (use --dataset_split)")
-            loaded = loaded[split]
-        return loaded
     if not source.is_file():
         raise ConfigError(f"dataset {path!r} does not exist (give a local file or a save_to_disk directory)")
     kinds = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -141,7 +151,12 @@ def load_rows(path: str | None, split: str = "train") -> Any:
     if kind is None:
         raise ConfigError(f"dataset {path!r}: unknown format {source.suffix!r}; use one of {', '.join(kinds)} or a "
                           "save_to_disk directory")
-    return datasets.load_dataset(kind, data_files=str(source), split="train")
+    try:
+        return datasets.load_dataset(kind, data_files=str(source), split="train")
+    except (DatasetGenerationError, ValueError, StopIteration) as error:  # StopIteration: an empty .jsonl
+        cause = str(error.__cause__ or error).splitlines()
+        raise ConfigError(f"dataset {path!r} cannot be read as {kind}: {cause[0] if cause else 'it has no rows'}"
+                          ) from error
 
 
 def train_tokenizer(texts: Sequence[str], vocab_size: int = 512) -> Any:
@@ -158,19 +173,41 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int = 512) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
-def _texts(rows: Any) -> list[str]:
+def row_format(rows: Any) -> str:
+    """Which of :data:`ROW_FORMATS` ``rows`` hold, after checking the types of its columns (token ids: lists of
+    integers; prompt, completion, text: strings), so that bad data fails before any model or tokenizer loads."""
+    import pyarrow as pa
+
     columns = rows.column_names
-    if "prompt" in columns and "completion" in columns:
+    kind = next((kind for kind, needed in ROW_FORMATS.items() if set(needed) <= set(columns)), None)
+    if kind is None:
+        raise ConfigError(f"the dataset has columns {', '.join(columns)}; give input_ids (and labels), or prompt + "
+                          "completion, or text")
+    schema = rows.features.arrow_schema
+    for name in (*ROW_FORMATS[kind], *(["labels"] if kind == "input_ids" and "labels" in columns else [])):
+        kind_of = schema.field(name).type
+        if name in ("input_ids", "labels"):
+            good = (pa.types.is_list(kind_of) or pa.types.is_large_list(kind_of)) and pa.types.is_integer(
+                kind_of.value_type)
+            wanted = "lists of integer token ids"
+        else:
+            good, wanted = pa.types.is_string(kind_of) or pa.types.is_large_string(kind_of), "text (strings)"
+        if not good:
+            raise ConfigError(f"the dataset's {name!r} column holds {kind_of} values; it must hold {wanted}")
+    return kind
+
+
+def _texts(rows: Any) -> list[str]:
+    """The texts of prompt + completion or text rows, to train a tokenizer on."""
+    if row_format(rows) == "prompt + completion":
         return [PROMPT_TEMPLATE.format(prompt=p) + c for p, c in zip(rows["prompt"], rows["completion"])]
-    if "text" in columns:
-        return list(rows["text"])
-    raise ConfigError(f"cannot train a tokenizer on columns {', '.join(columns)}: give prompt + completion or text "
-                      "rows, or a --tokenizer_name_or_path")
+    return list(rows["text"])
 
 
 def tokenize(rows: Any, tokenizer: Any, completion_only_loss: bool = True, truncate_to: int | None = None) -> Any:
     """``input_ids`` + ``labels`` from pre-tokenized, prompt + completion, or text rows (no padding anywhere)."""
     columns = rows.column_names
+    kind = row_format(rows)
     eos = [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []
 
     def cut(example: dict) -> dict:
@@ -178,22 +215,19 @@ def tokenize(rows: Any, tokenizer: Any, completion_only_loss: bool = True, trunc
             example = {k: v[:truncate_to] for k, v in example.items()}
         return example
 
-    if "input_ids" in columns:
+    if kind == "input_ids":
         keep = [c for c in columns if c in ("input_ids", "labels")]
         return rows.select_columns(keep).map(cut) if truncate_to else rows.select_columns(keep)
-    if "prompt" in columns and "completion" in columns:
+    if kind == "prompt + completion":
         def encode(row: dict) -> dict:
             prompt = tokenizer(PROMPT_TEMPLATE.format(prompt=row["prompt"]), add_special_tokens=False)["input_ids"]
             answer = tokenizer(row["completion"], add_special_tokens=False)["input_ids"] + eos
             labels = ([-100] * len(prompt) if completion_only_loss else prompt) + answer
             return cut({"input_ids": prompt + answer, "labels": labels})
-    elif "text" in columns:
+    else:
         def encode(row: dict) -> dict:
             ids = tokenizer(row["text"], add_special_tokens=False)["input_ids"] + eos
             return cut({"input_ids": ids, "labels": list(ids)})
-    else:
-        raise ConfigError(f"the dataset has columns {', '.join(columns)}; give input_ids (and labels), or prompt + "
-                          "completion, or text")
     return rows.map(encode, remove_columns=columns)
 
 
@@ -215,33 +249,90 @@ def _largest_token(rows: Any) -> int:
     return int(largest) if largest is not None else 0
 
 
+def check_token_ids(data: Any, vocab_size: int) -> None:
+    """Every token id in ``[0, vocab_size)`` (labels: or -100); one outside fails only mid-training (IndexError)."""
+    import pyarrow.compute as pc
+
+    keys = [key for key in ("input_ids", "labels") if key in data.column_names]
+    offset = 0
+    for table in data.select_columns(keys).with_format("arrow").iter(batch_size=50_000):
+        for key in keys:
+            column = table.column(key).combine_chunks()
+            ids = pc.list_flatten(column)
+            bad = pc.or_(pc.less(ids, 0), pc.greater_equal(ids, vocab_size))
+            if key == "labels":
+                bad = pc.and_(bad, pc.not_equal(ids, -100))
+            first = pc.index(bad, True).as_py()
+            if first >= 0:
+                row = offset + pc.list_parent_indices(column)[first].as_py()
+                raise ConfigError(f"example {row} of the dataset: {key} holds {ids[first].as_py()}, outside the "
+                                  f"model's vocabulary [0, {vocab_size}){' (or -100)' if key == 'labels' else ''}")
+        offset += table.num_rows
+
+
+def local_directory(path: str, flag: str) -> str:
+    """``path`` if it is a directory; otherwise a clear error (nothing is downloaded: there may be no hub)."""
+    if not Path(path).is_dir():
+        raise ConfigError(f"{flag} {path!r}: no such directory (give a local directory; nothing is downloaded)")
+    return path
+
+
+def check_model_type(model_type: Any, where: str) -> None:
+    """A :class:`ConfigError` with the closest known model type when transformers does not know ``model_type``."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        hint = did_you_mean(str(model_type), CONFIG_MAPPING.keys()) or " Give a transformers model type, e.g. 'llama'."
+        raise ConfigError(f"{where}: unknown model_type {model_type!r}.{hint}")
+
+
 def load_model_config(source: str, flag: str = "--model_config") -> Any:
     """A transformers config from a ``config.json`` file or a directory holding one (offline)."""
     from transformers import AutoConfig
 
     path = Path(source)
-    if path.is_dir():
-        return AutoConfig.from_pretrained(str(path))
-    if not path.is_file():
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
         raise ConfigError(f"{flag} {source!r} does not exist (give a config.json or a directory holding one)")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(file.read_text())
     except json.JSONDecodeError as error:
-        raise ConfigError(f"{path} is not valid JSON: {error}") from error
-    if not isinstance(data, dict) or "model_type" not in data:
-        raise ConfigError(f"{path}: a model config needs a model_type (e.g. \"llama\")")
+        raise ConfigError(f"{file} is not valid JSON: {error}") from error
+    if not isinstance(data, dict) or ("model_type" not in data and not path.is_dir()):
+        raise ConfigError(f"{file}: a model config needs a model_type (e.g. \"llama\")")
+    if "model_type" in data:
+        check_model_type(data["model_type"], str(file))
     try:
+        if path.is_dir():
+            return AutoConfig.from_pretrained(str(path))
         return AutoConfig.for_model(data.pop("model_type"), **data)
-    except ValueError as error:  # an unknown model_type
-        raise ConfigError(f"{path}: {str(error).splitlines()[0]}") from error
+    except ValueError as error:  # a value the config class refuses
+        raise ConfigError(f"{file}: {str(error).splitlines()[0]}") from error
 
 
 def _model_config(script: TrainScriptArguments) -> Any:
-    from transformers import AutoConfig
-
     if script.model_name_or_path:
-        return AutoConfig.from_pretrained(script.model_name_or_path)
+        return load_model_config(local_directory(script.model_name_or_path, "--model_name_or_path"),
+                                 "--model_name_or_path")
     return load_model_config(script.model_config)
+
+
+def _build_trainer(training: Any, **kwargs: Any) -> Any:
+    """The ``Trainer`` and its optimizer, built now: an argument they refuse (``--learning_rate -1``) is then a
+    :class:`ConfigError` naming it, before any step. Where ``train()`` builds the optimizer only after wrapping the
+    model (FSDP, DeepSpeed), it is left to ``train()``."""
+    from transformers import Trainer
+
+    try:
+        trainer = Trainer(args=training, **kwargs)
+        if not (trainer.is_fsdp_enabled or trainer.is_fsdp_xla_enabled or trainer.is_deepspeed_enabled):
+            trainer.create_optimizer()  # train() uses this one
+    except (ValueError, TypeError, RuntimeError, ImportError) as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        name = next((name for words, name in OPTIMIZER_ARGUMENTS.items() if words in message.lower()), None)
+        given = f"--{name} {getattr(training, name)}: " if name else ""
+        raise ConfigError(f"invalid training arguments: {given}{message}") from error
+    return trainer
 
 
 # -- the run -----------------------------------------------------------------------------------------------------
@@ -283,7 +374,7 @@ def _loss_curve_callback(print_fn: Callable[[str], None] | None) -> Any:
 def run_train(argv: Sequence[str] = (), print_fn: Callable[[str], None] | None = print) -> TrainReport:
     """Parse ``argv``, check everything, train, evaluate; see the module docstring."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, Trainer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
 
     from .assembly import plan
     from .trainer import accelerate
@@ -297,13 +388,19 @@ def run_train(argv: Sequence[str] = (), print_fn: Callable[[str], None] | None =
     given_config = _model_config(script) if script.model_name_or_path or script.model_config else None
     if given_config is not None:  # resolve what will be patched before reading any data
         plan(given_config, config, device_type=training.device.type)
-    rows = load_rows(script.dataset, script.dataset_split)
+    rows = quietly(load_rows, script.dataset, script.dataset_split)
     if script.max_examples is not None:
         rows = rows.select(range(min(script.max_examples, len(rows))))
-    name = script.tokenizer_name_or_path or script.model_name_or_path
-    if name:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    elif "input_ids" not in rows.column_names:
+    if len(rows) == 0:
+        raise ConfigError("the dataset has no rows" + (f" (--max_examples {script.max_examples})"
+                                                      if script.max_examples is not None else ""))
+    pretokenized = row_format(rows) == "input_ids"
+    if script.tokenizer_name_or_path:
+        tokenizer = AutoTokenizer.from_pretrained(local_directory(script.tokenizer_name_or_path,
+                                                                  "--tokenizer_name_or_path"))
+    elif script.model_name_or_path:
+        tokenizer = AutoTokenizer.from_pretrained(script.model_name_or_path)
+    elif not pretokenized:
         tokenizer = train_tokenizer(_texts(rows), script.vocab_size)
     else:
         tokenizer = None  # already tokenized: nothing to encode
@@ -318,6 +415,7 @@ def run_train(argv: Sequence[str] = (), print_fn: Callable[[str], None] | None =
     setup = plan(model_config, config, device_type=training.device.type).describe()
 
     data = quietly(tokenize, rows, tokenizer, script.completion_only_loss, script.truncate_to)
+    check_token_ids(data, model_config.get_text_config().vocab_size)
     evaluation = None
     if script.eval_fraction > 0 and len(data) >= 10:
         split = data.train_test_split(test_size=script.eval_fraction, seed=training.seed)
@@ -329,8 +427,8 @@ def run_train(argv: Sequence[str] = (), print_fn: Callable[[str], None] | None =
     else:
         model = AutoModelForCausalLM.from_config(model_config, attn_implementation="sdpa")
     curve = _loss_curve_callback(print_fn if training.disable_tqdm else None)
-    trainer = Trainer(model=model, args=training, train_dataset=data, eval_dataset=evaluation,
-                      processing_class=tokenizer, callbacks=[curve])
+    trainer = _build_trainer(training, model=model, train_dataset=data, eval_dataset=evaluation,
+                             processing_class=tokenizer, callbacks=[curve])
     if training.disable_tqdm:
         trainer.remove_callback(PrinterCallback)  # the loss curve prints its own lines
     acceleration = accelerate(trainer, config)  # checks every example against the model before training

@@ -206,7 +206,29 @@ def test_missing_file(tmp_path):
 
 
 def test_directory_is_not_a_config(tmp_path):
-    assert "does not exist" in config_error(tmp_path)
+    assert "is a directory" in config_error(tmp_path)
+
+
+def test_not_a_path_nor_a_mapping():
+    assert "a YAML path, a dict or a PadfreeConfig, not int" in config_error(42)
+
+
+def test_a_key_given_twice_is_an_error(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("task: causal_lm\nattention: exact\ntask: seq_cls\n")
+    assert "key 'task' is given twice" in config_error(path)
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("task: caus\u00e9\n".encode("latin-1"))
+    message = config_error(path)
+    assert "latin1.yaml" in message and "not UTF-8" in message
+
+
+def test_a_token_budget_needs_its_size():
+    message = config_error({"batching": {"strategy": "tokens"}})
+    assert "max_tokens_per_batch is not set" in message
 
 
 # -- field descriptions ---------------------------------------------------------------------------------------------
@@ -245,8 +267,29 @@ def test_every_described_key_is_accepted():
         for parent in parents:
             node = node.setdefault(parent, {})
         node[leaf] = value
+        if key == "batching.strategy":
+            node["max_tokens_per_batch"] = 4  # required with strategy: tokens
         config = load_config(data)
         target = config
         for part in key.split("."):
             target = getattr(target, part)
         assert target == value, key
+
+
+# -- what check sees: the plugins' own reading of the config -------------------------------------------------------
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"task_options": {"labels_from_ids": True}}, "Did you mean 'labels_from_input_ids'"),
+    ({"task": "hidden_states", "task_options": {"anything": 1}}, "not an option of task 'hidden_states'"),
+    ({"task": "embedding", "pooling": "avg", "task_options": {"loss": "CoSENTLoss"}}, "pooling mode 'avg'"),
+    ({"task": "embedding", "task_options": {"normalize": "yes"}}, "normalize of task 'embedding' must be true"),
+    ({"task": "seq_cls", "pooling": "mean"}, "not used by task 'seq_cls'"),
+])
+def test_plan_checks_what_the_task_plugins_read(config, message):
+    """``plan`` (and so ``padfree-plugins check``) refuses what assembly would: task options, pooling modes."""
+    from padfree_plugins import plan
+    from tests.conftest import tiny_config
+
+    with pytest.raises(ConfigError, match=message):
+        plan(tiny_config("llama"), config, device_type="cpu")

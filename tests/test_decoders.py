@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from padfree_plugins import PluginHost, UnsupportedArchitectureError, assemble, patch_of, plan
+from padfree_plugins import ConfigError, PluginHost, UnsupportedArchitectureError, assemble, patch_of, plan
 from padfree_plugins.padding import pad_examples
 from padfree_plugins.probe import run_probe
 from tests.conftest import make_examples, tiny_config
@@ -194,3 +194,23 @@ def test_probe_keeps_declared_architectures():
         assert assembly.plan.architecture_plugin == "qwen2"
     finally:
         assembly.undo()
+
+
+def test_a_forced_architecture_must_match_a_declared_model_type():
+    """architecture: bert on a RoBERTa model would start positions at 0 instead of 2: refused, naming the right one."""
+    with pytest.raises(ConfigError, match="'roberta', which 'roberta' declares"):
+        plan(tiny_config("roberta"), {"task": "hidden_states", "architecture": "bert"})
+    assert plan(tiny_config("llama"), {"architecture": "llama"}).architecture_plugin == "llama"
+
+
+def test_a_forced_architecture_on_an_undeclared_model_type_is_probed():
+    model = causal_lm("olmo")
+    assembly = assemble(model, {"task": "causal_lm", "architecture": "llama"})
+    try:
+        assert assembly.plan.architecture.name == "llama" and assembly.plan.architecture_plugin == "probe"
+    finally:
+        assembly.undo()
+    gpt2 = causal_lm("gpt2", n_embd=64, n_layer=2, n_head=4)
+    with pytest.raises(UnsupportedArchitectureError, match="equivalence probe"):
+        assemble(gpt2, {"task": "causal_lm", "architecture": "roberta"})  # positions from 2: measured wrong
+    assert patch_of(gpt2) is None

@@ -17,7 +17,6 @@ from padfree_plugins.sampler import (
     TokenBudgetBatchSampler,
     example_lengths,
     token_budget_dataloader,
-    token_budget_sampler,
 )
 from tests.conftest import make_examples
 
@@ -258,7 +257,7 @@ def test_batching_config_section():
     with pytest.raises(ConfigError, match="on_overlong_example must be one of 'error', 'split'"):
         load_config({"batching": {"on_overlong_example": "truncate"}})
     with pytest.raises(ConfigError, match="max_tokens_per_batch is not set"):
-        token_budget_sampler([{"input_ids": [1]}], {"batching": {"strategy": "tokens"}})
+        load_config({"batching": {"strategy": "tokens"}})
 
 
 # -- benchmark ---------------------------------------------------------------------------------------------------

@@ -143,3 +143,62 @@ def test_a_run_shorter_than_the_logging_interval_says_so():
     result = invoke("--max_steps", "2", "--logging_steps", "5")
     assert result.exit_code == 0, result.output
     assert "no training loss was logged" in result.output and "2 steps in" in result.output
+
+
+@pytest.mark.usefixtures("no_training")
+@pytest.mark.parametrize("text,message", [
+    ('{"input_ids": [1, 2]}\n{"input_ids": [1,\n', "cannot be read as json: JSON parse error"),
+    ("", "cannot be read as json: it has no rows"),
+    ('{"input_ids": ["a", "b"]}\n', "'input_ids' column holds list<item: string> values; it must hold lists of "
+                                    "integer token ids"),
+    ('{"input_ids": [5, 6], "labels": ["a", "b"]}\n', "'labels' column holds list<item: string> values"),
+    ('{"prompt": "hi", "completion": 3}\n', "'completion' column holds int64 values; it must hold text"),
+    ('{"input_ids": [5, 6]}\n{"input_ids": [7, -5, 8]}\n', "example 1 of the dataset: input_ids holds -5, outside "
+                                                           "the model's vocabulary [0, 9)"),
+    ('{"foo": "x", "bar": 1}\n', "the dataset has columns foo, bar; give input_ids (and labels), or prompt + "
+                                 "completion, or text"),
+])
+def test_bad_datasets_are_a_clear_error_before_training(tmp_path, text, message):
+    (tmp_path / "data.jsonl").write_text(text)
+    result = invoke("--dataset", str(tmp_path / "data.jsonl"))
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.usefixtures("no_training")
+def test_token_ids_beyond_the_vocabulary_and_an_emptied_dataset_are_errors(tmp_path):
+    data = write_jsonl(tmp_path / "ids.jsonl", [{"input_ids": [5, 6, 7], "labels": [-100, 6, 700]}])
+    result = invoke("--dataset", data, "--model_config", write_config(tmp_path / "llama.json", model_type="llama"))
+    assert "example 0 of the dataset: labels holds 700, outside the model's vocabulary [0, 128) (or -100)" \
+        in result.output
+    result = invoke("--dataset", data, "--max_examples", "0")
+    assert "error: the dataset has no rows (--max_examples 0)" in result.output
+
+
+@pytest.mark.usefixtures("no_training")
+def test_an_argument_the_optimizer_refuses_is_named(tmp_path):
+    result = invoke("--dataset", write_jsonl(tmp_path / "ids.jsonl", [{"input_ids": [5, 6, 7]}]),
+                    "--learning_rate", "-1")
+    assert result.exit_code == 2, result.output
+    assert "error: invalid training arguments: --learning_rate -1.0: Invalid learning rate" in result.output
+
+
+@pytest.mark.usefixtures("no_training")
+def test_model_sources_are_local_and_model_types_are_suggested(tmp_path):
+    result = invoke("--model_name_or_path", "/nonexistent_dir")
+    assert result.exit_code == 2, result.output
+    assert "'/nonexistent_dir': no such directory (give a local directory; nothing is downloaded)" in result.output
+    (tmp_path / "model").mkdir()
+    for args in (["--model_config", write_config(tmp_path / "lama.json", model_type="lama")],
+                 ["--model_name_or_path", write_config(tmp_path / "model" / "config.json", model_type="lama")[:-12]]):
+        result = invoke(*args)
+        assert result.exit_code == 2, result.output
+        assert "unknown model_type 'lama'. Did you mean 'llama'?" in result.output and "zamba" not in result.output
+
+
+@pytest.mark.usefixtures("no_training")
+def test_dataset_split_of_a_single_file_is_refused(tmp_path):
+    result = invoke("--dataset", write_jsonl(tmp_path / "ids.jsonl", [{"input_ids": [5, 6, 7]}]),
+                    "--dataset_split", "validation")
+    assert result.exit_code == 2, result.output
+    assert "--dataset_split 'validation': dataset" in result.output and "single (train) split" in result.output

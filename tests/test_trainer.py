@@ -351,7 +351,7 @@ def test_labelled_logits_stay_off_where_every_logit_is_needed(case):
 
 def test_labelled_logits_option_is_checked():
     trainer, _ = make_trainer("hf", packed=False)
-    with pytest.raises(PadfreeError, match="labelled_logits_only of task 'causal_lm' must be one of True, False"):
+    with pytest.raises(PadfreeError, match="labelled_logits_only of task 'causal_lm' must be true or false"):
         accelerate(trainer, {"task": "causal_lm", "task_options": {"labelled_logits_only": "yes"}})
 
 

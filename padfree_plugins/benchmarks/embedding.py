@@ -266,7 +266,9 @@ def run_workload(workload: Workload, *, device: str = "cpu", dtype: str = "float
     if device == "cuda" and not torch.cuda.is_available():
         raise PadfreeError("--device cuda was asked for but torch sees no CUDA device "
                            f"(torch {torch.__version__}, cuda {torch.version.cuda}); run on a GPU machine")
-    torch_dtype = getattr(torch, dtype)
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
+        raise PadfreeError(f"--dtype must be a floating-point torch dtype (float32, bfloat16 …), not {dtype!r}")
     model = build_model(workload.model, workload.task, device, torch_dtype)
     data = make_batches(workload, batches + 1, model.config.vocab_size, seed)  # the first one warms up
     for batch in data:  # both sides get their tensors on the device before timing starts
@@ -373,7 +375,11 @@ def parse_workload(text: str) -> Workload:
     if len(parts) != 4 or parts[0] not in ("embedding", "reranker"):
         raise PadfreeError(f"a workload is task:model:batch_size:median (task embedding or reranker), got {text!r}")
     try:
-        return Workload(parts[0], parts[1], int(parts[2]), float(parts[3]))
+        batch_size, median = int(parts[2]), float(parts[3])
     except ValueError:
-        raise PadfreeError(f"batch_size and median of workload {text!r} must be numbers") from None
+        batch_size, median = 0, 0.0
+    if batch_size < 1 or median <= 0 or (parts[0] == "embedding" and batch_size % 2):
+        raise PadfreeError(f"workload {text!r}: batch_size must be a positive integer (even for embedding: texts 2i "
+                           "and 2i + 1 are a pair) and median a positive number")
+    return Workload(parts[0], parts[1], batch_size, median)
 

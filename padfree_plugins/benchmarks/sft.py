@@ -46,6 +46,7 @@ are drawn at random from the dataset's example lengths; ``model_config`` times a
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -265,6 +266,8 @@ class Runner:
 
 def run_sft_benchmark(settings: BenchSettings, progress: Callable[[str], None] | None = None) -> BenchResult:
     """Measure every (law, batch size) for all variants; see the module docstring."""
+    if not re.fullmatch(r"(cpu|cuda)(:\d+)?", settings.device):
+        raise PadfreeError(f"--device must be cpu, cuda or cuda:N, not {settings.device!r}")
     device = torch.device(settings.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise PadfreeError(f"--device {settings.device} was asked for, but CUDA is not available here "

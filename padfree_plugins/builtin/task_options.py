@@ -7,11 +7,15 @@ from typing import Any
 
 from ..errors import ConfigError, did_you_mean
 
+#: The kind of value an option must have, from the type of its default (a default of None takes anything).
+_KINDS = {bool: (bool, "true or false"), str: (str, "a string"), dict: (Mapping, "a mapping"),
+          list: ((list, tuple), "a list")}
+
 
 def read_options(task: str, options: Mapping[str, Any], defaults: Mapping[str, Any],
                  choices: Mapping[str, tuple] | None = None) -> dict[str, Any]:
-    """``defaults`` updated with ``options``; a :class:`ConfigError` for an unknown key, or a value not in
-    ``choices``."""
+    """``defaults`` updated with ``options``; a :class:`ConfigError` for an unknown key, a value of another kind
+    than its default's, or a value not in ``choices``."""
     for key in options:
         if key not in defaults:
             raise ConfigError(
@@ -19,6 +23,10 @@ def read_options(task: str, options: Mapping[str, Any], defaults: Mapping[str, A
                 f"Options: {', '.join(defaults)}."
             )
     values = {**defaults, **options}
+    for key, value in options.items():
+        expected = _KINDS.get(type(defaults[key]))
+        if expected is not None and not isinstance(value, expected[0]):
+            raise ConfigError(f"task_options: {key} of task {task!r} must be {expected[1]}, got {value!r}")
     for key, allowed in (choices or {}).items():
         if values[key] not in allowed:
             raise ConfigError(

@@ -11,6 +11,7 @@ def register_tasks():
     return [
         Task(
             "hidden_states",
+            pools=True,
             description="pack examples and run the model; outputs stay per token (features, custom heads)",
         ),
         Task(
