@@ -197,14 +197,14 @@ class Parts:
     @classmethod
     def build(cls, host: PluginHost, model_config: Any, config: PadfreeConfig, resolved: Plan) -> "Parts":
         call = dict(task=resolved.task, architecture=resolved.architecture, config=config)
-        collator = host.hook.collate(model_config=model_config, **call)
+        collator = host.call_first("collate", model_config=model_config, **call)
         if collator is None:
             raise PluginError(f"no plugin provides a collator for task {resolved.task.name!r}")
         mode = config.pooling or (resolved.architecture.default_pooling if resolved.task.needs_pooling else None)
-        pooler = host.hook.pool(mode=mode, **call) if mode else None
+        pooler = host.call_first("pool", mode=mode, **call) if mode else None
         if mode and pooler is None:
             raise ConfigError(f"no plugin provides pooling mode {mode!r} for {resolved.architecture.name}")
-        return cls(collator, pooler, host.hook.revert_output(**call), host.hook.task_forward(**call))
+        return cls(collator, pooler, host.call_first("revert_output", **call), host.call_first("task_forward", **call))
 
 
 @dataclass
@@ -239,8 +239,11 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
     for note in resolved.notes:  # plugin precedence, a faster backend the config rules out …
         logger.warning("padfree-plugins: %s", note)
     parts = Parts.build(host, inner.config, config, resolved)
-    patch = host.hook.patch_model(model=inner, architecture=resolved.architecture, backend=resolved.backend,
-                                  fallback=resolved.fallback, config=config)
+    check_model = getattr(parts.forward, "check_model", None)
+    if check_model is not None:  # the head the task reads (an LM head, a classifier …) exists
+        check_model(inner)
+    patch = host.call_first("patch_model", model=inner, architecture=resolved.architecture,
+                            backend=resolved.backend, fallback=resolved.fallback, config=config)
     if patch is None:
         raise PluginError(f"no plugin could patch {type(inner).__name__}")
     if getattr(parts.forward, "runs_inside_model_forward", False):  # per-example heads, run as the model's forward

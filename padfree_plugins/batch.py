@@ -19,18 +19,10 @@ from __future__ import annotations
 
 import torch
 
-#: Keys every packed batch has.
-PACKING_KEYS = (
-    "input_ids",
-    "position_ids",
-    "cu_seq_lens_q",
-    "cu_seq_lens_k",
-    "max_length_q",
-    "max_length_k",
-    "seq_idx",
-)
 #: The keys that carry the boundaries into attention (``**kwargs`` of transformers models).
 BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+#: What a patched model is called with on every packed batch: the tokens, their positions and the boundaries.
+MODEL_INPUT_KEYS = ("input_ids", "position_ids", *BOUNDARY_KEYS)
 
 
 class PackedBatch(dict):
@@ -39,10 +31,6 @@ class PackedBatch(dict):
     It stays a plain ``dict`` for ``Trainer`` (which rebuilds it with ``type(batch)(...)`` when moving it to a
     device) and for pickling; the properties only read it.
     """
-
-    @property
-    def cu_seq_lens(self) -> torch.Tensor:
-        return self["cu_seq_lens_q"]
 
     @property
     def num_examples(self) -> int:
@@ -57,14 +45,9 @@ class PackedBatch(dict):
         """Example lengths, int64 ``[n]``."""
         return self["cu_seq_lens_q"].diff().long()
 
-    def boundary_kwargs(self) -> dict:
-        """The keyword arguments that carry the boundaries into a patched model."""
-        return {key: self[key] for key in BOUNDARY_KEYS}
-
     def model_inputs(self, *extra: str) -> dict:
         """``input_ids``, ``position_ids`` and the boundaries, plus the named ``extra`` keys that are present."""
-        keys = ("input_ids", "position_ids", *BOUNDARY_KEYS, *extra)
-        return {key: self[key] for key in keys if key in self}
+        return {key: self[key] for key in (*MODEL_INPUT_KEYS, *extra) if key in self}
 
     def to(self, device: torch.device | str) -> "PackedBatch":
         """A copy with every tensor on ``device``."""

@@ -29,6 +29,7 @@ import torch
 from .batch import PackedBatch
 from .collator import PackingCollator, WrapsPackingCollator
 from .config import PadfreeConfig
+from .forward import ModelForward
 from .specs import Architecture, Task
 
 #: ``task_options`` of the ``causal_lm`` task, with their defaults.
@@ -77,7 +78,7 @@ class CausalLMCollator(WrapsPackingCollator):
     def __call__(self, examples: Sequence[Mapping[str, Any]]) -> PackedBatch:
         if (self.labels_from_input_ids and isinstance(examples, Sequence) and examples
                 and all(isinstance(ex, Mapping) and ex.get("labels") is None for ex in examples)):
-            examples = [{**ex, "labels": ex["input_ids"]} for ex in examples]
+            examples = [{**ex, "labels": ex.get("input_ids")} for ex in examples]  # a missing one: packing says
         return self.packing(examples)
 
 
@@ -92,3 +93,14 @@ def causal_lm_collator(task: Task, architecture: Architecture, model_config: Any
     required = tuple(dict.fromkeys((*task.required_keys, *(() if options["labels_from_input_ids"] else ("labels",)))))
     packing = dataclasses.replace(packing_collator(task, architecture, model_config, config), required_keys=required)
     return CausalLMCollator(packing, options["labels_from_input_ids"], options["labelled_logits_only"])
+
+
+@dataclass(frozen=True)
+class CausalLMForward(ModelForward):
+    """The default forward, for a model that must have a language-model head."""
+
+    def check_model(self, model: Any) -> None:
+        """At assembly: refuse a model without an LM head (it would fail at the first step, or train nothing)."""
+        from .builtin.heads import check_lm_head
+
+        check_lm_head(model, "causal_lm")

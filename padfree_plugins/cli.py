@@ -1,4 +1,4 @@
-"""The ``padfree-plugins`` command line: list plugins, check a config, run the demonstration."""
+"""The ``padfree-plugins`` command line: list plugins, check a config, run the demonstration, train, benchmark."""
 
 from __future__ import annotations
 
@@ -15,9 +15,15 @@ from .errors import PadfreeError
 
 app = typer.Typer(help="Padding-free training for the Hugging Face stack.", no_args_is_help=True,
                   pretty_exceptions_enable=False, add_completion=False)
-console = Console()
-if not console.is_terminal:  # pipes and CI logs: wide enough for the tables
-    console = Console(width=160)
+
+
+def _console() -> Console:
+    """Rich's console; in pipes and CI logs, one wide enough for the tables."""
+    terminal = Console()
+    return terminal if terminal.is_terminal else Console(width=160)
+
+
+console = _console()
 
 
 def _version(value: bool) -> None:
@@ -358,7 +364,8 @@ def bench_batching(
     examples: Annotated[int, _positive("Examples per length law (balance part).")] = 20000,
     max_tokens: Annotated[int, _positive("Token budget per micro-batch (balance part).")] = 4096,
     ranks: Annotated[str, typer.Option(help="Comma-separated simulated rank counts.")] = "2,8",
-    laws: Annotated[str, typer.Option(help="Comma-separated length laws: lognormal, mix.")] = "lognormal,mix",
+    laws: Annotated[str, typer.Option(help="Comma-separated length laws: lognormal (median 120, sigma 0.6), mix "
+                                           "(80% median 40, 20% median 1000).")] = "lognormal,mix",
     time_steps: Annotated[int, typer.Option(help="Steps timed per batching (throughput part; 0 skips it).")] = 8,
     time_max_tokens: Annotated[int, _positive("Token budget of the timed micro-batches.")] = 2048,
     time_law: Annotated[str, typer.Option(help="Length law of the timed run.")] = "lognormal",

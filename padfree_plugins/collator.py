@@ -42,6 +42,22 @@ def _as_int_array(value: Any, key: str, index: int) -> np.ndarray:
     return array.astype(np.int64, copy=False)
 
 
+def stack_example_values(values: Sequence[Any], what: str, float_values: bool = False) -> torch.Tensor:
+    """One number (or fixed-length list of numbers) per example as one tensor: int64 for integers and booleans,
+    float32 otherwise or with ``float_values``; a :class:`BatchError` naming ``what`` for anything else."""
+    values = [v.tolist() if isinstance(v, (torch.Tensor, np.ndarray)) else v for v in values]
+    try:
+        array = np.asarray(values)
+    except ValueError:  # ragged lists
+        array = np.asarray(values, dtype=object)
+    if array.dtype == object or not (np.issubdtype(array.dtype, np.number) or array.dtype == bool):
+        raise BatchError(f"{what} must be a number or a fixed-length list of numbers in every example; got "
+                         f"{', '.join(sorted({type(v).__name__ for v in values}))}")
+    if float_values or not (np.issubdtype(array.dtype, np.integer) or array.dtype == bool):
+        return torch.from_numpy(array.astype(np.float32))
+    return torch.from_numpy(array.astype(np.int64))
+
+
 def _concat_int_lists(values: Sequence[Any], key: str) -> tuple[np.ndarray, np.ndarray]:
     """All examples' ``key`` as one flat int64 array plus the per-example lengths.
 
@@ -76,6 +92,7 @@ class PackingCollator:
             ``ignore_index``, so that no example learns to predict its first token from the one before it.
         limit_source: when ``max_length`` is the model's own limit rather than the config's, what sets it (e.g.
             ``LlamaConfig.max_position_embeddings=2048``); error messages name it.
+        vocab_size: token ids must be below it (``None``: unchecked); negative ids are always refused.
     """
 
     position_start: int = 0
@@ -87,6 +104,7 @@ class PackingCollator:
     masked_first_keys: tuple[str, ...] = ()
     ignore_index: int = -100
     limit_source: str = ""
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.on_overlong not in ("error", "truncate"):
@@ -98,6 +116,7 @@ class PackingCollator:
         examples = self._check_examples(examples)
         ids, full_lengths = _concat_int_lists([ex["input_ids"] for ex in examples], "input_ids")
         self._check_lengths(full_lengths)
+        self._check_token_ids(ids, full_lengths)
         keep = self._kept_tokens(full_lengths)
         lengths = full_lengths if keep is None else np.minimum(full_lengths, self.max_length)
         if keep is not None:
@@ -120,7 +139,7 @@ class PackingCollator:
         batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.from_numpy(cu.astype(np.int32))
         batch["max_length_q"] = batch["max_length_k"] = int(lengths.max())
         for key in self.example_keys:
-            batch[key] = self._example_key(examples, key)
+            batch[key] = stack_example_values([ex[key] for ex in examples], repr(key))
         return batch
 
     # -- checks --------------------------------------------------------------------------------------------------
@@ -166,6 +185,17 @@ class PackingCollator:
                 i = int(over[0])
                 raise BatchError(f"{self.overlong_message(i, int(lengths[i]))} ({over.size} such example(s))")
 
+    def _check_token_ids(self, ids: np.ndarray, lengths: np.ndarray) -> None:
+        """Refuse ids the embedding table does not have (an index error on CPU, a device assert on GPU)."""
+        low, high = int(ids.min()), int(ids.max())
+        if low >= 0 and (self.vocab_size is None or high < self.vocab_size):
+            return
+        bad = low if low < 0 else high
+        example = int(np.searchsorted(np.cumsum(lengths), int(np.flatnonzero(ids == bad)[0]), side="right"))
+        limit = f"ids 0 to {self.vocab_size - 1}" if self.vocab_size is not None else "ids from 0"
+        raise BatchError(f"example {example} has token id {bad}, outside the model's vocabulary ({limit}): was it "
+                         "tokenized with another tokenizer, or were tokens added without resizing the embeddings?")
+
     def overlong_message(self, index: int, length: int, where: str = "") -> str:
         """The error for an example longer than ``max_length`` (also used by the dataset check)."""
         if self.limit_source:
@@ -209,22 +239,6 @@ class PackingCollator:
                 "they must be the same length"
             )
         return flat if keep is None else flat[keep]  # always a fresh array: masking never touches the caller's data
-
-    def _example_key(self, examples: Sequence[Mapping[str, Any]], key: str) -> torch.Tensor:
-        values = [ex[key] for ex in examples]
-        values = [v.tolist() if isinstance(v, (torch.Tensor, np.ndarray)) else v for v in values]
-        try:
-            array = np.asarray(values)
-        except Exception:  # noqa: BLE001
-            array = np.asarray(values, dtype=object)
-        if array.dtype == object or not (np.issubdtype(array.dtype, np.number) or array.dtype == bool):
-            raise BatchError(
-                f"{key!r} must be a number or a fixed-length list of numbers in every example; got "
-                f"{', '.join(sorted({type(v).__name__ for v in values}))}"
-            )
-        if np.issubdtype(array.dtype, np.integer) or array.dtype == bool:
-            return torch.from_numpy(array.astype(np.int64))
-        return torch.from_numpy(array.astype(np.float32))
 
 
 class WrapsPackingCollator:

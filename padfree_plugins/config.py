@@ -121,7 +121,8 @@ def load_config(config: str | Path | dict[str, Any] | PadfreeConfig | None) -> P
 
 
 def describe_fields(cls: type = PadfreeConfig, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(key, type, help) for every key, nested sections flattened with dots — for docs and the CLI."""
+    """(key, type, help) for every key, nested sections flattened with dots: the config's schema, with which the
+    tests check that every key is documented and accepted."""
     rows = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):

@@ -3,8 +3,9 @@
 The collator refuses bad examples anyway, but only when a batch reaches it, possibly hours into a run. This
 check finds the same problems up front: empty examples, examples longer than the collator accepts (the model's
 ``max_position_embeddings`` or the config's ``max_length``), and per-token keys (``labels``) whose length differs
-from ``input_ids``. It reads lengths only: a vectorised pass over Arrow columns for a ``datasets.Dataset``, a
-Python pass for an in-memory list; streaming datasets and on-the-fly transforms are left to the collator.
+from ``input_ids`` — for the embedding task, in every ``<column>_input_ids`` column. It reads lengths only: a
+vectorised pass over Arrow columns for a ``datasets.Dataset``, a Python pass for an in-memory list; streaming
+datasets and on-the-fly transforms are left to the collator.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ MAX_PYTHON_ROWS = 200_000
 
 
 def _packing(collator: Any) -> Any:
+    """The :class:`~padfree_plugins.collator.PackingCollator` inside a task collator (or the collator itself)."""
     return getattr(collator, "packing", collator)
 
 
@@ -42,18 +44,36 @@ def _python_lengths(dataset: Sequence[Mapping[str, Any]], keys: list[str]) -> It
 
 
 def _length_batches(dataset: Any, keys: list[str]) -> Iterator[dict[str, np.ndarray]] | None:
-    """Per-key lengths of every row, in chunks; ``None`` when they cannot be read cheaply and exactly."""
+    """Per-key lengths of every row, in chunks (``keys[0]`` is the token ids); ``None`` when they cannot be read
+    cheaply and exactly."""
     try:
         import datasets
     except ImportError:  # pragma: no cover - datasets is a dependency of the train extra
         datasets = None
     if datasets is not None and isinstance(dataset, datasets.Dataset):
-        if dataset.format.get("type") == "custom" or "input_ids" not in dataset.column_names:
+        if dataset.format.get("type") == "custom" or keys[0] not in dataset.column_names:
             return None  # a transform builds the features on the fly: the collator checks them
         return _arrow_lengths(dataset, [key for key in keys if key in dataset.column_names])
     if isinstance(dataset, Sequence) and 0 < len(dataset) <= MAX_PYTHON_ROWS and isinstance(dataset[0], Mapping):
-        return _python_lengths(dataset, keys) if "input_ids" in dataset[0] else None
+        return _python_lengths(dataset, keys) if keys[0] in dataset[0] else None
     return None
+
+
+def _column_names(dataset: Any) -> list[str]:
+    names = getattr(dataset, "column_names", None)
+    if names is None and isinstance(dataset, Sequence) and len(dataset) and isinstance(dataset[0], Mapping):
+        names = list(dataset[0])
+    return list(names or [])
+
+
+def _text_prefixes(dataset: Any, collator: Any) -> list[str]:
+    """``""`` for one text per row (``input_ids``); ``"anchor_"``, ``"positive_"`` … for the embedding collator's
+    ``<column>_input_ids`` texts."""
+    columns = getattr(collator, "columns", None)
+    if columns is None:
+        return [""]
+    columns = columns or [name[: -len("_input_ids")] for name in _column_names(dataset) if name.endswith("_input_ids")]
+    return [f"{column}_" if column else "" for column in columns] or [""]
 
 
 def check_dataset(dataset: Any, collator: Any, name: str = "train") -> int | None:
@@ -61,16 +81,25 @@ def check_dataset(dataset: Any, collator: Any, name: str = "train") -> int | Non
 
     Returns the number of rows checked, or ``None`` when the dataset cannot be checked up front.
     """
-    packing = _packing(collator)
+    checked = None
+    for prefix in _text_prefixes(dataset, collator):
+        rows = _check_texts(dataset, _packing(collator), prefix, name)
+        checked = rows if rows is not None else checked
+    return checked
+
+
+def _check_texts(dataset: Any, packing: Any, prefix: str, name: str) -> int | None:
+    """:func:`check_dataset` for the texts of one column (``prefix`` + ``input_ids``)."""
+    ids_key = f"{prefix}input_ids"
     token_keys = [key for key in getattr(packing, "token_keys", ()) if key != "input_ids"]
-    batches = _length_batches(dataset, ["input_ids", *token_keys])
+    batches = _length_batches(dataset, [ids_key, *(prefix + key for key in token_keys)])
     if batches is None:
         return None
-    limit = getattr(collator, "max_length", None) if getattr(collator, "on_overlong", "error") == "error" else None
+    limit = getattr(packing, "max_length", None) if getattr(packing, "on_overlong", "error") == "error" else None
     offset = 0
-    where = f" of the {name} dataset"
+    where = f" of the {name} dataset" + (f" ({ids_key})" if prefix else "")
     for lengths in batches:
-        ids = lengths["input_ids"]
+        ids = lengths[ids_key]
         empty = np.flatnonzero(ids <= 0)
         if empty.size:
             raise BatchError(f"example {offset + int(empty[0])}{where} has no tokens ({empty.size} such example(s) "
@@ -84,16 +113,16 @@ def check_dataset(dataset: Any, collator: Any, name: str = "train") -> int | Non
                            f"example {offset + row}{where} has {int(ids[row])} tokens, more than max_length={limit}")
                 raise BatchError(f"{message} ({over.size} example(s) too long in this chunk)")
         for key in token_keys:
-            if key not in lengths:
+            if prefix + key not in lengths:
                 continue
-            present = lengths[key] >= 0
-            bad = np.flatnonzero(present & (lengths[key] != ids))
+            present = lengths[prefix + key] >= 0
+            bad = np.flatnonzero(present & (lengths[prefix + key] != ids))
             if bad.size:
                 row = int(bad[0])
                 raise BatchError(
-                    f"example {offset + row}{where}: {key!r} has {int(lengths[key][row])} values but input_ids has "
-                    f"{int(ids[row])} tokens ({bad.size} such example(s)); they must be the same length — give "
-                    f"-100 for tokens without a label"
+                    f"example {offset + row}{where}: {prefix + key!r} has {int(lengths[prefix + key][row])} values "
+                    f"but {ids_key} has {int(ids[row])} tokens ({bad.size} such example(s)); they must be the same "
+                    "length — give -100 for tokens without a label"
                 )
         offset += ids.size
     return offset

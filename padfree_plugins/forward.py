@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .batch import BOUNDARY_KEYS
+from .batch import MODEL_INPUT_KEYS
 
 
 @dataclass(frozen=True)
@@ -16,8 +16,7 @@ class ModelForward:
     model_keys: tuple[str, ...] = ()
 
     def inputs(self, batch: Mapping) -> dict[str, Any]:
-        keys = ("input_ids", "position_ids", *BOUNDARY_KEYS, *self.model_keys)
-        return {key: batch[key] for key in keys if key in batch}
+        return {key: batch[key] for key in (*MODEL_INPUT_KEYS, *self.model_keys) if key in batch}
 
     def __call__(self, model: Any, batch: Mapping, **loss_kwargs: Any) -> Any:
         return model(**self.inputs(batch), **loss_kwargs)

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import pluggy
 
 from . import hookspecs
-from .errors import PluginError, did_you_mean
+from .errors import PadfreeError, PluginError, did_you_mean
 from .specs import Architecture, AttentionBackend, Task
 
 ENTRY_POINT_GROUP = "padfree_plugins"
@@ -254,4 +254,28 @@ class PluginHost:
     def hook(self):
         """The pluggy hook relay (``host.hook.collate(...)``) — call it at assembly only."""
         return self.pm.hook
+
+    def call_first(self, hook_name: str, **kwargs: Any) -> Any:
+        """Call an assembly (``firstresult``) hook as pluggy does — the first answer other than ``None`` wins, the
+        last-registered plugin is asked first, ``trylast`` ones last — but when a plugin raises something other
+        than a padfree-plugins error, say which plugin failed and how to block it."""
+        caller = getattr(self.pm.hook, hook_name)
+        implementations = caller.get_hookimpls()
+        if any(impl.hookwrapper or impl.wrapper for impl in implementations):
+            return caller(**kwargs)  # wrappers: pluggy's own call, which runs them
+        for impl in reversed(implementations):
+            try:
+                result = impl.function(*(kwargs[name] for name in impl.argnames))
+            except PadfreeError:
+                raise
+            except Exception as error:
+                name = impl.plugin_name
+                raise PluginError(
+                    f"plugin {name!r} failed in its {hook_name} hook: {type(error).__name__}: {error}. If this "
+                    f"model does not need it, block it: plugins.block: [{name}] in the config, or "
+                    f"PADFREE_PLUGINS_BLOCK={name}"
+                ) from error
+            if result is not None:
+                return result
+        return None
 

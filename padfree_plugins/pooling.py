@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -186,20 +187,12 @@ class WeightedMeanPooler:
         return (sums / totals.unsqueeze(-1)).to(rows.dtype)
 
 
-@dataclass(frozen=True)
-class MeanSqrtLenPooler(MeanPooler):
-    """The sum over every example's tokens divided by the square root of its length (``mean_sqrt_len_tokens``)."""
-
-    sqrt_len: bool = True
-
-
 #: The plain modes: one token, or an unweighted reduction over every token.
 POOLERS = {"first": FirstTokenPooler, "cls": FirstTokenPooler, "last": LastTokenPooler, "mean": MeanPooler,
            "max": MaxPooler}
 #: Every builtin mode: the plain ones plus the weighted reductions.
-POOLING_MODES = {**POOLERS, "weighted_mean": WeightedMeanPooler, "mean_sqrt_len": MeanSqrtLenPooler}
-#: Modes that read only one token, so they make no sense for some models (e.g. ``first`` of a causal decoder).
-SINGLE_TOKEN_MODES = ("first", "cls", "last")
+POOLING_MODES = {**POOLERS, "weighted_mean": WeightedMeanPooler,
+                 "mean_sqrt_len": partial(MeanPooler, sqrt_len=True)}  # sentence-transformers' mean_sqrt_len_tokens
 
 
 def make_pooler(mode: str, *, include_prompt: bool = True):

@@ -26,6 +26,11 @@ def no_extra_features(model_config: Any) -> frozenset[str]:
     return frozenset()
 
 
+def always_available() -> str | None:
+    """No requirement beyond the backend's devices and dtypes: it can run wherever they allow."""
+    return None
+
+
 @dataclass(frozen=True)
 class Architecture:
     """A model family that can run padding-free.
@@ -90,7 +95,7 @@ class AttentionBackend:
 
     name: str
     varlen: Callable[..., Any] = field(compare=False)
-    available: Callable[[], str | None] = field(default=lambda: None, compare=False, repr=False)
+    available: Callable[[], str | None] = field(default=always_available, compare=False, repr=False)
     features: frozenset[str] = frozenset(FEATURES)
     devices: tuple[str, ...] = ("cpu", "cuda")
     dtypes: tuple[str, ...] = ()

@@ -93,7 +93,10 @@ class TrainReport:
 
 
 def _has_flag(argv: Sequence[str], name: str) -> bool:
-    return any(arg == name or arg.startswith(name + "=") for arg in argv)
+    """Whether ``argv`` gives the option ``name`` (``--model_config``), as ``--model_config x``,
+    ``--model_config=x`` or with dashes (``--model-config x``), which ``HfArgumentParser`` accepts too."""
+    spelling = name.replace("-", "_")
+    return any(arg.startswith("--") and arg.split("=", 1)[0].replace("-", "_") == spelling for arg in argv)
 
 
 def parse_arguments(argv: Sequence[str]) -> tuple[TrainScriptArguments, Any, AccelerationArguments, bool]:

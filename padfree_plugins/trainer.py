@@ -228,11 +228,13 @@ class TrainerPatch:
                                               num_items_in_batch=num_items_in_batch)
         else:
             outputs = self.assembly.forward(model, inputs, **kwargs)
-            loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]
+            loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs[0]
             if loss is None:
+                task = self.assembly.plan.task.name
                 raise PadfreeError(
-                    f"the model returned no loss for task {self.assembly.plan.task.name!r}: does the batch carry "
-                    f"labels? Batch keys: {', '.join(inputs)}"
+                    f"the model returned no loss for task {task!r}: does the batch carry labels"
+                    f"{' and does task_options name a loss' if task == 'embedding' else ''}? Batch keys: "
+                    f"{', '.join(inputs)}"
                 )
             if self.kind == "sft":
                 loss = self._sft_extras(outputs, inputs, loss, num_items_in_batch)
@@ -438,10 +440,10 @@ def accelerate(trainer: Any, config: PadfreeConfig | dict | str | None = None, *
     if getattr(trainer, "model", None) is None:
         raise PadfreeError("the trainer has no model yet (model_init?): pass a model to the trainer, then accelerate")
     host = host or PluginHost(block=config.plugins.block)
-    config = host.hook.trainer_config(trainer=trainer, config=config) or config
+    config = host.call_first("trainer_config", trainer=trainer, config=config) or config
     assembly = assemble(trainer.model, config, host=host)
     try:
-        trainer_patch = host.hook.wrap_trainer(trainer=trainer, assembly=assembly, config=config)
+        trainer_patch = host.call_first("wrap_trainer", trainer=trainer, assembly=assembly, config=config)
         if trainer_patch is None:
             raise PluginError(
                 f"no plugin knows how to make {type(trainer).__name__} padding-free. The builtin wrapper takes "

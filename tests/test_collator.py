@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from padfree_plugins.batch import PACKING_KEYS, PackedBatch
+from padfree_plugins.batch import PackedBatch
 from padfree_plugins.collator import PackingCollator
 from padfree_plugins.errors import BatchError
 
@@ -80,7 +80,8 @@ def test_packed_batch_contract(case):
     n, total = len(lengths), sum(lengths)
 
     assert isinstance(batch, PackedBatch)
-    assert set(PACKING_KEYS) <= set(batch)
+    assert {"input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+            "seq_idx"} <= set(batch)
     ids = batch["input_ids"]
     assert ids.dtype == torch.int64 and ids.shape == (1, total)
     assert ids[0].tolist() == [t for ex in examples for t in ex["input_ids"]]
@@ -225,7 +226,6 @@ def test_all_ones_attention_mask_is_fine_and_dropped():
 def test_batch_helpers():
     examples = [{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [3], "labels": [3]}]
     batch = PackingCollator(token_keys=("labels",))(examples)
-    assert set(batch.boundary_kwargs()) == {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
     assert set(batch.model_inputs()) == {"input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
                                          "max_length_q", "max_length_k"}
     assert "labels" in batch.model_inputs("labels", "missing") and "missing" not in batch.model_inputs("missing")
@@ -454,3 +454,25 @@ def test_dataloader_with_workers():
     for i, batch in enumerate(got):
         assert isinstance(batch, PackedBatch)
         assert_same_batch(batch, collator(dataset[3 * i : 3 * i + 3]))
+
+
+@pytest.mark.parametrize("ids, bad", [([5, -1, 7], -1), ([5, 99, 7], 99)])
+def test_token_ids_outside_the_vocabulary_name_the_example(ids, bad):
+    collator = PackingCollator(vocab_size=99)
+    message = rf"example 1 has token id {bad}, outside the model's vocabulary \(ids 0 to 98\)"
+    with pytest.raises(BatchError, match=message):
+        collator([{"input_ids": [1, 2]}, {"input_ids": ids}])
+
+
+def test_causal_lm_example_without_input_ids_is_named():
+    from padfree_plugins import assemble
+    from tests.conftest import tiny_model
+
+    assembly = assemble(tiny_model("llama", head="causal_lm"), {"task": "causal_lm"})
+    try:
+        with pytest.raises(BatchError, match="example 1 is missing 'input_ids'; it has 'ids'"):
+            assembly.collator([{"input_ids": [5, 6]}, {"ids": [1]}])
+        with pytest.raises(BatchError, match=r"outside the model's vocabulary \(ids 0 to "):
+            assembly.collator([{"input_ids": [5, 10**6]}])
+    finally:
+        assembly.undo()

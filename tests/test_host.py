@@ -178,8 +178,36 @@ def test_registered_plugin_hooks_answer_first():
 
     host = PluginHost({"mine": types.SimpleNamespace(revert_output=revert_output)}, environ=NO_ENV)
     assert host.hook.revert_output(task=None, architecture=None, config=None) == "MINE"
+    assert host.call_first("revert_output", task=None, architecture=None, config=None) == "MINE"
     plain = PluginHost(environ=NO_ENV)
     assert plain.hook.revert_output(task=None, architecture=None, config=None) != "MINE"
+    assert plain.call_first("revert_output", task=None, architecture=None, config=None) != "MINE"
+
+
+def test_a_plugin_failing_at_assembly_is_named():
+    """A bug in a third-party hook stops assembly with the plugin's name and how to block it; the library's own
+    errors pass through as they are."""
+    from padfree_plugins import BatchError, PluginError, assemble
+    from tests.conftest import tiny_model
+
+    @hookimpl
+    def collate(task, architecture, model_config, config):
+        return {}["oops"]
+
+    @hookimpl
+    def revert_output(task, architecture, config):
+        raise BatchError("deliberate")
+
+    model = tiny_model("llama", head="causal_lm")
+    for plugin, error, message in ((collate, PluginError, "plugin 'buggy' failed in its collate hook: KeyError"),
+                                   (revert_output, BatchError, "^deliberate$")):
+        host = PluginHost({"buggy": types.SimpleNamespace(**{plugin.__name__: plugin})}, environ=NO_ENV)
+        with pytest.raises(error, match=message):
+            assemble(model, {"task": "causal_lm"}, host=host)
+    with pytest.raises(PluginError, match=r"PADFREE_PLUGINS_BLOCK=buggy"):
+        host = PluginHost({"buggy": types.SimpleNamespace(collate=collate)}, environ=NO_ENV)
+        assemble(model, {"task": "causal_lm"}, host=host)
+    assert model.config._attn_implementation == "sdpa"  # nothing was patched
 
 
 # -- broken plugins -------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from sentence_transformers.sentence_transformer.modules import Pooling
 
-from padfree_plugins import BatchError, ConfigError, assemble
+from padfree_plugins import BatchError, ConfigError, assemble, load_config
 from tests.conftest import make_examples
 from tests.tasks_common import ARCHITECTURES, ENCODERS, assert_grads_close, grads, model_for, padded
 
@@ -188,5 +188,41 @@ def test_rows_missing_a_column_and_tampered_layout():
         batch["num_rows"] = 3
         with pytest.raises(BatchError, match="3 rows x 2 columns but packs 4 texts"):
             assembly.forward(model, batch)
+    finally:
+        assembly.undo()
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda rows: rows[1].update(positive_input_ids=[]), "row 1: 'positive_input_ids' has no tokens"),
+    (lambda rows: rows[0].update(anchor_input_ids=[7] * 300), r"example 0 \(anchor_input_ids\) has 300 tokens"),
+    (lambda rows: rows[1].update(anchor_prompt_length="2"), "row 1: 'anchor_prompt_length' is '2'; a prompt length"),
+    (lambda rows: rows[0].update(anchor_prompt_length=-3), "row 0: 'anchor_prompt_length' is -3"),
+])
+def test_a_bad_text_names_its_row_and_column(change, message):
+    """Empty or over-long texts and impossible prompt lengths: the row and the column, not a packed position."""
+    model = model_for("bert")
+    assembly = assemble(model, {**load_config(CONFIG).to_dict(), "max_length": 64})
+    try:
+        rows = rows_of({"anchor": make_examples([3, 4]), "positive": make_examples([2, 5])},
+                       anchor_prompt_length=[1, 2])
+        assembly.collator(rows)
+        change(rows)
+        with pytest.raises(BatchError, match=message):
+            assembly.collator(rows)
+    finally:
+        assembly.undo()
+
+
+def test_the_dataset_check_reads_every_text_column():
+    from padfree_plugins.datacheck import check_dataset
+
+    model = model_for("bert")
+    assembly = assemble(model, {**load_config(CONFIG).to_dict(), "max_length": 64})
+    try:
+        rows = rows_of({"anchor": make_examples([3, 4, 5]), "positive": make_examples([2, 5, 6])})
+        assert check_dataset(rows, assembly.collator) == 3
+        rows[2]["positive_input_ids"] = []
+        with pytest.raises(BatchError, match=r"example 2 of the train dataset \(positive_input_ids\) has no tokens"):
+            check_dataset(rows, assembly.collator)
     finally:
         assembly.undo()

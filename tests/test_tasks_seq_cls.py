@@ -131,6 +131,21 @@ def test_inference_batches_need_no_labels_and_labels_are_all_or_none():
         assembly.undo()
 
 
+def test_a_label_outside_the_models_classes_names_the_example():
+    model = model_for("bert", head="seq_cls", num_labels=3)
+    assembly = assemble(model, CONFIG)
+    try:
+        examples = make_examples([3, 4, 5])
+        for example, label in zip(examples, (0, -100, 2)):  # -100 is ignored, as by the padded loss
+            example["label"] = label
+        assert assembly.collator(examples)["labels"].tolist() == [0, -100, 2]
+        examples[2]["label"] = 7
+        with pytest.raises(BatchError, match=r"example 2 has label 7, but the model has num_labels=3 \(classes 0 to 2"):
+            assembly.collator(examples)
+    finally:
+        assembly.undo()
+
+
 def test_unknown_task_option_is_an_error():
     model = model_for("bert", head="seq_cls")
     with pytest.raises(ConfigError, match="'pair' is not an option of task 'seq_cls'. Did you mean 'pairs'"):
@@ -160,3 +175,19 @@ def test_collator_and_forward_pickle():
                                    assembly.forward(model, assembly.collator(examples)).logits)
     finally:
         assembly.undo()
+
+
+@pytest.mark.parametrize("model_type, head, task, message", [
+    ("bert", "base", "seq_cls", "task seq_cls needs a model with a sequence-classification head; BertModel has none"),
+    ("llama", "causal_lm", "seq_cls", "LlamaForCausalLM has none"),
+    ("bert", "base", "causal_lm", "task causal_lm needs a model with a language-model head; BertModel has none"),
+    ("llama", "seq_cls", "causal_lm", "LlamaForSequenceClassification has none"),
+])
+def test_a_model_without_the_tasks_head_is_refused_at_assembly(model_type, head, task, message):
+    from padfree_plugins import patch_of
+    from tests.conftest import tiny_model
+
+    model = tiny_model(model_type, head=head)
+    with pytest.raises(UnsupportedArchitectureError, match=message):
+        assemble(model, {"task": task})
+    assert patch_of(model) is None

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from padfree_plugins import AccelerationArguments, ConfigError
 from padfree_plugins.cli import app
-from padfree_plugins.train import run_train
+from padfree_plugins.train import parse_arguments, run_train
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "padfree.yaml"
 
@@ -79,6 +79,15 @@ def write_config(path: Path, **values) -> str:
                 num_key_value_heads=1, max_position_embeddings=64)
     path.write_text(json.dumps({**base, **values}))
     return str(path)
+
+
+@pytest.mark.parametrize("spelling", [["--model_config", "cfg"], ["--model-config", "cfg"], ["--model-config=cfg"]])
+def test_dashed_flags_count_as_given(tmp_path, spelling):
+    """argparse takes ``--model-config`` for ``--model_config``: the embedded defaults must then stay off."""
+    script, training, _, embedded = parse_arguments([*spelling, "--output-dir", str(tmp_path)])
+    assert script.model_config == "cfg" and not embedded
+    assert training.learning_rate == TrainingArguments.learning_rate  # not the embedded default's 3e-3
+    assert training.output_dir == str(tmp_path) and training.save_strategy != "no"
 
 
 def test_custom_model_config_and_saved_dataset(tmp_path):

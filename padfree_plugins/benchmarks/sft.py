@@ -74,10 +74,13 @@ MODEL_SIZES = {
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048),
 }
-#: Length laws: (median, sigma) lognormal components with their weights.
+#: 80% short texts (median 40) and 20% answers of median 600: mostly short, a few long, the worst case for padding.
+#: The ``mix`` law here; bench batching's ``mix`` has longer documents (``batching.short_texts_and_long_documents``).
+SHORT_TEXTS_AND_600_TOKEN_ANSWERS = ((0.8, 40, 0.5), (0.2, 600, 0.3))
+#: Length laws by name: lognormal components as (weight, median, sigma).
 LAWS = {
-    "lognormal": [(1.0, 120, 0.6)],  # OrcaMath / Alpaca-like
-    "mix": [(0.8, 40, 0.5), (0.2, 600, 0.3)],  # mostly short, a few long: the worst case for padding
+    "lognormal": ((1.0, 120, 0.6),),  # OrcaMath / Alpaca-like
+    "mix": SHORT_TEXTS_AND_600_TOKEN_ANSWERS,
 }
 
 

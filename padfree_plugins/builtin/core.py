@@ -46,6 +46,7 @@ def packing_collator(task, architecture, model_config, config) -> PackingCollato
         on_overlong=config.on_overlong,
         masked_first_keys=task.masked_first_keys,
         limit_source="" if config.max_length is not None or limit is None else source,
+        vocab_size=getattr(getattr(model_config, "get_text_config", lambda: model_config)(), "vocab_size", None),
     )
 
 
@@ -97,4 +98,8 @@ def revert_output(task, architecture, config):
 
 @hookimpl(trylast=True)
 def task_forward(task, architecture, config):
+    if task.name == "causal_lm":
+        from ..causal_lm import CausalLMForward
+
+        return CausalLMForward(task.model_keys)
     return ModelForward(task.model_keys)

@@ -15,12 +15,13 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 from functools import lru_cache
+from types import MappingProxyType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..batch import BOUNDARY_KEYS
+from ..batch import MODEL_INPUT_KEYS
 from ..errors import PadfreeError, UnsupportedArchitectureError
 from ..patching import COMPUTE_KEYWORD, patch_of, unwrap_model
 from ..pooling import FirstTokenPooler, LastTokenPooler, MeanPooler
@@ -59,7 +60,7 @@ def run_base(model: Any, batch: Mapping) -> torch.Tensor:
     """The packed last hidden states ``[1, T, H]`` of ``model``'s base on a packed batch (no KV cache)."""
     base = base_model(model)
     accepted = _forward_parameters(type(base))
-    inputs = {key: batch[key] for key in ("input_ids", "position_ids", *BOUNDARY_KEYS) if key in batch}
+    inputs = {key: batch[key] for key in MODEL_INPUT_KEYS if key in batch}
     if "token_type_ids" in batch and "token_type_ids" in accepted:
         inputs["token_type_ids"] = batch["token_type_ids"]
     if "use_cache" in accepted:
@@ -102,14 +103,14 @@ def _score_head(model, hidden, batch):
 
 
 #: ``config.model_type`` -> head function. Decoders with a ``score`` layer need no entry.
-SEQUENCE_HEADS: dict[str, Callable] = {
+SEQUENCE_HEADS: Mapping[str, Callable] = MappingProxyType({
     "bert": _bert_head,
     "roberta": _classification_head_module,
     "xlm-roberta": _classification_head_module,
     "electra": _classification_head_module,
     "distilbert": _distilbert_head,
     "modernbert": _modernbert_head,
-}
+})
 
 
 def sequence_head(model: Any) -> Callable:
@@ -125,6 +126,29 @@ def sequence_head(model: Any) -> Callable:
         f"(model type {inner.config.model_type!r}). Supported: {', '.join(SEQUENCE_HEADS)} and decoders with a "
         "`score` layer. A plugin can add it with a task_forward hook (docs/writing-a-plugin.md)."
     )
+
+
+def check_sequence_head(model: Any, task: str) -> None:
+    """Refuse, at assembly, a model without a sequence-classification head (a bare ``BertModel``, a causal LM)."""
+    inner = unwrap_model(model)
+    if inner.base_model is inner or not any(isinstance(getattr(inner, name, None), torch.nn.Module)
+                                            for name in ("classifier", "score")):
+        raise UnsupportedArchitectureError(
+            f"task {task} needs a model with a sequence-classification head; {type(inner).__name__} has none. "
+            "Load it with AutoModelForSequenceClassification (num_labels=…)"
+        )
+    sequence_head(inner)  # a head this module knows how to run per example
+
+
+def check_lm_head(model: Any, task: str) -> None:
+    """Refuse, at assembly, a model without a language-model head (a bare base model, a classifier)."""
+    inner = unwrap_model(model)
+    head = inner.get_output_embeddings()
+    if head is None or not hasattr(head, "weight"):
+        raise UnsupportedArchitectureError(
+            f"task {task} needs a model with a language-model head; {type(inner).__name__} has none. Load it with "
+            "AutoModelForCausalLM"
+        )
 
 
 def sequence_logits(model: Any, batch: Mapping) -> torch.Tensor:
@@ -144,12 +168,8 @@ def token_logits(model: Any, batch: Mapping, token_ids: torch.Tensor) -> torch.T
     is applied the same way.
     """
     inner = unwrap_model(model)
+    check_lm_head(inner, "reranker (scorer yes_no)")
     head = inner.get_output_embeddings()
-    if head is None or not hasattr(head, "weight"):
-        raise UnsupportedArchitectureError(
-            f"{type(inner).__name__} has no language-model head: generative (yes/no) scoring needs a "
-            "*ForCausalLM model (load it with AutoModelForCausalLM)"
-        )
     last = _last(run_base(inner, batch), batch)
     token_ids = token_ids.to(head.weight.device)
     bias = head.bias.index_select(0, token_ids) if getattr(head, "bias", None) is not None else None

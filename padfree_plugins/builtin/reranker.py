@@ -33,7 +33,7 @@ from ..errors import BatchError, ConfigError, UnsupportedArchitectureError
 from ..hookspecs import hookimpl
 from ..patching import unwrap_model
 from ..specs import Task
-from .heads import call_model, sequence_logits, token_logits
+from .heads import call_model, check_lm_head, check_sequence_head, sequence_logits, token_logits
 from .task_collators import ExampleCollator, packing_for
 from .task_options import read_options
 
@@ -105,6 +105,13 @@ class RerankerForward:
                 "Load it with num_labels=1, or use task seq_cls to classify"
             )
         return sequence_logits(model, batch)
+
+    def check_model(self, model: Any) -> None:
+        """At assembly: the head this scorer reads exists."""
+        if self.scorer == "yes_no":
+            check_lm_head(model, "reranker (scorer yes_no)")
+        else:
+            check_sequence_head(model, "reranker (scorer head)")
 
     def __call__(self, model: Any, batch: Mapping, **loss_kwargs: Any) -> RerankerOutput:
         return call_model(model, lambda inner: self.compute(inner, batch))

@@ -20,7 +20,7 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 
 from ..hookspecs import hookimpl
 from ..specs import Task
-from .heads import call_model, sequence_logits
+from .heads import call_model, check_sequence_head, sequence_logits
 from .task_collators import ExampleCollator, packing_for
 from .task_options import read_options
 
@@ -33,6 +33,10 @@ class SequenceClassificationForward:
     """``(model, packed batch) -> SequenceClassifierOutput(loss, logits [n, num_labels])``."""
 
     runs_inside_model_forward = True  # see heads.call_model
+
+    def check_model(self, model: Any) -> None:
+        """At assembly: the model has a head this task can run per example."""
+        check_sequence_head(model, TASK)
 
     def __call__(self, model: Any, batch: Mapping, **loss_kwargs: Any) -> SequenceClassifierOutput:
         return call_model(model, lambda inner: self.compute(inner, batch))
@@ -61,7 +65,8 @@ def collate(task, architecture, model_config, config):
         return None
     options = read_options(TASK, config.task_options, OPTIONS)
     return ExampleCollator(packing_for(task, architecture, model_config, config), pairs=bool(options["pairs"]),
-                           type_vocab_size=int(getattr(model_config, "type_vocab_size", 0) or 0))
+                           type_vocab_size=int(getattr(model_config, "type_vocab_size", 0) or 0),
+                           num_labels=int(getattr(model_config, "num_labels", 0) or 0))
 
 
 @hookimpl

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..batch import PackedBatch
-from ..collator import PackingCollator, WrapsPackingCollator
+from ..collator import PackingCollator, WrapsPackingCollator, stack_example_values
 from ..errors import BatchError
 from ..pooling import PROMPT_LENGTH_KEY
 from . import core
@@ -36,21 +36,6 @@ def packing_for(task: Any, architecture: Any, model_config: Any, config: Any) ->
     return dataclasses.replace(core.collate(task, architecture, model_config, config), example_keys=())
 
 
-def _stack(values: list[Any], what: str, float_values: bool = False) -> torch.Tensor:
-    """Per-example numbers (or fixed-length lists of numbers) as one tensor: int64 or float32 as given."""
-    values = [v.tolist() if isinstance(v, (torch.Tensor, np.ndarray)) else v for v in values]
-    try:
-        array = np.asarray(values)
-    except ValueError:
-        array = np.asarray(values, dtype=object)
-    if array.dtype == object or not (np.issubdtype(array.dtype, np.number) or array.dtype == bool):
-        raise BatchError(f"{what} must be a number or a fixed-length list of numbers in every example; got "
-                         f"{', '.join(sorted({type(v).__name__ for v in values}))}")
-    if float_values or not (np.issubdtype(array.dtype, np.integer) or array.dtype == bool):
-        return torch.from_numpy(array.astype(np.float32))
-    return torch.from_numpy(array.astype(np.int64))
-
-
 def labels_of(rows: Sequence[Mapping[str, Any]], float_labels: bool = False) -> torch.Tensor | None:
     """The label of every row (key ``labels``, ``label`` or ``score``), or ``None`` when no row has one."""
     key = next((k for k in LABEL_KEYS if k in rows[0]), None)
@@ -62,7 +47,7 @@ def labels_of(rows: Sequence[Mapping[str, Any]], float_labels: bool = False) -> 
     if not all(have):
         raise BatchError(f"{key!r} is present in some examples but not in example {have.index(False)}: "
                          "label every example or none")
-    return _stack([row[key] for row in rows], f"the label {key!r}", float_labels)
+    return stack_example_values([row[key] for row in rows], f"the label {key!r}", float_labels)
 
 
 def _first_position(flags: np.ndarray) -> int:
@@ -81,6 +66,7 @@ class ExampleCollator(WrapsPackingCollator):
         groups: listwise ranking: every example carries ``group`` (its query's id); a query's examples are
             contiguous and, when labelled, exactly one of them is the positive (label 1).
         float_labels: labels become float32 (BCE targets) whatever their type in the dataset.
+        num_labels: the model's classes: integer labels must be one of them (or -100, ignored); 0: unchecked.
     """
 
     packing: PackingCollator
@@ -88,6 +74,7 @@ class ExampleCollator(WrapsPackingCollator):
     type_vocab_size: int = 0
     groups: bool = False
     float_labels: bool = False
+    num_labels: int = 0
 
     def __call__(self, examples: Sequence[Mapping[str, Any]]) -> PackedBatch:
         examples = list(examples) if not isinstance(examples, Sequence) else examples
@@ -96,12 +83,25 @@ class ExampleCollator(WrapsPackingCollator):
         batch = self.packing(examples)
         labels = labels_of(examples, self.float_labels)
         if labels is not None:
+            self._check_classes(labels)
             batch["labels"] = labels
         if self.pairs and self.type_vocab_size > 1:
             self._check_pairs(batch)
         if self.groups:
             batch.update(self._groups(examples, labels))
         return batch
+
+    def _check_classes(self, labels: torch.Tensor) -> None:
+        """Class-index labels (integers, one per example) must name one of the model's classes."""
+        if self.num_labels < 2 or labels.ndim != 1 or labels.is_floating_point():
+            return
+        bad = ((labels < 0) | (labels >= self.num_labels)) & (labels != -100)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise BatchError(
+                f"example {i} has label {int(labels[i])}, but the model has num_labels={self.num_labels} (classes 0 "
+                f"to {self.num_labels - 1}): load the model with num_labels set to the number of classes"
+            )
 
     def _check_pairs(self, batch: PackedBatch) -> None:
         if "token_type_ids" not in batch:
@@ -129,7 +129,7 @@ class ExampleCollator(WrapsPackingCollator):
                 f"listwise ranking needs {GROUP_KEY!r} (the id of the query an example belongs to) in every example; "
                 f"example {missing[0]} has none"
             )
-        ids = _stack([ex[GROUP_KEY] for ex in examples], f"{GROUP_KEY!r}").numpy()
+        ids = stack_example_values([ex[GROUP_KEY] for ex in examples], f"{GROUP_KEY!r}").numpy()
         if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
             raise BatchError(f"{GROUP_KEY!r} must be one integer per example (a query id), got dtype {ids.dtype} "
                              f"and shape {ids.shape}")
@@ -245,6 +245,27 @@ class ColumnsCollator(WrapsPackingCollator):
     packing: PackingCollator
     columns: tuple[str, ...] = ()
 
+    def _check_text_length(self, row: int, key: str, ids: Any) -> None:
+        """Name the row and the column of an empty or over-long text (packing only knows the text's position)."""
+        length = len(ids) if hasattr(ids, "__len__") else -1
+        packing = self.packing
+        if length == 0:
+            raise BatchError(f"row {row}: {key!r} has no tokens; filter empty texts out of the dataset")
+        if packing.max_length is not None and packing.on_overlong == "error" and length > packing.max_length:
+            raise BatchError(packing.overlong_message(row, length, f" ({key})"))
+
+    @staticmethod
+    def _checked_prompt(row: int, key: str, values: Mapping[str, Any]) -> Any:
+        """A text's prompt length, if it has one: a whole number of tokens, 0 or more (a text that is all prompt
+        pools as sentence-transformers pools it)."""
+        prompt = values.get(key)
+        if prompt is None:
+            return None
+        prompt = int(prompt) if isinstance(prompt, (torch.Tensor, np.integer)) and prompt.ndim == 0 else prompt
+        if not isinstance(prompt, int) or isinstance(prompt, bool) or prompt < 0:
+            raise BatchError(f"row {row}: {key!r} is {prompt!r}; a prompt length is a number of tokens, 0 or more")
+        return prompt
+
     def dataset_columns(self, names: Sequence[str]) -> list[str]:
         """Which of a dataset's column ``names`` this collator reads (so a trainer keeps them)."""
         suffixes = ("_input_ids", "_token_type_ids", f"_{PROMPT_LENGTH_KEY}")
@@ -261,12 +282,13 @@ class ColumnsCollator(WrapsPackingCollator):
                 if ids_key not in row:
                     raise BatchError(f"row {i} has no {ids_key!r} (columns: {', '.join(map(repr, columns))}); "
                                      "every row needs every column")
+                self._check_text_length(i, ids_key, row[ids_key])
                 text = {"input_ids": row[ids_key]}
                 token_types = row.get(column_key(column, "token_type_ids"))
                 if token_types is not None:
                     text["token_type_ids"] = token_types
                 texts.append(text)
-                prompts.append(row.get(column_key(column, PROMPT_LENGTH_KEY)))
+                prompts.append(self._checked_prompt(i, column_key(column, PROMPT_LENGTH_KEY), row))
         batch = self.packing(texts)
         n_rows, n_columns = len(rows), len(columns)
         batch["group_ids"] = torch.arange(n_rows).repeat(n_columns)
@@ -276,5 +298,6 @@ class ColumnsCollator(WrapsPackingCollator):
         if labels is not None:
             batch["labels"] = labels
         if any(p is not None for p in prompts):
-            batch[PROMPT_LENGTH_KEY] = _stack([0 if p is None else p for p in prompts], f"{PROMPT_LENGTH_KEY!r}")
+            prompt_lengths = [0 if p is None else p for p in prompts]
+            batch[PROMPT_LENGTH_KEY] = stack_example_values(prompt_lengths, f"{PROMPT_LENGTH_KEY!r}")
         return batch
