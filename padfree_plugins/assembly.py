@@ -172,6 +172,9 @@ def _resolve(model_config: Any, config: PadfreeConfig, host: PluginHost, device_
         features -= {"dropout"}
     backend, fallback = resolve_backend(host, config.attention, device_type, features)
     notes = list(host.notes)
+    for name in config.plugins.block:
+        if name not in host.records:  # a typo blocks nothing
+            notes.append(f"plugins.block names {name!r}, which is not installed.{did_you_mean(name, host.records)}")
     if architecture_plugin == PROBE_PLUGIN:
         notes.append(f"model type {model_config.model_type!r} is declared by no plugin: assembly accepts it as "
                      f"{architecture.name!r} only if the equivalence probe passes on the model itself")

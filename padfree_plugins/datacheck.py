@@ -122,7 +122,7 @@ def _check_texts(dataset: Any, packing: Any, prefix: str, name: str) -> int | No
                 raise BatchError(
                     f"example {offset + row}{where}: {prefix + key!r} has {int(lengths[prefix + key][row])} values "
                     f"but {ids_key} has {int(ids[row])} tokens ({bad.size} such example(s)); they must be the same "
-                    "length — give -100 for tokens without a label"
+                    "length" + (" — give -100 for tokens without a label" if key == "labels" else "")
                 )
         offset += ids.size
     return offset

@@ -68,6 +68,28 @@ def _bound_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
     return arguments
 
 
+def _check_packed_boundaries(cu: Any, cu_k: Any, position_ids: torch.Tensor) -> None:
+    """Boundaries built by hand must be what the collator builds: a 1-D integer tensor ``0, L1, …, T`` whose
+    examples are where ``position_ids`` restart. The values are checked only on the host (free there; on an
+    accelerator a check would wait for the device in every forward)."""
+    for name, value in (("cu_seq_lens_q", cu), ("cu_seq_lens_k", cu_k)):
+        if value is not None and not (isinstance(value, torch.Tensor) and value.ndim == 1 and value.numel() >= 2
+                                      and not value.is_floating_point()):
+            raise BoundaryError(f"{name} must be a 1-D integer tensor of boundaries 0, L1, L1+L2, …, T; got "
+                                f"{type(value).__name__} {getattr(value, 'shape', '')}".rstrip())
+    if cu.device.type != "cpu" or position_ids.device.type != "cpu" or position_ids.ndim != 2:
+        return
+    total = position_ids.shape[-1]
+    restarts = torch.nonzero(position_ids[0, 1:] != position_ids[0, :-1] + 1).flatten() + 1
+    expected = torch.cat([torch.zeros(1, dtype=torch.long), restarts, torch.tensor([total])])
+    if not torch.equal(cu.long(), expected) or (cu_k is not None and not torch.equal(cu_k.long(), cu.long())):
+        raise BoundaryError(
+            f"cu_seq_lens_q {cu.tolist()[:8]} does not match the packed row: position_ids restart at "
+            f"{expected.tolist()[:8]} (T={total}); attention would cross examples. Build packed batches with "
+            "padfree_plugins' collator"
+        )
+
+
 def check_boundaries(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
     """Raise :class:`BoundaryError` on a packed row that lacks its boundaries; return whether the call is packed."""
     inputs = _bound_inputs(module, args, kwargs)
@@ -87,6 +109,7 @@ def check_boundaries(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool
                 "a packed batch needs position_ids restarting at every example; without them positions would "
                 "run on across examples. Use padfree_plugins' collator."
             )
+        _check_packed_boundaries(inputs["cu_seq_lens_q"], inputs.get("cu_seq_lens_k"), position_ids)
         return True
     if position_ids is None or position_ids.ndim != 2 or position_ids.shape[-1] < 2:
         return False

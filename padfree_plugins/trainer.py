@@ -386,9 +386,13 @@ def _check_collator(collator: Any) -> None:
 
 
 def _check_datasets(trainer: Any, collator: Any) -> None:
-    """Find over-long, empty or misaligned examples before training starts (see :mod:`padfree_plugins.datacheck`)."""
+    """Find over-long, empty or misaligned examples before training starts (see :mod:`padfree_plugins.datacheck`),
+    and a training set laid out in a way the collator cannot train on (``check_training_dataset``)."""
     if trainer.train_dataset is not None:
         check_dataset(trainer.train_dataset, collator, "train")
+        layout_check = getattr(collator, "check_training_dataset", None)
+        if layout_check is not None:
+            layout_check(trainer.train_dataset)
     evals = trainer.eval_dataset
     if isinstance(evals, Mapping):
         for name, dataset in evals.items():

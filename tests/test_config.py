@@ -293,3 +293,11 @@ def test_plan_checks_what_the_task_plugins_read(config, message):
 
     with pytest.raises(ConfigError, match=message):
         plan(tiny_config("llama"), config, device_type="cpu")
+
+
+def test_blocking_a_plugin_that_is_not_installed_is_a_note():
+    from padfree_plugins import plan
+    from tests.conftest import tiny_config
+
+    notes = plan(tiny_config("llama"), {"plugins": {"block": ["lama"]}}, device_type="cpu").notes
+    assert any("plugins.block names 'lama', which is not installed. Did you mean 'llama'" in note for note in notes)

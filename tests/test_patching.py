@@ -57,6 +57,12 @@ def test_packed_batch_misuse_raises():
         two_rows["position_ids"] = two_rows["position_ids"].repeat(2, 1)
         with pytest.raises(BoundaryError, match="one row"):
             model(**two_rows)
+        for cu, message in (([0, 3, 8], "must be a 1-D integer tensor"),
+                            (torch.tensor([0.0, 3.0, 8.0]), "must be a 1-D integer tensor"),
+                            (torch.tensor([0, 4, 8], dtype=torch.int32), r"position_ids restart at \[0, 3, 8\]"),
+                            (torch.tensor([0, 3, 7], dtype=torch.int32), r"\(T=8\)")):
+            with pytest.raises(BoundaryError, match=message):  # hand-built boundaries that disagree with the row
+                model(**{**batch.model_inputs(), "cu_seq_lens_q": cu, "cu_seq_lens_k": cu})
     finally:
         assembly.undo()
 

@@ -131,6 +131,18 @@ def test_listwise_reranker_curve_equals_padded():
     torch.testing.assert_close(torch.tensor(curves[1]), torch.tensor(curves[0]), atol=1e-4, rtol=0)
 
 
+def test_listwise_training_on_one_candidate_per_row_is_refused_before_training():
+    """The trainer shuffles rows: candidates given one per row (with group ids) would be split across batches."""
+    from padfree_plugins import BatchError
+
+    flat = [{"input_ids": ids, "label": int(j == 0), "group": q}
+            for q, row in enumerate(query_rows(4, 0)) for j, ids in enumerate(row["input_ids"])]
+    model = model_for("bert", head="seq_cls", num_labels=1, **NO_DROPOUT["bert"])
+    trainer = Trainer(model=model, args=settings(), train_dataset=datasets.Dataset.from_list(flat))
+    with pytest.raises(BatchError, match="give one row per query"):
+        accelerate(trainer, "configs/reranker_listwise.yaml")
+
+
 # -- embeddings: (anchor, positive) rows, MultipleNegativesRankingLoss; column names are the dataset's own -------
 
 

@@ -91,6 +91,19 @@ class ExampleCollator(WrapsPackingCollator):
             batch.update(self._groups(examples, labels))
         return batch
 
+    def check_training_dataset(self, dataset: Any) -> None:
+        """Listwise training through a trainer (which shuffles rows) needs one row per query: candidates given one
+        per row would be scattered over batches, splitting every query's group."""
+        if not self.groups or not hasattr(dataset, "__getitem__") or not len(dataset):
+            return
+        first = dataset[0]
+        if isinstance(first, Mapping) and GROUP_KEY in first and not _nested(first.get("input_ids")):
+            raise BatchError(
+                f"listwise training gets one candidate per row (with {GROUP_KEY!r} ids), but the trainer shuffles "
+                "rows, which would scatter each query's candidates over batches: give one row per query, with "
+                "input_ids a list of its candidates' token ids and labels one 0 / 1 per candidate"
+            )
+
     def _check_classes(self, labels: torch.Tensor) -> None:
         """Class-index labels (integers, one per example) must name one of the model's classes."""
         if self.num_labels < 2 or labels.ndim != 1 or labels.is_floating_point():
@@ -174,7 +187,8 @@ class ExampleCollator(WrapsPackingCollator):
                 g = _first_position(flags)
                 raise BatchError(
                     f"group {int(ids[starts[g]])} has {problem}: listwise ranking needs exactly one positive and "
-                    f"k negatives per query ({int(flags.sum())} such group(s) in this batch)"
+                    f"k negatives per query ({int(flags.sum())} such group(s) in this batch; with one row per query "
+                    "the group is the row's position in the batch)"
                 )
         result = np.empty(starts.size, dtype=np.int64)
         result[group_index[positive]] = position[positive]
