@@ -36,11 +36,13 @@ COMPUTE_KEYWORD = "padfree_compute"
 
 
 def unwrap_model(model: Any) -> Any:
-    """The transformers ``PreTrainedModel`` inside peft, DDP / FSDP and similar wrappers."""
+    """The transformers ``PreTrainedModel`` inside peft, DDP / FSDP, ``torch.compile`` and similar wrappers."""
     seen = set()
     while id(model) not in seen:
         seen.add(id(model))
-        if hasattr(model, "get_base_model") and callable(model.get_base_model):  # peft PeftModel
+        if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        elif hasattr(model, "get_base_model") and callable(model.get_base_model):  # peft PeftModel
             model = model.get_base_model()
         elif hasattr(model, "module") and isinstance(getattr(model, "module"), torch.nn.Module):  # DDP
             model = model.module

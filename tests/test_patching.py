@@ -346,6 +346,36 @@ def test_torch_compile_keeps_the_packed_result_and_the_guard():
         assembly.undo()
 
 
+@pytest.mark.parametrize("task", ["seq_cls", "embedding"])
+def test_torch_compile_runs_the_per_example_tasks(task):
+    """The per-example heads run as the compiled model's forward (the compute route), equal to eager."""
+    head = "seq_cls" if task == "seq_cls" else "base"
+    model = tiny_model("bert", head=head, num_labels=2)  # eval: no dropout, so eager and compiled agree
+    config = {"task": task, "attention": "exact"}
+    if task == "embedding":
+        config.update(pooling="mean", task_options={"loss": "MultipleNegativesRankingLoss"})
+        examples = [{"anchor_input_ids": a["input_ids"], "positive_input_ids": b["input_ids"]}
+                    for a, b in zip(make_examples([3, 7, 2]), make_examples([5, 2, 9], seed=1))]
+    else:
+        examples = [{**example, "label": i % 2} for i, example in enumerate(make_examples([3, 7, 2]))]
+    assembly = assemble(model, config)
+    try:
+        batch = assembly.collator(examples)
+        compiled = torch.compile(model, backend="aot_eager")
+        results = []
+        for runner in (model, compiled):
+            model.zero_grad(set_to_none=True)
+            loss = assembly.forward(runner, batch).loss
+            loss.backward()
+            results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+        torch.testing.assert_close(results[1][0], results[0][0], atol=1e-6, rtol=1e-6)
+        assert len(results[1][1]) == len(results[0][1]) > 0
+        for got, want in zip(results[1][1], results[0][1]):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    finally:
+        assembly.undo()
+
+
 def _repad_on_cpu():
     """The builtin ``repad`` backend, registered for the CPU under another name (it is an accelerator fallback)."""
     import dataclasses
