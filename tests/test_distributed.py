@@ -104,6 +104,24 @@ def test_ddp_two_processes_equals_single_process(tmp_path):
     assert spread <= 1.1, spread  # tiny budget (192 tokens): balanced to within a few tokens
 
 
+@pytest.mark.parametrize("task", ["seq_cls", "embedding"])
+def test_per_example_tasks_train_under_ddp_with_mixed_precision(tmp_path, task):
+    """HF Trainer, 2 processes, bf16: accelerate wraps the model's forward for autocast, DDP wraps the model; the
+    per-example heads run inside both (DDP's all-reduce keeps the ranks' weights equal)."""
+    out = tmp_path / "run.json"
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "configs" / "accelerate" / "ddp_cpu.yaml"), "--main_process_port", str(free_port()),
+               "--mixed_precision", "bf16", str(ROOT / "tests" / "ddp_per_example_run.py"), task, str(out)]
+    returncode, output = run_group(command, env, timeout=180)
+    assert returncode == 0, output[-6000:]
+    ranks = [json.loads((tmp_path / f"run.json.{rank}").read_text()) for rank in (0, 1)]
+    assert all(r["processes"] == 2 and len(r["losses"]) == 4 for r in ranks)
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in ranks)
+    assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], rel=1e-9, abs=1e-9)
+
+
 def test_trainer_contract_every_example_once_per_epoch(tmp_path):
     """What the trainer wrapper does in get_train_dataloader: HF Trainer + trainer_train_dataloader, on a
     datasets.Dataset with a length column and a text column the model does not take."""

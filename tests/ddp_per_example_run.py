@@ -1,0 +1,47 @@
+"""Run under ``accelerate launch`` (2 CPU processes) by tests/test_distributed.py: HF Trainer, bf16 mixed
+precision, a tiny BERT classifier or embedder made padding-free by ``accelerate(trainer)``. Writes each rank's
+losses and a checksum of its final weights (DDP keeps the ranks' weights equal only if the all-reduce ran)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+
+import datasets
+import torch
+from transformers import Trainer, TrainingArguments
+
+from padfree_plugins import accelerate
+from tests.conftest import make_examples
+from tests.tasks_common import model_for
+
+
+def main(task: str, out: str) -> None:
+    lengths = [int(x) for x in torch.randint(2, 30, (64,), generator=torch.Generator().manual_seed(0))]
+    texts = make_examples(lengths)
+    if task == "seq_cls":
+        model = model_for("bert", head="seq_cls", num_labels=2)
+        rows = [{**text, "label": i % 2} for i, text in enumerate(texts)]
+        config = {"task": "seq_cls", "attention": "exact"}
+    else:
+        model = model_for("bert")
+        rows = [{"anchor_input_ids": a["input_ids"], "positive_input_ids": b["input_ids"]}
+                for a, b in zip(texts[::2], texts[1::2])]
+        config = {"task": "embedding", "attention": "exact", "pooling": "mean",
+                  "task_options": {"loss": "MultipleNegativesRankingLoss"}}
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=4, per_device_train_batch_size=4,
+                             learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none", seed=0,
+                             disable_tqdm=True, bf16=True, use_cpu=True, ddp_find_unused_parameters=task != "seq_cls")
+    trainer = Trainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows))
+    accelerate(trainer, config)
+    trainer.train()
+    rank = trainer.accelerator.process_index
+    checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    with open(f"{out}.{rank}", "w") as file:
+        json.dump({"processes": trainer.accelerator.num_processes, "checksum": checksum, "losses": losses}, file)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
