@@ -15,7 +15,6 @@ public way to remove a name); for a call without boundaries it behaves exactly a
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -132,6 +131,27 @@ def check_boundaries(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool
 
 
 @dataclass
+class ForwardOrCompute:
+    """A model's forward that runs ``padfree_compute(model)`` instead when given it (see
+    :meth:`ModelPatch.route_compute`); a plain object, so that the model still pickles."""
+
+    model: Any
+    previous: Any = None  # an instance forward someone installed before the route
+
+    @property
+    def __wrapped__(self) -> Any:
+        """The model's own forward: ``inspect.signature`` shows its parameters (Trainer and TRL read them)."""
+        return type(self.model).forward.__get__(self.model)
+
+    def __call__(self, *args: Any, padfree_compute: Callable | None = None, **kwargs: Any) -> Any:
+        if padfree_compute is not None:
+            return padfree_compute(self.model)
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.model).forward(self.model, *args, **kwargs)
+
+
+@dataclass
 class ModelPatch:
     """A model made padding-free; :meth:`undo` restores it exactly."""
 
@@ -143,6 +163,7 @@ class ModelPatch:
     previous_implementation: str | None
     handles: list[RemovableHandle] = field(default_factory=list)
     active: bool = True
+    attention_dropout: bool = True
     compute_route: Any = field(default=None, repr=False)
     forward_before_route: Any = field(default=None, repr=False)
     _call_tokens: list = field(default_factory=list, repr=False)
@@ -164,7 +185,7 @@ class ModelPatch:
                 "(see docs/writing-a-plugin.md)"
             )
         base = getattr(model, "base_model", model)
-        patch = cls(model, architecture, backend, fallback, name, previous)
+        patch = cls(model, architecture, backend, fallback, name, previous, attention_dropout=attention_dropout)
         patch.handles.append(base.register_forward_pre_hook(patch._before_forward, with_kwargs=True))
         patch.handles.append(base.register_forward_hook(patch._after_forward, with_kwargs=True, always_call=True))
         setattr(model, PATCH_ATTRIBUTE, patch)
@@ -181,6 +202,13 @@ class ModelPatch:
         if self._call_tokens:
             PACKED_CALL.reset(self._call_tokens.pop())
 
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled in another process (a DataLoader or encode worker): register the attention implementation the
+        model names there too (the registry is per process)."""
+        self.__dict__.update(state)
+        if self.active:
+            attention.register(self.backend, self.fallback, self.attention_dropout)
+
     def route_compute(self) -> None:
         """Make ``model(padfree_compute=fn)`` return ``fn(model)``, with every other call unchanged.
 
@@ -192,16 +220,7 @@ class ModelPatch:
         if self.compute_route is not None:
             return
         previous = self.model.__dict__.get("forward")  # a wrapper someone installed before us, if any
-
-        @functools.wraps(type(self.model).forward)  # same signature: Trainer / TRL inspect it
-        def forward_or_compute(model: Any, *args: Any, padfree_compute: Callable | None = None, **kwargs: Any) -> Any:
-            if padfree_compute is not None:
-                return padfree_compute(model)
-            if previous is not None:
-                return previous(*args, **kwargs)
-            return type(model).forward(model, *args, **kwargs)
-
-        self.compute_route = forward_or_compute.__get__(self.model)
+        self.compute_route = ForwardOrCompute(self.model, previous)
         self.forward_before_route = previous
         self.model.forward = self.compute_route
 

@@ -41,6 +41,8 @@ def main(task: str, out: str) -> None:
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     with open(f"{out}.{rank}", "w") as file:
         json.dump({"processes": trainer.accelerator.num_processes, "checksum": checksum, "losses": losses}, file)
+    trainer.accelerator.wait_for_everyone()  # a clean exit: no rank leaves while the other still talks to it
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

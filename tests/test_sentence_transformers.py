@@ -92,6 +92,54 @@ def test_minilm_encode_equals_padded_encode(minilm):
     assert "cu_seq_lens_q" not in minilm.preprocess(texts[:3])
 
 
+def test_per_token_outputs_equal_padded(minilm):
+    """``output_value="token_embeddings"`` / ``None``: sentence-transformers cuts per-token outputs with an
+    attention mask, so an enabled model computes those padded; sentence embeddings stay packed."""
+    texts = sentences(7, seed=5)
+    want = minilm.encode(texts, batch_size=3, output_value="token_embeddings")
+    want_all = minilm.encode(texts[:2], batch_size=2, output_value=None)
+    with pst.enable(minilm, CONFIG):
+        got = minilm.encode(texts, batch_size=3, output_value="token_embeddings")
+        got_all = minilm.encode(texts[:2], batch_size=2, output_value=None)
+        assert minilm[0].can_flatten_inputs  # back to packed for sentence embeddings
+    assert [t.shape for t in got] == [t.shape for t in want]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    for a, b in zip(got_all, want_all):
+        torch.testing.assert_close(a["token_embeddings"], b["token_embeddings"], atol=1e-5, rtol=0)
+        torch.testing.assert_close(a["sentence_embedding"], b["sentence_embedding"], atol=1e-5, rtol=0)
+    assert "encode" not in minilm.__dict__
+
+
+def test_copies_of_an_enabled_model_are_enabled_and_can_be_disabled(tiny_dirs):
+    import copy
+    import pickle
+
+    from transformers import AttentionInterface
+
+    from padfree_plugins.errors import PadfreeError
+
+    model = tiny_sentence_transformer(tiny_dirs["encoder"])
+    texts = sentences(6, seed=6)
+    want = model.encode(texts, convert_to_tensor=True)
+    enabled = pst.enable(model, CONFIG)
+    with pytest.raises(PadfreeError, match="already padding-free"):
+        pst.enable(model, CONFIG)
+    twin = copy.deepcopy(model)
+    name = enabled.assembly.patch.implementation
+    AttentionInterface._global_mapping.pop(name)  # as in a fresh process: nothing registered yet
+    unpickled = pickle.loads(pickle.dumps(model))  # what a multi-process encode pool sends to its workers
+    pst.disable(model)
+    for other in (twin, unpickled):
+        assert other[0].can_flatten_inputs  # still enabled, with its own patch
+        torch.testing.assert_close(other.encode(texts, convert_to_tensor=True), want, atol=1e-5, rtol=0)
+        pst.disable(other)
+        assert not other[0].can_flatten_inputs and other[0].auto_model.config._attn_implementation == "sdpa"
+    assert not model[0].can_flatten_inputs
+    with pytest.raises(PadfreeError, match="not padding-free"):
+        pst.disable(model)
+
+
 def test_minilm_prompt_excluded_from_pooling(minilm):
     texts, prompt = sentences(12, seed=3), "query: "
     minilm[1].include_prompt = False

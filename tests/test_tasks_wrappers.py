@@ -89,8 +89,11 @@ def wrap_like_accelerate_mixed_precision(model):
     """What ``Accelerator.prepare_model`` does to a model's forward under native mixed precision."""
     from accelerate.utils import convert_outputs_to_fp32
 
-    forward = model.forward.__func__ if hasattr(model.forward, "__func__") else model.forward
-    model.forward = MethodType(torch.autocast("cpu", dtype=torch.bfloat16)(forward), model)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    if not hasattr(model.forward, "__func__"):  # a callable object (padfree's compute route): wrapped as it is
+        model.forward = convert_outputs_to_fp32(autocast(model.forward))
+        return
+    model.forward = MethodType(autocast(model.forward.__func__), model)
     model.forward = MethodType(convert_outputs_to_fp32(model.forward.__func__), model)
 
 

@@ -5,10 +5,11 @@
     with pst.enable(model, {"attention": "exact"}):     # SentenceTransformer or CrossEncoder
         embeddings = model.encode(texts)                # packed rows, same embeddings as padded
     pst.encode(model, texts)                            # the same, in one call (also pst.predict)
+    pst.disable(model)                 # undo an enable() not used as a context manager (or a copy's)
 
     padfree_plugins.accelerate(trainer, cfg)            # SentenceTransformerTrainer / CrossEncoderTrainer
 """
 
-from .model import PadfreeModel, enable, encode, predict
+from .model import PadfreeModel, disable, enable, encode, predict
 
-__all__ = ["PadfreeModel", "enable", "encode", "predict"]
+__all__ = ["PadfreeModel", "disable", "enable", "encode", "predict"]

@@ -23,19 +23,22 @@ Everything after the ``Transformer`` module must understand packed features: ``P
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
 from padfree_plugins import PackingCollator, assemble, load_config
 from padfree_plugins.batch import BOUNDARY_KEYS
 from padfree_plugins.builtin.heads import sequence_logits
-from padfree_plugins.errors import ConfigError, UnsupportedArchitectureError
+from padfree_plugins.errors import ConfigError, PadfreeError, UnsupportedArchitectureError
 from padfree_plugins.patching import own_attribute, restore_attributes
 
 #: sentence-transformers modules that work on a packed row (after the Transformer module).
 PACKED_SAFE_MODULES = frozenset({"Pooling", "Normalize", "Dense", "LayerNorm", "Dropout"})
 #: The Transformer module tasks this integration runs, and the padfree task the inner model is assembled for.
 MODULE_TASKS = {"feature-extraction": "hidden_states", "sequence-classification": "seq_cls"}
+#: The attribute of an enabled model that holds its :class:`PadfreeModel`.
+ENABLED_ATTRIBUTE = "_padfree_enabled"
 _SAVED = ("can_flatten_inputs", "data_collator", "_flatten_position_offset", "model_forward_params", "forward")
 
 
@@ -127,17 +130,46 @@ def packing_collator(assembly: Any, config: Any) -> PackingCollator:
 
 
 @dataclass
+class PerTokenOutputsPadded:
+    """A ``SentenceTransformer.encode`` that runs padded when it returns per-token outputs (``output_value=
+    "token_embeddings"`` or ``None``): sentence-transformers cuts those per text with an attention mask, which a
+    packed row does not have. Sentence embeddings stay packed."""
+
+    model: Any
+    module: Any
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        encode = type(self.model).encode
+        bound = inspect.signature(encode).bind(self.model, *args, **kwargs)
+        if bound.arguments.get("output_value", "sentence_embedding") == "sentence_embedding":
+            return encode(self.model, *args, **kwargs)
+        flattening = self.module.can_flatten_inputs
+        self.module.can_flatten_inputs = False  # the patched model runs a padded batch as it did before
+        try:
+            return encode(self.model, *args, **kwargs)
+        finally:
+            self.module.can_flatten_inputs = flattening
+
+
+@dataclass
 class PadfreeModel:
-    """A sentence-transformers model made padding-free by :func:`enable`; ``undo()`` restores it (model and
-    module). Also a context manager."""
+    """A sentence-transformers model made padding-free by :func:`enable`; ``undo()`` (or :func:`disable`)
+    restores it (model and module). Also a context manager. It travels with the model: a copy of an enabled model
+    is enabled, and ``disable(copy)`` restores the copy."""
 
     model: Any
     assembly: Any
     patch: ModulePatch
+    saved: dict[str, Any] = field(default_factory=dict)
+    active: bool = True
 
     def undo(self) -> None:
+        if not self.active:
+            return
         self.patch.undo()
+        restore_attributes(self.model, self.saved)
         self.assembly.undo()
+        self.active = False
 
     def __enter__(self) -> "PadfreeModel":
         return self
@@ -153,6 +185,9 @@ def enable(model: Any, config: Any = None, *, host: Any = None) -> PadfreeModel:
     ``config``: a padfree config (dict, YAML path, :class:`~padfree_plugins.PadfreeConfig`); ``attention`` picks
     the backend (``exact`` on CPU); the task is implied by the model.
     """
+    if getattr(model, ENABLED_ATTRIBUTE, None) is not None:
+        raise PadfreeError(f"this {type(model).__name__} is already padding-free (perhaps a copy of an enabled model): "
+                           "call padfree_sentence_transformers.disable(model) first")
     module = transformer_module(model)
     config = module_config(config, module)
     assembly = assemble(module.auto_model, config, host=host)
@@ -161,7 +196,20 @@ def enable(model: Any, config: Any = None, *, host: Any = None) -> PadfreeModel:
     except BaseException:
         assembly.undo()
         raise
-    return PadfreeModel(model, assembly, patch)
+    enabled = PadfreeModel(model, assembly, patch, {name: own_attribute(model, name)
+                                                    for name in ("encode", ENABLED_ATTRIBUTE)})
+    if module.transformer_task == "feature-extraction":
+        model.encode = PerTokenOutputsPadded(model, module)
+    setattr(model, ENABLED_ATTRIBUTE, enabled)
+    return enabled
+
+
+def disable(model: Any) -> None:
+    """Undo :func:`enable` on ``model`` (or on a copy of an enabled model, which is enabled too)."""
+    enabled = getattr(model, ENABLED_ATTRIBUTE, None)
+    if enabled is None:
+        raise PadfreeError(f"this {type(model).__name__} is not padding-free: nothing to disable")
+    enabled.undo()
 
 
 def encode(model: Any, inputs: Any, config: Any = None, **kwargs: Any) -> Any:
