@@ -5,6 +5,7 @@ Everything the training loop needs comes out of here as plain objects; no hook i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ from .host import PluginHost
 from .patching import ModelPatch, unwrap_model
 from .probe import PROBE, PROBE_PLUGIN, probed_architecture, verify
 from .specs import Architecture, AttentionBackend, Task
+from .task_options import read_options
 
 EXACT_BACKEND = "exact"
 logger = logging.getLogger("padfree_plugins")
@@ -163,6 +165,8 @@ def _resolve(model_config: Any, config: PadfreeConfig, host: PluginHost, device_
             f"Available: {', '.join(sorted(tasks))}."
         )
     task, task_plugin = tasks[config.task]
+    if task.options is not None:
+        read_options(task.name, config.task_options, task.options)
     if config.pooling is not None and not (task.needs_pooling or task.pools):
         raise ConfigError(f"pooling: {config.pooling} is not used by task {task.name!r} (its model or head decides "
                           "which tokens it reads); remove pooling from the config")
@@ -171,7 +175,8 @@ def _resolve(model_config: Any, config: PadfreeConfig, host: PluginHost, device_
     if config.attention_dropout == "disable":
         features -= {"dropout"}
     backend, fallback = resolve_backend(host, config.attention, device_type, features)
-    notes = list(host.notes)
+    used = (("model type", _model_type(model_config)), ("task", task.name), ("attention backend", backend.name))
+    notes = [host.conflicts[key] for key in used if key in host.conflicts]  # only the names this model uses
     for name in config.plugins.block:
         if name not in host.records:  # a typo blocks nothing
             notes.append(f"plugins.block names {name!r}, which is not installed.{did_you_mean(name, host.records)}")
@@ -200,14 +205,17 @@ class Parts:
     @classmethod
     def build(cls, host: PluginHost, model_config: Any, config: PadfreeConfig, resolved: Plan) -> "Parts":
         call = dict(task=resolved.task, architecture=resolved.architecture, config=config)
-        collator = host.call_first("collate", model_config=model_config, **call)
+        collator = host.call_first("collate", returns_callable=True, model_config=model_config, **call)
         if collator is None:
             raise PluginError(f"no plugin provides a collator for task {resolved.task.name!r}")
         mode = config.pooling or (resolved.architecture.default_pooling if resolved.task.needs_pooling else None)
-        pooler = host.call_first("pool", mode=mode, **call) if mode else None
+        pooler = host.call_first("pool", returns_callable=True, mode=mode, **call) if mode else None
         if mode and pooler is None:
             raise ConfigError(f"no plugin provides pooling mode {mode!r} for {resolved.architecture.name}")
-        return cls(collator, pooler, host.call_first("revert_output", **call), host.call_first("task_forward", **call))
+        forward = host.call_first("task_forward", returns_callable=True, **call)
+        if getattr(forward, "uses_assembly_pooler", False):  # the pool hook's pooler, a plugin's mode included
+            forward = dataclasses.replace(forward, pooler=pooler)
+        return cls(collator, pooler, host.call_first("revert_output", returns_callable=True, **call), forward)
 
 
 @dataclass

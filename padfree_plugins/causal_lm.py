@@ -86,7 +86,7 @@ def causal_lm_collator(task: Task, architecture: Architecture, model_config: Any
                        config: PadfreeConfig) -> CausalLMCollator:
     """The collator for the ``causal_lm`` task, from the resolved specs and the acceleration config."""
     from .builtin.core import packing_collator
-    from .builtin.task_options import read_options
+    from .task_options import read_options
 
     options = read_options(task.name, config.task_options, OPTIONS,
                            {"labels_from_input_ids": (True, False), "labelled_logits_only": (True, False)})

@@ -83,6 +83,8 @@ class PluginHost:
         self.pm.add_hookspecs(hookspecs)
         self.records: dict[str, PluginRecord] = {}
         self.notes: list[str] = []
+        #: (kind, name) -> the note on which plugin won a name several plugins claim (e.g. ("model type", "llama")).
+        self.conflicts: dict[tuple[str, str], str] = {}
         self._declared: dict[str, dict[str, list[Any]]] = {}
         if entry_points:
             self._load_entry_points()
@@ -212,6 +214,7 @@ class PluginHost:
             note = f"{kind} {key!r} is claimed by several plugins: using {winner} over {losers}"
             if note not in self.notes:
                 self.notes.append(note)
+            self.conflicts[(kind, key)] = note
         return options[0][0], options[0][1].name
 
     def _by_name(self, hook_name: str, kind: str) -> dict[str, tuple[Any, str]]:
@@ -255,10 +258,11 @@ class PluginHost:
         """The pluggy hook relay (``host.hook.collate(...)``) — call it at assembly only."""
         return self.pm.hook
 
-    def call_first(self, hook_name: str, **kwargs: Any) -> Any:
+    def call_first(self, hook_name: str, *, returns_callable: bool = False, **kwargs: Any) -> Any:
         """Call an assembly (``firstresult``) hook as pluggy does — the first answer other than ``None`` wins, the
         last-registered plugin is asked first, ``trylast`` ones last — but when a plugin raises something other
-        than a padfree-plugins error, say which plugin failed and how to block it."""
+        than a padfree-plugins error, or (``returns_callable``) answers with something that cannot be called, say
+        which plugin it was and how to block it."""
         caller = getattr(self.pm.hook, hook_name)
         implementations = caller.get_hookimpls()
         if any(impl.hookwrapper or impl.wrapper for impl in implementations):
@@ -276,6 +280,9 @@ class PluginHost:
                     f"PADFREE_PLUGINS_BLOCK={name}"
                 ) from error
             if result is not None:
+                if returns_callable and not callable(result):
+                    raise PluginError(f"plugin {impl.plugin_name!r} answered its {hook_name} hook with a "
+                                      f"{type(result).__name__}, not a callable (docs/writing-a-plugin.md)")
                 return result
         return None
 

@@ -6,7 +6,7 @@ plugin code, and so that what assembly resolves from them can be pickled into Da
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -66,6 +66,8 @@ class Task:
     in every example is set to -100, so that no example is trained to continue the one before it.
     ``model_keys`` are the batch keys, besides ``input_ids``, positions and boundaries, that the default forward
     passes to the model (e.g. ``labels`` for causal LM, ``token_type_ids`` for encoders).
+    ``options``: the task's ``task_options`` with their defaults; when declared, planning refuses an unknown
+    option or a value of another kind than its default's (``None``: the task reads ``task_options`` itself).
     ``needs_pooling``: the task pools one vector per example (the architecture's default mode unless the config
     sets ``pooling``); ``pools``: it pools only when the config sets ``pooling``. A config that sets ``pooling``
     for a task with neither is an error: nothing would read it.
@@ -79,6 +81,7 @@ class Task:
     model_keys: tuple[str, ...] = ("token_type_ids",)
     needs_pooling: bool = False
     pools: bool = False
+    options: Mapping[str, Any] | None = field(default=None, compare=False)
     priority: int = 0
     description: str = ""
 

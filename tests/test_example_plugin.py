@@ -87,4 +87,5 @@ def test_example_plugin_equivalence():
     require_example_plugin()
     plugin_tests = load_plugin_tests()
     plugin_tests.test_plugin_is_discovered()
-    plugin_tests.test_packed_forward_equals_each_example_alone()
+    for model_class, task in plugin_tests.MODEL_CLASSES:
+        plugin_tests.test_packed_forward_equals_each_example_alone(model_class, task)

@@ -493,3 +493,84 @@ def test_third_party_entry_point_cannot_shadow_a_builtin_name(fake_distribution)
     impostor = host.records["llama (aaa_impostor)"]
     assert impostor.status == "error" and "duplicate plugin name 'llama'" in impostor.error
     assert host.architectures()["llama"][1] == "llama" and host.notes == []
+
+
+def test_an_assembly_hook_answering_with_something_uncallable_is_named():
+    from padfree_plugins import PluginError, assemble
+    from tests.conftest import tiny_model
+
+    @hookimpl
+    def collate(task, architecture, model_config, config):
+        return {"not": "callable"}
+
+    host = PluginHost({"odd": types.SimpleNamespace(collate=collate)}, environ=NO_ENV)
+    with pytest.raises(PluginError, match="plugin 'odd' answered its collate hook with a dict, not a callable"):
+        assemble(tiny_model("llama", head="causal_lm"), {"task": "causal_lm"}, host=host)
+
+
+def test_a_plugins_pooling_mode_serves_the_embedding_task():
+    """The embedding task pools with what the pool hook answers, so a plugin's mode works there too."""
+    from padfree_plugins import assemble
+    from padfree_plugins.pooling import MeanPooler
+    from tests.conftest import make_examples, tiny_model
+
+    calls = []
+
+    class HalfMean(MeanPooler):
+        def __call__(self, hidden_states, batch):
+            calls.append(1)
+            return super().__call__(hidden_states, batch) / 2
+
+    @hookimpl
+    def pool(task, architecture, mode, config):
+        return HalfMean() if mode == "half_mean" else None
+
+    host = PluginHost({"halves": types.SimpleNamespace(pool=pool)}, environ=NO_ENV)
+    model = tiny_model("bert")
+    config = {"task": "embedding", "attention": "exact", "task_options": {"loss": "MultipleNegativesRankingLoss"}}
+    rows = [{"anchor_input_ids": a["input_ids"], "positive_input_ids": b["input_ids"]}
+            for a, b in zip(make_examples([3, 5]), make_examples([4, 2], seed=1))]
+    embeddings = {}
+    for mode in ("mean", "half_mean"):
+        assembly = assemble(model, {**config, "pooling": mode}, host=host)
+        try:
+            embeddings[mode] = assembly.forward(model, assembly.collator(rows)).embeddings.detach()
+        finally:
+            assembly.undo()
+    assert calls and torch.allclose(embeddings["half_mean"], embeddings["mean"] / 2)
+
+
+def test_a_plugin_task_declares_its_options():
+    from padfree_plugins import ConfigError, plan
+    from tests.conftest import tiny_config
+
+    @hookimpl
+    def register_tasks():
+        return [Task("tagging", token_keys=("labels",), model_keys=("labels",), options={"scheme": "bio"}),
+                Task("free", options=None)]
+
+    host = PluginHost({"tags": types.SimpleNamespace(register_tasks=register_tasks)}, environ=NO_ENV)
+    llama = tiny_config("llama")
+    assert plan(llama, {"task": "tagging", "task_options": {"scheme": "bioes"}}, host=host, device_type="cpu")
+    with pytest.raises(ConfigError, match="'schema' is not an option of task 'tagging'. Did you mean 'scheme'"):
+        plan(llama, {"task": "tagging", "task_options": {"schema": "bio"}}, host=host, device_type="cpu")
+    with pytest.raises(ConfigError, match="scheme of task 'tagging' must be a string"):
+        plan(llama, {"task": "tagging", "task_options": {"scheme": 3}}, host=host, device_type="cpu")
+    assert plan(llama, {"task": "free", "task_options": {"anything": 1}}, host=host, device_type="cpu")
+    with pytest.raises(ConfigError, match="It takes no options"):
+        plan(llama, {"task": "hidden_states", "task_options": {"x": 1}}, host=host, device_type="cpu")
+
+
+def test_only_the_conflicts_a_model_uses_are_noted():
+    from padfree_plugins import plan
+    from tests.conftest import tiny_config
+
+    @hookimpl
+    def register_architectures():
+        return [Architecture("other_llama", model_types=("llama",), kind="decoder")]
+
+    host = PluginHost({"zzz": types.SimpleNamespace(register_architectures=register_architectures)}, environ=NO_ENV)
+    llama = plan(tiny_config("llama"), {}, host=host, device_type="cpu").notes
+    bert = plan(tiny_config("bert"), {"task": "hidden_states"}, host=host, device_type="cpu").notes
+    assert any("model type 'llama' is claimed by several plugins" in note for note in llama)
+    assert not any("'llama'" in note for note in bert)

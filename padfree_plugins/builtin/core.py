@@ -15,7 +15,6 @@ from ..patching import ModelPatch
 from ..pooling import POOLING_MODES, make_pooler
 from ..revert import Reverter
 from ..specs import Architecture
-from .task_options import read_options
 
 
 def model_token_limit(model_config, position_start: int = 0) -> int | None:
@@ -56,8 +55,6 @@ def collate(task, architecture, model_config, config):
         from ..causal_lm import causal_lm_collator
 
         return causal_lm_collator(task, architecture, model_config, config)
-    if task.name == "hidden_states":  # no options: any is a mistake
-        read_options(task.name, config.task_options, {})
     return packing_collator(task, architecture, model_config, config)
 
 

@@ -36,10 +36,9 @@ from transformers.utils import ModelOutput
 from ..errors import BatchError, ConfigError, did_you_mean
 from ..hookspecs import hookimpl
 from ..specs import Task
-from .core import choose_pooler
+from ..task_options import read_options
 from .heads import call_model, run_base
 from .task_collators import ColumnsCollator, packing_for
-from .task_options import read_options
 
 TASK = "embedding"
 OPTIONS = {"loss": None, "loss_kwargs": {}, "normalize": False, "include_prompt": True, "columns": []}
@@ -94,8 +93,9 @@ class EmbeddingForward:
     """``(model, packed batch) -> EmbeddingOutput(loss, embeddings, column_embeddings)``."""
 
     runs_inside_model_forward = True  # see heads.call_model
+    uses_assembly_pooler = True  # assembly hands it the pooler of the pool hook (a plugin's mode included)
 
-    pooler: Any
+    pooler: Any = None
     loss: Any = None
     normalize: bool = False
 
@@ -134,7 +134,7 @@ def _options(config) -> dict[str, Any]:
 
 @hookimpl
 def register_tasks():
-    return [Task(TASK, example_keys=("labels", "label", "score"), needs_pooling=True,
+    return [Task(TASK, example_keys=("labels", "label", "score"), needs_pooling=True, options=OPTIONS,
                  description="text embeddings: every column of every row packed into one row, pooled per text, "
                  "sentence-transformers losses (MultipleNegativesRanking/InfoNCE, CoSENT, Contrastive …)")]
 
@@ -154,6 +154,5 @@ def task_forward(task, architecture, config):
     if task.name != TASK:
         return None
     options = _options(config)
-    pooler = choose_pooler(architecture, config.pooling or architecture.default_pooling, options["include_prompt"])
-    return EmbeddingForward(pooler, sentence_transformers_loss(options["loss"], options["loss_kwargs"]),
-                            bool(options["normalize"]))
+    return EmbeddingForward(loss=sentence_transformers_loss(options["loss"], options["loss_kwargs"]),
+                            normalize=bool(options["normalize"]))

@@ -33,9 +33,9 @@ from ..errors import BatchError, ConfigError, UnsupportedArchitectureError
 from ..hookspecs import hookimpl
 from ..patching import unwrap_model
 from ..specs import Task
+from ..task_options import read_options
 from .heads import call_model, check_lm_head, check_sequence_head, sequence_logits, token_logits
 from .task_collators import ExampleCollator, packing_for
-from .task_options import read_options
 
 TASK = "reranker"
 OPTIONS = {"objective": "pointwise", "scorer": "head", "yes_token_id": None, "no_token_id": None, "pairs": True}
@@ -143,7 +143,7 @@ def _options(config) -> dict[str, Any]:
 
 @hookimpl
 def register_tasks():
-    return [Task(TASK, example_keys=("labels", "label", "group"),
+    return [Task(TASK, example_keys=("labels", "label", "group"), options=OPTIONS,
                  description="rerankers: cross-encoder head or generative yes/no scores, pointwise BCE or "
                  "listwise softmax over explicit query groups")]
 

@@ -20,9 +20,9 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 
 from ..hookspecs import hookimpl
 from ..specs import Task
+from ..task_options import read_options
 from .heads import call_model, check_sequence_head, sequence_logits
 from .task_collators import ExampleCollator, packing_for
-from .task_options import read_options
 
 TASK = "seq_cls"
 OPTIONS = {"pairs": False}
@@ -52,7 +52,7 @@ class SequenceClassificationForward:
 
 @hookimpl
 def register_tasks():
-    return [Task(TASK, example_keys=("labels", "label"),
+    return [Task(TASK, example_keys=("labels", "label"), options=OPTIONS,
                  description="sequence classification / regression: the model's own head on every example's "
                  "pooled token (CLS, last token, mean), its own loss")]
 

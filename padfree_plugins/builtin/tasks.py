@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..causal_lm import OPTIONS as CAUSAL_LM_OPTIONS
 from ..hookspecs import hookimpl
 from ..specs import Task
 
@@ -12,6 +13,7 @@ def register_tasks():
         Task(
             "hidden_states",
             pools=True,
+            options={},
             description="pack examples and run the model; outputs stay per token (features, custom heads)",
         ),
         Task(
@@ -19,6 +21,7 @@ def register_tasks():
             token_keys=("labels",),
             masked_first_keys=("labels",),
             model_keys=("labels", "token_type_ids", "logits_to_keep", "shift_labels"),
+            options=CAUSAL_LM_OPTIONS,
             description="causal language modelling / SFT: labels travel per token, each example's first label "
             "is ignored so no example learns from the one before it",
         ),

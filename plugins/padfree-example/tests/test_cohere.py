@@ -19,14 +19,19 @@ LENGTHS = [1, 7, 7, 30, 3]  # a one-token example, equal lengths, one long examp
 ATOL = 1e-5  # fp32, eval mode: packed and alone differ by rounding only
 
 
-def tiny_model():
+def tiny_model(model_class=transformers.AutoModel):
     """A randomly initialised 2-layer model (GQA: 4 query heads, 2 key/value heads), fp32, eval mode."""
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model(
         MODEL_TYPE, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, pad_token_id=1, bos_token_id=0, eos_token_id=2,
     )
-    return transformers.AutoModel.from_config(config, attn_implementation="sdpa").eval()
+    return model_class.from_config(config, attn_implementation="sdpa").eval()
+
+
+def output(result):
+    """What the model class computes per token: hidden states for AutoModel, logits for a causal LM."""
+    return result.logits if hasattr(result, "logits") else result.last_hidden_state
 
 
 def make_examples(lengths, seed=0):
@@ -43,18 +48,24 @@ def test_plugin_is_discovered():
     assert host.architectures()[MODEL_TYPE][1] == PLUGIN
 
 
+#: The model classes users train, with the task each is assembled for.
+MODEL_CLASSES = [(transformers.AutoModel, "hidden_states"), (transformers.AutoModelForCausalLM, "causal_lm")]
+
+
+@pytest.mark.parametrize("model_class, task", MODEL_CLASSES)
 @torch.no_grad()
-def test_packed_forward_equals_each_example_alone():
-    model = tiny_model()
+def test_packed_forward_equals_each_example_alone(model_class, task):
+    """The model classes users train: hidden states (embeddings, custom heads) and causal-LM logits (SFT)."""
+    model = tiny_model(model_class)
     examples = make_examples(LENGTHS)
     # The reference: every example alone through the unpatched model.
-    expected = [model(input_ids=torch.tensor([ex["input_ids"]])).last_hidden_state[0] for ex in examples]
+    expected = [output(model(input_ids=torch.tensor([ex["input_ids"]])))[0] for ex in examples]
 
-    assembly = padfree_plugins.assemble(model, {"task": "hidden_states"})
+    assembly = padfree_plugins.assemble(model, {"task": task})
     try:
         assert assembly.plan.architecture_plugin == PLUGIN, assembly.plan.describe()
         batch = assembly.collator(examples)  # one row [1, T] with cu_seq_lens_q / position_ids per example
-        packed = model(**batch.model_inputs()).last_hidden_state  # [1, T, H]
+        packed = output(model(**batch.model_inputs()))  # [1, T, H] or [1, T, vocab]
     finally:
         assembly.undo()
 
@@ -65,7 +76,7 @@ def test_packed_forward_equals_each_example_alone():
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=lambda m: f"example {i} of {LENGTHS}: {m}")
 
     # The test can fail: the same row without boundaries, through the unpatched model, mixes the examples.
-    mixed = model(input_ids=batch["input_ids"]).last_hidden_state
+    mixed = output(model(input_ids=batch["input_ids"]))
     assert not torch.allclose(mixed[0, cu[1] : cu[2]], expected[1], atol=1e-3)
 
 

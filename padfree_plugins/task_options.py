@@ -1,11 +1,15 @@
-"""Strict reading of ``task_options`` (padfree.yaml) for the builtin tasks: unknown keys and bad values are errors."""
+"""Strict reading of ``task_options`` (padfree.yaml): unknown keys and bad values are errors.
+
+A task declares its options with their defaults (``Task.options``); :func:`padfree_plugins.plan` checks the
+config against them, and the task's hooks read the values with :func:`read_options`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import ConfigError, did_you_mean
+from .errors import ConfigError, did_you_mean
 
 #: The kind of value an option must have, from the type of its default (a default of None takes anything).
 _KINDS = {bool: (bool, "true or false"), str: (str, "a string"), dict: (Mapping, "a mapping"),
@@ -20,7 +24,7 @@ def read_options(task: str, options: Mapping[str, Any], defaults: Mapping[str, A
         if key not in defaults:
             raise ConfigError(
                 f"task_options: {key!r} is not an option of task {task!r}.{did_you_mean(str(key), defaults)} "
-                f"Options: {', '.join(defaults)}."
+                + (f"Options: {', '.join(defaults)}." if defaults else "It takes no options.")
             )
     values = {**defaults, **options}
     for key, value in options.items():
