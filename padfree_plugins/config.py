@@ -48,8 +48,9 @@ class BatchingConfig:
         "(positions restart in every chunk)", default="error")
     seed: int | None = _help("shuffle seed; each epoch reshuffles (null: the trainer's data_seed or seed, else 0)",
                              default=None)
-    drop_last: bool = _help("keep only steps whose micro-batches are full; the few examples left over sit out the "
-                            "epoch (default: every example once per epoch, the last steps lighter)", default=False)
+    drop_last: bool = _help("cut every epoch to the fewest steps its shuffles pack into, dropping the last, lightest "
+                            "steps; their examples sit out that epoch (default: every example once per epoch, the "
+                            "last steps lighter)", default=False)
     length_column: str = _help("dataset column with example lengths, used when present (otherwise lengths are "
                                "computed once from input_ids)", default="length")
 

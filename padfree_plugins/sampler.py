@@ -39,6 +39,10 @@ from .packing import plan_epoch
 
 #: Per-token keys a split example is cut along (besides the collator's own token keys).
 SPLIT_KEYS = ("input_ids", "attention_mask", "labels", "token_type_ids")
+#: Shuffles of epoch 0 that set every epoch's step count (see ``TokenBudgetBatchSampler._pinned_steps``).
+PIN_DRAWS = 3
+#: Draws of an epoch's shuffle before giving up on its pinned step count (with a warning).
+MAX_REDRAWS = 16
 
 
 # -- lengths ---------------------------------------------------------------------------------------------------------
@@ -173,8 +177,9 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     Deterministic for ``(seed, epoch)``; call :meth:`set_epoch` every epoch, as with ``DistributedSampler``
     (accelerate's prepared dataloader and HF ``Trainer`` do). Every item is used exactly once per epoch unless
     ``drop_last``. The plan of an epoch is computed once, on first use, and cached; ``len()`` is exact and the
-    same every epoch (a later epoch's last steps are spread over as many steps as epoch 0 had, since HF ``Trainer``
-    sizes its loop from epoch 0; a warning says so if that is impossible).
+    same every epoch, since HF ``Trainer`` sizes every epoch from the first: the step count is pinned from a few
+    shuffles of epoch 0, every epoch's last steps are spread over exactly that many steps, and an epoch whose
+    shuffle packs worse is drawn again (deterministically) until it fits.
     """
 
     def __init__(self, lengths: Sequence[int] | np.ndarray, max_tokens_per_batch: int, *, num_replicas: int = 1,
@@ -207,17 +212,27 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         if self._plan is not None and self._plan[0] == epoch:
             return self._plan[1]
         if self._num_steps is None:
-            self._num_steps = len(self._make_plan(0, None)) // self.num_replicas
-        batches = self._make_plan(epoch, self._num_steps)
-        if len(batches) != self._num_steps * self.num_replicas:
-            warnings.warn(f"epoch {epoch} packs into {len(batches) // self.num_replicas} steps, epoch 0 into "
-                          f"{self._num_steps}: a trainer that sizes epochs from epoch 0 may miss or lack batches",
-                          stacklevel=2)
+            self._num_steps = self._pinned_steps()
+        for attempt in range(MAX_REDRAWS):
+            batches = self._make_plan(epoch, self._num_steps, attempt)
+            if len(batches) == self._num_steps * self.num_replicas:
+                break
+        else:
+            warnings.warn(f"epoch {epoch} packs into {len(batches) // self.num_replicas} steps, not the "
+                          f"{self._num_steps} of every epoch: a trainer that sizes epochs from the first may miss "
+                          "or lack batches; a larger max_tokens_per_batch or window packs more evenly", stacklevel=2)
         self._plan = (epoch, batches)
         return batches
 
-    def _make_plan(self, epoch: int, num_steps: int | None) -> list[list[int]]:
-        generator = self.sampler.rng(epoch)
+    def _pinned_steps(self) -> int:
+        """Every epoch's step count: the most steps a few shuffles of epoch 0 pack into (the fewest with
+        ``drop_last``, which cuts every epoch to it), so that a typical shuffle fits."""
+        counts = [len(self._make_plan(0, None, attempt)) // self.num_replicas for attempt in range(PIN_DRAWS)]
+        return min(counts) if self.drop_last else max(counts)
+
+    def _make_plan(self, epoch: int, num_steps: int | None, attempt: int = 0) -> list[list[int]]:
+        generator = self.sampler.rng(epoch) if attempt == 0 else np.random.default_rng(
+            [self.sampler.seed, epoch, attempt])
         order = generator.permutation(len(self.items))
         return plan_epoch(self.lengths, self.max_tokens_per_batch, order=order, rng=generator,
                           num_replicas=self.num_replicas, window=self.window, drop_last=self.drop_last,
@@ -305,6 +320,12 @@ def trainer_train_dataloader(trainer: Any, config: PadfreeConfig | BatchingConfi
         return None
     if trainer.train_dataset is None:
         raise ValueError("Trainer: training requires a train_dataset.")
+    if isinstance(trainer.train_dataset, torch.utils.data.IterableDataset) or not hasattr(trainer.train_dataset,
+                                                                                          "__len__"):
+        warnings.warn("batching.strategy: tokens needs a dataset with a length (a token budget plans each epoch "
+                      "from every example's length); this iterable dataset keeps the trainer's example-count "
+                      "batches, still padding-free", stacklevel=2)
+        return None
     args = trainer.args
     kwargs: dict[str, Any] = {"num_workers": args.dataloader_num_workers, "pin_memory": args.dataloader_pin_memory}
     if args.dataloader_num_workers > 0:
@@ -319,5 +340,11 @@ def trainer_train_dataloader(trainer: Any, config: PadfreeConfig | BatchingConfi
     seed = args.data_seed if args.data_seed is not None else args.seed
     loader = token_budget_dataloader(dataset, collator or trainer.data_collator, config, lengths=lengths,
                                      num_replicas=trainer.accelerator.num_processes, seed=seed, **kwargs)
-    return trainer.accelerator.prepare(loader)
+    prepared = trainer.accelerator.prepare(loader)
+    shard = getattr(prepared, "batch_sampler", None)
+    if getattr(shard, "batch_sampler", None) is loader.batch_sampler and not hasattr(shard, "set_epoch"):
+        # accelerate's per-rank wrapper does not pass the epoch on, and once Trainer resumes mid-epoch (wrapping it
+        # again to skip batches) nothing else reaches the sampler: it would replay epoch 0's plan
+        shard.set_epoch = loader.batch_sampler.set_epoch
+    return prepared
 

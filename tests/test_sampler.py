@@ -135,6 +135,67 @@ def test_set_epoch_through_accelerate_reaches_the_sampler():
     assert len(prepared) == len(sampler) // 2
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_every_epoch_has_the_first_epochs_steps_and_every_example(drop_last):
+    """HF Trainer sizes every epoch from the first: a shuffle that packs into more steps would leave examples out
+    silently (48 examples, budget 192, window 16: some shuffles need 7 steps, others 6)."""
+    rng = np.random.default_rng(79)
+    rng.integers(30, 200), rng.choice([64, 128, 192])  # (how the audit that found it drew its case)
+    lengths = np.clip(np.round(np.exp(rng.normal(np.log(20), 0.6, 48))), 2, 192).astype(int)
+    sampler = TokenBudgetBatchSampler(lengths, 192, window=16, drop_last=drop_last)
+    natural = {len(sampler._make_plan(epoch, None)) for epoch in range(12)}
+    assert len(natural) > 1  # the shuffles really differ in how many steps they pack into
+    steps = set()
+    for epoch in range(12):
+        sampler.set_epoch(epoch)
+        steps.add(len(sampler))
+        used = sorted(i for batch in sampler for i in batch)
+        assert drop_last or used == list(range(48)), epoch
+        assert all(lengths[batch].sum() <= 192 for batch in sampler)
+    assert len(steps) == 1
+
+
+def test_accelerates_per_rank_wrapper_passes_the_epoch_on(monkeypatch):
+    """Under DDP, accelerate wraps the batch sampler (BatchSamplerShard, no set_epoch); once HF Trainer resumes
+    mid-epoch it wraps that again and reaches only the shard wrapper: the epoch must get through it."""
+    import types
+
+    from accelerate.data_loader import BatchSamplerShard
+
+    from padfree_plugins.sampler import trainer_train_dataloader
+
+    prepared = {}
+
+    def prepare(loader):
+        prepared["loader"] = types.SimpleNamespace(batch_sampler=BatchSamplerShard(loader.batch_sampler, 2, 0))
+        return prepared["loader"]
+
+    args = types.SimpleNamespace(dataloader_num_workers=0, dataloader_pin_memory=False, data_seed=None, seed=0)
+    trainer = types.SimpleNamespace(train_dataset=make_examples(lognormal_lengths(40, 20, 0.6, 4, 100, 1)), args=args,
+                                    accelerator=types.SimpleNamespace(num_processes=2, prepare=prepare))
+    loader = trainer_train_dataloader(trainer, {"batching": {"strategy": "tokens", "max_tokens_per_batch": 128}},
+                                      collator=lambda rows: rows)
+    loader.batch_sampler.set_epoch(4)
+    assert loader.batch_sampler.batch_sampler.epoch == 4
+
+
+def test_an_iterable_dataset_keeps_example_count_batches():
+    import types
+
+    from torch.utils.data import IterableDataset
+
+    from padfree_plugins.sampler import trainer_train_dataloader
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(make_examples([3, 4]))
+
+    trainer = types.SimpleNamespace(train_dataset=Stream())
+    with pytest.warns(UserWarning, match="keeps the trainer's example-count batches"):
+        assert trainer_train_dataloader(trainer, {"batching": {"strategy": "tokens",
+                                                               "max_tokens_per_batch": 64}}) is None
+
+
 # -- balance -------------------------------------------------------------------------------------------------------
 
 
