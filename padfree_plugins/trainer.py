@@ -44,7 +44,7 @@ from .assembly import Assembly, assemble
 from .causal_lm import drop_labelled_logits, keep_labelled_logits
 from .config import PadfreeConfig, load_config
 from .datacheck import check_dataset
-from .errors import PadfreeError, PluginError
+from .errors import ConfigError, PadfreeError, PluginError
 from .host import PluginHost
 from .patching import own_attribute, restore_attributes, unwrap_model
 
@@ -163,6 +163,7 @@ class TrainerPatch:
             raise PadfreeError("the assembly was built for another model than trainer.model")
         _check_collator(trainer.data_collator)
         _check_datasets(trainer, assembly.collator)
+        _check_trl_packing(trainer, assembly.config)
         trainer._set_signature_columns_if_needed()
         patch = cls(trainer, assembly, kind)
         for name in ("data_collator", "_signature_columns"):
@@ -383,6 +384,22 @@ def _check_collator(collator: Any) -> None:
         "computes. Build such features and labels in the dataset (dataset.map), or, if the collator only pads, set "
         "trainer.data_collator = None before accelerating."
     )
+
+
+def _check_trl_packing(trainer: Any, config: Any) -> None:
+    """TRL ``packing=True`` under a token budget: TRL's packed rows (up to ``max_length`` tokens) are the examples,
+    and they cannot be split without losing the sequence boundaries inside them."""
+    batching = getattr(config, "batching", None)
+    if not getattr(trainer.args, "packing", False) or getattr(batching, "strategy", "examples") != "tokens":
+        return
+    longest = getattr(trainer.args, "max_length", None)
+    if batching.on_overlong_example == "split":
+        raise ConfigError("batching.on_overlong_example: split cannot cut TRL's packed rows (each holds several "
+                          "examples' boundaries); use error, with max_tokens_per_batch at least TRL's max_length")
+    if longest is not None and batching.max_tokens_per_batch < longest:
+        raise ConfigError(f"batching.max_tokens_per_batch={batching.max_tokens_per_batch} is less than TRL's "
+                          f"max_length={longest}: with packing=True, TRL's packed rows are the examples; raise the "
+                          "budget to at least max_length")
 
 
 def _check_datasets(trainer: Any, collator: Any) -> None:

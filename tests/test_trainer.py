@@ -507,3 +507,14 @@ def test_sft_metrics_on_a_mixture_of_experts_see_the_logits_alone():
     assert isinstance(got.predictions, np.ndarray) and got.predictions.shape == want.predictions.shape
     real = want.label_ids[:, 1:] != -100  # a packed example's first label is -100 (see above)
     np.testing.assert_allclose(got.predictions[:, 1:][real], want.predictions[:, 1:][real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batching, message", [
+    ({"max_tokens_per_batch": 64}, "less than TRL's max_length=128"),
+    ({"max_tokens_per_batch": 256, "on_overlong_example": "split"}, "split cannot cut TRL's packed rows"),
+])
+def test_trl_packing_with_a_token_budget_is_checked_before_training(batching, message):
+    trainer, _ = make_trainer("sft", packed=False, packing=True, max_length=128)
+    with pytest.raises(PadfreeError, match=message):
+        accelerate(trainer, {"task": "causal_lm", "batching": {"strategy": "tokens", **batching}})
+    assert "get_train_dataloader" not in vars(trainer)
