@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from padfree_plugins.padding import pad_examples
-from tests.conftest import tiny_model
+from tests.conftest import make_examples, tiny_model
 
 #: Encoder architecture plugins and the overrides their tiny configs need.
 ENCODERS = {
@@ -59,3 +59,15 @@ def pair_examples(lengths, seed: int = 0):
         first = max(1, n // 3) if n > 1 else 0
         out.append({"input_ids": ids, "token_type_ids": [0] * first + [1] * (n - first)})
     return out
+
+
+def per_example_case(task: str, lengths: list[int]) -> tuple[dict, list[dict]]:
+    """A config and labelled rows for a per-example task: ``seq_cls`` (labels 0 / 1) or ``embedding``
+    (anchor / positive rows, MultipleNegativesRankingLoss, mean pooling)."""
+    config = {"task": task, "attention": "exact"}
+    if task == "embedding":
+        config.update(pooling="mean", task_options={"loss": "MultipleNegativesRankingLoss"})
+        return config, [{"anchor_input_ids": a["input_ids"], "positive_input_ids": b["input_ids"]}
+                        for a, b in zip(make_examples(lengths), make_examples([5, 2, 9], seed=1))]
+    return config, [{**example, "label": i % 2} for i, example in enumerate(make_examples(lengths))]
+

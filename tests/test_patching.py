@@ -18,6 +18,7 @@ from padfree_plugins import (
 )
 from padfree_plugins.padding import pad_examples
 from tests.conftest import make_examples, tiny_config, tiny_model
+from tests.tasks_common import per_example_case
 
 
 def padded(examples, side="right"):
@@ -351,13 +352,7 @@ def test_torch_compile_runs_the_per_example_tasks(task):
     """The per-example heads run as the compiled model's forward (the compute route), equal to eager."""
     head = "seq_cls" if task == "seq_cls" else "base"
     model = tiny_model("bert", head=head, num_labels=2)  # eval: no dropout, so eager and compiled agree
-    config = {"task": task, "attention": "exact"}
-    if task == "embedding":
-        config.update(pooling="mean", task_options={"loss": "MultipleNegativesRankingLoss"})
-        examples = [{"anchor_input_ids": a["input_ids"], "positive_input_ids": b["input_ids"]}
-                    for a, b in zip(make_examples([3, 7, 2]), make_examples([5, 2, 9], seed=1))]
-    else:
-        examples = [{**example, "label": i % 2} for i, example in enumerate(make_examples([3, 7, 2]))]
+    config, examples = per_example_case(task, [3, 7, 2])
     assembly = assemble(model, config)
     try:
         batch = assembly.collator(examples)

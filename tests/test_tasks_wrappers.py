@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from padfree_plugins import assemble
 from tests.conftest import make_examples
-from tests.tasks_common import assert_grads_close, grads, model_for, padded
+from tests.tasks_common import assert_grads_close, grads, model_for, padded, per_example_case
 
 peft = pytest.importorskip("peft")
 
@@ -62,13 +62,7 @@ def test_ddp_sees_the_forward(process_group, task):
     ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=task == "embedding")
     calls = []
     ddp.register_forward_pre_hook(lambda module, args: calls.append(type(module).__name__))
-    config = {"task": task, "attention": "exact"}
-    if task == "embedding":
-        config.update(pooling="mean", task_options={"loss": "MultipleNegativesRankingLoss"})
-        examples = [{"anchor_input_ids": a["input_ids"], "positive_input_ids": b["input_ids"]}
-                    for a, b in zip(make_examples([3, 7, 1]), make_examples([5, 2, 9], seed=1))]
-    else:
-        examples = labelled([3, 7, 1])
+    config, examples = per_example_case(task, [3, 7, 1])
     assembly = assemble(ddp, config)
     try:
         batch = assembly.collator(examples)

@@ -430,11 +430,9 @@ def test_resume_from_checkpoint_continues_the_same_curve(tmp_path, batching):
     torch.testing.assert_close(torch.tensor(losses(resumed)[3:]), torch.tensor(losses(full)[3:]), atol=1e-6, rtol=0)
 
 
-def test_sft_trainer_on_prompt_completion_text_keeps_the_completion_only_loss():
-    """TRL tokenizes a prompt / completion text dataset and folds its completion mask into labels; packed, the
-    prompt stays out of the loss and the curve is TRL's padded one."""
-    rows_ = [{"prompt": f"question {i} about tiny things", "completion": f" answer {i} " * (1 + i % 4)}
-             for i in range(40)]
+def assert_text_sft_curve_equals_padded(rows_: list[dict], processing_class, **sft_overrides) -> None:
+    """TRL SFTTrainer on a text dataset, 6 steps, padded then packed: TRL's own label mask (its prompt or
+    non-assistant tokens at -100) survives packing, and the loss curves agree."""
     curves = {}
     for packed in (False, True):
         torch.manual_seed(0)
@@ -442,39 +440,9 @@ def test_sft_trainer_on_prompt_completion_text_keeps_the_completion_only_loss():
                                                  attn_implementation="sdpa")
         args = trl.SFTConfig(output_dir=tempfile.mkdtemp(), max_steps=6, per_device_train_batch_size=4,
                              learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none", seed=0,
-                             disable_tqdm=True, bf16=False, dataloader_pin_memory=False)
+                             disable_tqdm=True, bf16=False, dataloader_pin_memory=False, **sft_overrides)
         trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows_),
-                                 processing_class=tokenizer())
-        if packed:
-            accelerate(trainer, {"task": "causal_lm"})
-            example = trainer.train_dataset[0]
-            batch = trainer.data_collator([example])
-            prompt = sum(label == -100 for label in example["labels"])
-            assert 0 < prompt < len(example["labels"]) and (batch["labels"][0, :prompt] == -100).all()
-        trainer.train()
-        curves[packed] = losses(trainer)
-    torch.testing.assert_close(torch.tensor(curves[True]), torch.tensor(curves[False]), atol=1e-5, rtol=0)
-
-
-def test_sft_trainer_on_conversations_keeps_the_assistant_only_loss():
-    """``assistant_only_loss``: TRL masks every non-assistant token from a chat template's generation markers;
-    packed, only the assistant turns count and the curve is TRL's padded one."""
-    chat = copy.deepcopy(tokenizer())
-    chat.chat_template = ("{% for m in messages %}{% if m['role'] == 'assistant' %}A:{% generation %}"
-                          "{{ m['content'] }}{% endgeneration %}{% else %}U:{{ m['content'] }}{% endif %}{% endfor %}")
-    conversations = [{"messages": [{"role": "user", "content": f"question {i} about things"},
-                                   {"role": "assistant", "content": f" answer {i} " * (1 + i % 4)}]}
-                     for i in range(40)]
-    curves = {}
-    for packed in (False, True):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(tiny_config("llama", num_key_value_heads=2, vocab_size=300),
-                                                 attn_implementation="sdpa")
-        args = trl.SFTConfig(output_dir=tempfile.mkdtemp(), max_steps=6, per_device_train_batch_size=4,
-                             learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none", seed=0,
-                             disable_tqdm=True, bf16=False, dataloader_pin_memory=False, assistant_only_loss=True)
-        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(conversations),
-                                 processing_class=chat)
+                                 processing_class=processing_class)
         if packed:
             accelerate(trainer, {"task": "causal_lm"})
             example = trainer.train_dataset[0]
@@ -485,6 +453,23 @@ def test_sft_trainer_on_conversations_keeps_the_assistant_only_loss():
         curves[packed] = losses(trainer)
     torch.testing.assert_close(torch.tensor(curves[True]), torch.tensor(curves[False]), atol=1e-5, rtol=0)
 
+
+def test_sft_trainer_on_prompt_completion_text_keeps_the_completion_only_loss():
+    """TRL tokenizes a prompt / completion text dataset and folds its completion mask into labels."""
+    rows_ = [{"prompt": f"question {i} about tiny things", "completion": f" answer {i} " * (1 + i % 4)}
+             for i in range(40)]
+    assert_text_sft_curve_equals_padded(rows_, tokenizer())
+
+
+def test_sft_trainer_on_conversations_keeps_the_assistant_only_loss():
+    """``assistant_only_loss``: TRL masks every non-assistant token from a chat template's generation markers."""
+    chat = copy.deepcopy(tokenizer())
+    chat.chat_template = ("{% for m in messages %}{% if m['role'] == 'assistant' %}A:{% generation %}"
+                          "{{ m['content'] }}{% endgeneration %}{% else %}U:{{ m['content'] }}{% endif %}{% endfor %}")
+    conversations = [{"messages": [{"role": "user", "content": f"question {i} about things"},
+                                   {"role": "assistant", "content": f" answer {i} " * (1 + i % 4)}]}
+                     for i in range(40)]
+    assert_text_sft_curve_equals_padded(conversations, chat, assistant_only_loss=True)
 
 
 def test_sft_metrics_on_a_mixture_of_experts_see_the_logits_alone():
