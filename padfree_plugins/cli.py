@@ -107,7 +107,7 @@ def check(
 
     from .assembly import plan
     from .config import load_config
-    from .train import check_model_type, load_model_config
+    from .model_configs import check_model_type, load_model_config
 
     try:
         cfg = load_config(config)

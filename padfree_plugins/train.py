@@ -24,7 +24,8 @@ from typing import Any
 
 from .arguments import AccelerationArguments
 from .config import PadfreeConfig
-from .errors import ConfigError, PadfreeError, did_you_mean
+from .errors import ConfigError, PadfreeError
+from .model_configs import load_model_config, local_directory
 
 #: The instruction / response pairs shipped with the package (``padfree_plugins/data``).
 DEFAULT_DATASET = "instructions.jsonl"
@@ -273,46 +274,6 @@ def check_token_ids(data: Any, vocab_size: int) -> None:
         offset += table.num_rows
 
 
-def local_directory(path: str, flag: str) -> str:
-    """``path`` if it is a directory; otherwise a clear error (nothing is downloaded: there may be no hub)."""
-    if not Path(path).is_dir():
-        raise ConfigError(f"{flag} {path!r}: no such directory (give a local directory; nothing is downloaded)")
-    return path
-
-
-def check_model_type(model_type: Any, where: str) -> None:
-    """A :class:`ConfigError` with the closest known model type when transformers does not know ``model_type``."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    if model_type not in CONFIG_MAPPING:
-        hint = did_you_mean(str(model_type), CONFIG_MAPPING.keys()) or " Give a transformers model type, e.g. 'llama'."
-        raise ConfigError(f"{where}: unknown model_type {model_type!r}.{hint}")
-
-
-def load_model_config(source: str, flag: str = "--model_config") -> Any:
-    """A transformers config from a ``config.json`` file or a directory holding one (offline)."""
-    from transformers import AutoConfig
-
-    path = Path(source)
-    file = path / "config.json" if path.is_dir() else path
-    if not file.is_file():
-        raise ConfigError(f"{flag} {source!r} does not exist (give a config.json or a directory holding one)")
-    try:
-        data = json.loads(file.read_text())
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{file} is not valid JSON: {error}") from error
-    if not isinstance(data, dict) or ("model_type" not in data and not path.is_dir()):
-        raise ConfigError(f"{file}: a model config needs a model_type (e.g. \"llama\")")
-    if "model_type" in data:
-        check_model_type(data["model_type"], str(file))
-    try:
-        if path.is_dir():
-            return AutoConfig.from_pretrained(str(path))
-        return AutoConfig.for_model(data.pop("model_type"), **data)
-    except ValueError as error:  # a value the config class refuses
-        raise ConfigError(f"{file}: {str(error).splitlines()[0]}") from error
-
-
 def _model_config(script: TrainScriptArguments) -> Any:
     if script.model_name_or_path:
         return load_model_config(local_directory(script.model_name_or_path, "--model_name_or_path"),
@@ -389,8 +350,8 @@ def run_train(argv: Sequence[str] = (), print_fn: Callable[[str], None] | None =
         raise ConfigError("give either --model_name_or_path or --model_config, not both")
 
     given_config = _model_config(script) if script.model_name_or_path or script.model_config else None
-    if given_config is not None:  # resolve what will be patched before reading any data
-        plan(given_config, config, device_type=training.device.type)
+    # resolve what will be patched before reading any data (the embedded model is planned once its vocab is known)
+    planned = plan(given_config, config, device_type=training.device.type) if given_config is not None else None
     rows = quietly(load_rows, script.dataset, script.dataset_split)
     if script.max_examples is not None:
         rows = rows.select(range(min(script.max_examples, len(rows))))
@@ -415,7 +376,7 @@ def run_train(argv: Sequence[str] = (), print_fn: Callable[[str], None] | None =
                               f"{model_config.get_text_config().vocab_size}; raise vocab_size in the config")
     else:
         model_config = tiny_llama_config(vocab, tokenizer)
-    setup = plan(model_config, config, device_type=training.device.type).describe()
+    setup = (planned or plan(model_config, config, device_type=training.device.type)).describe()
 
     data = quietly(tokenize, rows, tokenizer, script.completion_only_loss, script.truncate_to)
     check_token_ids(data, model_config.get_text_config().vocab_size)

@@ -170,7 +170,7 @@ def build_model(settings: BenchSettings) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     if settings.model_config is not None:
-        from ..train import load_model_config
+        from ..model_configs import load_model_config
 
         config = load_model_config(settings.model_config, "--model-config")
         config.use_cache = False
