@@ -164,8 +164,7 @@ class ModelPatch:
     handles: list[RemovableHandle] = field(default_factory=list)
     active: bool = True
     attention_dropout: bool = True
-    compute_route: Any = field(default=None, repr=False)
-    forward_before_route: Any = field(default=None, repr=False)
+    compute_route: ForwardOrCompute | None = field(default=None, repr=False)
     _call_tokens: list = field(default_factory=list, repr=False)
 
     @classmethod
@@ -219,20 +218,15 @@ class ModelPatch:
         """
         if self.compute_route is not None:
             return
-        previous = self.model.__dict__.get("forward")  # a wrapper someone installed before us, if any
-        self.compute_route = ForwardOrCompute(self.model, previous)
-        self.forward_before_route = previous
+        # keeps the instance forward someone installed before us, if any
+        self.compute_route = ForwardOrCompute(self.model, self.model.__dict__.get("forward"))
         self.model.forward = self.compute_route
 
     def _remove_compute_route(self) -> None:
         if self.compute_route is None:
             return
-        installed = self.model.__dict__.get("forward")
-        if installed is self.compute_route:  # if a wrapper was installed over it since, it stays (transparent)
-            if self.forward_before_route is None:
-                del self.model.__dict__["forward"]
-            else:
-                self.model.forward = self.forward_before_route
+        if self.model.__dict__.get("forward") is self.compute_route:  # a wrapper installed over it since stays
+            restore_attributes(self.model, {"forward": self.compute_route.previous or MISSING})
         self.compute_route = None
 
     def undo(self) -> None:

@@ -140,8 +140,9 @@ def check_sequence_head(model: Any, task: str) -> None:
     sequence_head(inner)  # a head this module knows how to run per example
 
 
-def check_lm_head(model: Any, task: str) -> None:
-    """Refuse, at assembly, a model without a language-model head (a bare base model, a classifier)."""
+def check_lm_head(model: Any, task: str) -> Any:
+    """The model's language-model head; refused (at assembly) for a model without one (a bare base model, a
+    classifier)."""
     inner = unwrap_model(model)
     head = inner.get_output_embeddings()
     if head is None or not hasattr(head, "weight"):
@@ -149,6 +150,7 @@ def check_lm_head(model: Any, task: str) -> None:
             f"task {task} needs a model with a language-model head; {type(inner).__name__} has none. Load it with "
             "AutoModelForCausalLM"
         )
+    return head
 
 
 def sequence_logits(model: Any, batch: Mapping) -> torch.Tensor:
@@ -168,8 +170,7 @@ def token_logits(model: Any, batch: Mapping, token_ids: torch.Tensor) -> torch.T
     is applied the same way.
     """
     inner = unwrap_model(model)
-    check_lm_head(inner, "reranker (scorer yes_no)")
-    head = inner.get_output_embeddings()
+    head = check_lm_head(inner, "reranker (scorer yes_no)")
     last = _last(run_base(inner, batch), batch)
     token_ids = token_ids.to(head.weight.device)
     bias = head.bias.index_select(0, token_ids) if getattr(head, "bias", None) is not None else None
