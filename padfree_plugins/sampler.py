@@ -340,11 +340,15 @@ def trainer_train_dataloader(trainer: Any, config: PadfreeConfig | BatchingConfi
     seed = args.data_seed if args.data_seed is not None else args.seed
     loader = token_budget_dataloader(dataset, collator or trainer.data_collator, config, lengths=lengths,
                                      num_replicas=trainer.accelerator.num_processes, seed=seed, **kwargs)
-    prepared = trainer.accelerator.prepare(loader)
+    return pass_epoch_on(trainer.accelerator.prepare(loader), loader.batch_sampler)
+
+
+def pass_epoch_on(prepared: Any, batch_sampler: Any) -> Any:
+    """Give accelerate's per-rank wrapper of ``batch_sampler`` (``BatchSamplerShard``, under DDP) the sampler's
+    ``set_epoch``, and return ``prepared``: once HF ``Trainer`` resumes mid-epoch it wraps the shard again to skip
+    batches and sets the epoch on the shard alone, so without it the sampler would replay epoch 0's plan."""
     shard = getattr(prepared, "batch_sampler", None)
-    if getattr(shard, "batch_sampler", None) is loader.batch_sampler and not hasattr(shard, "set_epoch"):
-        # accelerate's per-rank wrapper does not pass the epoch on, and once Trainer resumes mid-epoch (wrapping it
-        # again to skip batches) nothing else reaches the sampler: it would replay epoch 0's plan
-        shard.set_epoch = loader.batch_sampler.set_epoch
+    if getattr(shard, "batch_sampler", None) is batch_sampler and not hasattr(shard, "set_epoch"):
+        shard.set_epoch = batch_sampler.set_epoch
     return prepared
 

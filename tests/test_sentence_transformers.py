@@ -362,3 +362,55 @@ def test_token_budget_batching_with_several_training_datasets(tiny_dirs, policy)
     steps = list(InterleavedSteps([0, len(pairs)], two_ranks, policy))
     assert len(steps) % 2 == 0
     assert all((a[0] >= len(pairs)) == (b[0] >= len(pairs)) for a, b in zip(steps[::2], steps[1::2]))
+
+
+@pytest.mark.parametrize("several", [False, True], ids=["one-dataset", "dataset-dict"])
+def test_token_budget_epoch_reaches_the_samplers_on_two_ranks(tiny_dirs, monkeypatch, several):
+    """Under DDP accelerate wraps the batch sampler in its per-rank BatchSamplerShard. Every epoch (several datasets)
+    and a resume mid-epoch (which wraps the shard again and sets the epoch on the shard alone, as transformers'
+    Trainer does) must still reach the token-budget samplers: else a rank replays epoch 0's batches."""
+    import types
+
+    from accelerate.data_loader import prepare_data_loader, skip_first_batches
+    from datasets import Dataset, DatasetDict
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers.sentence_transformer import losses
+
+    pairs = Dataset.from_dict({"anchor": sentences(40, seed=4), "positive": sentences(40, seed=5)})
+    loss = losses.MultipleNegativesRankingLoss
+    model = tiny_sentence_transformer(tiny_dirs["encoder"])
+    data = DatasetDict(a=pairs, b=pairs.select(range(20))) if several else pairs
+    args = SentenceTransformerTrainingArguments(output_dir=tempfile.mkdtemp(prefix="padfree-st-"), report_to=[],
+                                                use_cpu=True, save_strategy="no", disable_tqdm=True)
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=data,
+                                         loss={"a": loss(model), "b": loss(model)} if several else loss(model))
+    acceleration = padfree_plugins.accelerate(trainer, {"batching": {"strategy": "tokens",
+                                                                      "max_tokens_per_batch": 120}})
+    rank0 = types.SimpleNamespace(num_processes=2, even_batches=True, prepare=lambda loader: prepare_data_loader(
+        loader, num_processes=2, process_index=0, put_on_device=False, even_batches=False))
+    monkeypatch.setattr(trainer, "accelerator", rank0)
+
+    def texts(loader) -> list:
+        return [batch["anchor_input_ids"].tolist() for batch in loader]
+
+    def batches(epoch: int, skip: int = 0) -> list:
+        loader = trainer.get_train_dataloader()  # fresh samplers, at epoch 0, as in a resumed process
+        if skip:
+            loader = skip_first_batches(loader, skip)
+        loader.set_epoch(epoch)
+        underlying = loader.batch_sampler.batch_sampler  # transformers' Trainer reaches past accelerate's wrapper
+        if hasattr(underlying, "set_epoch"):
+            underlying.set_epoch(epoch)
+        return texts(loader)
+
+    def epoch_batches(epoch: int) -> list:
+        loader = trainer.get_train_dataloader()
+        loader.batch_sampler.batch_sampler.set_epoch(epoch)  # straight on the token-budget sampler
+        loader.iteration = epoch  # (iterating the loader sets its own epoch on what it reaches)
+        return texts(loader)
+
+    assert epoch_batches(3) != epoch_batches(0)  # the epochs really differ
+    assert batches(3) == epoch_batches(3)
+    assert batches(3, skip=2) == epoch_batches(3)[2:]
+    acceleration.undo()
+    assert "get_train_dataloader" not in trainer.__dict__

@@ -24,7 +24,13 @@ import numpy as np
 
 from padfree_plugins.errors import BatchError, ConfigError
 from padfree_plugins.patching import own_attribute, restore_attributes
-from padfree_plugins.sampler import TokenBudgetBatchSampler, batching_config, token_budget_sampler, uses_token_budget
+from padfree_plugins.sampler import (
+    TokenBudgetBatchSampler,
+    batching_config,
+    pass_epoch_on,
+    token_budget_sampler,
+    uses_token_budget,
+)
 
 
 def text_lengths(model: Any, dataset: Any, label_columns: Any = ()) -> np.ndarray:
@@ -134,8 +140,25 @@ class TokenBudgetMultiDataset:
 
 
 @dataclass
+class EpochThroughShards:
+    """The trainer's ``get_train_dataloader``, with the epoch passed on to a token-budget sampler through
+    accelerate's per-rank wrapper (see :func:`padfree_plugins.sampler.pass_epoch_on`): resuming mid-epoch under DDP
+    would otherwise replay epoch 0's batches."""
+
+    original: Any
+
+    def __call__(self) -> Any:
+        loader = self.original()
+        sampler = getattr(getattr(loader, "batch_sampler", None), "batch_sampler", None)
+        if isinstance(sampler, (TokenBudgetBatchSampler, InterleavedSteps)):
+            pass_epoch_on(loader, sampler)
+        return loader
+
+
+@dataclass
 class BatchSamplerPatch:
-    """``trainer.get_batch_sampler`` and ``get_multi_dataset_batch_sampler`` replaced; :meth:`undo` restores them."""
+    """``trainer.get_batch_sampler``, ``get_multi_dataset_batch_sampler`` and ``get_train_dataloader`` replaced;
+    :meth:`undo` restores them."""
 
     trainer: Any
     saved: Any
@@ -143,11 +166,12 @@ class BatchSamplerPatch:
 
     @classmethod
     def apply(cls, trainer: Any, model: Any, config: Any) -> "BatchSamplerPatch":
-        names = ("get_batch_sampler", "get_multi_dataset_batch_sampler")
+        names = ("get_batch_sampler", "get_multi_dataset_batch_sampler", "get_train_dataloader")
         saved = {name: own_attribute(trainer, name) for name in names}
         trainer.get_batch_sampler = TokenBudgetBatches(trainer, model, config, trainer.get_batch_sampler)
         trainer.get_multi_dataset_batch_sampler = TokenBudgetMultiDataset(trainer,
                                                                           trainer.get_multi_dataset_batch_sampler)
+        trainer.get_train_dataloader = EpochThroughShards(trainer.get_train_dataloader)
         return cls(trainer, saved)
 
     def undo(self) -> None:
