@@ -4,7 +4,8 @@
 ``None`` so that the next plugin answers. The trainer itself is left alone: its data collator tokenizes through
 ``model.preprocess``, which — once the model's Transformer module is patched (:mod:`.model`) — packs every column
 into one row; its losses call the model, whose Pooling module pools per text and whose CrossEncoder head scores
-per text. Other models a loss calls on those features (``GISTEmbedLoss``'s guide) are made padding-free too.
+per text. Other models a loss calls on those features (``GISTEmbedLoss``'s guide) are made padding-free too, and
+the few losses that read the features themselves are fixed or refused (:mod:`.losses`).
 With ``batching.strategy: tokens`` the training batches are filled up to a token budget (:mod:`.batching`).
 ``undo()`` restores the modules and the trainer (``accelerate``'s own ``undo`` restores the model's attention).
 """
@@ -14,12 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from padfree_plugins import PadfreeError, hookimpl, unwrap_model
 from padfree_plugins.sampler import uses_token_budget
 
 from .batching import BatchSamplerPatch, check_config
+from .losses import loss_modules, patch_losses
 from .model import enable, module_config, packing_collator, patch_module, transformer_module
 
 TRAINERS = ("SentenceTransformerTrainer", "CrossEncoderTrainer")
@@ -62,8 +62,9 @@ def wrap_trainer(trainer, assembly, config):
     check_config(config)
     if unwrap_model(model) is not assembly.model:
         raise PadfreeError("the assembly was built for another model than trainer.model")
-    patches = [patch_module(module, packing_collator(assembly, config))]
+    patches = [patch_losses(trainer)]
     try:
+        patches.append(patch_module(module, packing_collator(assembly, config)))
         for companion in companion_models(trainer):  # packed features reach it too: it must run padding-free
             patches.append(enable(companion, config))
         if uses_token_budget(config):
@@ -79,10 +80,8 @@ def companion_models(trainer: Any) -> list:
     hands it the trained model's (packed) features unless it re-tokenizes, so it is made padding-free as well."""
     from sentence_transformers import CrossEncoder, SentenceTransformer
 
-    losses = trainer.loss.values() if isinstance(trainer.loss, dict) else [trainer.loss]
     found: dict[int, Any] = {}
-    for loss in losses:
-        for module in loss.modules() if isinstance(loss, torch.nn.Module) else ():
-            if isinstance(module, (SentenceTransformer, CrossEncoder)) and module is not trainer.model:
-                found.setdefault(id(module), module)
+    for module in loss_modules(trainer):
+        if isinstance(module, (SentenceTransformer, CrossEncoder)) and module is not trainer.model:
+            found.setdefault(id(module), module)
     return list(found.values())

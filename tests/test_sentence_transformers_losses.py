@@ -1,0 +1,174 @@
+"""sentence-transformers losses and model features through padfree_plugins.accelerate(): the padded loss curve
+(4 steps), or a clear error before training. Losses that run the model several times (per layer, per dimension,
+in cached mini-batches), carry a classifier, call the model on listwise pairs, or read the features themselves.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+
+import padfree_plugins
+from padfree_plugins import PadfreeError
+from tests import test_sentence_transformers as st_tests
+from tests.test_sentence_transformers import CONFIG, CrossEncoder, sentences, tiny_sentence_transformer, train
+
+_offline, minilm, tiny_dirs = st_tests._offline, st_tests.minilm, st_tests.tiny_dirs  # its fixtures, here too
+
+
+def st_curves(model_factory, loss_factory, dataset, **args) -> list[list[float]]:
+    """The padded and the padding-free loss curve of a SentenceTransformerTrainer."""
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+
+    arguments = functools.partial(SentenceTransformerTrainingArguments, **args)
+    curves = []
+    for padfree in (False, True):
+        model = model_factory()
+        curves.append(train(SentenceTransformerTrainer, arguments, model, dataset, loss_factory(model), padfree,
+                            ["a text", "another text"]))
+    assert len(curves[0]) == 4
+    return curves
+
+
+def pairs(n: int = 32):
+    from datasets import Dataset
+
+    return Dataset.from_dict({"anchor": sentences(n, seed=4), "positive": sentences(n, seed=5)})
+
+
+def st_loss_cases():
+    from datasets import Dataset
+    from sentence_transformers.sentence_transformer import losses
+
+    rng = random.Random(0)
+    classes = Dataset.from_dict({"sentence1": sentences(32, seed=7), "sentence2": sentences(32, seed=8),
+                                 "label": [i % 3 for i in range(32)]})
+    distill = Dataset.from_dict({"query": sentences(32, seed=4), "positive": sentences(32, seed=5),
+                                 "negative": sentences(32, seed=6),
+                                 "label": [[rng.gauss(0, 1), rng.gauss(0, 1)] for _ in range(32)]})
+    return {
+        "AdaptiveLayerLoss": (lambda m: losses.AdaptiveLayerLoss(m, losses.MultipleNegativesRankingLoss(m)), pairs),
+        "Matryoshka2dLoss": (lambda m: losses.Matryoshka2dLoss(m, losses.MultipleNegativesRankingLoss(m), [32, 16]),
+                             pairs),
+        "MatryoshkaLoss(Cached)": (lambda m: losses.MatryoshkaLoss(
+            m, losses.CachedMultipleNegativesRankingLoss(m, mini_batch_size=3), [32, 16, 8]), pairs),
+        "MegaBatchMarginLoss": (lambda m: losses.MegaBatchMarginLoss(m, mini_batch_size=3), pairs),
+        "SoftmaxLoss": (lambda m: losses.SoftmaxLoss(m, m.get_sentence_embedding_dimension(), 3), lambda: classes),
+        "DistillKLDivLoss": (lambda m: losses.DistillKLDivLoss(m), lambda: distill),
+    }
+
+
+@pytest.mark.parametrize("name", list(st_loss_cases()))
+def test_sentence_transformer_losses_same_loss_curve(tiny_dirs, name):
+    loss_factory, data = st_loss_cases()[name]
+    curves = st_curves(lambda: tiny_sentence_transformer(tiny_dirs["encoder"]), loss_factory, data())
+    assert curves[1] == pytest.approx(curves[0], abs=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["mean", "cls", "weightedmean"])
+def test_trainer_prompts_excluded_from_pooling_same_loss_curve(tiny_dirs, mode):
+    """The trainer's ``prompts`` with ``include_prompt=False``: the prompt tokens are left out of every packed
+    text's pooling, as padded (a prompt per column, of different lengths)."""
+    from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
+
+    def model():
+        built = tiny_sentence_transformer(tiny_dirs["encoder"], mode=mode)
+        built[1].include_prompt = False
+        return built
+
+    prompts = {"anchor": "query: ", "positive": "passage: a longer document prompt: "}
+    curves = st_curves(model, lambda m: CachedMultipleNegativesRankingLoss(m, mini_batch_size=3), pairs(),
+                       prompts=prompts)
+    assert curves[1] == pytest.approx(curves[0], abs=1e-5)
+    with_prompt = st_curves(lambda: tiny_sentence_transformer(tiny_dirs["encoder"], mode=mode),
+                            lambda m: CachedMultipleNegativesRankingLoss(m, mini_batch_size=3), pairs(),
+                            prompts=prompts)[1]
+    assert abs(with_prompt[0] - curves[1][0]) > 1e-4  # the prompt really is left out
+
+
+def test_contrastive_tension_labels_from_packed_texts(tiny_dirs):
+    """ContrastiveTensionLoss without a label column labels a pair by whether its texts are the same tokens; on
+    packed features that is read per text (it compared whole padded rows: an error mid-training)."""
+    from datasets import Dataset
+    from sentence_transformers.sentence_transformer.losses import ContrastiveTensionLoss
+
+    first = sentences(32, seed=4)
+    rng = random.Random(0)
+    second = [text if rng.random() < 0.4 else rng.choice(first) for text in first]
+    assert 4 < sum(a == b for a, b in zip(first, second)) < 28
+    dataset = Dataset.from_dict({"text1": first, "text2": second})
+    losses = []
+    curves = st_curves(lambda: tiny_sentence_transformer(tiny_dirs["encoder"]),
+                       lambda m: losses.append(ContrastiveTensionLoss(m)) or losses[-1], dataset)
+    assert curves[1] == pytest.approx(curves[0], rel=1e-6)  # a summed loss (~100): fp32 relative precision
+    assert "forward" not in losses[1].__dict__  # undone
+
+
+def test_denoising_auto_encoder_loss_refused_before_training(tiny_dirs, tmp_path):
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers.sentence_transformer.losses import DenoisingAutoEncoderLoss, MatryoshkaLoss
+
+    model = tiny_sentence_transformer(tiny_dirs["encoder"])
+    dataset = Dataset.from_dict({"damaged": sentences(8, seed=1), "original": sentences(8, seed=2)})
+    args = SentenceTransformerTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    loss = DenoisingAutoEncoderLoss(model, tie_encoder_decoder=True)
+    for wrapped in (loss, MatryoshkaLoss(model, loss, [32, 16])):  # alone or inside another loss
+        trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset, loss=wrapped)
+        with pytest.raises(PadfreeError, match="DenoisingAutoEncoderLoss feeds its decoder the padded token ids"):
+            padfree_plugins.accelerate(trainer, CONFIG)
+        assert not model[0].can_flatten_inputs  # nothing left patched
+        assert model[0].auto_model.config._attn_implementation == "sdpa"
+
+
+# -- CrossEncoder ---------------------------------------------------------------------------------------------------
+
+
+def ce_cases():
+    from datasets import Dataset
+    from sentence_transformers.cross_encoder import losses
+
+    rng = random.Random(0)
+    queries = sentences(32, seed=6)
+    docs = [sentences(rng.choice([2, 3, 5]), seed=100 + i) for i in range(32)]
+    listwise = Dataset.from_dict({"query": queries, "docs": docs,
+                                  "labels": [[rng.random() for _ in group] for group in docs]})
+    triples = Dataset.from_dict({"query": queries, "positive": sentences(32, seed=7),
+                                 "negative": sentences(32, seed=8)})
+    classes = Dataset.from_dict({"query": queries, "document": sentences(32, seed=7),
+                                 "label": [i % 3 for i in range(32)]})
+    return {
+        "LambdaLoss": (1, lambda m: losses.LambdaLoss(m, mini_batch_size=4), listwise),
+        "ListNetLoss": (1, lambda m: losses.ListNetLoss(m), listwise),
+        "PListMLELoss": (1, lambda m: losses.PListMLELoss(m), listwise),
+        "MultipleNegativesRankingLoss": (1, lambda m: losses.MultipleNegativesRankingLoss(m), triples),
+        "CrossEntropyLoss": (3, lambda m: losses.CrossEntropyLoss(m), classes),
+    }
+
+
+@pytest.mark.parametrize("name", list(ce_cases()))
+def test_cross_encoder_losses_same_loss_curve(tiny_dirs, tmp_path, name):
+    """Losses that build their own (query, document) pairs and call the model on them (listwise, in-batch
+    negatives), and a 3-label head: the pairs they tokenize are packed too, and score as padded."""
+    from sentence_transformers.cross_encoder import CrossEncoderTrainer, CrossEncoderTrainingArguments
+    from transformers import BertForSequenceClassification
+
+    num_labels, loss_factory, dataset = ce_cases()[name]
+    path = tiny_dirs["cross"]
+    if num_labels != 1:
+        torch.manual_seed(0)
+        BertForSequenceClassification.from_pretrained(path, num_labels=num_labels,
+                                                      ignore_mismatched_sizes=True).save_pretrained(tmp_path)
+        CrossEncoder(path).tokenizer.save_pretrained(tmp_path)
+        path = str(tmp_path)
+    curves = []
+    for padfree in (False, True):
+        torch.manual_seed(0)
+        model = CrossEncoder(path, device="cpu")
+        curves.append(train(CrossEncoderTrainer, CrossEncoderTrainingArguments, model, dataset, loss_factory(model),
+                            padfree, [("a query", "a document")]))
+    assert len(curves[0]) == 4
+    assert curves[1] == pytest.approx(curves[0], abs=1e-5)
