@@ -6,6 +6,9 @@ arguments.AccelerationArguments`). With no model and no dataset it runs its embe
 from a config, a byte-level BPE tokenizer trained on the spot, and the instruction dataset shipped in
 ``padfree_plugins/data`` — no downloads, well under a minute on two CPU cores.
 
+``--output_dir DIR`` receives the checkpoints (``--save_strategy``) and, after training, the trained model and its
+tokenizer; ``--resume_from_checkpoint DIR/checkpoint-N`` continues a run from one of its checkpoints.
+
 Everything that can be wrong with the input is checked before the first step: the acceleration config, the
 architecture and attention backend (``plan``), the dataset (examples longer than the model takes, labels not
 aligned with ``input_ids``, empty examples), in that order.
@@ -406,7 +409,9 @@ def run_train(argv: Sequence[str] = (), print_fn: Callable[[str], None] | None =
     for key, value in setup.items():
         say(f"{key}: {value}")
     eval_before = trainer.evaluate()["eval_loss"] if evaluation is not None else None
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
+    if _has_flag(argv, "--output_dir"):
+        trainer.save_model()  # the trained model and its tokenizer, for plain transformers
     eval_after = trainer.evaluate()["eval_loss"] if evaluation is not None else None
     for value in (eval_before, eval_after, *(loss for _, loss in curve.losses)):
         if value is not None and not math.isfinite(value):

@@ -211,3 +211,26 @@ def test_dataset_split_of_a_single_file_is_refused(tmp_path):
                     "--dataset_split", "validation")
     assert result.exit_code == 2, result.output
     assert "--dataset_split 'validation': dataset" in result.output and "single (train) split" in result.output
+
+
+def test_output_dir_gets_the_trained_model_and_a_run_resumes_from_its_checkpoint(tmp_path):
+    """``--output_dir``: the trained model and its tokenizer are saved there and load in plain transformers;
+    ``--resume_from_checkpoint`` continues from the checkpoint with the uninterrupted run's losses and result."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    common = ["--max_steps", "4", "--logging_steps", "1", "--max_examples", "48", "--eval_fraction", "0",
+              "--per_device_train_batch_size", "8"]
+    full = run_train(["--output_dir", str(tmp_path / "full"), "--save_strategy", "steps", "--save_steps", "2",
+                      *common], print_fn=None)
+    resumed = run_train(["--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint",
+                         str(tmp_path / "full" / "checkpoint-2"), *common], print_fn=None)
+    assert [step for step, _ in resumed.losses] == [3, 4]  # steps 1 and 2 came from the checkpoint
+    torch.testing.assert_close(torch.tensor([loss for _, loss in resumed.losses]),
+                               torch.tensor([loss for _, loss in full.losses[2:]]), atol=1e-5, rtol=0)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "full")
+    ids = torch.tensor([tokenizer("### Instruction:\nsay hi\n### Response:\nhi")["input_ids"]])
+    logits = [AutoModelForCausalLM.from_pretrained(tmp_path / run).eval()(input_ids=ids).logits
+              for run in ("full", "resumed")]
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "full").config._attn_implementation == "sdpa"
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
