@@ -16,8 +16,9 @@ sentence-transformers 6 can already run text packed: its ``Transformer`` module 
    text's pooled token (:func:`padfree_plugins.builtin.heads.sequence_logits`).
 
 Everything after the ``Transformer`` module must understand packed features: ``Pooling`` (all its modes,
-``include_prompt=False`` too), and the modules that act on the pooled vector or per token (``Dense``,
-``Normalize``, ``LayerNorm``, ``Dropout``). Anything else is refused with a clear error.
+``include_prompt=False`` too), a ``SparseEncoder``'s ``SpladePooling`` (per text over ``cu_seq_lens_q`` too), and
+the modules that act on the pooled vector or per token (``Dense``, ``Normalize``, ``LayerNorm``, ``Dropout``,
+``SparseAutoEncoder``). Anything else is refused with a clear error.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ from padfree_plugins.errors import ConfigError, PadfreeError, UnsupportedArchite
 from padfree_plugins.patching import own_attribute, restore_attributes
 
 #: sentence-transformers modules that work on a packed row (after the Transformer module).
-PACKED_SAFE_MODULES = frozenset({"Pooling", "Normalize", "Dense", "LayerNorm", "Dropout"})
+PACKED_SAFE_MODULES = frozenset({"Pooling", "Normalize", "Dense", "LayerNorm", "Dropout", "SpladePooling",
+                                 "SparseAutoEncoder"})
 #: The Transformer module tasks this integration runs, and the padfree task the inner model is assembled for.
-MODULE_TASKS = {"feature-extraction": "hidden_states", "sequence-classification": "seq_cls"}
+MODULE_TASKS = {"feature-extraction": "hidden_states", "fill-mask": "hidden_states",  # SparseEncoder: MLM logits
+                "sequence-classification": "seq_cls"}
 #: The attribute of an enabled model that holds its :class:`PadfreeModel`.
 ENABLED_ATTRIBUTE = "_padfree_enabled"
 _SAVED = ("can_flatten_inputs", "data_collator", "_flatten_position_offset", "model_forward_params", "forward")
@@ -56,7 +59,8 @@ def transformer_module(model: Any) -> Any:
     if module.transformer_task not in MODULE_TASKS:
         raise UnsupportedArchitectureError(
             f"the Transformer module's task is {module.transformer_task!r}; padding-free runs "
-            f"{' and '.join(MODULE_TASKS)} (SentenceTransformer embeddings, CrossEncoder scores)"
+            f"{', '.join(MODULE_TASKS)} (SentenceTransformer embeddings, SparseEncoder MLM logits, CrossEncoder "
+            "scores)"
         )
     if getattr(module, "_unpad_inputs", None) is False:
         raise ConfigError("this model's Transformer module has unpad_inputs=False (the model cannot take flattened "

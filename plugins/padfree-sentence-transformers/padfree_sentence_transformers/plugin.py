@@ -1,11 +1,12 @@
 """The padfree-plugins hook: ``padfree_plugins.accelerate(trainer, cfg)`` for sentence-transformers trainers.
 
-``SentenceTransformerTrainer`` and ``CrossEncoderTrainer`` (and subclasses) are recognised; any other trainer gets
-``None`` so that the next plugin answers. The trainer itself is left alone: its data collator tokenizes through
-``model.preprocess``, which — once the model's Transformer module is patched (:mod:`.model`) — packs every column
-into one row; its losses call the model, whose Pooling module pools per text and whose CrossEncoder head scores
-per text. Other models a loss calls on those features (``GISTEmbedLoss``'s guide) are made padding-free too, and
-the few losses that read the features themselves are fixed or refused (:mod:`.losses`).
+``SentenceTransformerTrainer``, ``SparseEncoderTrainer`` and ``CrossEncoderTrainer`` (and subclasses) are
+recognised; any other trainer gets ``None`` so that the next plugin answers. The trainer itself is left alone: its
+data collator tokenizes through ``model.preprocess``, which — once the model's Transformer module is patched
+(:mod:`.model`) — packs every column into one row; its losses call the model, whose Pooling module pools per text
+and whose CrossEncoder head scores per text. Other models a loss calls on those features (``GISTEmbedLoss``'s
+guide) are made padding-free too, and the few losses that read the features themselves are fixed or refused
+(:mod:`.losses`).
 With ``batching.strategy: tokens`` the training batches are filled up to a token budget (:mod:`.batching`).
 ``undo()`` restores the modules and the trainer (``accelerate``'s own ``undo`` restores the model's attention).
 """
@@ -22,7 +23,7 @@ from .batching import BatchSamplerPatch, check_config
 from .losses import loss_modules, patch_losses
 from .model import enable, module_config, packing_collator, patch_module, transformer_module
 
-TRAINERS = ("SentenceTransformerTrainer", "CrossEncoderTrainer")
+TRAINERS = ("SentenceTransformerTrainer", "SparseEncoderTrainer", "CrossEncoderTrainer")
 
 
 def trainer_kind(trainer: Any) -> str | None:
