@@ -124,6 +124,26 @@ def test_denoising_auto_encoder_loss_refused_before_training(tiny_dirs, tmp_path
         assert model[0].auto_model.config._attn_implementation == "sdpa"
 
 
+
+@pytest.mark.parametrize("mode", ["cls", "mean", "max", "mean_sqrt_len_tokens", "weightedmean", "lasttoken"])
+def test_every_pooling_mode_and_module_stack_encodes_as_padded(tiny_dirs, mode):
+    """encode() of Transformer + Pooling (each mode, the prompt left out of pooling) + Dense + LayerNorm +
+    Normalize, truncated to max_seq_length, equals padded encode()."""
+    import padfree_sentence_transformers as pst
+    from sentence_transformers.sentence_transformer.modules import Dense, LayerNorm, Normalize
+
+    model = tiny_sentence_transformer(tiny_dirs["encoder"], mode=mode)
+    model[1].include_prompt = False
+    for module in (Dense(32, 16), LayerNorm(16), Normalize()):
+        model.append(module)
+    model.max_seq_length = 24
+    texts = sentences(12, seed=3)
+    want = model.encode(texts, prompt="query: a prompt ", batch_size=5, convert_to_tensor=True)
+    with pst.enable(model, CONFIG):
+        got = model.encode(texts, prompt="query: a prompt ", batch_size=5, convert_to_tensor=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert want.std(dim=0).max() > 1e-3
+
 # -- CrossEncoder ---------------------------------------------------------------------------------------------------
 
 
