@@ -414,20 +414,25 @@ def test_torch_compile_through_the_trainer_gives_the_same_curve():
     assert compiled.evaluate()["eval_loss"] == pytest.approx(eager.evaluate()["eval_loss"], abs=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["hf", "sft"])
 @pytest.mark.parametrize("batching", [None, {"strategy": "tokens", "max_tokens_per_batch": 160}],
                          ids=["examples", "token-budget"])
-def test_resume_from_checkpoint_continues_the_same_curve(tmp_path, batching):
-    """Stopping at a checkpoint and resuming trains the steps an uninterrupted run trains (same batches, same
-    losses), with example-count and with token-budget batching."""
+def test_resume_from_checkpoint_continues_the_same_curve(tmp_path, batching, kind):
+    """Stopping at a checkpoint in the middle of the second epoch and resuming trains the steps an uninterrupted run
+    trains (same batches — the epoch's own shuffle, not epoch 0's — same losses), with example-count and with
+    token-budget batching."""
     config = {"task": "causal_lm", **({"batching": batching} if batching else {})}
-    full, _ = make_trainer("hf", packed=False, max_steps=6, output_dir=str(tmp_path / "full"),
-                           save_strategy="steps", save_steps=3)
+    train = datasets.Dataset.from_list(rows(20))  # 4-5 steps an epoch
+    full, _ = make_trainer(kind, packed=False, max_steps=9, output_dir=str(tmp_path / "full"), train=train,
+                           save_strategy="steps", save_steps=7)
     accelerate(full, config)
     full.train()
-    resumed, _ = make_trainer("hf", packed=False, max_steps=6, output_dir=str(tmp_path / "resumed"))
+    assert 1 < full.state.log_history[6]["epoch"] < 2  # step 7 is inside the second epoch
+    resumed, _ = make_trainer(kind, packed=False, max_steps=9, output_dir=str(tmp_path / "resumed"), train=train)
     accelerate(resumed, config)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
-    torch.testing.assert_close(torch.tensor(losses(resumed)[3:]), torch.tensor(losses(full)[3:]), atol=1e-6, rtol=0)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-7"))
+    assert len(losses(resumed)) == len(losses(full)) == 9
+    torch.testing.assert_close(torch.tensor(losses(resumed)[7:]), torch.tensor(losses(full)[7:]), atol=1e-6, rtol=0)
 
 
 def assert_text_sft_curve_equals_padded(rows_: list[dict], processing_class, **sft_overrides) -> None:
