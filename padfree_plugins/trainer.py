@@ -21,7 +21,9 @@ What changes on the trainer, all of it undone by ``undo()``:
   token budget and balanced across ranks (:mod:`padfree_plugins.sampler`);
 * **prediction_step** (``evaluate`` / ``predict``) runs padding-free too. Per-token outputs come back packed
   ``[1, T, ...]``; they are re-padded with ``assembly.reverter`` to ``[n, L_max, ...]`` (labels padded with -100)
-  so that ``compute_metrics`` and ``preprocess_logits_for_metrics`` see the shapes they always saw.
+  so that ``compute_metrics`` and ``preprocess_logits_for_metrics`` see the shapes they always saw; a task forward
+  with ``for_metrics`` chooses what they get itself (one entry per dataset row), and with
+  ``include_for_metrics=["inputs"]`` the batch's ``input_ids`` are re-padded per example too.
 
 TRL ``SFTTrainer``: it refuses a custom collator when its own ``padding_free=True`` is set and requires
 ``max_length=None`` for padding-free training without packing. Neither applies here: build the SFTTrainer
@@ -178,7 +180,9 @@ class TrainerPatch:
             patch.saved["get_train_dataloader"] = own_attribute(trainer, "get_train_dataloader")
             trainer.get_train_dataloader = patch.train_dataloader
         scaled = getattr(assembly.forward, "loss_is_scaled_for_ga", None)
-        if scaled is not None:  # a task forward that says whether it normalises by num_items_in_batch itself
+        if scaled is not None and not uses_own_loss(trainer):
+            # a task forward that says whether it normalises by num_items_in_batch itself (a loss the trainer
+            # computes — label smoothing, compute_loss_func — is the trainer's to scale)
             trainer.loss_is_scaled_for_ga = scaled
         return patch
 
@@ -244,9 +248,11 @@ class TrainerPatch:
 
     def _scale_for_devices(self, loss: torch.Tensor, num_items_in_batch: Any) -> torch.Tensor:
         """``average_tokens_across_devices``: ``num_items_in_batch`` counts every rank's tokens, and DDP averages
-        the gradients over ranks, so the loss is multiplied back by the number of ranks (as the trainers do)."""
+        the gradients over ranks, so the loss is multiplied back by the number of ranks (as the trainers do). Not
+        for a loss the trainer knows is a per-batch mean (``loss_is_scaled_for_ga`` False)."""
         trainer = self.trainer
         counted = self.kind == "sft" or trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None
+        counted = counted and getattr(trainer, "loss_is_scaled_for_ga", None) is not False
         if trainer.args.average_tokens_across_devices and num_items_in_batch is not None and counted:
             loss = loss * (trainer.accelerator.num_processes // trainer.get_tp_size())
         return loss
@@ -283,16 +289,24 @@ class TrainerPatch:
 
     def prediction_step(self, model: Any, inputs: Mapping, prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
-        """Evaluation / prediction on a packed batch; per-token outputs and labels re-padded for metrics."""
+        """Evaluation / prediction on a packed batch; per-token outputs and labels re-padded for metrics.
+
+        A task forward with ``for_metrics(outputs, batch)`` says itself what ``compute_metrics`` gets (one entry per
+        dataset row). With no ``label_names`` (a bare encoder trained for embeddings), a loss the forward returns
+        is reported, as the trainer reports one for models that return a loss without labels.
+        """
         trainer = self.trainer
+        batch_as_given = inputs
         inputs = trainer._prepare_inputs(inputs)
         has_labels = bool(trainer.label_names) and all(inputs.get(k) is not None for k in trainer.label_names)
+        loss_without_labels = not trainer.label_names
         num_items = (trainer._get_num_items_in_batch([inputs], trainer.args.device)
                      if has_labels and self.kind == "hf" else None)
+        if prediction_loss_only and not (has_labels or loss_without_labels):
+            return (None, None, None)
         with torch.no_grad(), trainer.compute_loss_context_manager():
-            if prediction_loss_only:
-                loss = self.compute_loss(model, inputs, num_items_in_batch=num_items) if has_labels else None
-                return (None if loss is None else loss.detach().mean(), None, None)
+            if prediction_loss_only and has_labels:
+                return (self.compute_loss(model, inputs, num_items_in_batch=num_items).detach().mean(), None, None)
             if has_labels and (uses_own_loss(self.trainer) or self.kind == "sft"):
                 loss, outputs = self.compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items)
                 if self.kind == "sft" and not uses_own_loss(self.trainer):
@@ -306,7 +320,19 @@ class TrainerPatch:
                 batch = inputs if has_labels else {k: v for k, v in inputs.items() if k not in trainer.label_names}
                 outputs = self.assembly.forward(model, drop_labelled_logits(batch), **kwargs)
                 loss = outputs.get("loss") if isinstance(outputs, Mapping) else None
-                loss = None if loss is None or not has_labels else self._scale_for_devices(loss, num_items)
+                if loss is not None and (has_labels or loss_without_labels):
+                    loss = self._scale_for_devices(loss, num_items)
+                else:
+                    loss = None
+        loss = None if loss is None else loss.detach().mean()
+        if prediction_loss_only:
+            return (loss, None, None)
+        if "inputs" in (trainer.args.include_for_metrics or ()):
+            self._repad_metric_inputs(batch_as_given, inputs)
+        for_metrics = getattr(self.assembly.forward, "for_metrics", None)
+        if for_metrics is not None:
+            logits, labels = for_metrics(outputs, inputs)
+            return (loss, _detach(logits), _detach(labels) if has_labels else None)
         if ignore_keys is None:
             ignore_keys = list(getattr(getattr(unwrap_model(model), "config", None), "keys_to_ignore_at_inference",
                                        ["past_key_values"]))
@@ -320,7 +346,19 @@ class TrainerPatch:
             labels = tuple(self._repad(inputs[k], inputs, -100) for k in trainer.label_names)
             labels = labels[0] if len(labels) == 1 else labels
         logits = logits[0] if len(logits) == 1 else logits
-        return (None if loss is None else loss.detach().mean(), _detach(logits), _detach(labels))
+        return (loss, _detach(logits), _detach(labels))
+
+    def _repad_metric_inputs(self, batch_as_given: Any, inputs: Mapping) -> None:
+        """``include_for_metrics=["inputs"]``: the trainer reads the model's main input from the batch it handed
+        to ``prediction_step``; a packed row ``[1, T]`` becomes ``[n, L_max]``, padded with the tokenizer's pad id
+        (as a padding collator pads), so that every example is one row of the inputs ``compute_metrics`` sees."""
+        name = getattr(self.trainer.model, "main_input_name", "input_ids")
+        if not isinstance(batch_as_given, dict) or name not in inputs:
+            return
+        pad = getattr(self.trainer.processing_class, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(getattr(self.assembly.model, "config", None), "pad_token_id", None)
+        batch_as_given[name] = self._repad(inputs[name], inputs, -100 if pad is None else pad)
 
     def _repad(self, value: Any, batch: Mapping, fill: float | None) -> Any:
         """A packed per-token tensor ``[1, T, ...]`` -> ``[n, L_max, ...]``; anything else unchanged."""
@@ -404,18 +442,19 @@ def _check_trl_packing(trainer: Any, config: Any) -> None:
 
 def _check_datasets(trainer: Any, collator: Any) -> None:
     """Find over-long, empty or misaligned examples before training starts (see :mod:`padfree_plugins.datacheck`),
-    and a training set laid out in a way the collator cannot train on (``check_training_dataset``)."""
-    if trainer.train_dataset is not None:
-        check_dataset(trainer.train_dataset, collator, "train")
-        layout_check = getattr(collator, "check_training_dataset", None)
-        if layout_check is not None:
-            layout_check(trainer.train_dataset)
+    and a training or evaluation set laid out in a way the trainer's batches would break (the collator's
+    ``check_trainer_dataset``)."""
     evals = trainer.eval_dataset
-    if isinstance(evals, Mapping):
-        for name, dataset in evals.items():
-            check_dataset(dataset, collator, f"eval ({name})")
-    elif evals is not None:
-        check_dataset(evals, collator, "eval")
+    named = dict(evals) if isinstance(evals, Mapping) else {"": evals}
+    datasets = [("train", trainer.train_dataset)] + [(f"eval ({name})" if name else "eval", dataset)
+                                                      for name, dataset in named.items()]
+    layout_check = getattr(collator, "check_trainer_dataset", None)
+    for what, dataset in datasets:
+        if dataset is None:
+            continue
+        check_dataset(dataset, collator, what)
+        if layout_check is not None:
+            layout_check(dataset)
 
 
 # -- the entry point ----------------------------------------------------------------------------------------------

@@ -94,6 +94,7 @@ class EmbeddingForward:
 
     runs_inside_model_forward = True  # see heads.call_model
     uses_assembly_pooler = True  # assembly hands it the pooler of the pool hook (a plugin's mode included)
+    loss_is_scaled_for_ga = False  # a loss over the batch: the trainer averages it over accumulation steps
 
     pooler: Any = None
     loss: Any = None
@@ -106,6 +107,11 @@ class EmbeddingForward:
 
     def __call__(self, model: Any, batch: Mapping, **loss_kwargs: Any) -> EmbeddingOutput:
         return call_model(model, lambda inner: self.compute(inner, batch))
+
+    def for_metrics(self, outputs: EmbeddingOutput, batch: Mapping) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """What ``evaluate`` / ``predict`` hand ``compute_metrics``, one entry per dataset row: every column's
+        embeddings ``[rows, H]`` (a tuple, in column order) and the row labels."""
+        return outputs.column_embeddings, batch.get("labels")
 
     def compute(self, model: Any, batch: Mapping) -> EmbeddingOutput:
         embeddings = self.embed(model, batch)

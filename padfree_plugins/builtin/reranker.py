@@ -53,8 +53,8 @@ class RerankerOutput(ModelOutput):
     logits: torch.Tensor | None = None
 
 
-def grouped_logits(scores: torch.Tensor, batch: Mapping) -> torch.Tensor:
-    """Scores laid out one query per row ``[groups, max_group_size]``; missing slots are the dtype's minimum."""
+def group_table(values: torch.Tensor, batch: Mapping, fill: float) -> torch.Tensor:
+    """Per-example ``values`` laid out one query per row ``[groups, max_group_size]``; missing slots are ``fill``."""
     missing = [key for key in GROUP_KEYS if key not in batch]
     if missing:
         raise BatchError(
@@ -62,13 +62,18 @@ def grouped_logits(scores: torch.Tensor, batch: Mapping) -> torch.Tensor:
             "writes (assembly.collator with objective: listwise): build batches with it"
         )
     index, position = batch["group_index"], batch["group_position"]
-    if index.shape[0] != scores.shape[0] or position.shape[0] != scores.shape[0]:
+    if index.shape[0] != values.shape[0] or position.shape[0] != values.shape[0]:
         raise BatchError(
-            f"the batch has group ids for {index.shape[0]} examples but {scores.shape[0]} examples: group ids must "
+            f"the batch has group ids for {index.shape[0]} examples but {values.shape[0]} examples: group ids must "
             "come from the same collation as the examples (one group id per example)"
         )
-    table = scores.new_full((batch["num_groups"], batch["max_group_size"]), torch.finfo(scores.dtype).min)
-    return table.index_put((index.to(scores.device), position.to(scores.device)), scores)
+    table = values.new_full((batch["num_groups"], batch["max_group_size"]), fill)
+    return table.index_put((index.to(values.device), position.to(values.device)), values)
+
+
+def grouped_logits(scores: torch.Tensor, batch: Mapping) -> torch.Tensor:
+    """Scores laid out one query per row ``[groups, max_group_size]``; missing slots are the dtype's minimum."""
+    return group_table(scores, batch, torch.finfo(scores.dtype).min)
 
 
 def listwise_loss(scores: torch.Tensor, batch: Mapping) -> torch.Tensor:
@@ -88,6 +93,7 @@ class RerankerForward:
     """``(model, packed batch) -> RerankerOutput(loss, scores [n], logits)``."""
 
     runs_inside_model_forward = True  # see heads.call_model
+    loss_is_scaled_for_ga = False  # a mean over the batch: the trainer averages it over accumulation steps
 
     objective: str = "pointwise"
     scorer: str = "head"
@@ -115,6 +121,16 @@ class RerankerForward:
 
     def __call__(self, model: Any, batch: Mapping, **loss_kwargs: Any) -> RerankerOutput:
         return call_model(model, lambda inner: self.compute(inner, batch))
+
+    def for_metrics(self, outputs: RerankerOutput, batch: Mapping) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What ``evaluate`` / ``predict`` hand ``compute_metrics`` (predictions, labels), one entry per dataset row.
+        Pointwise: the logits — ``[n, 1]`` as a padded cross-encoder gives them, ``[n, 2]`` (yes, no) — and the
+        labels. Listwise (one row per query): scores and labels ``[queries, max_group_size]``, -100 in empty slots."""
+        labels = batch.get("labels")
+        if self.objective != "listwise":
+            return outputs.logits, labels
+        return (group_table(outputs.scores, batch, -100),
+                None if labels is None else group_table(labels.to(outputs.scores.device), batch, -100))
 
     def compute(self, model: Any, batch: Mapping) -> RerankerOutput:
         logits = self.logits(model, batch)

@@ -91,17 +91,18 @@ class ExampleCollator(WrapsPackingCollator):
             batch.update(self._groups(examples, labels))
         return batch
 
-    def check_training_dataset(self, dataset: Any) -> None:
-        """Listwise training through a trainer (which shuffles rows) needs one row per query: candidates given one
-        per row would be scattered over batches, splitting every query's group."""
+    def check_trainer_dataset(self, dataset: Any) -> None:
+        """Listwise ranking through a trainer needs one row per query: candidates given one per row would be
+        split over batches (shuffled in training, cut at batch boundaries in evaluation), splitting queries' groups."""
         if not self.groups or not hasattr(dataset, "__getitem__") or not len(dataset):
             return
         first = dataset[0]
         if isinstance(first, Mapping) and GROUP_KEY in first and not _nested(first.get("input_ids")):
             raise BatchError(
-                f"listwise training gets one candidate per row (with {GROUP_KEY!r} ids), but the trainer shuffles "
-                "rows, which would scatter each query's candidates over batches: give one row per query, with "
-                "input_ids a list of its candidates' token ids and labels one 0 / 1 per candidate"
+                f"listwise ranking gets one candidate per row (with {GROUP_KEY!r} ids), but the trainer batches rows "
+                "(and shuffles them for training), which would split queries' candidates over batches: give one row "
+                "per query (train and eval datasets), with input_ids a list of its candidates' token ids and labels "
+                "one 0 / 1 per candidate"
             )
 
     def _check_classes(self, labels: torch.Tensor) -> None:
