@@ -414,3 +414,60 @@ def test_token_budget_epoch_reaches_the_samplers_on_two_ranks(tiny_dirs, monkeyp
     assert batches(3, skip=2) == epoch_batches(3)[2:]
     acceleration.undo()
     assert "get_train_dataloader" not in trainer.__dict__
+
+
+def saved_files(directory) -> dict:
+    from pathlib import Path
+
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(Path(directory).rglob("*")) if p.is_file()}
+
+
+def test_an_enabled_model_saves_what_the_plain_model_saves(tiny_dirs, tmp_path):
+    """``SentenceTransformer.save`` (Pooling, Dense, Normalize) and ``CrossEncoder.save_pretrained`` of enabled
+    models write the files the plain models write; loaded back, they give the in-memory model's padded results."""
+    from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling, Transformer
+
+    torch.manual_seed(0)
+    transformer = Transformer(tiny_dirs["encoder"])
+    model = SentenceTransformer(modules=[transformer, Pooling(32, "mean"), Dense(32, 16), Normalize()], device="cpu")
+    cross = CrossEncoder(tiny_dirs["cross"], device="cpu", activation_fn=torch.nn.Identity())
+    texts, pairs = sentences(9, seed=12), list(zip(sentences(6, seed=13), sentences(6, seed=14)))
+    for name, plain, save in (("st", model, model.save), ("cross", cross, cross.save_pretrained)):
+        save(str(tmp_path / f"{name}-first"))  # (a first save resets the tokenizer's truncation state)
+        save(str(tmp_path / f"{name}-plain"))
+        with pst.enable(plain, CONFIG):
+            save(str(tmp_path / f"{name}-enabled"))
+        assert saved_files(tmp_path / f"{name}-enabled") == saved_files(tmp_path / f"{name}-plain"), name
+    loaded = SentenceTransformer(str(tmp_path / "st-enabled"), device="cpu")
+    assert [type(m).__name__ for m in loaded] == ["Transformer", "Pooling", "Dense", "Normalize"]
+    assert loaded[0].auto_model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(loaded.encode(texts, batch_size=4, convert_to_tensor=True),
+                               model.encode(texts, batch_size=4, convert_to_tensor=True), atol=1e-5, rtol=0)
+    loaded_cross = CrossEncoder(str(tmp_path / "cross-enabled"), device="cpu", activation_fn=torch.nn.Identity())
+    torch.testing.assert_close(loaded_cross.predict(pairs, convert_to_tensor=True),
+                               cross.predict(pairs, convert_to_tensor=True), atol=1e-5, rtol=0)
+
+
+def test_a_checkpoint_of_the_accelerated_trainer_loads_as_a_plain_model(tiny_dirs, tmp_path):
+    """The wrapped SentenceTransformerTrainer's checkpoint (saved while padding-free) loads without the plugin and
+    encodes as the trained in-memory model does, padded."""
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    model = tiny_sentence_transformer(tiny_dirs["encoder"])
+    dataset = Dataset.from_dict({"anchor": sentences(16, seed=4), "positive": sentences(16, seed=5)})
+    args = SentenceTransformerTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=2,
+                                                learning_rate=1e-2, report_to=[], seed=0, use_cpu=True,
+                                                save_strategy="steps", save_steps=2, disable_tqdm=True)
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset,
+                                         loss=MultipleNegativesRankingLoss(model))
+    texts = sentences(8, seed=11)
+    before = model.encode(texts, convert_to_tensor=True)
+    acceleration = padfree_plugins.accelerate(trainer, CONFIG)
+    trainer.train()
+    acceleration.undo()
+    want = model.encode(texts, convert_to_tensor=True)
+    assert (want - before).abs().max() > 1e-3  # training changed the model
+    loaded = SentenceTransformer(str(tmp_path / "checkpoint-2"), device="cpu")
+    torch.testing.assert_close(loaded.encode(texts, convert_to_tensor=True), want, atol=1e-5, rtol=0)
