@@ -375,3 +375,46 @@ def test_per_batch_losses_average_over_accumulation_steps(task):
     assert len(curves[1]) == len(curves[0]) == STEPS
     assert max(curves[0]) - min(curves[0]) > 1e-3, "the loss never moved: the comparison would prove little"
     torch.testing.assert_close(torch.tensor(curves[1]), torch.tensor(curves[0]), atol=1e-4, rtol=0)
+
+
+# -- what users add to a classifier's training -----------------------------------------------------------------
+
+
+def weighted_cross_entropy(outputs, labels, num_items_in_batch=None):
+    """Class weights through ``compute_loss_func``."""
+    return F.cross_entropy(outputs["logits"], labels, weight=torch.tensor([1.0, 2.0, 0.5]))
+
+
+@pytest.mark.parametrize("name, options", [
+    ("bert", dict(label_smoothing_factor=0.1)),
+    ("bert", dict(compute_loss_func=weighted_cross_entropy)),
+    ("bert", dict(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": True})),
+    ("qwen3", dict(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": False})),
+    ("qwen3", dict(lora=True, activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": True})),
+], ids=["label-smoothing", "class-weights", "checkpointing-reentrant", "decoder-checkpointing", "lora-checkpointing"])
+def test_classifier_training_options_give_the_padded_curve(name, options):
+    """LoRA (task SEQ_CLS: the head in modules_to_save), activation checkpointing either way, label smoothing and a
+    compute_loss_func train the padded curve; after undo the (peft) model still runs padded batches."""
+    peft = pytest.importorskip("peft") if options.get("lora") else None
+    options = dict(options)
+    lora, loss_func = options.pop("lora", False), options.pop("compute_loss_func", None)
+    train = datasets.Dataset.from_list(classification_rows(48, 0))
+    curves = []
+    for packed in (False, True):
+        model = model_for(name, head="seq_cls", num_labels=3, **NO_DROPOUT[name])
+        if lora:
+            model = peft.get_peft_model(model, peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8,
+                                                               target_modules=["q_proj", "v_proj"]))
+        trainer = Trainer(model=model, args=settings(**options), train_dataset=train, compute_loss_func=loss_func,
+                          data_collator=None if packed else padded_classification_collator)
+        acceleration = accelerate(trainer, "configs/seq_cls.yaml") if packed else None
+        trainer.train()
+        curves.append(losses(trainer))
+        assert trainer.model.is_activation_checkpointing == bool(options.get("activation_checkpointing"))
+        if acceleration is not None:
+            acceleration.undo()
+            out = model(**padded_classification_collator([train[i] for i in range(3)]))
+            assert out.logits.shape == (3, 3) and torch.isfinite(out.loss)
+    assert len(curves[1]) == len(curves[0]) == STEPS
+    assert max(curves[0]) - min(curves[0]) > 1e-3, "the loss never moved: the comparison would prove little"
+    torch.testing.assert_close(torch.tensor(curves[1]), torch.tensor(curves[0]), atol=1e-4, rtol=0)
