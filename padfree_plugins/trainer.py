@@ -17,6 +17,8 @@ What changes on the trainer, all of it undone by ``undo()``:
   lets task plugins (embeddings, classification) bring their own per-example heads to the same wrapper. It
   passes ``num_items_in_batch`` when the trainer counts it (gradient accumulation) and applies
   ``average_tokens_across_devices`` exactly as the trainer would;
+* **NEFTune** (``neftune_noise_alpha``): the trainer's hook, which would scale the noise by the packed row's
+  length, is replaced by :class:`~padfree_plugins.neftune.PackedNeftune` (the padded batch's noise);
 * **get_train_dataloader**, only with ``batching.strategy: tokens`` in the config: micro-batches filled up to a
   token budget and balanced across ranks (:mod:`padfree_plugins.sampler`);
 * **prediction_step** (``evaluate`` / ``predict``) runs padding-free too. Per-token outputs come back packed
@@ -35,6 +37,7 @@ the collator is swapped after construction. The loss goes through TRL's fused LM
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -48,6 +51,7 @@ from .config import PadfreeConfig, load_config
 from .datacheck import check_dataset
 from .errors import ConfigError, PadfreeError, PluginError
 from .host import PluginHost
+from .neftune import PackedNeftune
 from .patching import own_attribute, restore_attributes, unwrap_model
 
 ACCELERATION_ATTRIBUTE = "_padfree_acceleration"
@@ -147,6 +151,7 @@ class TrainerPatch:
     assembly: Assembly
     kind: TrainerKind
     saved: dict[str, Any] = field(default_factory=dict)
+    neftune: PackedNeftune | None = None
     active: bool = True
 
     @classmethod
@@ -184,6 +189,11 @@ class TrainerPatch:
             # a task forward that says whether it normalises by num_items_in_batch itself (a loss the trainer
             # computes — label smoothing, compute_loss_func — is the trainer's to scale)
             trainer.loss_is_scaled_for_ga = scaled
+        if getattr(trainer, "neftune_noise_alpha", None) is not None:  # NEFTune scaled per example, as padded
+            patch.saved["neftune_noise_alpha"] = own_attribute(trainer, "neftune_noise_alpha")
+            embeddings = unwrap_model(trainer.model).get_input_embeddings()
+            patch.neftune = PackedNeftune.install(embeddings, trainer.neftune_noise_alpha)
+            trainer.neftune_noise_alpha = None
         return patch
 
     def undo(self) -> None:
@@ -191,6 +201,8 @@ class TrainerPatch:
         if not self.active:
             return
         restore_attributes(self.trainer, self.saved)
+        if self.neftune is not None:
+            self.neftune.remove()
         self.active = False
 
     # -- what the trainer calls ---------------------------------------------------------------------------------
@@ -222,6 +234,15 @@ class TrainerPatch:
         kwargs = self.model_kwargs(fused=not own_loss)
         if num_items_in_batch is not None and (self.kind == "sft" or trainer.model_accepts_loss_kwargs):
             kwargs["num_items_in_batch"] = num_items_in_batch
+        with self.neftune.for_batch(inputs) if self.neftune is not None else contextlib.nullcontext():
+            loss, outputs = self._loss_and_outputs(model, inputs, kwargs, own_loss, num_items_in_batch)
+        loss = self._scale_for_devices(loss, num_items_in_batch)
+        return (loss, outputs) if return_outputs else loss
+
+    def _loss_and_outputs(self, model: Any, inputs: Mapping, kwargs: dict[str, Any], own_loss: bool,
+                          num_items_in_batch: Any) -> tuple[torch.Tensor, Any]:
+        """The forward and its loss: the model's own, or the trainer's (label smoothing, ``compute_loss_func``)."""
+        trainer = self.trainer
         if own_loss:
             labels = inputs["labels"]
             kwargs.pop("num_items_in_batch", None)
@@ -243,8 +264,7 @@ class TrainerPatch:
                 )
             if self.kind == "sft":
                 loss = self._sft_extras(outputs, inputs, loss, num_items_in_batch)
-        loss = self._scale_for_devices(loss, num_items_in_batch)
-        return (loss, outputs) if return_outputs else loss
+        return loss, outputs
 
     def _scale_for_devices(self, loss: torch.Tensor, num_items_in_batch: Any) -> torch.Tensor:
         """``average_tokens_across_devices``: ``num_items_in_batch`` counts every rank's tokens, and DDP averages

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
 from padfree_plugins import BatchError, PadfreeError, PluginError, accelerate, patch_of
+from padfree_plugins.neftune import PackedNeftune
 from padfree_plugins.train import train_tokenizer
 from padfree_plugins.trainer import TrainerCollator, split_packed_row
 from tests.conftest import tiny_config
@@ -159,6 +160,25 @@ def test_gradient_checkpointing_gives_the_same_curve():
     trainer.train()
     assert trainer.model.is_activation_checkpointing
     assert_same_curve(losses(trainer), want)
+
+
+@pytest.mark.parametrize("kind", ["hf", "sft"])
+def test_neftune_noise_is_the_padded_noise(kind):
+    """``neftune_noise_alpha``: transformers scales the noise by the row length, which on a packed row would be
+    every example's tokens together (weaker noise). The packed run draws the padded batch's noise instead, so the
+    30-step curve equals padded NEFTune training; undo gives the trainer its own NEFTune back."""
+    curves = []
+    for packed in (False, True):
+        trainer, acceleration = make_trainer(kind, packed, neftune_noise_alpha=1.0)
+        trainer.train()
+        curves.append(losses(trainer))
+    assert_same_curve(curves[1], curves[0])
+    without_noise, _ = padded_run(kind)
+    assert max(abs(a - b) for a, b in zip(curves[0], without_noise)) > 1e-3, "NEFTune changed nothing"
+    embeddings = trainer.model.get_input_embeddings()
+    acceleration.undo()
+    assert trainer.neftune_noise_alpha == 1.0
+    assert not any(isinstance(hook, PackedNeftune) for hook in embeddings._forward_hooks.values())
 
 
 def test_trl_packed_rows_are_split_back_into_examples():

@@ -172,7 +172,7 @@ class _PermuteRows(torch.autograd.Function):
 # -- re-padded attention (any device, any dtype, a fixed number of kernels) --------------------------------------
 
 
-def _padded_slots(cu_seq_lens: torch.Tensor, total: int, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_slots(cu_seq_lens: torch.Tensor, total: int, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For each of the ``total`` packed tokens, its row in a ``[n * longest]`` right-padded layout, and each
     example's length. Device-side and sync-free: sizes come from shapes and ``longest`` (a python int)."""
     starts, lengths = cu_seq_lens[:-1].long(), cu_seq_lens.diff().long()
@@ -198,9 +198,9 @@ def repad_varlen(query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q, 
     """
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})")
-    slots_q, lengths_q = _padded_slots(cu_seq_lens_q, query.shape[0], max_length_q)
+    slots_q, lengths_q = padded_slots(cu_seq_lens_q, query.shape[0], max_length_q)
     slots_k, lengths_k = (slots_q, lengths_q) if cu_seq_lens_k is cu_seq_lens_q else \
-        _padded_slots(cu_seq_lens_k, key.shape[0], max_length_k)
+        padded_slots(cu_seq_lens_k, key.shape[0], max_length_k)
     n = lengths_q.numel()
 
     def padded(x: torch.Tensor, slots: torch.Tensor, longest: int) -> torch.Tensor:  # [n, H, L, D]
