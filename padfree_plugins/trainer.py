@@ -130,7 +130,10 @@ def labelled_logits_apply(trainer: Any, assembly: Assembly, kind: TrainerKind) -
 
 
 def uses_own_loss(trainer: Any) -> bool:
-    """Label smoothing or a ``compute_loss_func``: the loss is computed from the logits, outside the model."""
+    """Label smoothing or a ``compute_loss_func``: the loss is computed from the logits, outside the model. TRL's
+    DFT loss (``loss_type: dft``) is computed from the fused log-probabilities, label smoothing or not."""
+    if getattr(trainer.args, "loss_type", "nll") == "dft":
+        return trainer.compute_loss_func is not None  # TRL refuses the pair itself
     return trainer.label_smoother is not None or trainer.compute_loss_func is not None
 
 
@@ -237,6 +240,8 @@ class TrainerPatch:
         with self.neftune.for_batch(inputs) if self.neftune is not None else contextlib.nullcontext():
             loss, outputs = self._loss_and_outputs(model, inputs, kwargs, own_loss, num_items_in_batch)
         loss = self._scale_for_devices(loss, num_items_in_batch)
+        if self.kind == "sft" and not own_loss:
+            loss = loss + self._sft_aux_loss(outputs, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
     def _loss_and_outputs(self, model: Any, inputs: Mapping, kwargs: dict[str, Any], own_loss: bool,
@@ -254,6 +259,9 @@ class TrainerPatch:
                                               num_items_in_batch=num_items_in_batch)
         else:
             outputs = self.assembly.forward(model, inputs, **kwargs)
+            if self.kind == "sft":
+                self._sft_metrics(outputs, inputs)
+                return self._sft_loss(outputs, num_items_in_batch), outputs
             loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs[0]
             if loss is None:
                 task = self.assembly.plan.task.name
@@ -262,8 +270,6 @@ class TrainerPatch:
                     f"{' and does task_options name a loss' if task == 'embedding' else ''}? Batch keys: "
                     f"{', '.join(inputs)}"
                 )
-            if self.kind == "sft":
-                loss = self._sft_extras(outputs, inputs, loss, num_items_in_batch)
         return loss, outputs
 
     def _scale_for_devices(self, loss: torch.Tensor, num_items_in_batch: Any) -> torch.Tensor:
@@ -277,19 +283,34 @@ class TrainerPatch:
             loss = loss * (trainer.accelerator.num_processes // trainer.get_tp_size())
         return loss
 
-    def _sft_extras(self, outputs: Any, inputs: Mapping, loss: torch.Tensor, num_items_in_batch: Any) -> torch.Tensor:
-        """TRL's bookkeeping around the fused loss: its metrics, and the MoE aux loss averaged over accumulation."""
+    def _sft_loss(self, outputs: Any, num_items_in_batch: Any) -> torch.Tensor:
+        """The loss TRL's ``compute_loss`` makes from the fused LM head's per-token log-probabilities: NLL, or DFT
+        (``loss_type: dft``, each token's loss weighted by its detached probability), over ``num_items_in_batch``
+        (else the batch's labelled tokens)."""
+        per_token = -outputs.log_probs
+        if getattr(self.trainer.args, "loss_type", "nll") == "dft":
+            per_token = per_token * outputs.log_probs.exp().detach()
+        count = outputs.label_mask.sum() if num_items_in_batch is None else num_items_in_batch
+        return per_token.sum() / torch.as_tensor(count).clamp(min=1)
+
+    def _sft_aux_loss(self, outputs: Any, num_items_in_batch: Any) -> torch.Tensor | float:
+        """TRL's MoE load-balancing term: ``router_aux_loss_coef × aux_loss`` per micro-batch, spread over the
+        accumulation steps when the trainer counts ``num_items_in_batch`` (added after the rank scaling, as TRL)."""
         trainer = self.trainer
-        mode = "train" if trainer.model.training else "eval"
-        metrics = getattr(trainer, "_metrics", None)
-        gather = trainer.accelerator.gather_for_metrics
         aux_loss = getattr(outputs, "aux_loss", None)
-        if aux_loss is not None and num_items_in_batch is not None:
-            # the fused forward adds coef * aux once per micro-batch; TRL spreads it over the accumulation steps
-            coef = getattr(trainer, "router_aux_loss_coef", 0.0) or 0.0
-            loss = loss - coef * aux_loss * (1 - 1 / trainer.current_gradient_accumulation_steps)
+        if aux_loss is None or not getattr(trainer, "aux_loss_enabled", False):
+            return 0.0
+        steps = trainer.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+        return trainer.router_aux_loss_coef * aux_loss / steps
+
+    def _sft_metrics(self, outputs: Any, inputs: Mapping) -> None:
+        """TRL's bookkeeping around the fused loss: entropy, token accuracy, tokens seen, MoE aux loss."""
+        trainer = self.trainer
+        metrics = getattr(trainer, "_metrics", None)
         if metrics is None:
-            return loss
+            return
+        mode = "train" if trainer.model.training else "eval"
+        gather = trainer.accelerator.gather_for_metrics
         label_mask = getattr(outputs, "label_mask", None)
         if label_mask is not None:
             num_valid = gather(label_mask.sum()).sum()
@@ -303,9 +324,9 @@ class TrainerPatch:
             trainer._total_train_tokens += gather(tokens).sum().item() // getattr(trainer, "_tp_size", 1)
         if hasattr(trainer, "_total_train_tokens"):
             metrics[mode]["num_tokens"] = [trainer._total_train_tokens]
+        aux_loss = getattr(outputs, "aux_loss", None)
         if aux_loss is not None:
             metrics[mode]["aux_loss"].append(gather(aux_loss.detach()).mean().item())
-        return loss
 
     def prediction_step(self, model: Any, inputs: Mapping, prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:

@@ -181,6 +181,29 @@ def test_neftune_noise_is_the_padded_noise(kind):
     assert not any(isinstance(hook, PackedNeftune) for hook in embeddings._forward_hooks.values())
 
 
+SFT_LOSSES = {"dft": dict(loss_type="dft"),
+              "dft-with-label-smoothing": dict(loss_type="dft", label_smoothing_factor=0.1),
+              "moe-aux-accumulation2": dict(architecture="mixtral", gradient_accumulation_steps=2,
+                                            per_device_train_batch_size=2)}
+
+
+@pytest.mark.parametrize("settings", SFT_LOSSES.values(), ids=SFT_LOSSES.keys())
+def test_sft_loss_is_trls(settings):
+    """The SFT loss is TRL's, computed from the fused log-probabilities: DFT (``loss_type: dft``, where TRL ignores
+    label smoothing), and an MoE's load-balancing term spread over accumulation steps. 15-step curves equal
+    padded TRL within 1e-4 (relative for DFT, whose losses are small)."""
+    curves = []
+    for packed in (False, True):
+        trainer, _ = make_trainer("sft", packed, max_steps=15, **settings)
+        trainer.train()
+        curves.append(torch.tensor(losses(trainer)))
+    padded, packed = curves
+    assert len(packed) == len(padded) == 15
+    torch.testing.assert_close(packed, padded, atol=1e-4, rtol=1e-4)
+    if settings.get("loss_type") == "dft":
+        assert padded.max() < 1.0, "not the DFT loss (NLL here is about 4.9)"
+
+
 def test_trl_packed_rows_are_split_back_into_examples():
     """Rows packed by TRL (``seq_lengths``) survive column removal and never attend across their examples."""
     examples = rows()
