@@ -155,6 +155,7 @@ class TrainerPatch:
     kind: TrainerKind
     saved: dict[str, Any] = field(default_factory=dict)
     neftune: PackedNeftune | None = None
+    dispatch_config: Any = None
     active: bool = True
 
     @classmethod
@@ -174,16 +175,18 @@ class TrainerPatch:
         _check_collator(trainer.data_collator)
         _check_datasets(trainer, assembly.collator)
         _check_trl_packing(trainer, assembly.config)
+        dispatch_config = _keep_batches_whole(trainer)
         trainer._set_signature_columns_if_needed()
-        patch = cls(trainer, assembly, kind)
+        patch = cls(trainer, assembly, kind, dispatch_config=dispatch_config)
         for name in ("data_collator", "_signature_columns"):
             patch.saved[name] = getattr(trainer, name)
-        for name in ("compute_loss", "prediction_step", "loss_is_scaled_for_ga"):
+        for name in ("compute_loss", "prediction_step", "loss_is_scaled_for_ga", "_track_num_input_tokens"):
             patch.saved[name] = own_attribute(trainer, name)
         trainer.data_collator = TrainerCollator(assembly.collator, labelled_logits_apply(trainer, assembly, kind))
         trainer._signature_columns = _signature_columns(trainer, assembly)
         trainer.compute_loss = patch.compute_loss
         trainer.prediction_step = patch.prediction_step
+        trainer._track_num_input_tokens = patch.track_num_input_tokens
         if getattr(getattr(assembly.config, "batching", None), "strategy", "examples") == "tokens":
             patch.saved["get_train_dataloader"] = own_attribute(trainer, "get_train_dataloader")
             trainer.get_train_dataloader = patch.train_dataloader
@@ -204,11 +207,23 @@ class TrainerPatch:
         if not self.active:
             return
         restore_attributes(self.trainer, self.saved)
+        if self.dispatch_config is not None:
+            self.dispatch_config.dispatch_batches = None
         if self.neftune is not None:
             self.neftune.remove()
         self.active = False
 
     # -- what the trainer calls ---------------------------------------------------------------------------------
+
+    def track_num_input_tokens(self, inputs: Mapping) -> None:
+        """``include_num_input_tokens_seen``: a packed batch has no padding, so ``non_padding`` counts every token (the
+        trainer would count the tokens unequal to the pad id, dropping real ones where pad is eos, say)."""
+        trainer = self.trainer
+        name = getattr(trainer.model, "main_input_name", "input_ids")
+        if trainer.args.include_num_input_tokens_seen != "non_padding" or name not in inputs:
+            return type(trainer)._track_num_input_tokens(trainer, inputs)
+        tokens = torch.as_tensor(inputs[name].numel(), device=trainer.args.device, dtype=torch.int64)
+        trainer.state.num_input_tokens_seen += trainer.accelerator.gather(tokens).sum().item()
 
     def train_dataloader(self) -> Any:
         """``batching.strategy: tokens``: micro-batches filled up to a token budget (:mod:`padfree_plugins.sampler`)."""
@@ -481,6 +496,22 @@ def _check_trl_packing(trainer: Any, config: Any) -> None:
                           "budget to at least max_length")
 
 
+def _keep_batches_whole(trainer: Any) -> Any:
+    """accelerate's ``dispatch_batches`` loads batches on the main process and slices every tensor by rows for the
+    processes; a packed batch is one row. Refused when asked for; when left unset (accelerate would dispatch an
+    iterable dataset's batches) it is turned off — every process loads its own examples, the same batches — and
+    the accelerator's dataloader configuration returned, to unset on undo."""
+    config = getattr(trainer.accelerator, "dataloader_config", None)
+    if config is None or config.dispatch_batches is False:
+        return None
+    if config.dispatch_batches:
+        raise PadfreeError("accelerator_config dispatch_batches=True slices every batch by rows for the processes, "
+                           "and a packed batch is one row: set accelerator_config={'dispatch_batches': False} "
+                           "(every process then loads its own examples)")
+    config.dispatch_batches = False
+    return config
+
+
 def _check_datasets(trainer: Any, collator: Any) -> None:
     """Find over-long, empty or misaligned examples before training starts (see :mod:`padfree_plugins.datacheck`),
     and a training or evaluation set laid out in a way the trainer's batches would break (the collator's
@@ -540,6 +571,10 @@ def accelerate(trainer: Any, config: PadfreeConfig | dict | str | None = None, *
                            "before accelerating it again")
     if getattr(trainer, "model", None) is None:
         raise PadfreeError("the trainer has no model yet (model_init?): pass a model to the trainer, then accelerate")
+    if getattr(trainer, "model_init", None) is not None:
+        raise PadfreeError("the trainer has a model_init, which train() (and every hyperparameter-search trial) calls "
+                           "for a new model that would not be padding-free: pass the model itself, "
+                           "Trainer(model=model_init(), ...), then accelerate")
     host = host or PluginHost(block=config.plugins.block)
     config = host.call_first("trainer_config", trainer=trainer, config=config) or config
     assembly = assemble(trainer.model, config, host=host)

@@ -551,3 +551,69 @@ def test_trl_packing_with_a_token_budget_is_checked_before_training(batching, me
     with pytest.raises(PadfreeError, match=message):
         accelerate(trainer, {"task": "causal_lm", "batching": {"strategy": "tokens", **batching}})
     assert "get_train_dataloader" not in vars(trainer)
+
+
+# -- TrainingArguments paths that read the batch ------------------------------------------------------------------
+
+
+def test_num_input_tokens_seen_counts_the_padded_runs_real_tokens():
+    """``include_num_input_tokens_seen="non_padding"`` counts every token of a packed batch (it has no padding); the
+    trainer would count the tokens unequal to the pad id, and miss real ones — here every example ends with it, as
+    when pad is eos. ``"all"`` counts the tokens the model ran: the real ones, no padding."""
+    train = rows(12)
+    pad = tokenizer().pad_token_id
+    for example in train:
+        example["input_ids"][-1] = example["labels"][-1] = pad
+    counts = {}
+    for packed in (False, True):
+        for mode in ("non_padding", "all"):
+            trainer, _ = make_trainer("hf", packed, max_steps=3, include_num_input_tokens_seen=mode,
+                                      train=datasets.Dataset.from_list(train))
+            trainer.processing_class = tokenizer()
+            trainer.train()
+            counts[packed, mode] = trainer.state.num_input_tokens_seen
+    real = sum(len(example["input_ids"]) for example in train)
+    assert counts[True, "non_padding"] == counts[False, "non_padding"] == counts[True, "all"] == real
+    assert counts[False, "all"] > real  # padded: padding included
+
+
+def test_an_iterable_dataset_trains_and_evaluates_the_padded_curve():
+    """accelerate dispatches an iterable dataset's batches by default, slicing every tensor by rows (a packed batch
+    is one row: its boundaries were cut to one number). Dispatching is turned off — every process loads its own
+    examples, the same batches — and set back by undo; asked for explicitly, it is refused. (The eval set is 3 full
+    batches: on a last partial batch of an iterable eval set, accelerate no longer trims the trainer's repeated
+    batch loss to the batch's examples, so eval_loss weighs that batch as a full one.)"""
+    def streams():
+        strip = [{k: v for k, v in example.items() if k != "source"} for example in rows()]
+        return datasets.Dataset.from_list(strip).to_iterable_dataset()
+
+    results = {}
+    for packed in (False, True):
+        trainer, acceleration = make_trainer("hf", packed, max_steps=6, train=streams())
+        trainer.eval_dataset = datasets.Dataset.from_list(rows(15, seed=1)).to_iterable_dataset()
+        trainer.train()
+        results[packed] = losses(trainer), trainer.evaluate()["eval_loss"]
+    assert_close = functools.partial(torch.testing.assert_close, atol=1e-5, rtol=0)
+    assert_close(torch.tensor(results[True][0]), torch.tensor(results[False][0]))
+    assert_close(torch.tensor(results[True][1]), torch.tensor(results[False][1]))
+    assert trainer.accelerator.dataloader_config.dispatch_batches is False
+    acceleration.undo()
+    assert trainer.accelerator.dataloader_config.dispatch_batches is None
+    dispatching, _ = make_trainer("hf", packed=False, accelerator_config={"dispatch_batches": True})
+    with pytest.raises(PadfreeError, match="dispatch_batches=True slices every batch by rows"):
+        accelerate(dispatching, {"task": "causal_lm"})
+    assert patch_of(dispatching.model) is None
+
+
+def test_model_init_is_refused():
+    """``model_init``: train() and every hyperparameter-search trial build a new model, which would not be padding-free
+    (it trained packed batches unpatched: losses 8e-3 off the padded curve in 6 steps)."""
+    def model_init():
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
+
+    trainer = Trainer(model_init=model_init, args=TrainingArguments(output_dir=tempfile.mkdtemp(), report_to="none"),
+                      train_dataset=datasets.Dataset.from_list(rows(8)), data_collator=padded_collator())
+    with pytest.raises(PadfreeError, match=r"model_init.*Trainer\(model=model_init\(\)"):
+        accelerate(trainer, {"task": "causal_lm"})
+    assert patch_of(trainer.model) is None
