@@ -272,6 +272,9 @@ class TrainerPatch:
             else:
                 loss = trainer.label_smoother(outputs, labels, shift_labels=self.assembly.plan.task.name == "causal_lm",
                                               num_items_in_batch=num_items_in_batch)
+            if self.kind == "sft":  # TRL records its metrics from a fused forward beside this loss, as here
+                with torch.no_grad():
+                    self._sft_metrics(self.assembly.forward(model, inputs, **self.model_kwargs(fused=True)), inputs)
         else:
             outputs = self.assembly.forward(model, inputs, **kwargs)
             if self.kind == "sft":
