@@ -170,6 +170,13 @@ class TrainerPatch:
                 "rows; a packed batch is one row. Launch with `accelerate launch` or `torchrun` (one process per "
                 "GPU), or make one GPU visible with CUDA_VISIBLE_DEVICES."
             )
+        parallelism = getattr(trainer.accelerator, "parallelism_config", None)
+        if parallelism is not None and (parallelism.cp_enabled or parallelism.sp_enabled):
+            raise PadfreeError(
+                "context / sequence parallelism (parallelism_config cp_size or sp_size > 1) splits every row along "
+                "the sequence across ranks, cutting a packed row's examples from their boundaries; train with "
+                "cp_size=sp_size=1 (a padding-free batch needs far less memory) or without padfree-plugins"
+            )
         if trainer.model is None or unwrap_model(trainer.model) is not assembly.model:
             raise PadfreeError("the assembly was built for another model than trainer.model")
         _check_collator(trainer.data_collator)

@@ -617,3 +617,16 @@ def test_model_init_is_refused():
     with pytest.raises(PadfreeError, match=r"model_init.*Trainer\(model=model_init\(\)"):
         accelerate(trainer, {"task": "causal_lm"})
     assert patch_of(trainer.model) is None
+
+
+def test_context_and_sequence_parallelism_are_refused(monkeypatch):
+    """cp_size / sp_size > 1 shard every row along the sequence: a packed row's examples would lose their boundaries."""
+    import types
+
+    trainer, _ = make_trainer("hf", packed=False)
+    for cp, sp in ((True, False), (False, True)):
+        split = types.SimpleNamespace(cp_enabled=cp, sp_enabled=sp)
+        monkeypatch.setattr(type(trainer.accelerator), "parallelism_config", property(lambda self, split=split: split))
+        with pytest.raises(PadfreeError, match="cp_size or sp_size > 1"):
+            accelerate(trainer, {"task": "causal_lm"})
+        assert patch_of(trainer.model) is None
