@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -182,6 +183,7 @@ class TrainerPatch:
         _check_collator(trainer.data_collator)
         _check_datasets(trainer, assembly.collator)
         _check_trl_packing(trainer, assembly.config)
+        _note_trl_eval_packing(trainer)
         dispatch_config = _keep_batches_whole(trainer)
         trainer._set_signature_columns_if_needed()
         patch = cls(trainer, assembly, kind, dispatch_config=dispatch_config)
@@ -345,7 +347,11 @@ class TrainerPatch:
                     total = gather(value.detach().sum()).sum()
                     metrics[mode][name].append((total / num_valid).item() if num_valid > 0 else 0.0)
         if mode == "train" and hasattr(trainer, "_total_train_tokens"):
-            tokens = torch.tensor(inputs["input_ids"].shape[-1], device=inputs["input_ids"].device)
+            tokens = inputs["input_ids"].shape[-1]
+            multiple = trainer.args.pad_to_multiple_of if getattr(trainer, "padding_free", False) else None
+            if multiple:  # TRL's padding-free collator pads the row to a multiple, and counts that padding
+                tokens = -(-tokens // multiple) * multiple
+            tokens = torch.tensor(tokens, device=inputs["input_ids"].device)
             trainer._total_train_tokens += gather(tokens).sum().item() // getattr(trainer, "_tp_size", 1)
         if hasattr(trainer, "_total_train_tokens"):
             metrics[mode]["num_tokens"] = [trainer._total_train_tokens]
@@ -504,6 +510,20 @@ def _check_trl_packing(trainer: Any, config: Any) -> None:
         raise ConfigError(f"batching.max_tokens_per_batch={batching.max_tokens_per_batch} is less than TRL's "
                           f"max_length={longest}: with packing=True, TRL's packed rows are the examples; raise the "
                           "budget to at least max_length")
+
+
+def _note_trl_eval_packing(trainer: Any) -> None:
+    """TRL ``eval_packing=True`` without its padding-free collator (``packing=False``): TRL evaluates each packed row
+    as one sequence, its examples attending to each other; here every example is evaluated on its own (the row's
+    ``seq_lengths`` are kept), so ``eval_loss`` and the eval metrics differ from TRL's a little. Said, not refused."""
+    args = trainer.args
+    if (not getattr(args, "eval_packing", None) or getattr(trainer, "padding_free", True)
+            or trainer.eval_dataset is None or getattr(args, "packing_strategy", "bfd") == "wrapped"):
+        return
+    warnings.warn("eval_packing=True with packing=False: TRL's own evaluation lets the examples packed into one eval "
+                  "row attend to each other; padfree-plugins evaluates each example on its own, so eval_loss and the "
+                  "eval metrics differ slightly from TRL's. Set packing=True as well (TRL then keeps the boundaries "
+                  "too) or eval_packing=False to compare like with like.", stacklevel=3)
 
 
 def _keep_batches_whole(trainer: Any) -> Any:

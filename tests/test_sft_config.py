@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import tempfile
+import warnings
 
 import datasets
 import pytest
@@ -121,6 +122,8 @@ CASES = {
     "packing-bfd-split": dict(packing=True, max_length=20, packing_strategy="bfd_split"),
     "packing-wrapped": dict(packing=True, max_length=32, packing_strategy="wrapped"),
     "pad-to-multiple-of": dict(pad_to_multiple_of=16),
+    "packing-bfd-pad-to-multiple-of": dict(packing=True, max_length=40, pad_to_multiple_of=16),
+    "padding-free-pad-to-multiple-of": dict(padding_free=True, max_length=None, pad_to_multiple_of=16),
     "dataset-text-field": dict(train=[{"body": row["text"]} for row in TEXT], dataset_text_field="body"),
     "prompt-completion": dict(train=PROMPT_COMPLETION),
     "prompt-completion-full-loss": dict(train=PROMPT_COMPLETION, completion_only_loss=False),
@@ -171,3 +174,20 @@ def test_chat_template_path_with_assistant_only_loss(tmp_path):
     assert_same_logs(train_logs(trainers[False]), train_logs(trainers[True]))
     labels = trainers[True].train_dataset[0]["labels"]
     assert -100 in labels and any(label != -100 for label in labels)
+
+
+def test_eval_packing_without_packing_is_said_at_accelerate():
+    """``eval_packing=True, packing=False``: TRL's padded collator lets a packed eval row's examples attend to each
+    other; padding-free evaluation keeps them apart, so eval_loss differs from TRL's — said by a warning."""
+    def trainer(**sft):
+        args = trl.SFTConfig(output_dir=tempfile.mkdtemp(), report_to="none", bf16=False, max_length=40, **sft)
+        return trl.SFTTrainer(model=llama(), args=args, train_dataset=datasets.Dataset.from_list(TEXT),
+                              eval_dataset=datasets.Dataset.from_list(TEXT[:7]), processing_class=tokenizer())
+
+    with pytest.warns(UserWarning, match="eval_packing=True with packing=False"):
+        accelerate(trainer(eval_packing=True), {"task": "causal_lm"})
+    for quiet in (dict(eval_packing=True, packing=True), dict(eval_packing=True, packing=True, padding_free=True),
+                  dict(eval_packing=False)):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="eval_packing")
+            accelerate(trainer(**quiet), {"task": "causal_lm"})
