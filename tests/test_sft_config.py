@@ -191,3 +191,21 @@ def test_eval_packing_without_packing_is_said_at_accelerate():
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message="eval_packing")
             accelerate(trainer(**quiet), {"task": "causal_lm"})
+
+
+def test_predict_and_metrics_on_preprocessed_logits_equal_padded():
+    """``preprocess_logits_for_metrics`` (argmax) and ``compute_metrics`` see TRL's shapes; ``predict`` returns the
+    padded run's predictions (where a label counts) and loss."""
+    def accuracy(prediction):
+        labels = prediction.label_ids[:, 1:]
+        counted = labels != -100
+        return {"accuracy": float((prediction.predictions[:, :-1] == labels)[counted].mean())}
+
+    kwargs = {"compute_metrics": accuracy, "preprocess_logits_for_metrics": lambda logits, labels: logits.argmax(-1)}
+    trainers = sft_runs(TEXT, eval_dataset=datasets.Dataset.from_list(TEXT[:7]), trainer_kwargs=kwargs)
+    want, got = (trainers[packed].predict(trainers[packed].eval_dataset) for packed in (False, True))
+    assert got.predictions.shape == want.predictions.shape and got.label_ids.shape == want.label_ids.shape
+    counted = want.label_ids[:, 1:] != -100
+    assert counted.sum() > 50 and (got.predictions[:, :-1][counted] == want.predictions[:, :-1][counted]).all()
+    for name in ("test_loss", "test_accuracy"):
+        assert got.metrics[name] == pytest.approx(want.metrics[name], abs=1e-5), name
