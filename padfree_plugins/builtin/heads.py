@@ -162,6 +162,13 @@ def sequence_logits(model: Any, batch: Mapping) -> torch.Tensor:
 # -- generative scoring (yes / no token logits of a causal LM) --------------------------------------------------
 
 
+@lru_cache(maxsize=16)
+def _ids_on(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``ids`` as an int64 tensor on ``device``, copied there once: a copy from the host in every step would wait for
+    the device to finish the queued forward (a blocking host-to-device copy synchronises the stream)."""
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
 def token_logits(model: Any, batch: Mapping, token_ids: torch.Tensor) -> torch.Tensor:
     """The logits of ``token_ids`` (int64 ``[k]``) at every example's last token: ``[n, k]``.
 
@@ -172,6 +179,8 @@ def token_logits(model: Any, batch: Mapping, token_ids: torch.Tensor) -> torch.T
     inner = unwrap_model(model)
     head = check_lm_head(inner, "reranker (scorer yes_no)")
     last = _last(run_base(inner, batch), batch)
+    if token_ids.device.type == "cpu" and head.weight.device.type != "cpu":
+        token_ids = _ids_on(tuple(token_ids.tolist()), head.weight.device)  # tolist of a host tensor: no sync
     token_ids = token_ids.to(head.weight.device)
     bias = head.bias.index_select(0, token_ids) if getattr(head, "bias", None) is not None else None
     logits = F.linear(last, head.weight.index_select(0, token_ids), bias)

@@ -32,6 +32,20 @@ def texts(features: dict[str, Any]) -> list[torch.Tensor]:
     return [features["input_ids"][0, start:end] for start, end in zip(cu[:-1], cu[1:])]
 
 
+def same_texts(first: dict[str, Any], second: dict[str, Any]) -> torch.Tensor:
+    """1.0 where text ``i`` of two packed columns (as many texts each) has the same tokens, else 0.0 (float32
+    ``[n]``): computed on the device, with nothing read back to the host (no per-text ``torch.equal``)."""
+    ids, other = first["input_ids"].reshape(-1), second["input_ids"].reshape(-1)
+    cu, other_cu = (features["cu_seq_lens_q"].to(ids.device, torch.long) for features in (first, second))
+    lengths = cu.diff()
+    text = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), lengths, output_size=ids.numel())
+    position = torch.arange(ids.numel(), device=ids.device) - cu[:-1][text]
+    # where the lengths differ the partner may lie in another text (clamped into the row): the label is 0 anyway
+    partner = (other_cu[:-1][text] + position).clamp(max=other.numel() - 1)
+    mismatches = torch.zeros_like(lengths).index_add_(0, text, (ids != other[partner]).long())
+    return ((lengths == other_cu.diff()) & (mismatches == 0)).float()
+
+
 @dataclass
 class TensionLabelsPerText:
     """``ContrastiveTensionLoss.forward`` that, on packed features without labels, labels each pair 1 when its two
@@ -43,8 +57,11 @@ class TensionLabelsPerText:
         sentence_features = list(sentence_features)
         if labels is None and all("cu_seq_lens_q" in features for features in sentence_features):
             first, second = sentence_features
-            labels = torch.tensor([torch.equal(a, b) for a, b in zip(texts(first), texts(second))],
-                                  dtype=torch.float32, device=first["input_ids"].device)
+            if first["cu_seq_lens_q"].shape == second["cu_seq_lens_q"].shape:
+                labels = same_texts(first, second)
+            else:  # columns with different numbers of texts: pairs as zip makes them
+                labels = torch.tensor([torch.equal(a, b) for a, b in zip(texts(first), texts(second))],
+                                      dtype=torch.float32, device=first["input_ids"].device)
         return type(self.loss).forward(self.loss, sentence_features, labels)
 
 
