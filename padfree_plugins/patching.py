@@ -16,7 +16,8 @@ public way to remove a name); for a call without boundaries it behaves exactly a
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +129,18 @@ def check_boundaries(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool
             "padded batch."
         )
     return False
+
+
+@contextmanager
+def guarded_call(model: torch.nn.Module, inputs: Mapping[str, Any]) -> Iterator[None]:
+    """The guard of :class:`ModelPatch` for a caller that runs ``model.forward(**inputs)`` directly (which skips the
+    model's hooks, where the guard sits): the inputs are checked, and during a packed call attention refuses a
+    layer that lost the boundaries."""
+    token = PACKED_CALL.set(check_boundaries(model, (), dict(inputs)))
+    try:
+        yield
+    finally:
+        PACKED_CALL.reset(token)
 
 
 @dataclass

@@ -140,6 +140,27 @@ def test_copies_of_an_enabled_model_are_enabled_and_can_be_disabled(tiny_dirs):
         pst.disable(model)
 
 
+def test_a_layer_that_loses_the_boundaries_is_an_error_not_mixed_texts(tiny_dirs):
+    """sentence-transformers calls the model's ``forward`` method itself, skipping the model's hooks: the guard
+    still runs, so a layer that drops the boundaries on the way to attention raises instead of attending across
+    the packed texts."""
+    from padfree_plugins.errors import BoundaryError
+
+    model = tiny_sentence_transformer(tiny_dirs["encoder"])
+    attention = model[0].auto_model.encoder.layer[1].attention.self
+    forward = attention.forward
+
+    def losing_the_boundaries(*args, **kwargs):
+        kwargs = {k: v for k, v in kwargs.items() if not k.startswith(("cu_seq_lens", "max_length"))}
+        return forward(*args, **kwargs)
+
+    attention.forward = losing_the_boundaries
+    with pst.enable(model, CONFIG):
+        with pytest.raises(BoundaryError, match="without the example boundaries"):
+            model.encode(sentences(4))
+    model.encode(sentences(4))  # padded again after undo: the layer's kwargs do not matter there
+
+
 def test_minilm_prompt_excluded_from_pooling(minilm):
     texts, prompt = sentences(12, seed=3), "query: "
     minilm[1].include_prompt = False

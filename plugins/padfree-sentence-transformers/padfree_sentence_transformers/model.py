@@ -32,7 +32,7 @@ from padfree_plugins import PackingCollator, assemble, load_config
 from padfree_plugins.batch import BOUNDARY_KEYS
 from padfree_plugins.builtin.heads import sequence_logits
 from padfree_plugins.errors import ConfigError, PadfreeError, UnsupportedArchitectureError
-from padfree_plugins.patching import own_attribute, restore_attributes
+from padfree_plugins.patching import guarded_call, own_attribute, restore_attributes
 
 #: sentence-transformers modules that work on a packed row (after the Transformer module).
 PACKED_SAFE_MODULES = frozenset({"Pooling", "Normalize", "Dense", "LayerNorm", "Dropout", "SpladePooling",
@@ -100,6 +100,21 @@ class PackedHeadForward:
 
 
 @dataclass
+class GuardedForward:
+    """An embedding Transformer module's forward with padfree's guard around packed features: sentence-transformers
+    calls the model's ``forward`` method itself, which skips the hooks where the guard sits (checked inputs, and
+    attention that refuses a layer losing the boundaries)."""
+
+    module: Any
+
+    def __call__(self, features: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        if "cu_seq_lens_q" not in features:
+            return type(self.module).forward(self.module, features, **kwargs)
+        with guarded_call(self.module.auto_model, {**features, **kwargs}):
+            return type(self.module).forward(self.module, features, **kwargs)
+
+
+@dataclass
 class ModulePatch:
     """The changes :func:`patch_module` made to a Transformer module; :meth:`undo` restores it exactly."""
 
@@ -123,7 +138,9 @@ def patch_module(module: Any, collator: Any) -> ModulePatch:
     if module.model_forward_params is not None:
         module.model_forward_params = set(module.model_forward_params) | {"position_ids", *BOUNDARY_KEYS}
     if module.transformer_task == "sequence-classification":
-        module.forward = PackedHeadForward(module)
+        module.forward = PackedHeadForward(module)  # calls the model itself, through its hooks
+    else:
+        module.forward = GuardedForward(module)
     return patch
 
 
