@@ -7,7 +7,8 @@ right-padded batch ``[n, L_max, d]`` and each real token takes the noise of its 
 as padded training, and, from the same random state, the same values.
 
 The trainer patch installs :class:`PackedNeftune` in place of the trainer's own hook and tells it the packed batch
-of each training forward (:meth:`PackedNeftune.for_batch`); ``undo()`` removes it.
+of each training forward (:meth:`PackedNeftune.for_batch`); outside those forwards it adds nothing, as the trainer's
+hook exists only during ``train()``. ``undo()`` removes it.
 """
 
 from __future__ import annotations
@@ -24,18 +25,18 @@ from .attention.backends import padded_slots
 
 @dataclass
 class PackedNeftune:
-    """A forward hook for the input embeddings: NEFTune noise per example of the packed batch in progress (any
-    other input gets transformers' own hook)."""
+    """A forward hook for the input embeddings: NEFTune noise per example of the packed batch in progress (another
+    input during it gets transformers' own formula; a forward outside :meth:`for_batch` gets no noise)."""
 
     alpha: float
     batch: Mapping | None = field(default=None, repr=False)
     handle: Any = field(default=None, repr=False)
 
     def __call__(self, module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
-        if not module.training:
-            return output
         batch = self.batch
-        if batch is None or "cu_seq_lens_q" not in batch or output.ndim != 3 or output.shape[0] != 1:
+        if not module.training or batch is None:
+            return output
+        if "cu_seq_lens_q" not in batch or output.ndim != 3 or output.shape[0] != 1:
             return output + self.noise(output.shape, output.size(1), output)  # transformers' own formula
         cu_seq_lens = batch["cu_seq_lens_q"].to(output.device)
         examples, longest, total = cu_seq_lens.numel() - 1, int(batch["max_length_q"]), output.shape[1]

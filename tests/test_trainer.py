@@ -166,12 +166,16 @@ def test_gradient_checkpointing_gives_the_same_curve():
 def test_neftune_noise_is_the_padded_noise(kind):
     """``neftune_noise_alpha``: transformers scales the noise by the row length, which on a packed row would be
     every example's tokens together (weaker noise). The packed run draws the padded batch's noise instead, so the
-    30-step curve equals padded NEFTune training; undo gives the trainer its own NEFTune back."""
+    30-step curve equals padded NEFTune training. As the trainer's own hook, the noise is gone after ``train()``
+    (a train-mode forward is deterministic again); undo gives the trainer its own NEFTune back."""
     curves = []
     for packed in (False, True):
         trainer, acceleration = make_trainer(kind, packed, neftune_noise_alpha=1.0)
         trainer.train()
         curves.append(losses(trainer))
+        ids = torch.tensor([[5, 6, 7, 8, 9]])
+        trainer.model.train()
+        assert torch.equal(trainer.model(input_ids=ids).logits, trainer.model(input_ids=ids).logits)
     assert_same_curve(curves[1], curves[0])
     without_noise, _ = padded_run(kind)
     assert max(abs(a - b) for a, b in zip(curves[0], without_noise)) > 1e-3, "NEFTune changed nothing"
