@@ -391,10 +391,13 @@ def weighted_cross_entropy(outputs, labels, num_items_in_batch=None):
     ("bert", dict(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": True})),
     ("qwen3", dict(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": False})),
     ("qwen3", dict(lora=True, activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": True})),
-], ids=["label-smoothing", "class-weights", "checkpointing-reentrant", "decoder-checkpointing", "lora-checkpointing"])
+    ("bert", dict(neftune_noise_alpha=1.0)),
+    ("qwen3", dict(neftune_noise_alpha=1.0)),
+], ids=["label-smoothing", "class-weights", "checkpointing-reentrant", "decoder-checkpointing", "lora-checkpointing",
+        "neftune", "decoder-neftune"])
 def test_classifier_training_options_give_the_padded_curve(name, options):
-    """LoRA (task SEQ_CLS: the head in modules_to_save), activation checkpointing either way, label smoothing and a
-    compute_loss_func train the padded curve; after undo the (peft) model still runs padded batches."""
+    """LoRA (task SEQ_CLS: the head in modules_to_save), activation checkpointing either way, label smoothing, a
+    compute_loss_func and NEFTune (the padded batch's noise) train the padded curve; after undo the (peft) model still runs padded batches."""
     peft = pytest.importorskip("peft") if options.get("lora") else None
     options = dict(options)
     lora, loss_func = options.pop("lora", False), options.pop("compute_loss_func", None)
