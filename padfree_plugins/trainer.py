@@ -109,16 +109,39 @@ def split_packed_row(row: Mapping[str, Any]) -> list[dict[str, Any]]:
 @dataclass
 class TrainerCollator:
     """The assembly's collator as a trainer's ``data_collator`` (picklable, for DataLoader workers);
-    ``labelled_logits`` adds :func:`~padfree_plugins.causal_lm.keep_labelled_logits`'s keys to each batch."""
+    ``labelled_logits`` adds :func:`~padfree_plugins.causal_lm.keep_labelled_logits`'s keys to each batch;
+    ``unlabelled_token`` (the pad id of a replaced ``DataCollatorForLanguageModeling``) gets no loss, as there."""
 
     collator: Any
     labelled_logits: bool = False
+    unlabelled_token: int | None = None
 
     def __call__(self, rows: list[Mapping[str, Any]]) -> Any:
         if rows and isinstance(rows[0], Mapping) and "seq_lengths" in rows[0]:
             rows = [example for row in rows for example in split_packed_row(row)]
         batch = self.collator(rows)
+        if self.unlabelled_token is not None and "labels" in batch:
+            batch["labels"] = batch["labels"].masked_fill(batch["input_ids"] == self.unlabelled_token, -100)
         return keep_labelled_logits(batch) if self.labelled_logits else batch
+
+
+def language_modeling_pad_id(trainer: Any) -> int | None:
+    """The pad id of the trainer's collator when it is transformers' ``DataCollatorForLanguageModeling`` (causal):
+    it builds the labels from ``input_ids`` with every token equal to the pad id at -100 — real ones too (an EOS
+    that doubles as the pad token). Replacing it keeps that, and refuses a dataset ``labels`` column, which that
+    collator overwrites and padfree-plugins would keep (the two trainings would differ)."""
+    collator = trainer.data_collator
+    if type(collator).__name__ != "DataCollatorForLanguageModeling" or not type(collator).__module__.startswith(
+            "transformers") or getattr(collator, "mlm", False):
+        return None
+    columns = getattr(trainer.train_dataset, "column_names", None) or ()
+    if "labels" in columns:
+        raise PadfreeError(
+            "the trainer's DataCollatorForLanguageModeling overwrites the dataset's labels column with input_ids "
+            "(your -100 masks are lost in padded training), and padfree-plugins would keep it: remove the column to "
+            "train on every token as that collator does, or set trainer.data_collator = None to keep your labels"
+        )
+    return getattr(getattr(collator, "tokenizer", None), "pad_token_id", None)
 
 
 def labelled_logits_apply(trainer: Any, assembly: Assembly, kind: TrainerKind) -> bool:
@@ -181,6 +204,7 @@ class TrainerPatch:
         if trainer.model is None or unwrap_model(trainer.model) is not assembly.model:
             raise PadfreeError("the assembly was built for another model than trainer.model")
         _check_collator(trainer.data_collator)
+        unlabelled_token = language_modeling_pad_id(trainer) if assembly.plan.task.name == "causal_lm" else None
         _check_datasets(trainer, assembly.collator)
         _check_trl_packing(trainer, assembly.config)
         _note_trl_eval_packing(trainer)
@@ -191,7 +215,8 @@ class TrainerPatch:
             patch.saved[name] = getattr(trainer, name)
         for name in ("compute_loss", "prediction_step", "loss_is_scaled_for_ga", "_track_num_input_tokens"):
             patch.saved[name] = own_attribute(trainer, name)
-        trainer.data_collator = TrainerCollator(assembly.collator, labelled_logits_apply(trainer, assembly, kind))
+        trainer.data_collator = TrainerCollator(assembly.collator, labelled_logits_apply(trainer, assembly, kind),
+                                                unlabelled_token)
         trainer._signature_columns = _signature_columns(trainer, assembly)
         trainer.compute_loss = patch.compute_loss
         trainer.prediction_step = patch.prediction_step

@@ -397,7 +397,8 @@ def weighted_cross_entropy(outputs, labels, num_items_in_batch=None):
         "neftune", "decoder-neftune"])
 def test_classifier_training_options_give_the_padded_curve(name, options):
     """LoRA (task SEQ_CLS: the head in modules_to_save), activation checkpointing either way, label smoothing, a
-    compute_loss_func and NEFTune (the padded batch's noise) train the padded curve; after undo the (peft) model still runs padded batches."""
+    compute_loss_func and NEFTune (the padded batch's noise) train the padded curve; after undo the (peft) model
+    still runs padded batches."""
     peft = pytest.importorskip("peft") if options.get("lora") else None
     options = dict(options)
     lora, loss_func = options.pop("lora", False), options.pop("compute_loss_func", None)

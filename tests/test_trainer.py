@@ -208,6 +208,30 @@ def test_sft_loss_is_trls(settings):
         assert padded.max() < 1.0, "not the DFT loss (NLL here is about 4.9)"
 
 
+def test_language_modeling_collator_replaced_with_its_labels():
+    """transformers' ``DataCollatorForLanguageModeling`` (causal) labels every token but those equal to the pad id
+    — real EOS tokens too when the EOS is the pad token. Replaced, it still does: the curve equals padded. A dataset
+    ``labels`` column (which that collator overwrites, padfree would keep) is refused."""
+    from transformers import DataCollatorForLanguageModeling
+
+    tok = copy.deepcopy(tokenizer())
+    tok.pad_token = tok.eos_token
+    ends_in_eos = [{"input_ids": row["input_ids"] + [tok.eos_token_id]} for row in rows(32)]
+    curves = []
+    for packed in (False, True):
+        trainer, _ = make_trainer("hf", False, train=datasets.Dataset.from_list(ends_in_eos), max_steps=8)
+        trainer.data_collator = DataCollatorForLanguageModeling(tok, mlm=False)
+        if packed:
+            accelerate(trainer, {"task": "causal_lm"})
+        trainer.train()
+        curves.append(torch.tensor(losses(trainer)))
+    torch.testing.assert_close(curves[1], curves[0], atol=1e-5, rtol=0)
+    trainer, _ = make_trainer("hf", False, max_steps=8)  # rows() carry labels
+    trainer.data_collator = DataCollatorForLanguageModeling(tok, mlm=False)
+    with pytest.raises(PadfreeError, match="overwrites the dataset's labels"):
+        accelerate(trainer, {"task": "causal_lm"})
+
+
 def test_trl_packed_rows_are_split_back_into_examples():
     """Rows packed by TRL (``seq_lengths``) survive column removal and never attend across their examples."""
     examples = rows()
