@@ -179,7 +179,7 @@ class TrainerPatch:
     kind: TrainerKind
     saved: dict[str, Any] = field(default_factory=dict)
     neftune: PackedNeftune | None = None
-    dispatch_config: Any = None
+    whole_batches: WholeBatches | None = None
     active: bool = True
 
     @classmethod
@@ -208,9 +208,9 @@ class TrainerPatch:
         _check_datasets(trainer, assembly.collator)
         _check_trl_packing(trainer, assembly.config)
         _note_trl_eval_packing(trainer)
-        dispatch_config = _keep_batches_whole(trainer)
+        whole_batches = WholeBatches.apply(trainer)
         trainer._set_signature_columns_if_needed()
-        patch = cls(trainer, assembly, kind, dispatch_config=dispatch_config)
+        patch = cls(trainer, assembly, kind, whole_batches=whole_batches)
         for name in ("data_collator", "_signature_columns"):
             patch.saved[name] = getattr(trainer, name)
         for name in ("compute_loss", "prediction_step", "loss_is_scaled_for_ga", "_track_num_input_tokens"):
@@ -241,8 +241,8 @@ class TrainerPatch:
         if not self.active:
             return
         restore_attributes(self.trainer, self.saved)
-        if self.dispatch_config is not None:
-            self.dispatch_config.dispatch_batches = None
+        if self.whole_batches is not None:
+            self.whole_batches.undo()
         if self.neftune is not None:
             self.neftune.remove()
         self.active = False
@@ -551,20 +551,32 @@ def _note_trl_eval_packing(trainer: Any) -> None:
                   "too) or eval_packing=False to compare like with like.", stacklevel=3)
 
 
-def _keep_batches_whole(trainer: Any) -> Any:
-    """accelerate's ``dispatch_batches`` loads batches on the main process and slices every tensor by rows for the
-    processes; a packed batch is one row. Refused when asked for; when left unset (accelerate would dispatch an
-    iterable dataset's batches) it is turned off — every process loads its own examples, the same batches — and
-    the accelerator's dataloader configuration returned, to unset on undo."""
-    config = getattr(trainer.accelerator, "dataloader_config", None)
-    if config is None or config.dispatch_batches is False:
-        return None
-    if config.dispatch_batches:
-        raise PadfreeError("accelerator_config dispatch_batches=True slices every batch by rows for the processes, "
-                           "and a packed batch is one row: set accelerator_config={'dispatch_batches': False} "
-                           "(every process then loads its own examples)")
-    config.dispatch_batches = False
-    return config
+@dataclass
+class WholeBatches:
+    """accelerate's ``dispatch_batches`` kept off: it loads batches on the main process and slices every tensor by
+    rows for the processes, and a packed batch is one row (its boundaries would be cut to one number). Refused when
+    asked for; when left unset (accelerate would dispatch an iterable dataset's batches) it is turned off — every
+    process loads its own examples, the same batches — and :meth:`undo` unsets it again."""
+
+    config: Any
+    active: bool = True
+
+    @classmethod
+    def apply(cls, trainer: Any) -> "WholeBatches | None":
+        config = getattr(trainer.accelerator, "dataloader_config", None)
+        if config is None or config.dispatch_batches is False:
+            return None
+        if config.dispatch_batches:
+            raise PadfreeError("accelerator_config dispatch_batches=True slices every batch by rows for the "
+                               "processes, and a packed batch is one row: set accelerator_config={'dispatch_batches': "
+                               "False} (every process then loads its own examples)")
+        config.dispatch_batches = False
+        return cls(config)
+
+    def undo(self) -> None:
+        if self.active:
+            self.config.dispatch_batches = None
+            self.active = False
 
 
 def _check_datasets(trainer: Any, collator: Any) -> None:

@@ -253,6 +253,34 @@ def test_sentence_transformer_trainer_same_loss_curve(tiny_dirs):
     assert curves[1] == pytest.approx(curves[0], abs=1e-5)
 
 
+def test_sentence_transformer_trainer_on_an_iterable_dataset(tiny_dirs):
+    """accelerate dispatches an iterable dataset's batches by default, slicing every tensor by rows (a packed column
+    is one row: its boundaries were cut to one number, a BoundaryError at step 1). Dispatching is turned off, as for
+    HF Trainer: the padded curve; undo sets it back."""
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    dataset = Dataset.from_dict({"anchor": sentences(32, seed=4), "positive": sentences(32, seed=5)})
+    curves = []
+    for padfree in (False, True):
+        model = tiny_sentence_transformer(tiny_dirs["encoder"])
+        args = SentenceTransformerTrainingArguments(
+            output_dir=tempfile.mkdtemp(prefix="padfree-st-"), per_device_train_batch_size=8, max_steps=4,
+            logging_steps=1, learning_rate=1e-3, report_to=[], seed=0, use_cpu=True, save_strategy="no",
+            disable_tqdm=True)
+        trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset.to_iterable_dataset(),
+                                             loss=MultipleNegativesRankingLoss(model))
+        acceleration = padfree_plugins.accelerate(trainer, CONFIG) if padfree else None
+        trainer.train()
+        curves.append([entry["loss"] for entry in trainer.state.log_history if "loss" in entry])
+    assert len(curves[0]) == 4
+    assert curves[1] == pytest.approx(curves[0], abs=1e-5)
+    assert trainer.accelerator.dataloader_config.dispatch_batches is False
+    acceleration.undo()
+    assert trainer.accelerator.dataloader_config.dispatch_batches is None
+
+
 @pytest.mark.parametrize("loss_name", ["GISTEmbedLoss", "CachedGISTEmbedLoss"])
 def test_a_guide_model_gets_the_packed_features_padding_free(tiny_dirs, loss_name):
     """GIST losses hand the trained model's features to the guide (same tokenizer): the guide runs packed too."""

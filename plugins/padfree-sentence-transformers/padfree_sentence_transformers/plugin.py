@@ -7,7 +7,8 @@ data collator tokenizes through ``model.preprocess``, which — once the model's
 and whose CrossEncoder head scores per text. Other models a loss calls on those features (``GISTEmbedLoss``'s
 guide) are made padding-free too, and the few losses that read the features themselves are fixed or refused
 (:mod:`.losses`).
-With ``batching.strategy: tokens`` the training batches are filled up to a token budget (:mod:`.batching`).
+With ``batching.strategy: tokens`` the training batches are filled up to a token budget (:mod:`.batching`);
+accelerate's ``dispatch_batches`` is kept off, as for HF ``Trainer`` (:class:`padfree_plugins.trainer.WholeBatches`).
 ``undo()`` restores the modules and the trainer (``accelerate``'s own ``undo`` restores the model's attention).
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 
 from padfree_plugins import PadfreeError, hookimpl, unwrap_model
 from padfree_plugins.sampler import uses_token_budget
+from padfree_plugins.trainer import WholeBatches
 
 from .batching import BatchSamplerPatch, check_config
 from .losses import loss_modules, patch_losses
@@ -70,6 +72,9 @@ def wrap_trainer(trainer, assembly, config):
             patches.append(enable(companion, config))
         if uses_token_budget(config):
             patches.append(BatchSamplerPatch.apply(trainer, model, config))
+        whole_batches = WholeBatches.apply(trainer)  # accelerate's dispatching would slice the packed columns
+        if whole_batches is not None:
+            patches.append(whole_batches)
     except BaseException:
         TrainerPatches(patches).undo()
         raise
