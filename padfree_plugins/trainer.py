@@ -390,7 +390,8 @@ class TrainerPatch:
 
         A task forward with ``for_metrics(outputs, batch)`` says itself what ``compute_metrics`` gets (one entry per
         dataset row). With no ``label_names`` (a bare encoder trained for embeddings), a loss the forward returns
-        is reported, as the trainer reports one for models that return a loss without labels.
+        is reported, as the trainer reports one for models that return a loss without labels, and the labels the
+        batch carries reach ``compute_metrics``.
         """
         trainer = self.trainer
         batch_as_given = inputs
@@ -428,8 +429,8 @@ class TrainerPatch:
             self._repad_metric_inputs(batch_as_given, inputs)
         for_metrics = getattr(self.assembly.forward, "for_metrics", None)
         if for_metrics is not None:
-            logits, labels = for_metrics(outputs, inputs)
-            return (loss, _detach(logits), _detach(labels) if has_labels else None)
+            logits, labels = for_metrics(outputs, inputs)  # a bare encoder's batch labels count (no label_names)
+            return (loss, _detach(logits), _detach(labels) if has_labels or loss_without_labels else None)
         if ignore_keys is None:
             ignore_keys = list(getattr(getattr(unwrap_model(model), "config", None), "keys_to_ignore_at_inference",
                                        ["past_key_values"]))

@@ -327,6 +327,21 @@ def test_embedding_evaluation_reports_the_loss_and_each_columns_embeddings():
         np.testing.assert_allclose(got, expected.numpy(), atol=1e-5, rtol=0)
 
 
+def test_embedding_evaluation_hands_compute_metrics_the_row_labels():
+    """A bare encoder has no label names, yet a similarity loss's row labels are what STS metrics compare the
+    embeddings with: compute_metrics gets them (without them the trainer never called compute_metrics)."""
+    rows = similarity_rows(11)
+    seen = []
+    trainer = Trainer(model=model_for("bert", **NO_DROPOUT["bert"]), args=settings(),
+                      eval_dataset=datasets.Dataset.from_list(rows), compute_metrics=lambda p: seen.append(p) or {})
+    accelerate(trainer, {"task": "embedding", "attention": "exact", "pooling": "mean",
+                         "task_options": {"loss": "CosineSimilarityLoss"}})
+    trainer.evaluate()
+    assert len(seen) == 1
+    np.testing.assert_allclose(seen[0].label_ids, [row["label"] for row in rows])
+    assert [column.shape for column in seen[0].predictions] == [(11, 64), (11, 64)]
+
+
 # -- gradient accumulation ---------------------------------------------------------------------------------------
 
 
