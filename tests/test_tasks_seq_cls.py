@@ -71,6 +71,26 @@ def test_batch_of_one(name):
     assert_grads_close(got_grads, want_grads)
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_decoder_heads_skip_pad_id_tokens_as_transformers_does(name):
+    """Decoder heads read "the rightmost token that is not the pad id" (transformers finds a right-padded row's end
+    that way), so an example ending in real pad-id tokens (an EOS doubling as pad token) is scored at the token
+    before them, and one made only of pad ids at its first token. Packed: the same tokens, per example."""
+    from tests.tasks_common import PAD
+
+    model = model_for(name, head="seq_cls", num_labels=3)
+    examples = labelled(make_examples([6, 9, 4, 7]), "single_label")
+    examples[0]["input_ids"][-1] = PAD  # ends in one pad-id token
+    examples[1]["input_ids"][-3:] = [PAD] * 3  # in three
+    examples[2]["input_ids"][:] = [PAD] * 4  # nothing but pad ids
+    examples[3]["input_ids"][2] = PAD  # one inside: not the end, so the last token still counts
+    want_loss, want_logits, want_grads = padded_reference(model, examples)
+    loss, logits, got_grads = packed_run(model, examples)
+    torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loss, want_loss, atol=1e-5, rtol=1e-5)
+    assert_grads_close(got_grads, want_grads)
+
+
 def test_modernbert_mean_classifier_pooling():
     model = model_for("modernbert", head="seq_cls", num_labels=3, classifier_pooling="mean")
     examples = labelled(make_examples([1, 11, 6]), "single_label")

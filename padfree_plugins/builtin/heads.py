@@ -3,9 +3,9 @@ own head modules to those vectors.
 
 transformers' ``*ForSequenceClassification`` heads pool one token per *row*, so on a packed ``[1, T]`` row they
 would return one result for ``n`` examples. Here the base model runs packed, the token each head reads is
-gathered per example (CLS at ``cu[:-1]``, the last token at ``cu[1:] - 1``, or ModernBERT's mean) and the
-head's own modules (pooler, dropout, dense layers, ``score``) run on ``[n, H]`` — the same weights and the same
-arithmetic as the padded forward, with no padding.
+gathered per example (CLS at ``cu[:-1]``, a decoder's last token that is not the pad id, or ModernBERT's
+mean) and the head's own modules (pooler, dropout, dense layers, ``score``) run on ``[n, H]`` — the same weights
+and the same arithmetic as the padded forward, with no padding.
 
 A model family missing from :data:`SEQUENCE_HEADS` is refused with an error saying how to add it.
 """
@@ -97,9 +97,28 @@ def _modernbert_head(model, hidden, batch):
     return model.classifier(model.drop(model.head(pooled)))
 
 
+def _last_not_pad(model, hidden, batch):
+    """Every example's rightmost token that is not the pad id, as transformers' decoder heads choose it (that is
+    how they find a padded row's end, so real pad-id tokens at an example's end — an EOS doubling as pad token —
+    are passed over too; an example of pad ids only gives its first token). The last token without a pad id or
+    ``input_ids``, as there."""
+    pad = model.config.get_text_config().pad_token_id
+    ids = batch.get("input_ids")
+    if pad is None or ids is None:
+        return _last(hidden, batch)
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    cu = batch["cu_seq_lens_q"].to(rows.device, torch.long)
+    lengths, total = cu.diff(), rows.shape[0]
+    example = torch.repeat_interleave(torch.arange(lengths.numel(), device=rows.device), lengths, output_size=total)
+    position = torch.arange(total, device=rows.device)
+    candidate = torch.where(ids.reshape(-1).to(rows.device) != pad, position, cu[:-1].index_select(0, example))
+    last = candidate.new_zeros(lengths.numel()).scatter_reduce(0, example, candidate, "amax", include_self=False)
+    return rows.index_select(0, last)
+
+
 def _score_head(model, hidden, batch):
-    """Decoders (Llama, Qwen2/3, Mistral …): the last token of every example -> ``score``."""
-    return model.score(_last(hidden, batch))
+    """Decoders (Llama, Qwen2/3, Mistral …): each example's last token that is not the pad id -> ``score``."""
+    return model.score(_last_not_pad(model, hidden, batch))
 
 
 #: ``config.model_type`` -> head function. Decoders with a ``score`` layer need no entry.
