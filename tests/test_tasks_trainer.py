@@ -342,6 +342,22 @@ def test_embedding_evaluation_hands_compute_metrics_the_row_labels():
     assert [column.shape for column in seen[0].predictions] == [(11, 64), (11, 64)]
 
 
+def test_a_loss_that_needs_labels_on_rows_without_them():
+    """CosineSimilarityLoss on rows without a label column: training stops at the first step with what is missing
+    (was the loss's own AttributeError); predict still gives the embeddings."""
+    from padfree_plugins import PadfreeError
+
+    rows = [{k: v for k, v in row.items() if k != "label"} for row in similarity_rows(11)]
+    trainer = Trainer(model=model_for("bert", **NO_DROPOUT["bert"]), args=settings(max_steps=2),
+                      train_dataset=datasets.Dataset.from_list(rows))
+    accelerate(trainer, {"task": "embedding", "attention": "exact", "pooling": "mean",
+                         "task_options": {"loss": "CosineSimilarityLoss"}})
+    with pytest.raises(PadfreeError, match="returned no loss for task 'embedding': does the batch carry labels"):
+        trainer.train()
+    prediction = trainer.predict(datasets.Dataset.from_list(rows))
+    assert [column.shape for column in prediction.predictions] == [(11, 64), (11, 64)]
+
+
 # -- gradient accumulation ---------------------------------------------------------------------------------------
 
 

@@ -122,11 +122,19 @@ class EmbeddingForward:
                 "embedding batches with the embedding collator (assembly.collator)"
             )
         per_column = tuple(embeddings.view(columns, rows, -1).unbind(0))
-        loss = None
-        if self.loss is not None:
-            labels = batch.get("labels")
-            loss = self.loss.compute_loss_from_embeddings(list(per_column), labels)
+        loss = None if self.loss is None else self.loss_of(per_column, batch.get("labels"))
         return EmbeddingOutput(loss=loss, embeddings=embeddings, column_embeddings=per_column)
+
+    def loss_of(self, per_column: tuple[torch.Tensor, ...], labels: torch.Tensor | None) -> torch.Tensor | None:
+        """The loss of the columns' embeddings; ``None`` for a loss that needs labels on rows without any (the
+        embeddings of an unlabelled set: a trainer then says the loss is missing, instead of the loss's own
+        ``'NoneType' object has no attribute 'numel'``)."""
+        try:
+            return self.loss.compute_loss_from_embeddings(list(per_column), labels)
+        except (AttributeError, TypeError):
+            if labels is None:
+                return None
+            raise
 
 
 def _options(config) -> dict[str, Any]:
