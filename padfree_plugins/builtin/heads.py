@@ -13,7 +13,7 @@ A model family missing from :data:`SEQUENCE_HEADS` is refused with an error sayi
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from types import MappingProxyType
 from typing import Any
@@ -181,28 +181,20 @@ def sequence_logits(model: Any, batch: Mapping) -> torch.Tensor:
 # -- generative scoring (yes / no token logits of a causal LM) --------------------------------------------------
 
 
-@lru_cache(maxsize=16)
-def _ids_on(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``ids`` as an int64 tensor on ``device``, copied there once: a copy from the host in every step would wait for
-    the device to finish the queued forward (a blocking host-to-device copy synchronises the stream)."""
-    return torch.tensor(ids, dtype=torch.long, device=device)
+def token_logits(model: Any, batch: Mapping, token_ids: Sequence[int]) -> torch.Tensor:
+    """The logits of ``token_ids`` (python ints) at every example's last token: ``[n, k]``.
 
-
-def token_logits(model: Any, batch: Mapping, token_ids: torch.Tensor) -> torch.Tensor:
-    """The logits of ``token_ids`` (int64 ``[k]``) at every example's last token: ``[n, k]``.
-
-    Only those ``k`` rows of the LM head are multiplied (never the whole vocabulary); the output scaling a model
-    applies to its logits (Cohere ``logit_scale``, Granite ``logits_scaling``, Gemma ``final_logit_softcapping``)
-    is applied the same way.
+    Only those ``k`` rows of the LM head are multiplied (never the whole vocabulary), picked by python ints (no index
+    tensor copied from the host in every step, which would wait for the device); the output scaling a model applies
+    to its logits (Cohere ``logit_scale``, Granite ``logits_scaling``, Gemma ``final_logit_softcapping``) is applied
+    the same way.
     """
     inner = unwrap_model(model)
     head = check_lm_head(inner, "reranker (scorer yes_no)")
     last = _last(run_base(inner, batch), batch)
-    if token_ids.device.type == "cpu" and head.weight.device.type != "cpu":
-        token_ids = _ids_on(tuple(token_ids.tolist()), head.weight.device)  # tolist of a host tensor: no sync
-    token_ids = token_ids.to(head.weight.device)
-    bias = head.bias.index_select(0, token_ids) if getattr(head, "bias", None) is not None else None
-    logits = F.linear(last, head.weight.index_select(0, token_ids), bias)
+    bias = getattr(head, "bias", None)
+    bias = None if bias is None else torch.stack([bias[i] for i in token_ids])
+    logits = F.linear(last, torch.stack([head.weight[i] for i in token_ids]), bias)
     text_config = inner.config.get_text_config()
     if getattr(text_config, "logit_scale", None) is not None:
         logits = logits * text_config.logit_scale

@@ -102,8 +102,7 @@ class RerankerForward:
 
     def logits(self, model: Any, batch: Mapping) -> torch.Tensor:
         if self.scorer == "yes_no":
-            ids = torch.tensor([self.yes_token_id, self.no_token_id], dtype=torch.long)
-            return token_logits(model, batch, ids)
+            return token_logits(model, batch, (self.yes_token_id, self.no_token_id))
         num_labels = unwrap_model(model).config.num_labels
         if num_labels != 1:
             raise UnsupportedArchitectureError(
