@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .batch import PackedBatch
-from .collator import PackingCollator, WrapsPackingCollator
+from .collator import PackingCollator, WrapsPackingCollator, as_examples
 from .config import PadfreeConfig
 from .forward import ModelForward
 from .specs import Architecture, Task
@@ -76,7 +76,8 @@ class CausalLMCollator(WrapsPackingCollator):
     labelled_logits_only: bool = True
 
     def __call__(self, examples: Sequence[Mapping[str, Any]]) -> PackedBatch:
-        if (self.labels_from_input_ids and isinstance(examples, Sequence) and examples
+        examples = as_examples(examples)
+        if (self.labels_from_input_ids and examples
                 and all(isinstance(ex, Mapping) and ex.get("labels") is None for ex in examples)):
             examples = [{**ex, "labels": ex.get("input_ids")} for ex in examples]  # a missing one: packing says
         return self.packing(examples)

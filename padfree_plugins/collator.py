@@ -42,6 +42,19 @@ def _as_int_array(value: Any, key: str, index: int) -> np.ndarray:
     return array.astype(np.int64, copy=False)
 
 
+def as_examples(examples: Any) -> Any:
+    """``examples`` as a sequence of rows: any other iterable (a generator, a ``datasets.Dataset``) becomes a list;
+    a single row (a dict) is a :class:`BatchError`."""
+    if isinstance(examples, Mapping):
+        raise BatchError(
+            "the collator takes a list of examples (one dict per example), got a single dict; "
+            "wrap it in a list or use the dataset's rows"
+        )
+    if isinstance(examples, Sequence) and not isinstance(examples, (str, bytes)):
+        return examples
+    return list(examples)
+
+
 def stack_example_values(values: Sequence[Any], what: str, float_values: bool = False) -> torch.Tensor:
     """One number (or fixed-length list of numbers) per example as one tensor: int64 for integers and booleans,
     float32 otherwise or with ``float_values``; a :class:`BatchError` naming ``what`` for anything else."""
@@ -145,13 +158,7 @@ class PackingCollator:
     # -- checks --------------------------------------------------------------------------------------------------
 
     def _check_examples(self, examples: Any) -> Sequence[Mapping[str, Any]]:
-        if isinstance(examples, Mapping):
-            raise BatchError(
-                "the collator takes a list of examples (one dict per example), got a single dict; "
-                "wrap it in a list or use the dataset's rows"
-            )
-        if not isinstance(examples, Sequence) or isinstance(examples, (str, bytes)):
-            examples = list(examples)
+        examples = as_examples(examples)
         if len(examples) == 0:
             raise BatchError("empty batch: the collator got no examples")
         for i, ex in enumerate(examples):

@@ -476,3 +476,25 @@ def test_causal_lm_example_without_input_ids_is_named():
             assembly.collator([{"input_ids": [5, 10**6]}])
     finally:
         assembly.undo()
+
+
+@pytest.mark.parametrize("task", ["causal_lm", "embedding"])
+def test_task_collators_take_any_iterable_of_rows(task):
+    """A generator, a tuple or a ``datasets.Dataset`` of rows packs like a list: causal LM still derives its labels
+    (it silently returned a batch without labels), the embedding collator does not fail on ``len()``."""
+    import datasets
+
+    from padfree_plugins import assemble
+    from tests.conftest import make_examples, tiny_model
+
+    rows = make_examples([5, 9, 3])
+    if task == "embedding":
+        rows = [{"anchor_input_ids": row["input_ids"]} for row in rows]
+    model = tiny_model("llama", head="causal_lm" if task == "causal_lm" else "base")
+    assembly = assemble(model, {"task": task})
+    try:
+        want = assembly.collator(rows)
+        for given in (iter(rows), tuple(rows), datasets.Dataset.from_list(rows)):
+            assert_same_batch(assembly.collator(given), want)
+    finally:
+        assembly.undo()

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..batch import PackedBatch
-from ..collator import PackingCollator, WrapsPackingCollator, stack_example_values
+from ..collator import PackingCollator, WrapsPackingCollator, as_examples, stack_example_values
 from ..errors import BatchError
 from ..pooling import PROMPT_LENGTH_KEY
 from . import core
@@ -77,7 +77,7 @@ class ExampleCollator(WrapsPackingCollator):
     num_labels: int = 0
 
     def __call__(self, examples: Sequence[Mapping[str, Any]]) -> PackedBatch:
-        examples = list(examples) if not isinstance(examples, Sequence) else examples
+        examples = as_examples(examples)
         if self.groups and examples and isinstance(examples[0], Mapping) and _nested(examples[0].get("input_ids")):
             examples = expand_group_rows(examples)
         batch = self.packing(examples)
@@ -287,7 +287,8 @@ class ColumnsCollator(WrapsPackingCollator):
         return [name for name in names if name in LABEL_KEYS or name.endswith(suffixes)]
 
     def __call__(self, rows: Sequence[Mapping[str, Any]]) -> PackedBatch:
-        if isinstance(rows, Mapping) or not len(rows):
+        rows = as_examples(rows)
+        if not len(rows):
             raise BatchError("the embedding collator takes a non-empty list of rows (one dict per row)")
         columns = self.columns or columns_of(rows[0])
         texts, prompts = [], []
