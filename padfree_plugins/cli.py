@@ -286,7 +286,8 @@ def bench_embedding(
 def bench_sft(
     device: Annotated[str, typer.Option(help="cpu, or cuda / cuda:N (fails if CUDA is missing).")] = "cpu",
     dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
-    model_size: Annotated[str, typer.Option(help="tiny (4 layers, d=256), 1b (TinyLlama 1.1B shape), micro.")] = "tiny",
+    model_size: Annotated[str, typer.Option(help="tiny (4 layers, d=256), 1b (TinyLlama 1.1B shape), micro "
+                                                   "(2 layers, d=64: smoke tests).")] = "tiny",
     batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "4,16",
     laws: Annotated[Optional[str], typer.Option(help="Comma-separated length laws: lognormal (median 120, sigma "
                                                      "0.6), mix (80% median 40, 20% median 600), dataset (lengths "
