@@ -16,6 +16,7 @@ public way to remove a name); for a call without boundaries it behaves exactly a
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from .specs import Architecture, AttentionBackend
 PATCH_ATTRIBUTE = "_padfree_patch"
 #: The keyword of the model's forward that runs a task's computation instead (see :meth:`ModelPatch.route_compute`).
 COMPUTE_KEYWORD = "padfree_compute"
+logger = logging.getLogger("padfree_plugins")
 
 
 
@@ -231,8 +233,13 @@ class ModelPatch:
         """
         if self.compute_route is not None:
             return
-        # keeps the instance forward someone installed before us, if any
-        self.compute_route = ForwardOrCompute(self.model, self.model.__dict__.get("forward"))
+        previous = self.model.__dict__.get("forward")  # an instance forward someone installed before us, kept
+        if previous is not None:
+            logger.warning(
+                "padfree-plugins: %s.forward was already replaced on the instance (accelerator.prepare does so for "
+                "mixed precision): per-example computations run outside that wrapper, without its autocast; "
+                "assemble the model before accelerator.prepare", type(self.model).__name__)
+        self.compute_route = ForwardOrCompute(self.model, previous)
         self.model.forward = self.compute_route
 
     def _remove_compute_route(self) -> None:

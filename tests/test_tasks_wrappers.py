@@ -125,3 +125,34 @@ def test_a_forward_wrapped_before_assembly_still_runs_ordinary_calls():
     finally:
         assembly.undo()
     assert model.forward is wrapper
+
+
+@pytest.mark.parametrize("task", ["seq_cls", "reranker"])
+def test_mixed_precision_without_ddp_autocasts_the_per_example_computation(task):
+    """One process, ``accelerator.prepare`` with bf16 (no DDP wrapper: the prepared model is the model itself, its
+    forward autocast): the per-example head runs under autocast, as the padded forward does (it ran in fp32)."""
+    model = model_for("bert", head="seq_cls", num_labels=2 if task == "seq_cls" else 1)
+    options = {"pairs": False} if task == "reranker" else {}
+    assembly = assemble(model, {"task": task, "attention": "exact", "task_options": options})
+    wrap_like_accelerate_mixed_precision(model)
+    head_dtypes = []
+    model.classifier.register_forward_hook(lambda module, args, out: head_dtypes.append(out.dtype))
+    examples = labelled([3, 7, 1])
+    try:
+        out = assembly.forward(model, assembly.collator(examples))
+    finally:
+        assembly.undo()
+    model(**padded(examples))
+    assert head_dtypes == [torch.bfloat16, torch.bfloat16]
+    assert out.logits.dtype == torch.float32  # accelerate's convert_outputs_to_fp32, as for a padded call
+
+
+def test_assembling_a_model_whose_forward_is_already_wrapped_warns(caplog):
+    """``accelerator.prepare`` before ``assemble``: the per-example computation cannot run inside the autocast
+    wrapper installed before it, so assembly says so (it silently ran in fp32)."""
+    model = model_for("bert", head="seq_cls", num_labels=2)
+    wrap_like_accelerate_mixed_precision(model)
+    with caplog.at_level("WARNING", logger="padfree_plugins"):
+        assembly = assemble(model, {"task": "seq_cls", "attention": "exact"})
+    assembly.undo()
+    assert "assemble the model before accelerator.prepare" in caplog.text

@@ -37,14 +37,15 @@ def _forward_parameters(cls: type) -> frozenset[str]:
 def call_model(model: Any, compute: Callable[[Any], Any]) -> Any:
     """``compute(inner)`` for the transformers model ``inner`` inside ``model``, run *as its forward* through every
     wrapper around it (DDP, FSDP, peft, accelerate's autocast), so that the wrappers do what they do around a
-    forward — DDP prepares the gradient all-reduce, which it skips for submodules called directly. A bare model is
-    computed directly. Needs the compute route of the model's patch (:meth:`ModelPatch.route_compute`), which
-    assembly installs for forwards marked ``runs_inside_model_forward``.
+    forward — DDP prepares the gradient all-reduce, which it skips for submodules called directly. A bare model goes
+    through its own forward too (accelerate's single-process mixed precision wraps nothing but that forward), or is
+    computed directly when it has no compute route. Needs the compute route of the model's patch
+    (:meth:`ModelPatch.route_compute`), which assembly installs for forwards marked ``runs_inside_model_forward``.
     """
     inner = unwrap_model(model)
-    if model is inner:
-        return compute(inner)
     patch = patch_of(inner)
+    if model is inner and (patch is None or patch.compute_route is None):
+        return compute(inner)
     if patch is None or patch.compute_route is None:
         raise PadfreeError(f"{type(inner).__name__} was not assembled for a per-example task: use "
                            "padfree_plugins.assemble(model, config) (or accelerate) before calling its forward")
