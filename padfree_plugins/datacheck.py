@@ -66,14 +66,18 @@ def _column_names(dataset: Any) -> list[str]:
     return list(names or [])
 
 
-def _text_prefixes(dataset: Any, collator: Any) -> list[str]:
-    """``""`` for one text per row (``input_ids``); ``"anchor_"``, ``"positive_"`` … for the embedding collator's
-    ``<column>_input_ids`` texts."""
+def _text_columns(dataset: Any, collator: Any) -> list[tuple[str, str]]:
+    """``(token-id column, prefix of its per-token columns)`` for every text of a row: ``input_ids``; the embedding
+    collator's ``<column>_input_ids`` texts; the columns a collator names in ``id_columns`` (``chosen_ids`` …)."""
+    named = getattr(collator, "id_columns", None)
+    if named is not None:
+        return [(column, f"{column}_") for column in named]
     columns = getattr(collator, "columns", None)
     if columns is None:
-        return [""]
+        return [("input_ids", "")]
     columns = columns or [name[: -len("_input_ids")] for name in _column_names(dataset) if name.endswith("_input_ids")]
-    return [f"{column}_" if column else "" for column in columns] or [""]
+    prefixes = [f"{column}_" if column else "" for column in columns] or [""]
+    return [(f"{prefix}input_ids", prefix) for prefix in prefixes]
 
 
 def check_dataset(dataset: Any, collator: Any, name: str = "train") -> int | None:
@@ -82,22 +86,21 @@ def check_dataset(dataset: Any, collator: Any, name: str = "train") -> int | Non
     Returns the number of rows checked, or ``None`` when the dataset cannot be checked up front.
     """
     checked = None
-    for prefix in _text_prefixes(dataset, collator):
-        rows = _check_texts(dataset, _packing(collator), prefix, name)
+    for ids_key, prefix in _text_columns(dataset, collator):
+        rows = _check_texts(dataset, _packing(collator), ids_key, prefix, name)
         checked = rows if rows is not None else checked
     return checked
 
 
-def _check_texts(dataset: Any, packing: Any, prefix: str, name: str) -> int | None:
-    """:func:`check_dataset` for the texts of one column (``prefix`` + ``input_ids``)."""
-    ids_key = f"{prefix}input_ids"
+def _check_texts(dataset: Any, packing: Any, ids_key: str, prefix: str, name: str) -> int | None:
+    """:func:`check_dataset` for the texts of one column (``ids_key``; ``prefix`` + ``labels`` … per token)."""
     token_keys = [key for key in getattr(packing, "token_keys", ()) if key != "input_ids"]
     batches = _length_batches(dataset, [ids_key, *(prefix + key for key in token_keys)])
     if batches is None:
         return None
     limit = getattr(packing, "max_length", None) if getattr(packing, "on_overlong", "error") == "error" else None
     offset = 0
-    where = f" of the {name} dataset" + (f" ({ids_key})" if prefix else "")
+    where = f" of the {name} dataset" + (f" ({ids_key})" if ids_key != "input_ids" else "")
     for lengths in batches:
         ids = lengths[ids_key]
         empty = np.flatnonzero(ids <= 0)

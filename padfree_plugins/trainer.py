@@ -1,4 +1,5 @@
-"""Padding-free training with HF ``Trainer`` and TRL ``SFTTrainer``: ``accelerate(trainer, "padfree.yaml")``.
+"""Padding-free training with HF ``Trainer`` and TRL ``SFTTrainer`` / ``RewardTrainer``:
+``accelerate(trainer, "padfree.yaml")``.
 
 Build the trainer as usual (no flag to change, ``remove_unused_columns`` left as it is), then::
 
@@ -10,7 +11,12 @@ What changes on the trainer, all of it undone by ``undo()``:
 
 * **the model** is patched by :func:`~padfree_plugins.assembly.assemble` (peft models are unwrapped);
 * **data_collator** becomes the assembly's packing collator (:class:`TrainerCollator`); rows that TRL packed
-  itself (``packing=True``, a ``seq_lengths`` column) are split back into their examples first;
+  itself (``packing=True``, a ``seq_lengths`` column) are split back into their examples first. Only collators
+  that pad (:data:`REPLACEABLE_COLLATORS`) are replaced — any other is refused — and a replaced
+  ``DataCollatorForLanguageModeling`` keeps giving no loss to pad-id tokens;
+* **batches stay whole**: accelerate's ``dispatch_batches``, left unset, is turned off (:class:`WholeBatches`);
+  it would slice a packed row's boundaries;
+* **include_num_input_tokens_seen**: every packed token counts (``non_padding`` too: there is no padding);
 * **column removal**: the trainer's signature columns gain the task's keys, so ``remove_unused_columns=True``
   (the default) keeps everything the collator needs;
 * **compute_loss** calls ``assembly.forward(model, batch, **loss_kwargs)`` and reads ``.loss`` — the contract that
@@ -33,6 +39,9 @@ normally (its own collator, any ``max_length`` — it truncates during dataset p
 the collator is swapped after construction. The loss goes through TRL's fused LM head
 (``fused_lm_head=True``: log-probabilities without materialising the logits), and TRL's metrics
 (``mean_token_accuracy``, ``entropy``, ``num_tokens``, MoE ``aux_loss``) are recorded as TRL records them.
+
+TRL ``RewardTrainer``: the task is ``seq_cls``; every pair's chosen and rejected texts are packed into one row and
+TRL's loss and metrics computed from the per-text scores (:mod:`padfree_plugins.reward`).
 """
 
 from __future__ import annotations
@@ -54,9 +63,10 @@ from .errors import ConfigError, PadfreeError, PluginError
 from .host import PluginHost
 from .neftune import PackedNeftune
 from .patching import own_attribute, restore_attributes, unwrap_model
+from .reward import PreferenceCollator, preference_loss
 
 ACCELERATION_ATTRIBUTE = "_padfree_acceleration"
-TrainerKind = Literal["hf", "sft"]
+TrainerKind = Literal["hf", "sft", "reward"]
 
 
 # -- which trainers the builtin wrapper knows ------------------------------------------------------------------
@@ -70,9 +80,10 @@ def _library_class(trainer: Any, module_prefix: str, name: str) -> type | None:
 
 
 def trainer_kind(trainer: Any) -> TrainerKind | None:
-    """``"sft"`` for TRL ``SFTTrainer``, ``"hf"`` for transformers ``Trainer``, ``None`` for anything else.
+    """``"sft"`` for TRL ``SFTTrainer``, ``"reward"`` for TRL ``RewardTrainer``, ``"hf"`` for transformers
+    ``Trainer``, ``None`` for anything else.
 
-    A subclass that overrides ``compute_loss`` or ``prediction_step`` (DPO, reward, sentence-transformers
+    A subclass that overrides ``compute_loss`` or ``prediction_step`` (DPO, sentence-transformers
     trainers, custom ones) is not claimed: what it does with a batch is unknown, so feeding it packed rows could
     be silently wrong. A plugin that knows it can implement ``wrap_trainer``.
     """
@@ -80,11 +91,12 @@ def trainer_kind(trainer: Any) -> TrainerKind | None:
     if base is None:
         return None
     sft = _library_class(trainer, "trl", "SFTTrainer")
-    owner = sft or base
+    reward = _library_class(trainer, "trl", "RewardTrainer")
+    owner = sft or reward or base
     cls = type(trainer)
     if cls.compute_loss is not owner.compute_loss or cls.prediction_step is not owner.prediction_step:
         return None
-    return "sft" if sft is not None else "hf"
+    return "sft" if sft is not None else "reward" if reward is not None else "hf"
 
 
 # -- the collator as the trainer sees it --------------------------------------------------------------------------
@@ -205,7 +217,8 @@ class TrainerPatch:
             raise PadfreeError("the assembly was built for another model than trainer.model")
         _check_collator(trainer.data_collator)
         unlabelled_token = language_modeling_pad_id(trainer) if assembly.plan.task.name == "causal_lm" else None
-        _check_datasets(trainer, assembly.collator)
+        collator = PreferenceCollator(assembly.collator) if kind == "reward" else assembly.collator
+        _check_datasets(trainer, collator)
         _check_trl_packing(trainer, assembly.config)
         _note_trl_eval_packing(trainer)
         whole_batches = WholeBatches.apply(trainer)
@@ -215,8 +228,8 @@ class TrainerPatch:
             patch.saved[name] = getattr(trainer, name)
         for name in ("compute_loss", "prediction_step", "loss_is_scaled_for_ga", "_track_num_input_tokens"):
             patch.saved[name] = own_attribute(trainer, name)
-        trainer.data_collator = TrainerCollator(assembly.collator, labelled_logits_apply(trainer, assembly, kind),
-                                                unlabelled_token)
+        trainer.data_collator = collator if kind == "reward" else TrainerCollator(
+            assembly.collator, labelled_logits_apply(trainer, assembly, kind), unlabelled_token)
         trainer._signature_columns = _signature_columns(trainer, assembly)
         trainer.compute_loss = patch.compute_loss
         trainer.prediction_step = patch.prediction_step
@@ -280,6 +293,11 @@ class TrainerPatch:
                      num_items_in_batch: Any = None) -> Any:
         """The loss of a packed batch, through ``assembly.forward`` (the trainer's ``compute_loss``)."""
         trainer = self.trainer
+        if self.kind == "reward":  # TRL's own loss and metrics on the per-text scores (see padfree_plugins.reward)
+            with self.neftune.for_batch(inputs) if self.neftune is not None else contextlib.nullcontext():
+                outputs = self.assembly.forward(model, {k: v for k, v in inputs.items() if k != "margin"})
+            loss = preference_loss(trainer, outputs.logits, inputs)
+            return (loss, outputs) if return_outputs else loss
         own_loss = uses_own_loss(self.trainer) and "labels" in inputs
         if own_loss or return_outputs:  # the logits of every position are wanted
             inputs = drop_labelled_logits(inputs)
@@ -396,6 +414,10 @@ class TrainerPatch:
         trainer = self.trainer
         batch_as_given = inputs
         inputs = trainer._prepare_inputs(inputs)
+        if self.kind == "reward":  # as Trainer's own prediction_step on TRL's loss: the loss and every text's score
+            with torch.no_grad(), trainer.compute_loss_context_manager():
+                loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+            return (loss.detach(), None if prediction_loss_only else outputs.logits.detach(), None)
         has_labels = bool(trainer.label_names) and all(inputs.get(k) is not None for k in trainer.label_names)
         loss_without_labels = not trainer.label_names
         num_items = (trainer._get_num_items_in_batch([inputs], trainer.args.device)
@@ -501,7 +523,7 @@ def _signature_columns(trainer: Any, assembly: Assembly) -> list[str]:
 REPLACEABLE_COLLATORS = {
     "transformers": ("DataCollatorWithPadding", "DataCollatorForSeq2Seq", "DataCollatorWithFlattening",
                      "DataCollatorForLanguageModeling", "DefaultDataCollator", "default_data_collator"),
-    "trl": ("DataCollatorForLanguageModeling",),
+    "trl": ("DataCollatorForLanguageModeling", "DataCollatorForPreference"),
 }
 
 

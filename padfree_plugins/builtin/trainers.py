@@ -1,11 +1,23 @@
-"""Builtin ``wrap_trainer``: HF ``transformers.Trainer`` and TRL ``SFTTrainer`` (see :mod:`padfree_plugins.trainer`).
+"""Builtin ``wrap_trainer``: HF ``transformers.Trainer`` and TRL ``SFTTrainer`` / ``RewardTrainer`` (see
+:mod:`padfree_plugins.trainer`), and the task a ``RewardTrainer`` implies (``seq_cls``: it trains a classifier).
 
 ``trylast``: a plugin that knows a trainer better (e.g. a sentence-transformers integration) is asked first.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..hookspecs import hookimpl
+
+
+@hookimpl(trylast=True)
+def trainer_config(trainer, config):
+    from ..trainer import trainer_kind
+
+    if trainer_kind(trainer) != "reward" or config.task == "seq_cls":
+        return None
+    return dataclasses.replace(config, task="seq_cls")
 
 
 @hookimpl(trylast=True)

@@ -1,0 +1,103 @@
+"""TRL ``RewardTrainer`` padding-free: the same loss curve, metrics and evaluation as TRL's padded run.
+
+With ``pad_token`` set to the EOS that TRL appends to every text, the decoder head skips that trailing pad-id token
+in padded training, and the packed head does the same (``heads._last_not_pad``).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import tempfile
+
+import datasets
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from padfree_plugins import PadfreeError, accelerate
+from padfree_plugins.reward import PreferenceCollator
+from tests.conftest import tiny_config
+from tests.test_trainer import tokenizer
+
+trl = pytest.importorskip("trl")
+
+WORDS = "a tiny corpus for a tiny tokenizer".split()
+STEPS = 8
+
+
+def preference_rows(n: int, seed: int, margin: bool = False) -> list[dict]:
+    rng = random.Random(seed)
+    text = lambda: " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12)))  # noqa: E731
+    rows = [{"chosen": text(), "rejected": text()} for _ in range(n)]
+    if margin:
+        for row in rows:
+            row["margin"] = rng.uniform(0.0, 1.0)
+    return rows
+
+
+def reward_trainer(packed: bool, architecture: str = "llama", margin: bool = False, **overrides):
+    torch.manual_seed(0)
+    config = tiny_config(architecture, num_key_value_heads=2, num_labels=1, vocab_size=len(tokenizer()))
+    model = AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa")
+    settings = dict(output_dir=tempfile.mkdtemp(), max_steps=STEPS, per_device_train_batch_size=4,
+                    per_device_eval_batch_size=5, learning_rate=3e-3, logging_steps=1, save_strategy="no",
+                    report_to="none", seed=0, disable_tqdm=True, bf16=False, dataloader_pin_memory=False)
+    settings.update(overrides)
+    trainer = trl.RewardTrainer(model=model, args=trl.RewardConfig(**settings),
+                                train_dataset=datasets.Dataset.from_list(preference_rows(40, 0, margin)),
+                                eval_dataset=datasets.Dataset.from_list(preference_rows(13, 1, margin)),
+                                processing_class=copy.deepcopy(tokenizer()))  # TRL sets its pad token
+    acceleration = accelerate(trainer) if packed else None
+    return trainer, acceleration
+
+
+def logged(trainer) -> list[dict]:
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+CASES = {"llama": dict(), "qwen3": dict(architecture="qwen3"), "margin": dict(margin=True),
+         "center-rewards": dict(center_rewards_coefficient=0.1), "accumulation2": dict(gradient_accumulation_steps=2),
+         "eos-as-pad": dict(pad_token="</s>")}
+
+
+@pytest.mark.parametrize("settings", CASES.values(), ids=CASES.keys())
+def test_reward_trainer_trains_trls_padded_curve_with_its_metrics(settings):
+    runs = []
+    for packed in (False, True):
+        trainer, acceleration = reward_trainer(packed, **settings)
+        trainer.train()
+        runs.append((logged(trainer), trainer.evaluate(), trainer.predict(trainer.eval_dataset)))
+        if acceleration is not None:
+            assert acceleration.assembly.config.task == "seq_cls"
+    (want, want_eval, want_pred), (got, got_eval, got_pred) = runs
+    assert len(got) == len(want) == STEPS
+    losses = torch.tensor([[entry["loss"] for entry in run] for run in (want, got)])
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-4, rtol=0)
+    assert losses[0].max() - losses[0].min() > 1e-3, "the loss never moved: the comparison would prove little"
+    for w, g in zip(want, got):
+        assert g["num_tokens"] == w["num_tokens"] > 0
+        for key in ("accuracy", "margin", "min_reward", "mean_reward", "max_reward"):
+            assert g[key] == pytest.approx(w[key], abs=1e-4), key
+    for key in ("eval_loss", "eval_accuracy", "eval_margin", "eval_mean_reward"):
+        assert got_eval[key] == pytest.approx(want_eval[key], abs=1e-4), key
+    assert got_pred.predictions.shape == want_pred.predictions.shape
+    # after training: the weights carry the curve's float-order differences (≤ 1e-4)
+    torch.testing.assert_close(torch.tensor(got_pred.predictions), torch.tensor(want_pred.predictions), atol=1e-4,
+                               rtol=0)
+
+
+def test_undo_gives_the_trainer_its_own_collator_and_loss_back():
+    trainer, acceleration = reward_trainer(True)
+    assert isinstance(trainer.data_collator, PreferenceCollator)
+    acceleration.undo()
+    assert type(trainer.data_collator).__name__ == "DataCollatorForPreference"
+    assert "compute_loss" not in vars(trainer) and "prediction_step" not in vars(trainer)
+    trainer.train()  # padded again
+    assert len(logged(trainer)) == STEPS
+
+
+def test_over_long_preference_texts_are_refused_before_training():
+    trainer, _ = reward_trainer(False)
+    with pytest.raises(PadfreeError, match="chosen_ids"):
+        accelerate(trainer, {"max_length": 4})
