@@ -285,6 +285,17 @@ def uses_token_budget(config: PadfreeConfig | BatchingConfig | dict | str | None
     return batching_config(config).strategy == "tokens"
 
 
+def check_whole_micro_batches(accelerator: Any) -> None:
+    """Token budgets plan whole micro-batches per rank; accelerate's ``split_batches=True`` would cut each one
+    across the ranks instead (no balance, and the step count the plan pinned would no longer hold)."""
+    if getattr(accelerator, "split_batches", False):
+        raise ConfigError(
+            "batching.strategy: tokens gives every rank whole micro-batches, but the accelerator has "
+            "split_batches=True, which would cut each micro-batch across the ranks: leave split_batches off "
+            "(accelerator_config), or use batching.strategy: examples"
+        )
+
+
 def token_budget_sampler(dataset: Any, config: PadfreeConfig | BatchingConfig | dict | str | None, *,
                          num_replicas: int = 1, rank: int | None = None, lengths: Sequence[int] | None = None,
                          seed: int | None = None) -> TokenBudgetBatchSampler:

@@ -64,6 +64,7 @@ from .host import PluginHost
 from .neftune import PackedNeftune
 from .patching import own_attribute, restore_attributes, unwrap_model
 from .reward import PreferenceCollator, preference_loss
+from .sampler import check_whole_micro_batches, uses_token_budget
 
 ACCELERATION_ATTRIBUTE = "_padfree_acceleration"
 TrainerKind = Literal["hf", "sft", "reward"]
@@ -220,6 +221,8 @@ class TrainerPatch:
         collator = PreferenceCollator(assembly.collator) if kind == "reward" else assembly.collator
         _check_datasets(trainer, collator)
         _check_trl_packing(trainer, assembly.config)
+        if uses_token_budget(assembly.config):
+            check_whole_micro_batches(trainer.accelerator)
         _note_trl_eval_packing(trainer)
         whole_batches = WholeBatches.apply(trainer)
         trainer._set_signature_columns_if_needed()
@@ -234,7 +237,7 @@ class TrainerPatch:
         trainer.compute_loss = patch.compute_loss
         trainer.prediction_step = patch.prediction_step
         trainer._track_num_input_tokens = patch.track_num_input_tokens
-        if getattr(getattr(assembly.config, "batching", None), "strategy", "examples") == "tokens":
+        if uses_token_budget(assembly.config):
             patch.saved["get_train_dataloader"] = own_attribute(trainer, "get_train_dataloader")
             trainer.get_train_dataloader = patch.train_dataloader
         scaled = getattr(assembly.forward, "loss_is_scaled_for_ga", None)

@@ -366,6 +366,10 @@ def test_token_budget_batching_for_sentence_transformer_trainer(tiny_dirs):
     with pytest.raises(ConfigError, match="split"):
         padfree_plugins.accelerate(trainer, {"attention": "exact", "batching": {
             "strategy": "tokens", "max_tokens_per_batch": budget, "on_overlong_example": "split"}})
+    trainer.accelerator.dataloader_config.split_batches = True  # it would cut every planned micro-batch across ranks
+    with pytest.raises(ConfigError, match="split_batches"):
+        padfree_plugins.accelerate(trainer, config)
+    assert trainer.get_batch_sampler == original and not model[0].can_flatten_inputs  # nothing left patched
 
 
 @pytest.mark.parametrize("policy", ["proportional", "round_robin"])

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
-from padfree_plugins import BatchError, PadfreeError, PluginError, accelerate, patch_of
+from padfree_plugins import BatchError, ConfigError, PadfreeError, PluginError, accelerate, patch_of
 from padfree_plugins.neftune import PackedNeftune
 from padfree_plugins.train import train_tokenizer
 from padfree_plugins.trainer import TrainerCollator, split_packed_row
@@ -380,6 +380,14 @@ def test_token_budget_batching_replaces_the_train_dataloader():
     trainer.train()
     acceleration.undo()
     assert "get_train_dataloader" not in vars(trainer)
+
+
+def test_token_budget_with_split_batches_is_refused():
+    """accelerate's ``split_batches=True`` would cut every planned micro-batch across the ranks."""
+    trainer, _ = make_trainer("hf", packed=False, accelerator_config={"split_batches": True})
+    with pytest.raises(ConfigError, match="split_batches"):
+        accelerate(trainer, {"task": "causal_lm", "batching": {"strategy": "tokens", "max_tokens_per_batch": 128}})
+    assert "compute_loss" not in vars(trainer)  # nothing left patched
 
 
 @pytest.mark.gpu

@@ -27,6 +27,7 @@ from padfree_plugins.patching import own_attribute, restore_attributes
 from padfree_plugins.sampler import (
     TokenBudgetBatchSampler,
     batching_config,
+    check_whole_micro_batches,
     pass_epoch_on,
     token_budget_sampler,
     uses_token_budget,
@@ -166,6 +167,7 @@ class BatchSamplerPatch:
 
     @classmethod
     def apply(cls, trainer: Any, model: Any, config: Any) -> "BatchSamplerPatch":
+        check_whole_micro_batches(trainer.accelerator)
         names = ("get_batch_sampler", "get_multi_dataset_batch_sampler", "get_train_dataloader")
         saved = {name: own_attribute(trainer, name) for name in names}
         trainer.get_batch_sampler = TokenBudgetBatches(trainer, model, config, trainer.get_batch_sampler)
