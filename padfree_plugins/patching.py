@@ -102,6 +102,11 @@ def check_boundaries(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool
     tokens = inputs.get("input_ids")
     tokens = inputs.get("inputs_embeds") if tokens is None else tokens
     if inputs.get("cu_seq_lens_q") is not None:
+        for name in ("input_ids", "position_ids"):
+            value = inputs.get(name)
+            if isinstance(value, torch.Tensor) and value.ndim != 2:
+                raise BoundaryError(f"{name} of shape {tuple(value.shape)}; a packed batch is one row [1, T], as the "
+                                    "collator builds it: keep the batch dimension")
         if tokens is not None and tokens.shape[0] != 1:
             raise BoundaryError(f"a packed batch is one row [1, T]; got {tokens.shape[0]} rows with cu_seq_lens_q")
         if attention_mask is not None:

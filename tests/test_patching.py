@@ -68,6 +68,21 @@ def test_packed_batch_misuse_raises():
         assembly.undo()
 
 
+@pytest.mark.parametrize("model_type", ["llama", "bert"])
+def test_packed_batch_with_flat_tensors_is_a_clear_error(model_type):
+    """``[T]`` tensors instead of ``[1, T]`` (``batch["position_ids"][0]``, a row taken out of the batch) are named,
+    instead of a shape error deep in the rotary or position embeddings."""
+    model = tiny_model(model_type)
+    assembly = assemble(model, {"task": "hidden_states"})
+    try:
+        batch = assembly.collator(make_examples([3, 5]))
+        for key in ("position_ids", "input_ids"):
+            with pytest.raises(BoundaryError, match=rf"{key} of shape \(8,\); a packed batch is one row \[1, T\]"):
+                model(**{**batch.model_inputs(), key: batch[key][0]})
+    finally:
+        assembly.undo()
+
+
 @pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("model_type,overrides", [("llama", dict(num_key_value_heads=2)),
                                                    ("mistral", dict(sliding_window=3)), ("bert", {})])
