@@ -58,19 +58,17 @@ def example_lengths(dataset: Any = None, *, lengths: Sequence[int] | np.ndarray 
     elif dataset is None:
         raise ValueError("give a dataset or a list of lengths")
     elif hasattr(dataset, "column_names") and hasattr(dataset, "with_format"):  # a datasets.Dataset
-        import pyarrow.compute as pc
-
         table = dataset.with_format("arrow")
         if length_column in dataset.column_names:
             array = table[length_column].to_numpy()
         elif input_key in dataset.column_names:
-            array = pc.list_value_length(table[input_key]).to_numpy()
+            array = _arrow_token_counts(table[input_key])
         else:
             raise BatchError(f"the dataset has neither a {length_column!r} column nor {input_key!r}; its columns are "
                              f"{', '.join(dataset.column_names)}. Tokenize it first or pass lengths=")
     else:
         try:
-            array = np.fromiter((len(dataset[i][input_key]) for i in range(len(dataset))), dtype=np.int64)
+            array = np.fromiter((token_count(dataset[i][input_key]) for i in range(len(dataset))), dtype=np.int64)
         except (KeyError, TypeError) as exc:
             raise BatchError(f"cannot read the length of the examples from {input_key!r} ({exc}); "
                              "pass lengths=") from None
@@ -82,6 +80,29 @@ def example_lengths(dataset: Any = None, *, lengths: Sequence[int] | np.ndarray 
     if array.size and array.min() < 1:
         raise BatchError(f"example {int(np.argmin(array))} has no tokens; filter empty examples out of the dataset")
     return array
+
+
+def _nested(ids: Any) -> bool:
+    """Whether ``ids`` holds several texts (a listwise reranker row: one token list per candidate)."""
+    return len(ids) > 0 and isinstance(ids[0], (list, tuple, np.ndarray, torch.Tensor)) and np.ndim(ids[0]) == 1
+
+
+def token_count(ids: Any) -> int:
+    """Tokens of one example's ``input_ids``: its length, or the sum of its texts' lengths when it holds several."""
+    return sum(len(text) for text in ids) if _nested(ids) else len(ids)
+
+
+def _arrow_token_counts(column: Any) -> np.ndarray:
+    """:func:`token_count` of every row of an Arrow list column, vectorised."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if not (pa.types.is_list(column.type.value_type) or pa.types.is_large_list(column.type.value_type)):
+        return pc.list_value_length(column).to_numpy(zero_copy_only=False)
+    texts = pc.list_value_length(pc.list_flatten(column)).to_numpy(zero_copy_only=False)
+    rows = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
+    return np.bincount(rows, weights=texts, minlength=len(column)).astype(np.int64)
 
 
 # -- items: whole examples, or chunks of over-long ones ---------------------------------------------------------------
@@ -139,10 +160,14 @@ class ChunkedDataset(Dataset):
         return len(self.items)
 
     def __getitem__(self, i: int) -> Mapping[str, Any]:
-        example = self.dataset[int(self.items.example[i])]
+        index = int(self.items.example[i])
+        example = self.dataset[index]
         start, stop = int(self.items.start[i]), int(self.items.stop[i])
-        if start == 0 and stop == len(example["input_ids"]):
+        if start == 0 and stop == token_count(example["input_ids"]):
             return example
+        if _nested(example["input_ids"]):
+            raise BatchError(f"example {index} holds several texts (a query's candidates) and is longer than "
+                             "batching.max_tokens_per_batch; such rows cannot be split: raise the budget")
         return {key: value[start:stop] if key in self.token_keys and value is not None else value
                 for key, value in example.items()}
 

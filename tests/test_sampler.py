@@ -305,6 +305,22 @@ def test_lengths_from_list_column_input_ids_and_rows():
         example_lengths(datasets.Dataset.from_dict({"text": ["a"]}))
 
 
+def test_grouped_rows_count_every_candidates_tokens():
+    """A listwise reranker row holds a query's candidates (``input_ids`` a list of token lists): its cost is their
+    tokens, not their number (a budget of 64 gave micro-batches of 1899 tokens); such rows cannot be split."""
+    import datasets
+
+    rows = [{"input_ids": [[1, 2, 3], [4, 5]], "labels": [1, 0]},
+            {"input_ids": [[6], [7, 8], [9]], "labels": [1, 0, 0]}]
+    assert example_lengths(rows).tolist() == [5, 4]
+    assert example_lengths(datasets.Dataset.from_list(rows)).tolist() == [5, 4]
+    assert example_lengths(datasets.Dataset.from_list(rows).select([1, 0])).tolist() == [4, 5]
+    loader = token_budget_dataloader(rows, lambda batch: batch, {"batching": {"strategy": "tokens",
+                                     "max_tokens_per_batch": 4, "on_overlong_example": "split"}})
+    with pytest.raises(BatchError, match="example 0 holds several texts"):
+        list(loader)
+
+
 def test_batching_config_section():
     config = load_config("configs/token_budget.yaml")
     assert config.batching.strategy == "tokens" and config.batching.max_tokens_per_batch == 4096
