@@ -420,7 +420,12 @@ class TrainerPatch:
         if self.kind == "reward":  # as Trainer's own prediction_step on TRL's loss: the loss and every text's score
             with torch.no_grad(), trainer.compute_loss_context_manager():
                 loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
-            return (loss.detach(), None if prediction_loss_only else outputs.logits.detach(), None)
+            if prediction_loss_only:
+                return (loss.detach(), None, None)
+            if "inputs" in (trainer.args.include_for_metrics or ()):
+                self._repad_metric_inputs(batch_as_given, inputs)
+            # labels: the empty tuple of TRL's empty label_names, without which compute_metrics is never called
+            return (loss.detach(), outputs.logits.detach(), ())
         has_labels = bool(trainer.label_names) and all(inputs.get(k) is not None for k in trainer.label_names)
         loss_without_labels = not trainer.label_names
         num_items = (trainer._get_num_items_in_batch([inputs], trainer.args.device)

@@ -11,6 +11,7 @@ import random
 import tempfile
 
 import datasets
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
@@ -101,3 +102,25 @@ def test_over_long_preference_texts_are_refused_before_training():
     trainer, _ = reward_trainer(False)
     with pytest.raises(PadfreeError, match="chosen_ids"):
         accelerate(trainer, {"max_length": 4})
+
+
+def test_compute_metrics_gets_what_trls_padded_evaluation_gives_it():
+    """TRL's empty label_names make Trainer hand ``compute_metrics`` ``label_ids=()`` (it is not called without
+    labels), the chosen-then-rejected scores and, with ``include_for_metrics=["inputs"]``, the padded input ids."""
+    seen = []
+
+    def compute_metrics(prediction):
+        seen.append(prediction)
+        return {"mean_score": float(prediction.predictions.mean())}
+
+    results = []
+    for packed in (False, True):
+        trainer, _ = reward_trainer(packed, include_for_metrics=["inputs"])
+        trainer.compute_metrics = compute_metrics
+        results.append(trainer.evaluate())
+    assert len(seen) == 2, "compute_metrics was not called"
+    want, got = seen
+    assert got.label_ids == want.label_ids == ()
+    np.testing.assert_allclose(got.predictions, want.predictions, atol=1e-5)
+    np.testing.assert_array_equal(got.inputs, want.inputs)
+    assert results[1]["eval_mean_score"] == pytest.approx(results[0]["eval_mean_score"], abs=1e-5)
