@@ -17,7 +17,26 @@ from tests.conftest import make_examples
 from tests.tasks_common import model_for
 
 
+def reward(out: str) -> None:
+    """TRL RewardTrainer, padded then padding-free (fp32): each rank's logged losses and metrics of both runs."""
+    from tests.test_reward import logged, reward_trainer
+
+    runs = {}
+    for packed in (False, True):
+        trainer, _ = reward_trainer(packed, max_steps=4)
+        trainer.train()
+        runs["packed" if packed else "padded"] = {"log": logged(trainer), "eval": trainer.evaluate()}
+    rank = trainer.accelerator.process_index
+    runs["processes"] = trainer.accelerator.num_processes
+    with open(f"{out}.{rank}", "w") as file:
+        json.dump(runs, file)
+    trainer.accelerator.wait_for_everyone()
+    torch.distributed.destroy_process_group()
+
+
 def main(task: str, out: str) -> None:
+    if task == "reward":
+        return reward(out)
     lengths = [int(x) for x in torch.randint(2, 30, (64,), generator=torch.Generator().manual_seed(0))]
     texts = make_examples(lengths)
     if task == "seq_cls":

@@ -216,3 +216,25 @@ def test_accelerate_trainer_with_token_budget(tmp_path):
     assert trainer.state.global_step == len(batches)
     acceleration.undo()
     assert "get_train_dataloader" not in trainer.__dict__
+
+
+def test_reward_trainer_under_ddp_matches_trls_padded_run(tmp_path):
+    """TRL RewardTrainer, 2 processes (fp32): padded, then padding-free, in the same launch; both ranks log the
+    same loss curve, metrics (gathered across ranks) and evaluation as TRL's padded run."""
+    out = tmp_path / "run.json"
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "configs" / "accelerate" / "ddp_cpu.yaml"), "--main_process_port", str(free_port()),
+               "--mixed_precision", "no", str(ROOT / "tests" / "ddp_per_example_run.py"), "reward", str(out)]
+    returncode, output = run_group(command, env, timeout=180)
+    assert returncode == 0, output[-6000:]
+    for rank in (0, 1):
+        run = json.loads((tmp_path / f"run.json.{rank}").read_text())
+        assert run["processes"] == 2 and len(run["padded"]["log"]) == len(run["packed"]["log"]) == 4
+        for want, got in zip(run["padded"]["log"], run["packed"]["log"]):
+            assert got["num_tokens"] == want["num_tokens"] and got["accuracy"] == want["accuracy"]
+            for key in ("loss", "margin", "min_reward", "mean_reward", "max_reward"):
+                assert got[key] == pytest.approx(want[key], abs=1e-4), key
+        for key in ("eval_loss", "eval_accuracy", "eval_margin", "eval_mean_reward"):
+            assert run["packed"]["eval"][key] == pytest.approx(run["padded"]["eval"][key], abs=1e-4), key
