@@ -409,7 +409,8 @@ def plot(result: BenchResult, path: Path) -> Path:
     for ax, title in zip(axes, ("real (non-pad) tokens / s", f"memory, MiB ({kind})")):
         ax.set_xticks(range(len(configs)), labels)
         ax.set_title(title)
-        ax.legend()
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.2)  # head room: the legend never covers a bar
+        ax.legend(loc="upper left", ncols=len(VARIANTS))
     s = result.settings
     device = result.environment.get("device")
     model = s.model_config or f"Llama {s.model_size}"
