@@ -222,6 +222,10 @@ class TrainerPatch:
         _check_datasets(trainer, collator)
         _check_trl_packing(trainer, assembly.config)
         if uses_token_budget(assembly.config):
+            if kind == "reward":
+                raise ConfigError("batching.strategy: tokens plans batches from each row's input_ids, and a "
+                                  "RewardTrainer's rows are chosen/rejected pairs: use batching.strategy: examples "
+                                  "(per_device_train_batch_size pairs per batch, as TRL)")
             check_whole_micro_batches(trainer.accelerator)
         _note_trl_eval_packing(trainer)
         whole_batches = WholeBatches.apply(trainer)

@@ -124,3 +124,12 @@ def test_compute_metrics_gets_what_trls_padded_evaluation_gives_it():
     np.testing.assert_allclose(got.predictions, want.predictions, atol=1e-5)
     np.testing.assert_array_equal(got.inputs, want.inputs)
     assert results[1]["eval_mean_score"] == pytest.approx(results[0]["eval_mean_score"], abs=1e-5)
+
+
+def test_token_budget_batching_is_refused_before_training():
+    """A token budget plans batches from each row's ``input_ids``; a RewardTrainer's rows are chosen/rejected pairs
+    (it failed inside ``train()`` with "neither a 'length' column nor 'input_ids'")."""
+    trainer, _ = reward_trainer(False)
+    with pytest.raises(PadfreeError, match="strategy: examples"):
+        accelerate(trainer, {"batching": {"strategy": "tokens", "max_tokens_per_batch": 64}})
+    assert type(trainer.data_collator).__name__ == "DataCollatorForPreference"  # nothing was changed
