@@ -133,3 +133,22 @@ def test_token_budget_batching_is_refused_before_training():
     with pytest.raises(PadfreeError, match="strategy: examples"):
         accelerate(trainer, {"batching": {"strategy": "tokens", "max_tokens_per_batch": 64}})
     assert type(trainer.data_collator).__name__ == "DataCollatorForPreference"  # nothing was changed
+
+
+@pytest.mark.parametrize("architecture", ["bert", "modernbert"])
+def test_encoder_reward_models_train_trls_padded_curve(architecture):
+    """Encoders score the CLS token (or ModernBERT's mean). Their head has a bias, whose gradient under TRL's
+    pairwise loss is exactly zero, so AdamW moves it by float noise (~1e-3 over a few steps, in both runs alike):
+    rewards are compared up to that common offset; loss, accuracy and margin do not see it."""
+    runs = []
+    for packed in (False, True):
+        trainer, _ = reward_trainer(packed, architecture, max_steps=4)
+        trainer.train()
+        runs.append((logged(trainer), trainer.predict(trainer.eval_dataset).predictions))
+    (want, want_pred), (got, got_pred) = runs
+    for w, g in zip(want, got, strict=True):
+        assert g["num_tokens"] == w["num_tokens"] and g["accuracy"] == w["accuracy"]
+        for key in ("loss", "margin"):
+            assert g[key] == pytest.approx(w[key], abs=1e-4), key
+        assert g["max_reward"] - g["min_reward"] == pytest.approx(w["max_reward"] - w["min_reward"], abs=1e-4)
+    np.testing.assert_allclose(got_pred - got_pred.mean(), want_pred - want_pred.mean(), atol=1e-4)
