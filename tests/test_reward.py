@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from padfree_plugins import PadfreeError, accelerate
+from padfree_plugins import ConfigError, PadfreeError, accelerate
 from padfree_plugins.reward import PreferenceCollator
 from tests.conftest import tiny_config
 from tests.test_trainer import tokenizer
@@ -152,3 +152,11 @@ def test_encoder_reward_models_train_trls_padded_curve(architecture):
             assert g[key] == pytest.approx(w[key], abs=1e-4), key
         assert g["max_reward"] - g["min_reward"] == pytest.approx(w["max_reward"] - w["min_reward"], abs=1e-4)
     np.testing.assert_allclose(got_pred - got_pred.mean(), want_pred - want_pred.mean(), atol=1e-4)
+
+
+def test_a_task_other_than_seq_cls_is_refused():
+    """A RewardTrainer trains a sequence classifier: the default task becomes seq_cls, another one is an error."""
+    trainer, _ = reward_trainer(False)
+    with pytest.raises(ConfigError, match="RewardTrainer trains a sequence classifier"):
+        accelerate(trainer, {"task": "reranker"})
+    assert type(trainer.data_collator).__name__ == "DataCollatorForPreference"

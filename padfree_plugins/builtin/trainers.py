@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..errors import ConfigError
 from ..hookspecs import hookimpl
 
 
@@ -17,6 +18,9 @@ def trainer_config(trainer, config):
 
     if trainer_kind(trainer) != "reward" or config.task == "seq_cls":
         return None
+    if config.task != "causal_lm":  # the default: a config that never named a task
+        raise ConfigError(f"task: {config.task} in the config, but a RewardTrainer trains a sequence classifier: "
+                          "set task: seq_cls, or leave task out")
     return dataclasses.replace(config, task="seq_cls")
 
 
