@@ -240,10 +240,24 @@ class Assembly:
                 "pooler": type(self.pooler).__name__ if self.pooler else "-"}
 
 
+def refuse_prompt_learning(model: Any) -> None:
+    """peft prompt learning (prompt tuning, p-tuning, prefix tuning …) adds virtual tokens or cached prefixes per
+    *row*; a packed row holds many examples, which would share one prompt. Refused before anything is patched."""
+    for wrapper in (model, getattr(model, "module", None), getattr(model, "_orig_mod", None)):
+        peft_config = getattr(wrapper, "active_peft_config", None)
+        if getattr(peft_config, "is_prompt_learning", False):
+            raise UnsupportedArchitectureError(
+                f"{type(peft_config).__name__}: peft prompt learning adds its virtual tokens (or prefix) once per "
+                "row, and a padding-free row packs many examples, which would share them. Train this adapter padded, "
+                "or use an adapter on the weights (LoRA, DoRA, IA3 …), which trains padding-free"
+            )
+
+
 def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
              host: PluginHost | None = None) -> Assembly:
     """Make ``model`` padding-free for ``config`` and return everything needed to feed it."""
     config = load_config(config)
+    refuse_prompt_learning(model)
     host = host or PluginHost(block=config.plugins.block)
     inner = unwrap_model(model)
     resolved = _resolve(inner.config, config, host, None)

@@ -162,6 +162,17 @@ def test_peft_model_is_unwrapped_and_equivalent():
         torch.testing.assert_close(packed[cu[i] : cu[i + 1]], want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("adapter", ["PromptTuningConfig", "PrefixTuningConfig", "PromptEncoderConfig"])
+def test_peft_prompt_learning_is_refused_before_patching(adapter):
+    """Virtual tokens / prefixes are added once per row: the packed examples would share them."""
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(tiny_model("llama", head="causal_lm", num_key_value_heads=2),
+                               getattr(peft, adapter)(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    with pytest.raises(UnsupportedArchitectureError, match="prompt learning"):
+        assemble(lora, {"task": "causal_lm"})
+    assert lora.get_base_model().config._attn_implementation == "sdpa"  # nothing patched
+
+
 def test_unsupported_architecture_says_what_is_supported():
     model = tiny_model("gpt2", n_embd=64, n_layer=2, n_head=4)
     with pytest.raises(UnsupportedArchitectureError) as info:
