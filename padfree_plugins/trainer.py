@@ -147,13 +147,14 @@ def language_modeling_pad_id(trainer: Any) -> int | None:
     if type(collator).__name__ != "DataCollatorForLanguageModeling" or not type(collator).__module__.startswith(
             "transformers") or getattr(collator, "mlm", False):
         return None
-    columns = getattr(trainer.train_dataset, "column_names", None) or ()
-    if "labels" in columns:
-        raise PadfreeError(
-            "the trainer's DataCollatorForLanguageModeling overwrites the dataset's labels column with input_ids "
-            "(your -100 masks are lost in padded training), and padfree-plugins would keep it: remove the column to "
-            "train on every token as that collator does, or set trainer.data_collator = None to keep your labels"
-        )
+    for what, dataset in trainer_datasets(trainer):
+        if "labels" in (getattr(dataset, "column_names", None) or ()):
+            raise PadfreeError(
+                f"the trainer's DataCollatorForLanguageModeling overwrites the {what} dataset's labels column with "
+                "input_ids (your -100 masks are lost in padded training), and padfree-plugins would keep it: remove "
+                "the column to train on every token as that collator does, or set trainer.data_collator = None to "
+                "keep your labels"
+            )
     return getattr(getattr(collator, "tokenizer", None), "pad_token_id", None)
 
 
@@ -199,8 +200,8 @@ class TrainerPatch:
     def apply(cls, trainer: Any, assembly: Assembly) -> "TrainerPatch":
         kind = trainer_kind(trainer)
         if kind is None:
-            raise PadfreeError(f"{type(trainer).__name__} is not a transformers Trainer / TRL SFTTrainer this wrapper "
-                               "knows (it overrides compute_loss or prediction_step)")
+            raise PadfreeError(f"{type(trainer).__name__} is not a transformers Trainer / TRL SFTTrainer / "
+                               "RewardTrainer this wrapper knows (it overrides compute_loss or prediction_step)")
         if getattr(trainer.args, "n_gpu", 1) > 1:
             raise PadfreeError(
                 "the trainer would use torch.nn.DataParallel (several GPUs in one process), which splits a batch by "
@@ -228,33 +229,42 @@ class TrainerPatch:
                                   "(per_device_train_batch_size pairs per batch, as TRL)")
             check_whole_micro_batches(trainer.accelerator)
         _note_trl_eval_packing(trainer)
-        whole_batches = WholeBatches.apply(trainer)
-        trainer._set_signature_columns_if_needed()
-        patch = cls(trainer, assembly, kind, whole_batches=whole_batches)
+        patch = cls(trainer, assembly, kind, whole_batches=WholeBatches.apply(trainer))
+        try:
+            patch._install(collator if kind == "reward" else TrainerCollator(
+                assembly.collator, labelled_logits_apply(trainer, assembly, kind), unlabelled_token))
+        except BaseException:  # an error part-way leaves the trainer as it was
+            patch.undo()
+            raise
+        return patch
+
+    def _install(self, collator: Any) -> None:
+        """Put ``collator``, the signature columns, the loss, evaluation, token counting, the token-budget dataloader
+        and packed NEFTune on the trainer, saving what each replaces (for :meth:`undo`)."""
+        trainer, assembly = self.trainer, self.assembly
         for name in ("data_collator", "_signature_columns"):
-            patch.saved[name] = getattr(trainer, name)
+            self.saved[name] = getattr(trainer, name)
         for name in ("compute_loss", "prediction_step", "loss_is_scaled_for_ga", "_track_num_input_tokens"):
-            patch.saved[name] = own_attribute(trainer, name)
-        trainer.data_collator = collator if kind == "reward" else TrainerCollator(
-            assembly.collator, labelled_logits_apply(trainer, assembly, kind), unlabelled_token)
+            self.saved[name] = own_attribute(trainer, name)
+        trainer.data_collator = collator
+        trainer._set_signature_columns_if_needed()
         trainer._signature_columns = _signature_columns(trainer, assembly)
-        trainer.compute_loss = patch.compute_loss
-        trainer.prediction_step = patch.prediction_step
-        trainer._track_num_input_tokens = patch.track_num_input_tokens
+        trainer.compute_loss = self.compute_loss
+        trainer.prediction_step = self.prediction_step
+        trainer._track_num_input_tokens = self.track_num_input_tokens
         if uses_token_budget(assembly.config):
-            patch.saved["get_train_dataloader"] = own_attribute(trainer, "get_train_dataloader")
-            trainer.get_train_dataloader = patch.train_dataloader
+            self.saved["get_train_dataloader"] = own_attribute(trainer, "get_train_dataloader")
+            trainer.get_train_dataloader = self.train_dataloader
         scaled = getattr(assembly.forward, "loss_is_scaled_for_ga", None)
         if scaled is not None and not uses_own_loss(trainer):
             # a task forward that says whether it normalises by num_items_in_batch itself (a loss the trainer
             # computes — label smoothing, compute_loss_func — is the trainer's to scale)
             trainer.loss_is_scaled_for_ga = scaled
         if getattr(trainer, "neftune_noise_alpha", None) is not None:  # NEFTune scaled per example, as padded
-            patch.saved["neftune_noise_alpha"] = own_attribute(trainer, "neftune_noise_alpha")
+            self.saved["neftune_noise_alpha"] = own_attribute(trainer, "neftune_noise_alpha")
             embeddings = unwrap_model(trainer.model).get_input_embeddings()
-            patch.neftune = PackedNeftune.install(embeddings, trainer.neftune_noise_alpha)
+            self.neftune = PackedNeftune.install(embeddings, trainer.neftune_noise_alpha)
             trainer.neftune_noise_alpha = None
-        return patch
 
     def undo(self) -> None:
         """Restore the collator, the signature columns and the trainer's own compute_loss / prediction_step."""
@@ -522,10 +532,7 @@ def _signature_columns(trainer: Any, assembly: Assembly) -> list[str]:
     keys = ["input_ids", *task.required_keys, *task.token_keys, *task.example_keys, "seq_lengths"]
     reads = getattr(assembly.collator, "dataset_columns", None)
     if reads is not None:
-        datasets = [trainer.train_dataset]
-        evals = trainer.eval_dataset
-        datasets += list(evals.values()) if isinstance(evals, Mapping) else [evals]
-        for dataset in datasets:
+        for _, dataset in trainer_datasets(trainer):
             keys += reads(getattr(dataset, "column_names", None) or [])
     return list(dict.fromkeys((*(trainer._signature_columns or ()), *keys)))
 
@@ -614,18 +621,22 @@ class WholeBatches:
             self.active = False
 
 
-def _check_datasets(trainer: Any, collator: Any) -> None:
-    """Find over-long, empty or misaligned examples before training starts (see :mod:`padfree_plugins.datacheck`),
-    and a training or evaluation set laid out in a way the trainer's batches would break (the collator's
-    ``check_trainer_dataset``)."""
+def trainer_datasets(trainer: Any) -> list[tuple[str, Any]]:
+    """The trainer's training and evaluation sets that are set, named for messages: ``train``, ``eval``, or
+    ``eval (name)`` for each of several."""
     evals = trainer.eval_dataset
     named = dict(evals) if isinstance(evals, Mapping) else {"": evals}
     datasets = [("train", trainer.train_dataset)] + [(f"eval ({name})" if name else "eval", dataset)
                                                       for name, dataset in named.items()]
+    return [(what, dataset) for what, dataset in datasets if dataset is not None]
+
+
+def _check_datasets(trainer: Any, collator: Any) -> None:
+    """Find over-long, empty or misaligned examples before training starts (see :mod:`padfree_plugins.datacheck`),
+    and a training or evaluation set laid out in a way the trainer's batches would break (the collator's
+    ``check_trainer_dataset``)."""
     layout_check = getattr(collator, "check_trainer_dataset", None)
-    for what, dataset in datasets:
-        if dataset is None:
-            continue
+    for what, dataset in trainer_datasets(trainer):
         check_dataset(dataset, collator, what)
         if layout_check is not None:
             layout_check(dataset)
@@ -685,9 +696,9 @@ def accelerate(trainer: Any, config: PadfreeConfig | dict | str | None = None, *
         if trainer_patch is None:
             raise PluginError(
                 f"no plugin knows how to make {type(trainer).__name__} padding-free. The builtin wrapper takes "
-                "transformers.Trainer and trl.SFTTrainer (and subclasses that keep their compute_loss and "
-                "prediction_step); for another trainer install a plugin implementing wrap_trainer, or use "
-                "padfree_plugins.assemble() and feed its collator and forward yourself."
+                "transformers.Trainer, trl.SFTTrainer and trl.RewardTrainer (and subclasses that keep their "
+                "compute_loss and prediction_step); for another trainer install a plugin implementing wrap_trainer, "
+                "or use padfree_plugins.assemble() and feed its collator and forward yourself."
             )
     except BaseException:
         assembly.undo()

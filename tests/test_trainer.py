@@ -220,6 +220,7 @@ def test_language_modeling_collator_replaced_with_its_labels():
     curves = []
     for packed in (False, True):
         trainer, _ = make_trainer("hf", False, train=datasets.Dataset.from_list(ends_in_eos), max_steps=8)
+        trainer.eval_dataset = None  # it carries labels (see the next test)
         trainer.data_collator = DataCollatorForLanguageModeling(tok, mlm=False)
         if packed:
             accelerate(trainer, {"task": "causal_lm"})
@@ -228,8 +229,22 @@ def test_language_modeling_collator_replaced_with_its_labels():
     torch.testing.assert_close(curves[1], curves[0], atol=1e-5, rtol=0)
     trainer, _ = make_trainer("hf", False, max_steps=8)  # rows() carry labels
     trainer.data_collator = DataCollatorForLanguageModeling(tok, mlm=False)
-    with pytest.raises(PadfreeError, match="overwrites the dataset's labels"):
+    with pytest.raises(PadfreeError, match="overwrites the train dataset's labels"):
         accelerate(trainer, {"task": "causal_lm"})
+
+
+def test_language_modeling_collator_with_an_eval_labels_column_is_refused():
+    """The collator overwrites an eval set's labels too (padded eval_loss 4.8663, packed with the kept -100 masks
+    4.8267): refused like a training set's, with every eval set named."""
+    from transformers import DataCollatorForLanguageModeling
+
+    unlabelled = datasets.Dataset.from_list([{"input_ids": row["input_ids"]} for row in rows(8)])
+    trainer, _ = make_trainer("hf", False, train=unlabelled, max_steps=1)  # its eval set carries labels
+    trainer.eval_dataset = {"plain": unlabelled, "masked": trainer.eval_dataset}
+    trainer.data_collator = DataCollatorForLanguageModeling(copy.deepcopy(tokenizer()), mlm=False)
+    with pytest.raises(PadfreeError, match=r"overwrites the eval \(masked\) dataset's labels"):
+        accelerate(trainer, {"task": "causal_lm"})
+    assert type(trainer.data_collator).__name__ == "DataCollatorForLanguageModeling"
 
 
 def test_trl_packed_rows_are_split_back_into_examples():
@@ -296,6 +311,26 @@ def test_undo_restores_the_trainer_and_the_model():
     assert patch_of(trainer.model) is None and trainer.model.config._attn_implementation == "sdpa"
     trainer.train()  # padded again
     assert_same_curve(losses(trainer), padded_run("hf")[0])
+
+
+def test_an_error_while_patching_the_trainer_leaves_it_as_it_was(monkeypatch):
+    """An error part-way through the trainer patch (here while installing NEFTune, the last step) undoes what was
+    already changed: collator, compute_loss, signature columns, accelerate's dispatch_batches, the model's patch
+    (the collator and compute_loss stayed patched)."""
+    trainer, _ = make_trainer("hf", packed=False, neftune_noise_alpha=1.0)
+    collator, dataloader_config = trainer.data_collator, trainer.accelerator.dataloader_config
+    assert dataloader_config.dispatch_batches is None
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no input embeddings")
+
+    monkeypatch.setattr(PackedNeftune, "install", fail)
+    with pytest.raises(RuntimeError, match="no input embeddings"):
+        accelerate(trainer, {"task": "causal_lm"})
+    assert trainer.data_collator is collator and dataloader_config.dispatch_batches is None
+    assert not {"compute_loss", "prediction_step", "_track_num_input_tokens"} & set(vars(trainer))
+    assert trainer.neftune_noise_alpha == 1.0 and trainer._signature_columns is None
+    assert patch_of(trainer.model) is None
 
 
 def test_generate_after_training_works_as_usual():
