@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .collator import as_examples
 from .errors import BatchError
 
 #: The token-id columns of a tokenized preference dataset, in the order TRL's collator stacks them.
@@ -37,6 +38,7 @@ class PreferenceCollator:
         return getattr(self.collator, "packing", self.collator)
 
     def __call__(self, rows: list[Mapping[str, Any]]) -> dict[str, Any]:
+        rows = as_examples(rows)
         missing = [key for key in PREFERENCE_COLUMNS if rows and key not in rows[0]]
         if missing:
             raise BatchError(f"preference rows need {' and '.join(PREFERENCE_COLUMNS)} (what RewardTrainer's dataset "

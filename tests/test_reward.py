@@ -160,3 +160,14 @@ def test_a_task_other_than_seq_cls_is_refused():
     with pytest.raises(ConfigError, match="RewardTrainer trains a sequence classifier"):
         accelerate(trainer, {"task": "reranker"})
     assert type(trainer.data_collator).__name__ == "DataCollatorForPreference"
+
+
+def test_preference_collator_takes_any_iterable_of_rows():
+    """Like the task collators (collator.as_examples): a generator of rows packs as the list does."""
+    trainer, acceleration = reward_trainer(True)
+    rows = [trainer.train_dataset[i] for i in range(3)]
+    want = trainer.data_collator(rows)
+    got = trainer.data_collator(row for row in rows)
+    assert want.keys() == got.keys()
+    for key in want:
+        assert torch.equal(torch.as_tensor(got[key]), torch.as_tensor(want[key])), key
