@@ -45,7 +45,8 @@ def _rows(hidden_states: torch.Tensor, batch: Mapping) -> torch.Tensor:
     return hidden_states
 
 
-def _example_index(batch: Mapping, total: int, device: torch.device) -> torch.Tensor:
+def example_index(batch: Mapping, total: int, device: torch.device) -> torch.Tensor:
+    """The example of every one of the ``total`` packed tokens, ``[T]`` int64 on ``device`` (no host sync)."""
     seq_idx = batch.get("seq_idx")
     if seq_idx is not None:
         return seq_idx.reshape(-1).to(device=device, dtype=torch.long)
@@ -88,7 +89,7 @@ class _Segments:
     def of(cls, batch: Mapping, rows: torch.Tensor, include_prompt: bool, need_position: bool) -> "_Segments":
         cu = batch["cu_seq_lens_q"].to(rows.device, torch.long)
         lengths = cu.diff()
-        index = _example_index(batch, rows.shape[0], rows.device)
+        index = example_index(batch, rows.shape[0], rows.device)
         prompt = None if include_prompt else prompt_lengths(batch, lengths.numel(), rows.device)
         position = keep = None
         if need_position or prompt is not None:

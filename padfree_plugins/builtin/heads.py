@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..batch import MODEL_INPUT_KEYS
 from ..errors import PadfreeError, UnsupportedArchitectureError
 from ..patching import COMPUTE_KEYWORD, patch_of, unwrap_model
-from ..pooling import FirstTokenPooler, LastTokenPooler, MeanPooler
+from ..pooling import FirstTokenPooler, LastTokenPooler, MeanPooler, example_index
 
 _first, _last, _mean = FirstTokenPooler(), LastTokenPooler(), MeanPooler()
 
@@ -109,11 +109,10 @@ def _last_not_pad(model, hidden, batch):
         return _last(hidden, batch)
     rows = hidden.reshape(-1, hidden.shape[-1])
     cu = batch["cu_seq_lens_q"].to(rows.device, torch.long)
-    lengths, total = cu.diff(), rows.shape[0]
-    example = torch.repeat_interleave(torch.arange(lengths.numel(), device=rows.device), lengths, output_size=total)
-    position = torch.arange(total, device=rows.device)
+    example = example_index(batch, rows.shape[0], rows.device)
+    position = torch.arange(rows.shape[0], device=rows.device)
     candidate = torch.where(ids.reshape(-1).to(rows.device) != pad, position, cu[:-1].index_select(0, example))
-    last = candidate.new_zeros(lengths.numel()).scatter_reduce(0, example, candidate, "amax", include_self=False)
+    last = candidate.new_zeros(cu.numel() - 1).scatter_reduce(0, example, candidate, "amax", include_self=False)
     return rows.index_select(0, last)
 
 
