@@ -55,6 +55,30 @@ def as_examples(examples: Any) -> Any:
     return list(examples)
 
 
+def holds_several_texts(input_ids: Any) -> bool:
+    """Whether one row's ``input_ids`` holds several texts — a listwise reranker row, one token list per candidate
+    of its query — rather than one example's tokens. The task collators expand such a row into its candidates and
+    the token-budget sampler counts (and refuses to split) it through this one test:
+
+    * a list or tuple holds several texts when its first element is a token sequence itself (a list, a tuple, or a
+      numpy array / tensor with at least one dimension); a flat list of ints (or of 0-d tensors) is one text;
+    * a numpy **object** array (``datasets``' numpy format of ragged candidates) is a container of Python objects
+      and is judged like a list, by its first element: an object array of lists or arrays holds several texts;
+    * any other numpy array or tensor holds several texts when it is 2-D with at least two rows (``[k, L]``: ``k``
+      candidates of equal length). A ``[1, L]`` one is **one text** — what ``tokenizer(text, return_tensors="pt")``
+      gives for one example, and what :class:`PackingCollator` reads as one example; a 1-D one is one text;
+    * an empty row, ``None`` and anything else hold one text (or none).
+    """
+    if isinstance(input_ids, torch.Tensor) or isinstance(input_ids, np.ndarray) and input_ids.dtype != object:
+        return input_ids.ndim == 2 and input_ids.shape[0] > 1
+    if isinstance(input_ids, np.ndarray) and input_ids.ndim == 0:  # an object scalar
+        return False
+    if not isinstance(input_ids, (list, tuple, np.ndarray)) or len(input_ids) == 0:
+        return False
+    first = input_ids[0]
+    return isinstance(first, (list, tuple)) or isinstance(first, (np.ndarray, torch.Tensor)) and first.ndim >= 1
+
+
 def stack_example_values(values: Sequence[Any], what: str, float_values: bool = False) -> torch.Tensor:
     """One number (or fixed-length list of numbers) per example as one tensor: int64 for integers and booleans,
     float32 otherwise or with ``float_values``; a :class:`BatchError` naming ``what`` for anything else."""

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from .collator import holds_several_texts
 from .config import BatchingConfig, PadfreeConfig, load_config
 from .errors import BatchError, ConfigError
 from .packing import plan_epoch
@@ -82,14 +83,19 @@ def example_lengths(dataset: Any = None, *, lengths: Sequence[int] | np.ndarray 
     return array
 
 
-def _nested(ids: Any) -> bool:
-    """Whether ``ids`` holds several texts (a listwise reranker row: one token list per candidate)."""
-    return len(ids) > 0 and isinstance(ids[0], (list, tuple, np.ndarray, torch.Tensor)) and np.ndim(ids[0]) == 1
+def _one_row(ids: Any) -> bool:
+    """Whether ``ids`` is a ``[1, L]`` array or tensor: one text of ``L`` tokens (see :func:`holds_several_texts`)."""
+    return isinstance(ids, (np.ndarray, torch.Tensor)) and ids.ndim == 2 and ids.shape[0] == 1
+
+
+def _text_length(ids: Any) -> int:
+    return int(ids.shape[1]) if _one_row(ids) else len(ids)
 
 
 def token_count(ids: Any) -> int:
-    """Tokens of one example's ``input_ids``: its length, or the sum of its texts' lengths when it holds several."""
-    return sum(len(text) for text in ids) if _nested(ids) else len(ids)
+    """Tokens of one example's ``input_ids``: its length, or the sum of its texts' lengths when it holds several
+    (:func:`~padfree_plugins.collator.holds_several_texts`, the collators' test)."""
+    return sum(_text_length(text) for text in ids) if holds_several_texts(ids) else _text_length(ids)
 
 
 def _arrow_token_counts(column: Any) -> np.ndarray:
@@ -165,11 +171,50 @@ class ChunkedDataset(Dataset):
         start, stop = int(self.items.start[i]), int(self.items.stop[i])
         if start == 0 and stop == token_count(example["input_ids"]):
             return example
-        if _nested(example["input_ids"]):
-            raise BatchError(f"example {index} holds several texts (a query's candidates) and is longer than "
-                             "batching.max_tokens_per_batch; such rows cannot be split: raise the budget")
-        return {key: value[start:stop] if key in self.token_keys and value is not None else value
+        if holds_several_texts(example["input_ids"]):
+            raise BatchError(_unsplittable_message(index, token_count(example["input_ids"])))
+        return {key: _cut(value, start, stop) if key in self.token_keys and value is not None else value
                 for key, value in example.items()}
+
+
+def _cut(value: Any, start: int, stop: int) -> Any:
+    """Tokens ``start:stop`` of a per-token value (along the tokens of a ``[1, L]`` array or tensor)."""
+    return value[:, start:stop] if _one_row(value) else value[start:stop]
+
+
+def _unsplittable_message(index: int, length: int, budget: int | None = None, count: int = 1,
+                         longest: int | None = None) -> str:
+    """The error for rows holding several texts (listwise rows: one query's candidates) over the budget."""
+    longest = max(length, longest or 0)
+    limit = f"={budget}" if budget is not None else ""
+    more = f" ({count} such rows, the longest {longest} tokens)" if count > 1 else ""
+    return (f"example {index} holds several texts (a listwise row: one query's candidates, {length} tokens in all) "
+            f"and is longer than batching.max_tokens_per_batch{limit}{more}. batching.on_overlong_example: split "
+            "cannot split such rows (their candidates are ranked against each other, so they must stay in one "
+            f"micro-batch): raise max_tokens_per_batch to at least {longest}, or use on_overlong_example: error "
+            "(which refuses every over-long example) and shorten or drop the long rows")
+
+
+def _split_grouped_rows(dataset: Any, items: Items, input_key: str = "input_ids") -> np.ndarray:
+    """The examples that ``items`` splits into chunks and whose ``input_ids`` hold several texts (listwise rows,
+    which cannot be split). Only the split examples are read; for a ``datasets.Dataset`` its column type decides
+    (``list<list<int>>``), with no row read."""
+    split = np.unique(items.example[items.start > 0])
+    if not split.size:
+        return split
+    if hasattr(dataset, "column_names") and hasattr(dataset, "with_format"):  # a datasets.Dataset
+        if input_key not in dataset.column_names:
+            return split[:0]
+        import pyarrow as pa
+
+        kind = dataset.with_format("arrow")[:0][input_key].type
+
+        def is_list(type_: Any) -> bool:
+            return pa.types.is_list(type_) or pa.types.is_large_list(type_)
+
+        return split if is_list(kind) and is_list(kind.value_type) else split[:0]
+    return np.asarray([i for i in split.tolist() if isinstance(row := dataset[i], Mapping)
+                       and holds_several_texts(row.get(input_key))], dtype=np.int64)
 
 
 # -- the sampler -----------------------------------------------------------------------------------------------------
@@ -279,9 +324,16 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         return np.asarray(tokens, dtype=np.int64).reshape(-1, self.num_replicas)
 
     def dataset_view(self, dataset: Any, token_keys: Sequence[str] = ()) -> Any:
-        """``dataset`` itself, or a :class:`ChunkedDataset` serving the chunks of split examples."""
+        """``dataset`` itself, or a :class:`ChunkedDataset` serving the chunks of split examples. A split example
+        whose ``input_ids`` hold several texts (a listwise row) is a :class:`BatchError` here, before training."""
         if not self.items.split:
             return dataset
+        grouped = _split_grouped_rows(dataset, self.items)
+        if grouped.size:
+            full = np.zeros(int(self.items.example.max()) + 1, dtype=np.int64)
+            np.maximum.at(full, self.items.example, self.items.stop)  # every example's length: its last chunk's stop
+            raise BatchError(_unsplittable_message(int(grouped[0]), int(full[grouped[0]]), self.max_tokens_per_batch,
+                                                  grouped.size, int(full[grouped].max())))
         return ChunkedDataset(dataset, self.items, tuple(dict.fromkeys((*SPLIT_KEYS, *token_keys))))
 
 

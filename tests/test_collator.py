@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from padfree_plugins.batch import PackedBatch
-from padfree_plugins.collator import PackingCollator
+from padfree_plugins.collator import PackingCollator, holds_several_texts
 from padfree_plugins.errors import BatchError
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -369,6 +369,45 @@ def test_batched_input_ids(bad):
         PackingCollator()([{"input_ids": [1]}, {"input_ids": bad}])
     message = str(info.value)
     assert "example 1: 'input_ids' must be 1-D" in message and "already-batched" in message
+
+
+def _object_array(items):
+    array = np.empty(len(items), dtype=object)
+    array[:] = items
+    return array
+
+
+@pytest.mark.parametrize(("ids", "several"), [
+    ([1, 2, 3], False),  # one text
+    ((1, 2, 3), False),
+    ([torch.tensor(1), torch.tensor(2)], False),  # a list of 0-d tensors is one text too
+    (np.array([1, 2, 3]), False),
+    (torch.tensor([1, 2, 3]), False),
+    (torch.tensor([[1, 2, 3]]), False),  # [1, L]: one text, what tokenizer(text, return_tensors="pt") gives
+    (np.array([[1, 2, 3]]), False),
+    ([], False),  # an empty row
+    ((), False),
+    (np.array([], dtype=np.int64), False),
+    (torch.zeros(0, dtype=torch.long), False),
+    (torch.zeros(0, 3, dtype=torch.long), False),  # no rows: no candidates
+    (_object_array([]), False),
+    (_object_array([1, 2, 3]), False),  # an object array is judged by its elements, like a list
+    (None, False),
+    ([[1, 2], [3]], True),  # a listwise row: one token list per candidate
+    (([1, 2], (3,)), True),
+    ([[1, 2]], True),  # a list with one candidate is still a list of texts
+    ([np.array([1, 2]), np.array([3])], True),
+    ([torch.tensor([1, 2]), torch.tensor([3])], True),
+    (np.array([[1, 2], [3, 4]]), True),  # [k, L], k >= 2: k candidates of equal length
+    (torch.tensor([[1, 2], [3, 4]]), True),
+    (_object_array([[1, 2], [3]]), True),  # datasets' numpy format of ragged candidates
+    (_object_array([np.array([1, 2]), np.array([3])]), True),
+    (torch.ones(2, 2, 2, dtype=torch.long), False),  # 3-D: neither (packing refuses it as batched)
+])
+def test_holds_several_texts(ids, several):
+    """The one test the task collators (expand a listwise row) and the token-budget sampler (count its tokens,
+    refuse to split it) share."""
+    assert holds_several_texts(ids) is several
 
 
 def test_ragged_nested_input_ids():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -315,10 +316,52 @@ def test_grouped_rows_count_every_candidates_tokens():
     assert example_lengths(rows).tolist() == [5, 4]
     assert example_lengths(datasets.Dataset.from_list(rows)).tolist() == [5, 4]
     assert example_lengths(datasets.Dataset.from_list(rows).select([1, 0])).tolist() == [4, 5]
-    loader = token_budget_dataloader(rows, lambda batch: batch, {"batching": {"strategy": "tokens",
-                                     "max_tokens_per_batch": 4, "on_overlong_example": "split"}})
-    with pytest.raises(BatchError, match="example 0 holds several texts"):
-        list(loader)
+    tensors = [{"input_ids": torch.tensor([[1, 2, 3], [4, 5, 6]])}, {"input_ids": _object_array([[1, 2], [3]])},
+               {"input_ids": [torch.tensor([1, 2]), torch.tensor([3])]}, {"input_ids": torch.tensor([[1, 2, 3, 4]])}]
+    assert example_lengths(tensors).tolist() == [6, 3, 3, 4]  # the last, [1, L], is one text of 4 tokens
+
+
+def _object_array(items):
+    array = np.empty(len(items), dtype=object)
+    array[:] = items
+    return array
+
+
+@pytest.mark.parametrize("arrow", [False, True])
+def test_grouped_rows_over_budget_cannot_be_split_refused_before_training(arrow):
+    """``on_overlong_example: split`` cannot cut a listwise row (its candidates form one group): refused when the
+    dataloader is built (the trainer's get_train_dataloader), not when training reaches the row."""
+    import datasets
+
+    rows = [{"input_ids": [[1, 2], [4, 5]], "labels": [1, 0]},
+            {"input_ids": [[6, 7, 8, 9], [7, 8], [9]], "labels": [1, 0, 0]},
+            {"input_ids": [[1, 2, 3], [2, 3, 4, 5, 6]], "labels": [1, 0]}]
+    dataset = datasets.Dataset.from_list(rows) if arrow else rows
+    config = {"batching": {"strategy": "tokens", "max_tokens_per_batch": 6, "on_overlong_example": "split"}}
+    with pytest.raises(BatchError) as info:
+        token_budget_dataloader(dataset, lambda batch: batch, config)
+    message = str(info.value)
+    assert "example 1 holds several texts" in message and "7 tokens in all" in message
+    assert "max_tokens_per_batch=6 (2 such rows, the longest 8 tokens)" in message
+    assert "cannot split such rows" in message and "at least 8" in message and "on_overlong_example: error" in message
+    # within the budget, listwise rows are served whole and single-text examples beside them are still split
+    loader = token_budget_dataloader(dataset, lambda batch: batch, {"batching": {**config["batching"],
+                                                                                 "max_tokens_per_batch": 8}})
+    assert sorted(len(row["input_ids"]) for batch in loader for row in batch) == [2, 2, 3]  # candidates per row
+    loader = token_budget_dataloader(rows[:1] + [{"input_ids": list(range(9))}], lambda batch: batch, config)
+    assert len(loader.dataset) == 3
+    # a ChunkedDataset used directly still refuses the row when it is read
+    view = ChunkedDataset(rows, Items.from_lengths(example_lengths(rows), 6, "split"))
+    with pytest.raises(BatchError, match="example 1 holds several texts"):
+        view[1]
+
+
+def test_split_cuts_one_row_tensors_along_their_tokens():
+    """A ``[1, L]`` tensor is one text of ``L`` tokens (as the collator reads it): split along its tokens."""
+    rows = [{"input_ids": torch.arange(10).reshape(1, 10), "labels": torch.arange(10).reshape(1, 10)}]
+    view = ChunkedDataset(rows, Items.from_lengths(example_lengths(rows), 4, "split"))
+    assert [view[i]["input_ids"].tolist() for i in range(len(view))] == [[[0, 1, 2, 3]], [[4, 5, 6, 7]], [[8, 9]]]
+    assert view[2]["labels"].tolist() == [[8, 9]]
 
 
 def test_batching_config_section():

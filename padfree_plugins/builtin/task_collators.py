@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..batch import PackedBatch
-from ..collator import PackingCollator, WrapsPackingCollator, as_examples, stack_example_values
+from ..collator import PackingCollator, WrapsPackingCollator, as_examples, holds_several_texts, stack_example_values
 from ..errors import BatchError
 from ..pooling import PROMPT_LENGTH_KEY
 from . import core
@@ -78,7 +78,8 @@ class ExampleCollator(WrapsPackingCollator):
 
     def __call__(self, examples: Sequence[Mapping[str, Any]]) -> PackedBatch:
         examples = as_examples(examples)
-        if self.groups and examples and isinstance(examples[0], Mapping) and _nested(examples[0].get("input_ids")):
+        first = examples[0] if examples else None
+        if self.groups and isinstance(first, Mapping) and holds_several_texts(first.get("input_ids")):
             examples = expand_group_rows(examples)
         batch = self.packing(examples)
         labels = labels_of(examples, self.float_labels)
@@ -97,7 +98,7 @@ class ExampleCollator(WrapsPackingCollator):
         if not self.groups or not hasattr(dataset, "__getitem__") or not len(dataset):
             return
         first = dataset[0]
-        if isinstance(first, Mapping) and GROUP_KEY in first and not _nested(first.get("input_ids")):
+        if isinstance(first, Mapping) and GROUP_KEY in first and not holds_several_texts(first.get("input_ids")):
             raise BatchError(
                 f"listwise ranking gets one candidate per row (with {GROUP_KEY!r} ids), but the trainer batches rows "
                 "(and shuffles them for training), which would split queries' candidates over batches: give one row "
@@ -194,14 +195,6 @@ class ExampleCollator(WrapsPackingCollator):
         result = np.empty(starts.size, dtype=np.int64)
         result[group_index[positive]] = position[positive]
         return torch.from_numpy(result)
-
-
-def _nested(value: Any) -> bool:
-    """Whether ``input_ids`` holds several sequences (a row with a whole query group)."""
-    if isinstance(value, (torch.Tensor, np.ndarray)):
-        return value.ndim == 2 and value.shape[0] != 1 or value.dtype == object
-    return isinstance(value, (list, tuple)) and len(value) > 0 and isinstance(value[0], (list, tuple, np.ndarray,
-                                                                                      torch.Tensor))
 
 
 def expand_group_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
