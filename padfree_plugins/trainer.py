@@ -7,13 +7,15 @@ Build the trainer as usual (no flag to change, ``remove_unused_columns`` left as
     trainer.train()                 # packed batches, same loss as padded
     acceleration.undo()             # optional: the trainer and the model are as before
 
-What changes on the trainer, all of it undone by ``undo()``:
+Before anything changes, a trainer that cannot train padding-free (parallelism that splits rows, a ``model_init``,
+a custom collator, bad examples …) is refused by :mod:`padfree_plugins.trainer_checks`. What changes on the
+trainer, all of it undone by ``undo()``:
 
 * **the model** is patched by :func:`~padfree_plugins.assembly.assemble` (peft models are unwrapped);
 * **data_collator** becomes the assembly's packing collator (:class:`TrainerCollator`); rows that TRL packed
   itself (``packing=True``, a ``seq_lengths`` column) are split back into their examples first. Only collators
-  that pad (:data:`REPLACEABLE_COLLATORS`) are replaced — any other is refused — and a replaced
-  ``DataCollatorForLanguageModeling`` keeps giving no loss to pad-id tokens;
+  that pad (:data:`~padfree_plugins.trainer_checks.REPLACEABLE_COLLATORS`) are replaced — any other is refused —
+  and a replaced ``DataCollatorForLanguageModeling`` keeps giving no loss to pad-id tokens;
 * **batches stay whole**: accelerate's ``dispatch_batches``, left unset, is turned off (:class:`WholeBatches`);
   it would slice a packed row's boundaries;
 * **include_num_input_tokens_seen**: every packed token counts (``non_padding`` too: there is no padding);
@@ -36,9 +38,8 @@ What changes on the trainer, all of it undone by ``undo()``:
 TRL ``SFTTrainer``: it refuses a custom collator when its own ``padding_free=True`` is set and requires
 ``max_length=None`` for padding-free training without packing. Neither applies here: build the SFTTrainer
 normally (its own collator, any ``max_length`` — it truncates during dataset preparation), then accelerate it;
-the collator is swapped after construction. The loss goes through TRL's fused LM head
-(``fused_lm_head=True``: log-probabilities without materialising the logits), and TRL's metrics
-(``mean_token_accuracy``, ``entropy``, ``num_tokens``, MoE ``aux_loss``) are recorded as TRL records them.
+the collator is swapped after construction. Its loss (TRL's fused LM head) and metrics are TRL's
+(:mod:`padfree_plugins.trl_sft`).
 
 TRL ``RewardTrainer``: the task is ``seq_cls``; every pair's chosen and rejected texts are packed into one row and
 TRL's loss and metrics computed from the per-text scores (:mod:`padfree_plugins.reward`).
@@ -48,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -58,13 +58,23 @@ import torch
 from .assembly import Assembly, assemble
 from .causal_lm import drop_labelled_logits, keep_labelled_logits
 from .config import PadfreeConfig, load_config
-from .datacheck import check_dataset
 from .errors import ConfigError, PadfreeError, PluginError
 from .host import PluginHost
 from .neftune import PackedNeftune
 from .patching import own_attribute, restore_attributes, unwrap_model
 from .reward import PreferenceCollator, preference_loss
 from .sampler import check_whole_micro_batches, uses_token_budget
+from .trainer_checks import (
+    check_collator,
+    check_datasets,
+    check_model_given,
+    check_parallelism,
+    check_trl_packing,
+    language_modeling_pad_id,
+    note_trl_eval_packing,
+    trainer_datasets,
+)
+from .trl_sft import record_sft_metrics, sft_aux_loss, sft_loss, split_packed_row
 
 ACCELERATION_ATTRIBUTE = "_padfree_acceleration"
 TrainerKind = Literal["hf", "sft", "reward"]
@@ -103,22 +113,6 @@ def trainer_kind(trainer: Any) -> TrainerKind | None:
 # -- the collator as the trainer sees it --------------------------------------------------------------------------
 
 
-def split_packed_row(row: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """A row that TRL packed (``seq_lengths``) -> its examples; per-token lists are cut, other values copied."""
-    lengths = [int(n) for n in row["seq_lengths"]]
-    total = len(row["input_ids"])
-    if sum(lengths) != total:
-        raise PadfreeError(f"a packed row has {total} tokens but its seq_lengths add up to {sum(lengths)}")
-    per_token = {k: v for k, v in row.items() if k != "seq_lengths" and hasattr(v, "__len__") and not isinstance(v, str)
-                 and len(v) == total}
-    other = {k: v for k, v in row.items() if k != "seq_lengths" and k not in per_token}
-    examples, start = [], 0
-    for n in lengths:
-        examples.append({**other, **{k: v[start : start + n] for k, v in per_token.items()}})
-        start += n
-    return examples
-
-
 @dataclass
 class TrainerCollator:
     """The assembly's collator as a trainer's ``data_collator`` (picklable, for DataLoader workers);
@@ -136,26 +130,6 @@ class TrainerCollator:
         if self.unlabelled_token is not None and "labels" in batch:
             batch["labels"] = batch["labels"].masked_fill(batch["input_ids"] == self.unlabelled_token, -100)
         return keep_labelled_logits(batch) if self.labelled_logits else batch
-
-
-def language_modeling_pad_id(trainer: Any) -> int | None:
-    """The pad id of the trainer's collator when it is transformers' ``DataCollatorForLanguageModeling`` (causal):
-    it builds the labels from ``input_ids`` with every token equal to the pad id at -100 — real ones too (an EOS
-    that doubles as the pad token). Replacing it keeps that, and refuses a dataset ``labels`` column, which that
-    collator overwrites and padfree-plugins would keep (the two trainings would differ)."""
-    collator = trainer.data_collator
-    if type(collator).__name__ != "DataCollatorForLanguageModeling" or not type(collator).__module__.startswith(
-            "transformers") or getattr(collator, "mlm", False):
-        return None
-    for what, dataset in trainer_datasets(trainer):
-        if "labels" in (getattr(dataset, "column_names", None) or ()):
-            raise PadfreeError(
-                f"the trainer's DataCollatorForLanguageModeling overwrites the {what} dataset's labels column with "
-                "input_ids (your -100 masks are lost in padded training), and padfree-plugins would keep it: remove "
-                "the column to train on every token as that collator does, or set trainer.data_collator = None to "
-                "keep your labels"
-            )
-    return getattr(getattr(collator, "tokenizer", None), "pad_token_id", None)
 
 
 def labelled_logits_apply(trainer: Any, assembly: Assembly, kind: TrainerKind) -> bool:
@@ -202,33 +176,21 @@ class TrainerPatch:
         if kind is None:
             raise PadfreeError(f"{type(trainer).__name__} is not a transformers Trainer / TRL SFTTrainer / "
                                "RewardTrainer this wrapper knows (it overrides compute_loss or prediction_step)")
-        if getattr(trainer.args, "n_gpu", 1) > 1:
-            raise PadfreeError(
-                "the trainer would use torch.nn.DataParallel (several GPUs in one process), which splits a batch by "
-                "rows; a packed batch is one row. Launch with `accelerate launch` or `torchrun` (one process per "
-                "GPU), or make one GPU visible with CUDA_VISIBLE_DEVICES."
-            )
-        parallelism = getattr(trainer.accelerator, "parallelism_config", None)
-        if parallelism is not None and (parallelism.cp_enabled or parallelism.sp_enabled):
-            raise PadfreeError(
-                "context / sequence parallelism (parallelism_config cp_size or sp_size > 1) splits every row along "
-                "the sequence across ranks, cutting a packed row's examples from their boundaries; train with "
-                "cp_size=sp_size=1 (a padding-free batch needs far less memory) or without padfree-plugins"
-            )
+        check_parallelism(trainer)
         if trainer.model is None or unwrap_model(trainer.model) is not assembly.model:
             raise PadfreeError("the assembly was built for another model than trainer.model")
-        _check_collator(trainer.data_collator)
+        check_collator(trainer.data_collator)
         unlabelled_token = language_modeling_pad_id(trainer) if assembly.plan.task.name == "causal_lm" else None
         collator = PreferenceCollator(assembly.collator) if kind == "reward" else assembly.collator
-        _check_datasets(trainer, collator)
-        _check_trl_packing(trainer, assembly.config)
+        check_datasets(trainer, collator)
+        check_trl_packing(trainer, assembly.config)
         if uses_token_budget(assembly.config):
             if kind == "reward":
                 raise ConfigError("batching.strategy: tokens plans batches from each row's input_ids, and a "
                                   "RewardTrainer's rows are chosen/rejected pairs: use batching.strategy: examples "
                                   "(per_device_train_batch_size pairs per batch, as TRL)")
             check_whole_micro_batches(trainer.accelerator)
-        _note_trl_eval_packing(trainer)
+        note_trl_eval_packing(trainer)
         patch = cls(trainer, assembly, kind, whole_batches=WholeBatches.apply(trainer))
         try:
             patch._install(collator if kind == "reward" else TrainerCollator(
@@ -325,7 +287,7 @@ class TrainerPatch:
             loss, outputs = self._loss_and_outputs(model, inputs, kwargs, own_loss, num_items_in_batch)
         loss = self._scale_for_devices(loss, num_items_in_batch)
         if self.kind == "sft" and not own_loss:
-            loss = loss + self._sft_aux_loss(outputs, num_items_in_batch)
+            loss = loss + sft_aux_loss(trainer, outputs, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
     def _loss_and_outputs(self, model: Any, inputs: Mapping, kwargs: dict[str, Any], own_loss: bool,
@@ -343,12 +305,13 @@ class TrainerPatch:
                                               num_items_in_batch=num_items_in_batch)
             if self.kind == "sft":  # TRL records its metrics from a fused forward beside this loss, as here
                 with torch.no_grad():
-                    self._sft_metrics(self.assembly.forward(model, inputs, **self.model_kwargs(fused=True)), inputs)
+                    fused = self.assembly.forward(model, inputs, **self.model_kwargs(fused=True))
+                    record_sft_metrics(trainer, fused, inputs)
         else:
             outputs = self.assembly.forward(model, inputs, **kwargs)
             if self.kind == "sft":
-                self._sft_metrics(outputs, inputs)
-                return self._sft_loss(outputs, num_items_in_batch), outputs
+                record_sft_metrics(trainer, outputs, inputs)
+                return sft_loss(trainer, outputs, num_items_in_batch), outputs
             loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs[0]
             if loss is None:
                 task = self.assembly.plan.task.name
@@ -369,55 +332,6 @@ class TrainerPatch:
         if trainer.args.average_tokens_across_devices and num_items_in_batch is not None and counted:
             loss = loss * (trainer.accelerator.num_processes // trainer.get_tp_size())
         return loss
-
-    def _sft_loss(self, outputs: Any, num_items_in_batch: Any) -> torch.Tensor:
-        """The loss TRL's ``compute_loss`` makes from the fused LM head's per-token log-probabilities: NLL, or DFT
-        (``loss_type: dft``, each token's loss weighted by its detached probability), over ``num_items_in_batch``
-        (else the batch's labelled tokens)."""
-        per_token = -outputs.log_probs
-        if getattr(self.trainer.args, "loss_type", "nll") == "dft":
-            per_token = per_token * outputs.log_probs.exp().detach()
-        count = outputs.label_mask.sum() if num_items_in_batch is None else num_items_in_batch
-        return per_token.sum() / torch.as_tensor(count).clamp(min=1)
-
-    def _sft_aux_loss(self, outputs: Any, num_items_in_batch: Any) -> torch.Tensor | float:
-        """TRL's MoE load-balancing term: ``router_aux_loss_coef × aux_loss`` per micro-batch, spread over the
-        accumulation steps when the trainer counts ``num_items_in_batch`` (added after the rank scaling, as TRL)."""
-        trainer = self.trainer
-        aux_loss = getattr(outputs, "aux_loss", None)
-        if aux_loss is None or not getattr(trainer, "aux_loss_enabled", False):
-            return 0.0
-        steps = trainer.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
-        return trainer.router_aux_loss_coef * aux_loss / steps
-
-    def _sft_metrics(self, outputs: Any, inputs: Mapping) -> None:
-        """TRL's bookkeeping around the fused loss: entropy, token accuracy, tokens seen, MoE aux loss."""
-        trainer = self.trainer
-        metrics = getattr(trainer, "_metrics", None)
-        if metrics is None:
-            return
-        mode = "train" if trainer.model.training else "eval"
-        gather = trainer.accelerator.gather_for_metrics
-        label_mask = getattr(outputs, "label_mask", None)
-        if label_mask is not None:
-            num_valid = gather(label_mask.sum()).sum()
-            for name, value in (("entropy", getattr(outputs, "entropy", None)),
-                                ("mean_token_accuracy", getattr(outputs, "is_top1", None))):
-                if value is not None:
-                    total = gather(value.detach().sum()).sum()
-                    metrics[mode][name].append((total / num_valid).item() if num_valid > 0 else 0.0)
-        if mode == "train" and hasattr(trainer, "_total_train_tokens"):
-            tokens = inputs["input_ids"].shape[-1]
-            multiple = trainer.args.pad_to_multiple_of if getattr(trainer, "padding_free", False) else None
-            if multiple:  # TRL's padding-free collator pads the row to a multiple, and counts that padding
-                tokens = -(-tokens // multiple) * multiple
-            tokens = torch.tensor(tokens, device=inputs["input_ids"].device)
-            trainer._total_train_tokens += gather(tokens).sum().item() // getattr(trainer, "_tp_size", 1)
-        if hasattr(trainer, "_total_train_tokens"):
-            metrics[mode]["num_tokens"] = [trainer._total_train_tokens]
-        aux_loss = getattr(outputs, "aux_loss", None)
-        if aux_loss is not None:
-            metrics[mode]["aux_loss"].append(gather(aux_loss.detach()).mean().item())
 
     def prediction_step(self, model: Any, inputs: Mapping, prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
@@ -537,62 +451,6 @@ def _signature_columns(trainer: Any, assembly: Assembly) -> list[str]:
     return list(dict.fromkeys((*(trainer._signature_columns or ()), *keys)))
 
 
-#: Collators whose work the packing collator does (padding, labels from input_ids, flattening): replacing them
-#: changes nothing but the padding. Any other collator may compute features or labels, and is refused.
-REPLACEABLE_COLLATORS = {
-    "transformers": ("DataCollatorWithPadding", "DataCollatorForSeq2Seq", "DataCollatorWithFlattening",
-                     "DataCollatorForLanguageModeling", "DefaultDataCollator", "default_data_collator"),
-    "trl": ("DataCollatorForLanguageModeling", "DataCollatorForPreference"),
-}
-
-
-def _check_collator(collator: Any) -> None:
-    """Refuse to replace a data collator that may build features or labels of its own (never silently wrong)."""
-    if collator is None:
-        return
-    kind = collator if inspect.isfunction(collator) else type(collator)
-    name, module = getattr(kind, "__name__", ""), getattr(kind, "__module__", "") or ""
-    library = module.split(".")[0]
-    if name in REPLACEABLE_COLLATORS.get(library, ()) and not getattr(collator, "mlm", False):
-        return
-    raise PadfreeError(
-        f"the trainer's data_collator is {module}.{name}, which padfree-plugins would replace with its packing "
-        "collator: that keeps input_ids and the dataset's labels (-100 where no loss) but nothing a custom collator "
-        "computes. Build such features and labels in the dataset (dataset.map), or, if the collator only pads, set "
-        "trainer.data_collator = None before accelerating."
-    )
-
-
-def _check_trl_packing(trainer: Any, config: Any) -> None:
-    """TRL ``packing=True`` under a token budget: TRL's packed rows (up to ``max_length`` tokens) are the examples,
-    and they cannot be split without losing the sequence boundaries inside them."""
-    batching = getattr(config, "batching", None)
-    if not getattr(trainer.args, "packing", False) or getattr(batching, "strategy", "examples") != "tokens":
-        return
-    longest = getattr(trainer.args, "max_length", None)
-    if batching.on_overlong_example == "split":
-        raise ConfigError("batching.on_overlong_example: split cannot cut TRL's packed rows (each holds several "
-                          "examples' boundaries); use error, with max_tokens_per_batch at least TRL's max_length")
-    if longest is not None and batching.max_tokens_per_batch < longest:
-        raise ConfigError(f"batching.max_tokens_per_batch={batching.max_tokens_per_batch} is less than TRL's "
-                          f"max_length={longest}: with packing=True, TRL's packed rows are the examples; raise the "
-                          "budget to at least max_length")
-
-
-def _note_trl_eval_packing(trainer: Any) -> None:
-    """TRL ``eval_packing=True`` without its padding-free collator (``packing=False``): TRL evaluates each packed row
-    as one sequence, its examples attending to each other; here every example is evaluated on its own (the row's
-    ``seq_lengths`` are kept), so ``eval_loss`` and the eval metrics differ from TRL's a little. Said, not refused."""
-    args = trainer.args
-    if (not getattr(args, "eval_packing", None) or getattr(trainer, "padding_free", True)
-            or trainer.eval_dataset is None or getattr(args, "packing_strategy", "bfd") == "wrapped"):
-        return
-    warnings.warn("eval_packing=True with packing=False: TRL's own evaluation lets the examples packed into one eval "
-                  "row attend to each other; padfree-plugins evaluates each example on its own, so eval_loss and the "
-                  "eval metrics differ slightly from TRL's. Set packing=True as well (TRL then keeps the boundaries "
-                  "too) or eval_packing=False to compare like with like.", stacklevel=3)
-
-
 @dataclass
 class WholeBatches:
     """accelerate's ``dispatch_batches`` kept off: it loads batches on the main process and slices every tensor by
@@ -619,27 +477,6 @@ class WholeBatches:
         if self.active:
             self.config.dispatch_batches = None
             self.active = False
-
-
-def trainer_datasets(trainer: Any) -> list[tuple[str, Any]]:
-    """The trainer's training and evaluation sets that are set, named for messages: ``train``, ``eval``, or
-    ``eval (name)`` for each of several."""
-    evals = trainer.eval_dataset
-    named = dict(evals) if isinstance(evals, Mapping) else {"": evals}
-    datasets = [("train", trainer.train_dataset)] + [(f"eval ({name})" if name else "eval", dataset)
-                                                      for name, dataset in named.items()]
-    return [(what, dataset) for what, dataset in datasets if dataset is not None]
-
-
-def _check_datasets(trainer: Any, collator: Any) -> None:
-    """Find over-long, empty or misaligned examples before training starts (see :mod:`padfree_plugins.datacheck`),
-    and a training or evaluation set laid out in a way the trainer's batches would break (the collator's
-    ``check_trainer_dataset``)."""
-    layout_check = getattr(collator, "check_trainer_dataset", None)
-    for what, dataset in trainer_datasets(trainer):
-        check_dataset(dataset, collator, what)
-        if layout_check is not None:
-            layout_check(dataset)
 
 
 # -- the entry point ----------------------------------------------------------------------------------------------
@@ -682,12 +519,7 @@ def accelerate(trainer: Any, config: PadfreeConfig | dict | str | None = None, *
     if previous is not None and previous.active:
         raise PadfreeError(f"{type(trainer).__name__} is already padding-free; call .undo() on the first acceleration "
                            "before accelerating it again")
-    if getattr(trainer, "model", None) is None:
-        raise PadfreeError("the trainer has no model yet (model_init?): pass a model to the trainer, then accelerate")
-    if getattr(trainer, "model_init", None) is not None:
-        raise PadfreeError("the trainer has a model_init, which train() (and every hyperparameter-search trial) calls "
-                           "for a new model that would not be padding-free: pass the model itself, "
-                           "Trainer(model=model_init(), ...), then accelerate")
+    check_model_given(trainer)
     host = host or PluginHost(block=config.plugins.block)
     config = host.call_first("trainer_config", trainer=trainer, config=config) or config
     assembly = assemble(trainer.model, config, host=host)

@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, 
 from padfree_plugins import BatchError, ConfigError, PadfreeError, PluginError, accelerate, patch_of
 from padfree_plugins.neftune import PackedNeftune
 from padfree_plugins.train import train_tokenizer
-from padfree_plugins.trainer import TrainerCollator, split_packed_row
+from padfree_plugins.trainer import TrainerCollator
+from padfree_plugins.trl_sft import split_packed_row
 from tests.conftest import tiny_config
 from tests.test_decoders import DECODERS, causal_lm
 
