@@ -20,6 +20,11 @@ chunk does not learn its first token (the collator masks every example's first l
 not give a chunk its missing context (the earlier chunk is in another micro-batch), so chunks are not pretended
 to be one sequence. Sampler items are then chunks, and :meth:`TokenBudgetBatchSampler.dataset_view` (called by
 :func:`token_budget_dataloader`) serves them from the original dataset.
+
+A row holding several texts (a listwise row: one query's candidates, see
+:func:`~padfree_plugins.collator.holds_several_texts`) counts all their tokens and is never split: one over the
+budget is refused when the dataloader is built. Trainers refuse accelerate's ``split_batches=True``
+(:func:`check_whole_micro_batches`), which would cut every planned micro-batch across the ranks.
 """
 
 from __future__ import annotations

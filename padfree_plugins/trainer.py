@@ -7,15 +7,17 @@ Build the trainer as usual (no flag to change, ``remove_unused_columns`` left as
     trainer.train()                 # packed batches, same loss as padded
     acceleration.undo()             # optional: the trainer and the model are as before
 
-Before anything changes, a trainer that cannot train padding-free (parallelism that splits rows, a ``model_init``,
-a custom collator, bad examples …) is refused by :mod:`padfree_plugins.trainer_checks`. What changes on the
-trainer, all of it undone by ``undo()``:
+Before the trainer changes, one that cannot train padding-free (parallelism that splits rows, a ``model_init``,
+a custom collator, bad examples …) is refused by :mod:`padfree_plugins.trainer_checks`, and a token budget with
+accelerate's ``split_batches=True`` or a ``RewardTrainer`` by :meth:`TrainerPatch.apply`; the model, assembled
+first, is then restored. What changes on the trainer, all of it undone by ``undo()``:
 
 * **the model** is patched by :func:`~padfree_plugins.assembly.assemble` (peft models are unwrapped);
-* **data_collator** becomes the assembly's packing collator (:class:`TrainerCollator`); rows that TRL packed
+* **data_collator** becomes the assembly's packing collator (:class:`TrainerCollator`; a ``RewardTrainer``'s:
+  :class:`~padfree_plugins.reward.PreferenceCollator`); rows that TRL packed
   itself (``packing=True``, a ``seq_lengths`` column) are split back into their examples first. Only collators
   that pad (:data:`~padfree_plugins.trainer_checks.REPLACEABLE_COLLATORS`) are replaced — any other is refused —
-  and a replaced ``DataCollatorForLanguageModeling`` keeps giving no loss to pad-id tokens;
+  and a replaced transformers ``DataCollatorForLanguageModeling`` keeps giving no loss to pad-id tokens;
 * **batches stay whole**: accelerate's ``dispatch_batches``, left unset, is turned off (:class:`WholeBatches`);
   it would slice a packed row's boundaries;
 * **include_num_input_tokens_seen**: every packed token counts (``non_padding`` too: there is no padding);
@@ -24,7 +26,8 @@ trainer, all of it undone by ``undo()``:
 * **compute_loss** calls ``assembly.forward(model, batch, **loss_kwargs)`` and reads ``.loss`` — the contract that
   lets task plugins (embeddings, classification) bring their own per-example heads to the same wrapper. It
   passes ``num_items_in_batch`` when the trainer counts it (gradient accumulation) and applies
-  ``average_tokens_across_devices`` exactly as the trainer would;
+  ``average_tokens_across_devices`` exactly as the trainer would (a ``RewardTrainer``: TRL's loss from the
+  per-text scores);
 * **NEFTune** (``neftune_noise_alpha``): the trainer's hook, which would scale the noise by the packed row's
   length, is replaced by :class:`~padfree_plugins.neftune.PackedNeftune` (the padded batch's noise);
 * **get_train_dataloader**, only with ``batching.strategy: tokens`` in the config: micro-batches filled up to a
@@ -508,7 +511,8 @@ class Acceleration:
 
 def accelerate(trainer: Any, config: PadfreeConfig | dict | str | None = None, *,
                host: PluginHost | None = None) -> Acceleration:
-    """Make ``trainer`` (HF ``Trainer``, TRL ``SFTTrainer``, or any a plugin knows) train padding-free.
+    """Make ``trainer`` (HF ``Trainer``, TRL ``SFTTrainer`` / ``RewardTrainer``, or any a plugin knows) train
+    padding-free.
 
     The trainer is changed in place; the returned :class:`Acceleration` undoes it. Bad datasets (examples too long
     for the model, labels not aligned with input_ids), unsupported architectures and unusable attention backends

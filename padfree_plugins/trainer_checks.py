@@ -1,10 +1,11 @@
 """What a trainer must not have before it is made padding-free: each check refuses (or, for TRL's ``eval_packing``,
-warns) while nothing is patched yet, with what to do instead.
+warns) while the trainer is unchanged, with what to do instead (a model ``accelerate`` already assembled is
+restored). The token-budget refusals (``split_batches=True``, a ``RewardTrainer``) are in ``TrainerPatch.apply``.
 
 * parallelism that splits a packed row: ``torch.nn.DataParallel``, context / sequence parallelism;
 * a ``model_init`` (its new models would not be padding-free);
 * a data collator that may build features or labels (only those in :data:`REPLACEABLE_COLLATORS` are replaced);
-  ``DataCollatorForLanguageModeling`` with a dataset ``labels`` column;
+  transformers' ``DataCollatorForLanguageModeling`` with a ``labels`` column in the train or an eval set;
 * over-long, empty or misaligned examples, and datasets laid out in a way the trainer's batches would break;
 * TRL ``packing=True`` rows that a token budget would have to split.
 """
