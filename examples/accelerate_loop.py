@@ -116,6 +116,8 @@ def train(accelerator: Accelerator, args: argparse.Namespace) -> list[float]:
     if args.out and accelerator.is_main_process:
         Path(args.out).write_text(json.dumps({"processes": accelerator.num_processes, "ranks": ranks,
                                               "losses": losses, "tokens": tokens}))
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # the process group torn down in order, before the interpreter exits
     return losses
 
 
