@@ -8,9 +8,9 @@ Build the trainer as usual (no flag to change, ``remove_unused_columns`` left as
     acceleration.undo()             # optional: the trainer and the model are as before
 
 Before the trainer changes, one that cannot train padding-free (parallelism that splits rows, a ``model_init``,
-a custom collator, bad examples …) is refused by :mod:`padfree_plugins.trainer_checks`, and a token budget with
-accelerate's ``split_batches=True`` or a ``RewardTrainer`` by :meth:`TrainerPatch.apply`; the model, assembled
-first, is then restored. What changes on the trainer, all of it undone by ``undo()``:
+a custom collator, bad examples, a token budget it cannot keep …) is refused by
+:mod:`padfree_plugins.trainer_checks`; the model, assembled first, is then restored. What changes on the
+trainer, all of it undone by ``undo()``:
 
 * **the model** is patched by :func:`~padfree_plugins.assembly.assemble` (peft models are unwrapped);
 * **data_collator** becomes the assembly's packing collator (:class:`TrainerCollator`; a ``RewardTrainer``'s:
@@ -61,18 +61,18 @@ import torch
 from .assembly import Assembly, assemble
 from .causal_lm import drop_labelled_logits, keep_labelled_logits
 from .config import PadfreeConfig, load_config
-from .errors import ConfigError, PadfreeError, PluginError
+from .errors import PadfreeError, PluginError
 from .host import PluginHost
 from .neftune import PackedNeftune
 from .patching import own_attribute, restore_attributes, unwrap_model
 from .reward import PreferenceCollator, preference_loss
-from .sampler import check_whole_micro_batches, uses_token_budget
+from .sampler import trainer_train_dataloader, uses_token_budget
 from .trainer_checks import (
     check_collator,
     check_datasets,
     check_model_given,
     check_parallelism,
-    check_trl_packing,
+    check_token_budget,
     language_modeling_pad_id,
     note_trl_eval_packing,
     trainer_datasets,
@@ -186,13 +186,7 @@ class TrainerPatch:
         unlabelled_token = language_modeling_pad_id(trainer) if assembly.plan.task.name == "causal_lm" else None
         collator = PreferenceCollator(assembly.collator) if kind == "reward" else assembly.collator
         check_datasets(trainer, collator)
-        check_trl_packing(trainer, assembly.config)
-        if uses_token_budget(assembly.config):
-            if kind == "reward":
-                raise ConfigError("batching.strategy: tokens plans batches from each row's input_ids, and a "
-                                  "RewardTrainer's rows are chosen/rejected pairs: use batching.strategy: examples "
-                                  "(per_device_train_batch_size pairs per batch, as TRL)")
-            check_whole_micro_batches(trainer.accelerator)
+        check_token_budget(trainer, kind, assembly.config)
         note_trl_eval_packing(trainer)
         patch = cls(trainer, assembly, kind, whole_batches=WholeBatches.apply(trainer))
         try:
@@ -256,8 +250,6 @@ class TrainerPatch:
 
     def train_dataloader(self) -> Any:
         """``batching.strategy: tokens``: micro-batches filled up to a token budget (:mod:`padfree_plugins.sampler`)."""
-        from .sampler import trainer_train_dataloader
-
         return trainer_train_dataloader(self.trainer, self.assembly.config, self.trainer.data_collator)
 
     def model_kwargs(self, fused: bool) -> dict[str, Any]:
@@ -276,7 +268,7 @@ class TrainerPatch:
         """The loss of a packed batch, through ``assembly.forward`` (the trainer's ``compute_loss``)."""
         trainer = self.trainer
         if self.kind == "reward":  # TRL's own loss and metrics on the per-text scores (see padfree_plugins.reward)
-            with self.neftune.for_batch(inputs) if self.neftune is not None else contextlib.nullcontext():
+            with self._neftune_scope(inputs):
                 outputs = self.assembly.forward(model, {k: v for k, v in inputs.items() if k != "margin"})
             loss = preference_loss(trainer, outputs.logits, inputs)
             return (loss, outputs) if return_outputs else loss
@@ -286,12 +278,16 @@ class TrainerPatch:
         kwargs = self.model_kwargs(fused=not own_loss)
         if num_items_in_batch is not None and (self.kind == "sft" or trainer.model_accepts_loss_kwargs):
             kwargs["num_items_in_batch"] = num_items_in_batch
-        with self.neftune.for_batch(inputs) if self.neftune is not None else contextlib.nullcontext():
+        with self._neftune_scope(inputs):
             loss, outputs = self._loss_and_outputs(model, inputs, kwargs, own_loss, num_items_in_batch)
         loss = self._scale_for_devices(loss, num_items_in_batch)
         if self.kind == "sft" and not own_loss:
             loss = loss + sft_aux_loss(trainer, outputs, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
+
+    def _neftune_scope(self, inputs: Mapping) -> Any:
+        """The block in which the embeddings' forwards belong to ``inputs`` (for packed NEFTune, when on)."""
+        return self.neftune.for_batch(inputs) if self.neftune is not None else contextlib.nullcontext()
 
     def _loss_and_outputs(self, model: Any, inputs: Mapping, kwargs: dict[str, Any], own_loss: bool,
                           num_items_in_batch: Any) -> tuple[torch.Tensor, Any]:

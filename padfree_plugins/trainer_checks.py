@@ -1,13 +1,14 @@
 """What a trainer must not have before it is made padding-free: each check refuses (or, for TRL's ``eval_packing``,
 warns) while the trainer is unchanged, with what to do instead (a model ``accelerate`` already assembled is
-restored). The token-budget refusals (``split_batches=True``, a ``RewardTrainer``) are in ``TrainerPatch.apply``.
+restored).
 
 * parallelism that splits a packed row: ``torch.nn.DataParallel``, context / sequence parallelism;
 * a ``model_init`` (its new models would not be padding-free);
 * a data collator that may build features or labels (only those in :data:`REPLACEABLE_COLLATORS` are replaced);
   transformers' ``DataCollatorForLanguageModeling`` with a ``labels`` column in the train or an eval set;
 * over-long, empty or misaligned examples, and datasets laid out in a way the trainer's batches would break;
-* TRL ``packing=True`` rows that a token budget would have to split.
+* a token budget the trainer cannot keep: a ``RewardTrainer``, accelerate's ``split_batches=True``, TRL
+  ``packing=True`` rows it would have to split.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from .datacheck import check_dataset
 from .errors import ConfigError, PadfreeError
+from .sampler import check_whole_micro_batches
 
 
 def check_parallelism(trainer: Any) -> None:
@@ -115,11 +117,20 @@ def check_datasets(trainer: Any, collator: Any) -> None:
             layout_check(dataset)
 
 
-def check_trl_packing(trainer: Any, config: Any) -> None:
-    """TRL ``packing=True`` under a token budget: TRL's packed rows (up to ``max_length`` tokens) are the examples,
-    and they cannot be split without losing the sequence boundaries inside them."""
+def check_token_budget(trainer: Any, kind: str, config: Any) -> None:
+    """``batching.strategy: tokens`` on this trainer: a ``RewardTrainer``'s rows are pairs (nothing to budget by
+    ``input_ids``); accelerate's ``split_batches=True`` would cut the planned micro-batches across ranks; TRL
+    ``packing=True`` rows (up to ``max_length`` tokens) are the examples, and cannot be split without losing the
+    sequence boundaries inside them."""
     batching = getattr(config, "batching", None)
-    if not getattr(trainer.args, "packing", False) or getattr(batching, "strategy", "examples") != "tokens":
+    if getattr(batching, "strategy", "examples") != "tokens":
+        return
+    if kind == "reward":
+        raise ConfigError("batching.strategy: tokens plans batches from each row's input_ids, and a RewardTrainer's "
+                          "rows are chosen/rejected pairs: use batching.strategy: examples "
+                          "(per_device_train_batch_size pairs per batch, as TRL)")
+    check_whole_micro_batches(trainer.accelerator)
+    if not getattr(trainer.args, "packing", False):
         return
     longest = getattr(trainer.args, "max_length", None)
     if batching.on_overlong_example == "split":
