@@ -25,6 +25,14 @@ BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k
 MODEL_INPUT_KEYS = ("input_ids", "position_ids", *BOUNDARY_KEYS)
 
 
+def token_examples(cu_seq_lens: torch.Tensor, total: int) -> torch.Tensor:
+    """The example of every one of the ``total`` packed tokens (int64 ``[T]``, on ``cu_seq_lens``' device), from
+    the boundaries ``0, L1, …, T``; sizes come from ``total``, so nothing is read back from the device."""
+    lengths = cu_seq_lens.diff().long()
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seq_lens.device), lengths,
+                                   output_size=total)
+
+
 class PackedBatch(dict):
     """A ``dict`` of tensors (and two ints) following the contract above.
 

@@ -17,6 +17,7 @@ from functools import partial
 
 import torch
 
+from .batch import token_examples
 from .errors import ConfigError, did_you_mean
 
 #: Batch key with the number of prompt tokens at the start of every example (an int or a tensor ``[n]``).
@@ -50,8 +51,7 @@ def example_index(batch: Mapping, total: int, device: torch.device) -> torch.Ten
     seq_idx = batch.get("seq_idx")
     if seq_idx is not None:
         return seq_idx.reshape(-1).to(device=device, dtype=torch.long)
-    lengths = batch["cu_seq_lens_q"].diff().to(device)
-    return torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths, output_size=total)
+    return token_examples(batch["cu_seq_lens_q"].to(device), total)
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -8,6 +8,7 @@ from typing import Literal
 
 import torch
 
+from .batch import token_examples
 from .pooling import packed_tokens
 
 
@@ -31,7 +32,7 @@ class Reverter:
         cu = batch["cu_seq_lens_q"].to(rows.device, torch.long)
         lengths = cu.diff()
         n, longest, total = lengths.numel(), int(batch["max_length_q"]), rows.shape[0]
-        example = torch.repeat_interleave(torch.arange(n, device=rows.device), lengths, output_size=total)
+        example = token_examples(cu, total)
         column = torch.arange(total, device=rows.device) - cu[:-1].repeat_interleave(lengths, output_size=total)
         if self.side == "left":
             column = column + (longest - lengths).repeat_interleave(lengths, output_size=total)

@@ -19,6 +19,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from ..batch import token_examples
 from ..errors import BackendUnavailableError
 
 
@@ -176,8 +177,7 @@ def padded_slots(cu_seq_lens: torch.Tensor, total: int, longest: int) -> tuple[t
     """For each of the ``total`` packed tokens, its row in a ``[n * longest]`` right-padded layout, and each
     example's length. Device-side and sync-free: sizes come from shapes and ``longest`` (a python int)."""
     starts, lengths = cu_seq_lens[:-1].long(), cu_seq_lens.diff().long()
-    example = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seq_lens.device), lengths,
-                                      output_size=total)
+    example = token_examples(cu_seq_lens, total)
     position = torch.arange(total, device=cu_seq_lens.device) - starts[example]
     return example * longest + position, lengths
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from padfree_plugins.batch import token_examples
 from padfree_plugins.errors import PadfreeError
 from padfree_plugins.patching import own_attribute, restore_attributes
 
@@ -38,7 +39,7 @@ def same_texts(first: dict[str, Any], second: dict[str, Any]) -> torch.Tensor:
     ids, other = first["input_ids"].reshape(-1), second["input_ids"].reshape(-1)
     cu, other_cu = (features["cu_seq_lens_q"].to(ids.device, torch.long) for features in (first, second))
     lengths = cu.diff()
-    text = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), lengths, output_size=ids.numel())
+    text = token_examples(cu, ids.numel())
     position = torch.arange(ids.numel(), device=ids.device) - cu[:-1][text]
     # where the lengths differ the partner may lie in another text (clamped into the row): the label is 0 anyway
     partner = (other_cu[:-1][text] + position).clamp(max=other.numel() - 1)
