@@ -2,11 +2,13 @@
 
 A model type that no plugin declares is refused by default. With ``architecture: probe`` in the acceleration
 config, assembly instead patches the model and runs a tiny check before handing it over: a few short random
-examples (one of them a single token, two of equal length) go through the patched model once packed and once
-each alone; the packed outputs must equal the per-example ones. Eval mode and no gradients while it runs; the
-model's train/eval mode and the global random state are left as they were. If the outputs differ (or the
-packed forward raises), the patch is undone and assembly fails with the measured difference and how to add a
-plugin, so that an architecture that mixes examples is never trained silently wrong.
+examples (one of them a single token, two of equal length) go through the patched model once packed, and once
+each alone with the model's own attention implementation (as before the patch); the packed outputs must equal the
+per-example ones. The reference is unpatched so that structure only the model's own mask carries (Llama 4's
+chunked attention), which patched calls would lose packed and alone alike, is measured. Eval mode and no
+gradients while it runs; the model's train/eval mode and the global random state are left as they were. If the
+outputs differ (or the packed forward raises), the patch is undone and assembly fails with the measured
+difference and how to add a plugin, so that an architecture that mixes examples is never trained silently wrong.
 
 A model type that a plugin declares is used as declared: ``probe`` only changes what happens to unknown ones.
 """
@@ -14,6 +16,8 @@ A model type that a plugin declares is used as declared: ``probe`` only changes 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +25,7 @@ import torch
 
 from .collator import PackingCollator
 from .errors import UnsupportedArchitectureError
+from .patching import patch_of
 from .specs import Architecture
 
 #: The value of ``architecture:`` that asks for a probe of undeclared model types.
@@ -88,6 +93,20 @@ def _vocab_size(model: Any) -> int:
     return int(model.config.get_text_config().vocab_size)
 
 
+@contextmanager
+def original_attention(model: Any) -> Iterator[None]:
+    """Run ``model`` with the attention implementation it had before its padfree patch (if it has one)."""
+    patch = patch_of(model)
+    if patch is None or patch.previous_implementation is None:
+        yield
+        return
+    model.set_attn_implementation(patch.previous_implementation)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(patch.implementation)
+
+
 def run_probe(model: Any, position_start: int = 0, lengths: tuple[int, ...] = PROBE_LENGTHS,
               seed: int = 0) -> ProbeResult:
     """Compare packed and per-example outputs of a patched ``model`` (a transformers ``PreTrainedModel``)."""
@@ -112,7 +131,8 @@ def run_probe(model: Any, position_start: int = 0, lengths: tuple[int, ...] = PR
             error, start = 0.0, 0
             for example in examples:
                 ids = torch.tensor([example["input_ids"]], device=parameter.device)
-                alone = _outputs(model(input_ids=ids))[0].float()
+                with original_attention(model):  # the reference: the model as it was before the patch
+                    alone = _outputs(model(input_ids=ids))[0].float()
                 got = packed[start : start + ids.shape[1]]
                 start += ids.shape[1]
                 if got.shape != alone.shape:

@@ -187,6 +187,24 @@ def test_probe_measures_a_decoder_that_runs_packed_but_wrong(monkeypatch):
     assert patch_of(model) is None
 
 
+MASK_ONLY_STRUCTURE = {  # attention structure these models put only in the mask they build, never in attention's kwargs
+    "llama4_text": dict(num_key_value_heads=2, head_dim=16, num_local_experts=4, intermediate_size_mlp=128,
+                        attention_chunk_size=8),  # chunked attention
+    "phimoe": dict(num_key_value_heads=2, num_local_experts=4, sliding_window=4),  # the window is in the mask only
+}
+
+
+@pytest.mark.parametrize("model_type", MASK_ONLY_STRUCTURE)
+def test_probe_refuses_structure_that_only_the_models_own_mask_carries(model_type):
+    """The patched attention never sees a structure that lives only in the model's own mask, so packed and alone
+    through the patched model agree, both without it. The probe's reference is the model with its own attention,
+    so it measures the difference (it used to accept both, and training was silently wrong by ~2e-3)."""
+    model = causal_lm(model_type, **MASK_ONLY_STRUCTURE[model_type])
+    with pytest.raises(UnsupportedArchitectureError, match=r"differ from each example run alone by \d"):
+        assemble(model, {"task": "causal_lm", "architecture": "probe"})
+    assert patch_of(model) is None and model.config._attn_implementation == "sdpa"
+
+
 def test_probe_keeps_declared_architectures():
     model = causal_lm("qwen2", num_key_value_heads=2)
     assembly = assemble(model, {"task": "causal_lm", "architecture": "probe"})
