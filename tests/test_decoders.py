@@ -38,6 +38,14 @@ DECODERS = {
     "olmo2": ("olmo2", dict(num_key_value_heads=2)),
     "gpt_neox": ("gpt_neox", dict()),
     "starcoder2": ("starcoder2", dict(num_key_value_heads=2, sliding_window=4)),
+    "smollm3": ("smollm3", dict(num_key_value_heads=2, no_rope_layers=[1, 0], use_sliding_window=True,
+                                sliding_window=4)),
+    "olmo": ("olmo", dict(num_key_value_heads=2, clip_qkv=0.5)),
+    "olmo3": ("olmo3", dict(num_key_value_heads=2, sliding_window=4,
+                            layer_types=["sliding_attention", "full_attention"])),
+    "phi": ("phi", dict(num_key_value_heads=2, qk_layernorm=True)),
+    "glm4": ("glm4", dict(num_key_value_heads=2, head_dim=16)),
+    "granitemoe": ("granitemoe", dict(num_key_value_heads=2, num_local_experts=4, attention_multiplier=0.3, **MOE)),
 }
 LENGTHS = [1, 13, 6, 20, 2, 6]
 
@@ -110,7 +118,7 @@ def test_gemma2_softcapping_and_window_are_really_exercised():
     assert {"softcap", "sliding_window", "gqa", "causal"} <= features
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe"])
 def test_moe_router_loss_is_part_of_the_packed_loss(name):
     """The load-balancing loss is included (output_router_logits) and equals the padded one, real tokens only."""
     model_type, overrides = DECODERS[name]
@@ -138,17 +146,17 @@ def test_every_listed_decoder_is_its_own_plugin():
 
 
 def test_unknown_decoder_is_refused_without_probe():
-    model = causal_lm("olmo")
+    model = causal_lm("helium", head_dim=16)
     with pytest.raises(UnsupportedArchitectureError, match="architecture: probe"):
         assemble(model, {"task": "causal_lm"})
 
 
 def test_probe_accepts_a_safe_unknown_decoder_and_leaves_state_alone():
-    model = causal_lm("olmo").train()
+    model = causal_lm("helium", head_dim=16).train()
     rng = torch.random.get_rng_state()
     assembly = assemble(model, {"task": "causal_lm", "architecture": "probe"})
     try:
-        assert assembly.plan.architecture_plugin == "probe" and assembly.plan.architecture.name == "probed:olmo"
+        assert assembly.plan.architecture_plugin == "probe" and assembly.plan.architecture.name == "probed:helium"
         assert model.training and torch.equal(torch.random.get_rng_state(), rng)
         examples = make_examples([3, 11])
         with torch.no_grad():
@@ -222,7 +230,7 @@ def test_a_forced_architecture_must_match_a_declared_model_type():
 
 
 def test_a_forced_architecture_on_an_undeclared_model_type_is_probed():
-    model = causal_lm("olmo")
+    model = causal_lm("helium", head_dim=16)
     assembly = assemble(model, {"task": "causal_lm", "architecture": "llama"})
     try:
         assert assembly.plan.architecture.name == "llama" and assembly.plan.architecture_plugin == "probe"

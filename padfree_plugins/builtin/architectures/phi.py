@@ -1,0 +1,10 @@
+"""Phi (Phi-1, Phi-1.5, Phi-2): parallel attention and MLP, partial rotary embeddings, optional q/k LayerNorm."""
+
+from ...hookspecs import hookimpl
+from ...specs import Architecture
+
+
+@hookimpl
+def register_architectures():
+    return [Architecture("phi", model_types=("phi",), kind="decoder", default_pooling="last",
+                         description="Microsoft Phi-1 / 1.5 / 2 decoders")]
