@@ -46,8 +46,20 @@ def probed_architecture(model_config: Any) -> Architecture:
             f"model type {model_type!r} is an encoder-decoder model; padding-free packing (and its probe) covers "
             "decoder-only and encoder-only models. Add an architecture plugin for it (docs/writing-a-plugin.md)."
         )
-    return Architecture(f"probed:{model_type}", (model_type,), kind="decoder", default_pooling="last",
+    kind = probed_kind(model_config)
+    return Architecture(f"probed:{model_type}", (model_type,), kind=kind,
+                        default_pooling="first" if kind == "encoder" else "last",
                         description=f"{model_type}, accepted by the equivalence probe at assembly")
+
+
+def probed_kind(model_config: Any) -> str:
+    """``"encoder"`` for a model type transformers gives a masked-LM head (BERT-shaped), unless its config makes it a
+    decoder (``is_decoder``); ``"decoder"`` otherwise. The kind sets the default pooling and which poolings make
+    sense (a causal decoder's first token sees nothing but itself); attention follows the model's own modules."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    masked_lm = model_config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    return "encoder" if masked_lm and not getattr(model_config, "is_decoder", False) else "decoder"
 
 
 @dataclass
@@ -118,12 +130,13 @@ def run_probe(model: Any, position_start: int = 0, lengths: tuple[int, ...] = PR
     low = min(10, vocab - 1)
     examples = [{"input_ids": torch.randint(low, vocab, (n,), generator=generator).tolist()} for n in lengths]
     batch = PackingCollator(position_start=position_start)(examples).to(parameter.device)
+    body = getattr(model, "base_model", model)  # per-token outputs: a classifier head pools one vector per row
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             try:
-                packed = _outputs(model(**batch.model_inputs()))[0].float()
+                packed = _outputs(body(**batch.model_inputs()))[0].float()
             except torch.OutOfMemoryError:
                 raise  # the machine's limit, not the architecture's
             except Exception as exc:  # noqa: BLE001 - any other failure of the packed forward is a refusal
@@ -132,7 +145,7 @@ def run_probe(model: Any, position_start: int = 0, lengths: tuple[int, ...] = PR
             for example in examples:
                 ids = torch.tensor([example["input_ids"]], device=parameter.device)
                 with original_attention(model):  # the reference: the model as it was before the patch
-                    alone = _outputs(model(input_ids=ids))[0].float()
+                    alone = _outputs(body(input_ids=ids))[0].float()
                 got = packed[start : start + ids.shape[1]]
                 start += ids.shape[1]
                 if got.shape != alone.shape:

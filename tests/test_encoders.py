@@ -1,5 +1,7 @@
-"""The encoder architecture plugins (DistilBERT, ELECTRA, ModernBERT): packed hidden states and gradients equal
-every example run alone, and ModernBERT's local attention keeps its window."""
+"""The encoder architecture plugins (DistilBERT, ELECTRA, ModernBERT, ALBERT, ERNIE, the wider RoBERTa family, the
+RoPE encoders): packed hidden states and gradients equal every example run alone, embeddings and classifier logits
+equal the padded model's, ModernBERT's local attention keeps its window, and undeclared encoders are probed as
+encoders."""
 
 from __future__ import annotations
 
@@ -7,11 +9,30 @@ import pytest
 import torch
 
 from padfree_plugins import assemble, plan
-from tests.conftest import make_examples, per_example, split_packed, tiny_config
-from tests.tasks_common import ENCODERS, assert_grads_close, grads, model_for
+from tests.conftest import make_examples, per_example, split_packed, tiny_config, tiny_model
+from tests.tasks_common import ENCODERS, assert_grads_close, grads, padded
 
-NEW_ENCODERS = ("distilbert", "electra", "modernbert")
+#: Dropout off (training-mode comparisons with padded batches), under every name these configs use.
+NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0,
+                  classifier_dropout_prob=0.0, attention_dropout=0.0)
+#: Encoders without a task test of their own (tests/tasks_common.ENCODERS has those) and their tiny configs.
+MORE_ENCODERS = {
+    "camembert": {},
+    "xlm-roberta-xl": {},
+    "ernie": dict(use_task_id=True, task_type_vocab_size=3),
+    "albert": dict(embedding_size=32),
+    "nomic_bert": {},
+    "gte": {},
+    "eurobert": dict(num_key_value_heads=2),
+}
+TINY = {**ENCODERS, **MORE_ENCODERS}
+NEW_ENCODERS = ("distilbert", "electra", "modernbert", *MORE_ENCODERS)
+ROBERTA_FAMILY = ("camembert", "xlm-roberta-xl")  # positions start at pad_token_id + 1 = 2
 LENGTHS = {"one-token": [1, 1, 4], "unequal": [1, 13, 7, 30, 7], "single": [12]}
+
+
+def model_for(name, head="base", **overrides):
+    return tiny_model(name, head=head, **{**TINY[name], **overrides})
 
 
 def packed_hidden(model, examples):
@@ -49,9 +70,105 @@ def test_gradients_equal_per_example(name):
 
 @pytest.mark.parametrize("name", NEW_ENCODERS)
 def test_architecture_is_resolved_by_model_type(name):
-    resolved = plan(tiny_config(name, **ENCODERS[name]), {"task": "hidden_states", "attention": "exact"})
-    assert resolved.architecture.name == name and resolved.architecture.kind == "encoder"
-    assert resolved.position_start == 0 and "bidirectional" in resolved.features
+    resolved = plan(tiny_config(name, **TINY[name]), {"task": "hidden_states", "attention": "exact"})
+    assert name in resolved.architecture.model_types and resolved.architecture.kind == "encoder"
+    assert resolved.architecture_plugin != "probe" and "bidirectional" in resolved.features
+    assert resolved.position_start == (2 if name in ROBERTA_FAMILY else 0)
+
+
+def masked_mean(hidden, mask):
+    return (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize("name", MORE_ENCODERS)
+def test_mean_embeddings_and_gradients_equal_padded(name):
+    """Task embedding (mean pooling), training mode without dropout: embeddings and gradients as padded."""
+    model = model_for(name, **NO_DROPOUT).train()
+    texts = make_examples([1, 13, 7, 30, 7])
+    weight = torch.randn(len(texts), model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    inputs = padded(texts)
+    want = masked_mean(model(**inputs).last_hidden_state, inputs["attention_mask"])
+    (want * weight).sum().backward()
+    want_grads = grads(model)
+    assembly = assemble(model, {"task": "embedding", "attention": "exact", "pooling": "mean"})
+    try:
+        got = assembly.forward(model, assembly.collator([{"text_input_ids": t["input_ids"]} for t in texts]))
+        (got.embeddings * weight).sum().backward()
+    finally:
+        assembly.undo()
+    torch.testing.assert_close(got.embeddings, want, atol=1e-5, rtol=1e-5)
+    assert_grads_close(grads(model), want_grads)
+
+
+SEQ_CLS_CASES = [(name, {}) for name in MORE_ENCODERS] + [
+    ("eurobert", dict(classifier_pooling="bos")), ("eurobert", dict(classifier_pooling="mean"))]
+
+
+@pytest.mark.parametrize(("name", "overrides"), SEQ_CLS_CASES, ids=[f"{n}{'-' if o else ''}{'-'.join(o.values())}"
+                                                                    for n, o in SEQ_CLS_CASES])
+def test_seq_cls_logits_and_gradients_equal_padded(name, overrides):
+    """Task seq_cls with the model's own head (EuroBERT: every classifier_pooling, late by default)."""
+    model = model_for(name, head="seq_cls", num_labels=3, **NO_DROPOUT, **overrides).train()
+    examples = [{**ex, "label": i % 3} for i, ex in enumerate(make_examples([1, 13, 7, 30, 7]))]
+    want = model(**padded(examples), labels=torch.tensor([ex["label"] for ex in examples]))
+    want.loss.backward()
+    want_grads = grads(model)
+    assembly = assemble(model, {"task": "seq_cls", "attention": "exact"})
+    try:
+        got = assembly.forward(model, assembly.collator(examples))
+        got.loss.backward()
+    finally:
+        assembly.undo()
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+    assert_grads_close(grads(model), want_grads)
+
+
+def test_probe_takes_an_undeclared_encoder_for_an_encoder():
+    """An encoder no plugin declares (ALBERT with its plugin blocked) is probed as an encoder: first-token pooling is
+    its default and allowed (a decoder's first token would see only itself), and the CLS embeddings equal padded."""
+    model = model_for("albert")
+    texts = make_examples([1, 9, 4])
+    config = {"task": "embedding", "attention": "exact", "architecture": "probe", "plugins": {"block": ["albert"]}}
+    assembly = assemble(model, config)
+    try:
+        assert assembly.plan.architecture_plugin == "probe"
+        assert assembly.plan.architecture.kind == "encoder" and "bidirectional" in assembly.plan.features
+        with torch.no_grad():
+            got = assembly.forward(model, assembly.collator([{"text_input_ids": t["input_ids"]} for t in texts]))
+    finally:
+        assembly.undo()
+    with torch.no_grad():
+        want = model(**padded(texts)).last_hidden_state[:, 0]
+    torch.testing.assert_close(got.embeddings, want, atol=1e-5, rtol=1e-5)
+
+
+def test_probe_checks_a_classifier_on_its_body():
+    """The probe compares per-token outputs of the model's body: a sequence classifier's head pools one vector per
+    row, which says nothing about packing, so probing it used to refuse every classifier (shape mismatch)."""
+    model = model_for("albert", head="seq_cls", num_labels=3)
+    examples = [{**ex, "label": i % 3} for i, ex in enumerate(make_examples([1, 9, 4]))]
+    assembly = assemble(model, {"task": "seq_cls", "attention": "exact", "architecture": "probe",
+                                "plugins": {"block": ["albert"]}})
+    try:
+        assert assembly.plan.architecture_plugin == "probe"
+        with torch.no_grad():
+            got = assembly.forward(model, assembly.collator(examples)).logits
+    finally:
+        assembly.undo()
+    with torch.no_grad():
+        want = model(**padded(examples)).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("model_type", "kind"), [("bert", "encoder"), ("albert", "encoder"), ("llama", "decoder"),
+                                                  ("gpt2", "decoder")])
+def test_probed_kind_from_the_config(model_type, kind):
+    from padfree_plugins.probe import probed_architecture
+
+    architecture = probed_architecture(tiny_config(model_type))
+    assert architecture.kind == kind and architecture.default_pooling == ("first" if kind == "encoder" else "last")
+    if model_type == "bert":  # BERT configured as a decoder (BertLMHeadModel) is causal
+        assert probed_architecture(tiny_config("bert", is_decoder=True)).kind == "decoder"
 
 
 def test_modernbert_local_window_matches_its_own_mask():

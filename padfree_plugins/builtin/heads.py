@@ -73,9 +73,16 @@ def run_base(model: Any, batch: Mapping) -> torch.Tensor:
 
 
 def _bert_head(model, hidden, batch):
-    """BERT: CLS -> pooler (dense + tanh) -> dropout -> classifier."""
-    pooled = model.bert.pooler(_first(hidden, batch).unsqueeze(1))
+    """BERT and BERT-shaped (ERNIE, Nomic BERT, GTE): CLS -> the base's pooler (dense + tanh) -> dropout ->
+    classifier."""
+    pooled = model.base_model.pooler(_first(hidden, batch).unsqueeze(1))
     return model.classifier(model.dropout(pooled))
+
+
+def _albert_head(model, hidden, batch):
+    """ALBERT: CLS -> pooler (dense) -> pooler_activation (tanh) -> dropout -> classifier."""
+    base = model.base_model
+    return model.classifier(model.dropout(base.pooler_activation(base.pooler(_first(hidden, batch)))))
 
 
 def _classification_head_module(model, hidden, batch):
@@ -96,6 +103,18 @@ def _modernbert_head(model, hidden, batch):
         raise UnsupportedArchitectureError(f"ModernBERT classifier_pooling {mode!r} is not supported (cls, mean)")
     pooled = _first(hidden, batch) if mode == "cls" else _mean(hidden, batch)
     return model.classifier(model.drop(model.head(pooled)))
+
+
+def _eurobert_head(model, hidden, batch):
+    """EuroBERT (``config.classifier_pooling``): ``bos`` / ``mean`` pool, then dense -> activation -> classifier;
+    ``late`` runs dense -> activation -> classifier on every token, then takes each example's mean."""
+    mode = model.config.classifier_pooling
+    if mode == "late":
+        return _mean(model.classifier(model.activation(model.dense(hidden))), batch)
+    if mode not in ("bos", "mean"):
+        raise UnsupportedArchitectureError(f"EuroBERT classifier_pooling {mode!r} is not supported (bos, mean, late)")
+    pooled = _first(hidden, batch) if mode == "bos" else _mean(hidden, batch)
+    return model.classifier(model.activation(model.dense(pooled)))
 
 
 def _last_not_pad(model, hidden, batch):
@@ -124,9 +143,18 @@ def _score_head(model, hidden, batch):
 #: ``config.model_type`` -> head function. Decoders with a ``score`` layer need no entry.
 SEQUENCE_HEADS: Mapping[str, Callable] = MappingProxyType({
     "bert": _bert_head,
+    "ernie": _bert_head,
+    "nomic_bert": _bert_head,
+    "gte": _bert_head,
+    "albert": _albert_head,
     "roberta": _classification_head_module,
     "xlm-roberta": _classification_head_module,
+    "xlm-roberta-xl": _classification_head_module,
+    "camembert": _classification_head_module,
+    "data2vec-text": _classification_head_module,
+    "roberta-prelayernorm": _classification_head_module,
     "electra": _classification_head_module,
+    "eurobert": _eurobert_head,
     "distilbert": _distilbert_head,
     "modernbert": _modernbert_head,
 })

@@ -1,4 +1,7 @@
-"""BERT: the encoder pattern (bidirectional, absolute positions, token_type_ids). Positions start at 0."""
+"""BERT: the encoder pattern (bidirectional, absolute positions, token_type_ids). Positions start at 0.
+
+ERNIE is BERT plus optional task-type embeddings (``use_task_id``; ``task_type_ids`` default to zeros, packed or not).
+"""
 
 from ...hookspecs import hookimpl
 from ...specs import Architecture
@@ -6,5 +9,5 @@ from ...specs import Architecture
 
 @hookimpl
 def register_architectures():
-    return [Architecture("bert", model_types=("bert",), kind="encoder", default_pooling="first",
-                         description="BERT and BERT-shaped encoders (MiniLM, BGE, E5, …)")]
+    return [Architecture("bert", model_types=("bert", "ernie"), kind="encoder", default_pooling="first",
+                         description="BERT and BERT-shaped encoders (MiniLM, BGE, E5, ERNIE …)")]
