@@ -119,7 +119,11 @@ def test_loss_curve_equals_padded(kind, accumulation, lora):
     assert trainer.evaluate()["eval_loss"] == pytest.approx(want_eval, abs=1e-5)
 
 
-ARCHITECTURE_CURVES = [(name, "hf", 4, False) for name in DECODERS] + [(name, "sft", 1, True) for name in DECODERS]
+#: TRL's own SFT loss reads ``config.num_experts``, which GraniteMoe names ``num_local_experts``: TRL's padded run
+#: fails with an AttributeError before any packing is involved (TRL's bug, not one padfree can fix).
+TRL_FAILS_PADDED = {"granitemoe"}
+ARCHITECTURE_CURVES = [(name, "hf", 4, False) for name in DECODERS] + \
+    [(name, "sft", 1, True) for name in DECODERS if name not in TRL_FAILS_PADDED]
 
 
 @pytest.mark.parametrize("architecture,kind,accumulation,lora", ARCHITECTURE_CURVES,
