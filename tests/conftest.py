@@ -22,15 +22,15 @@ def tiny_config(model_type: str, **overrides):
     return AutoConfig.for_model(model_type, **base)
 
 
-def tiny_model(model_type: str, head: str = "base", **overrides):
-    """A randomly initialised tiny model in eval mode, fp32, seeded."""
+def tiny_model(model_type: str, head: str = "base", attn_implementation: str = "sdpa", **overrides):
+    """A randomly initialised tiny model in eval mode, fp32, seeded (``eager`` for models without sdpa: MPNet)."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     torch.manual_seed(0)
     factory = {"base": AutoModel, "causal_lm": AutoModelForCausalLM, "seq_cls": AutoModelForSequenceClassification}
     config = tiny_config(model_type, **overrides)
-    config._attn_implementation = "sdpa"
-    return factory[head].from_config(config, attn_implementation="sdpa").eval()
+    config._attn_implementation = attn_implementation
+    return factory[head].from_config(config, attn_implementation=attn_implementation).eval()
 
 
 def make_examples(lengths, seed: int = 0, low: int = 5, **extra_token_keys):

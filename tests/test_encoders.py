@@ -1,7 +1,7 @@
 """The encoder architecture plugins (DistilBERT, ELECTRA, ModernBERT, ALBERT, ERNIE, the wider RoBERTa family, the
-RoPE encoders): packed hidden states and gradients equal every example run alone, embeddings and classifier logits
-equal the padded model's, ModernBERT's local attention keeps its window, and undeclared encoders are probed as
-encoders."""
+RoPE encoders, MPNet): packed hidden states and gradients equal every example run alone, embeddings and classifier
+logits equal the padded model's, ModernBERT's local attention keeps its window, MPNet's relative position bias stays
+per example, and undeclared encoders are probed as encoders."""
 
 from __future__ import annotations
 
@@ -24,15 +24,19 @@ MORE_ENCODERS = {
     "nomic_bert": {},
     "gte": {},
     "eurobert": dict(num_key_value_heads=2),
+    "mpnet": {},
 }
+#: Models transformers builds without sdpa (MPNet computes attention itself).
+EAGER = ("mpnet",)
 TINY = {**ENCODERS, **MORE_ENCODERS}
 NEW_ENCODERS = ("distilbert", "electra", "modernbert", *MORE_ENCODERS)
-ROBERTA_FAMILY = ("camembert", "xlm-roberta-xl")  # positions start at pad_token_id + 1 = 2
+POSITIONS_FROM_2 = ("camembert", "xlm-roberta-xl", "mpnet")  # padding_idx + 1 (RoBERTa family, MPNet)
 LENGTHS = {"one-token": [1, 1, 4], "unequal": [1, 13, 7, 30, 7], "single": [12]}
 
 
 def model_for(name, head="base", **overrides):
-    return tiny_model(name, head=head, **{**TINY[name], **overrides})
+    attn_implementation = "eager" if name in EAGER else "sdpa"
+    return tiny_model(name, head=head, attn_implementation=attn_implementation, **{**TINY[name], **overrides})
 
 
 def packed_hidden(model, examples):
@@ -73,7 +77,7 @@ def test_architecture_is_resolved_by_model_type(name):
     resolved = plan(tiny_config(name, **TINY[name]), {"task": "hidden_states", "attention": "exact"})
     assert name in resolved.architecture.model_types and resolved.architecture.kind == "encoder"
     assert resolved.architecture_plugin != "probe" and "bidirectional" in resolved.features
-    assert resolved.position_start == (2 if name in ROBERTA_FAMILY else 0)
+    assert resolved.position_start == (2 if name in POSITIONS_FROM_2 else 0)
 
 
 def masked_mean(hidden, mask):
@@ -203,3 +207,79 @@ def test_distilbert_ignores_token_type_ids_it_does_not_take():
     with torch.no_grad():
         want = torch.cat([model(input_ids=torch.tensor([ex["input_ids"]])).logits for ex in examples])
     torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
+
+
+def test_mpnet_beyond_the_bucket_range_equals_padded_and_undoes(monkeypatch):
+    """MPNet's relative position bias, train mode: examples longer than its largest bucket distance (128) and a
+    one-token one give the padded hidden states and gradients (the bias table's too); the bias is built per example
+    length, never over the packed row; copies run packed on their own; undo gives back MPNet's own forward."""
+    import copy
+    import pickle
+
+    from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
+
+    model = model_for("mpnet", **NO_DROPOUT).train()
+    examples = make_examples([150, 1, 140, 9, 1])
+    weight = torch.randn(len(examples), 150, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    inputs = padded(examples)
+    want = model(**inputs).last_hidden_state * inputs["attention_mask"][..., None]
+    (want * weight).sum().backward()
+    want_grads = grads(model)
+    assert "encoder.relative_attention_bias.weight" in want_grads
+    lengths, compute = [], MPNetEncoder.compute_position_bias
+    monkeypatch.setattr(MPNetEncoder, "compute_position_bias",
+                        lambda self, x, *a, **k: lengths.append(x.shape[1]) or compute(self, x, *a, **k))
+    assembly = assemble(model, {"task": "hidden_states", "attention": "exact"})
+    batch = assembly.collator(examples)
+    got = model(**batch.model_inputs()).last_hidden_state
+    assert sorted(lengths) == [1, 9, 140, 150]  # one [1, H, L, L] bias per length, none of T = 301
+    for i, part in enumerate(split_packed(got, batch)):
+        torch.testing.assert_close(part, want[i, : len(part)], atol=1e-5, rtol=1e-5)
+        (part * weight[i, : len(part)]).sum().backward(retain_graph=True)
+    assert_grads_close(grads(model), want_grads)
+    with torch.no_grad():
+        for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            torch.testing.assert_close(other(**batch.model_inputs()).last_hidden_state, got, atol=1e-6, rtol=0)
+        assembly.undo()
+        assert not any(name in module.__dict__ for module in model.modules()
+                       for name in ("forward", "compute_position_bias"))
+        assert not model._forward_pre_hooks and not model.embeddings._forward_pre_hooks
+        again = model(**inputs).last_hidden_state * inputs["attention_mask"][..., None]
+    torch.testing.assert_close(again, want, atol=0, rtol=0)
+
+
+def test_mpnet_examples_do_not_mix():
+    """Changing one packed example's tokens changes its outputs and leaves every other example's exactly as they
+    were: a bias or attention over the whole packed row would carry the change across."""
+    model = model_for("mpnet")
+    examples = make_examples([20, 1, 33, 20])
+    changed = [dict(ex) for ex in examples]
+    changed[2] = {"input_ids": make_examples([33], seed=7)[0]["input_ids"]}
+    with torch.no_grad():
+        before, batch = packed_hidden(model, examples)
+        after, _ = packed_hidden(model, changed)
+    parts_before, parts_after = split_packed(before, batch), split_packed(after, batch)
+    for i, (a, b) in enumerate(zip(parts_before, parts_after)):
+        if i == 2:
+            assert (a - b).abs().max() > 1e-2
+        else:
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("attention_dropout", ["keep", "disable"])
+def test_mpnet_attention_dropout(attention_dropout):
+    """In training MPNet drops attention probabilities (``attention_dropout: keep``); ``disable`` turns that off, so
+    the packed row then equals the model without dropout."""
+    model = model_for("mpnet", **{**NO_DROPOUT, "attention_probs_dropout_prob": 0.5})
+    examples = make_examples([9, 1, 17])
+    with torch.no_grad():
+        want = [out.last_hidden_state[0] for out in per_example(model, examples)]
+        assembly = assemble(model.train(), {"task": "hidden_states", "attention": "exact",
+                                            "attention_dropout": attention_dropout})
+        try:
+            batch = assembly.collator(examples)
+            got = split_packed(model(**batch.model_inputs()).last_hidden_state, batch)
+        finally:
+            assembly.undo()
+    difference = max((a - b).abs().max() for a, b in zip(got[::2], want[::2]))  # a 1-token example attends to itself
+    assert (difference < 1e-5) == (attention_dropout == "disable")

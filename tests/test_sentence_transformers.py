@@ -195,6 +195,28 @@ def test_decoder_embedder_last_token(minilm, tmp_path):
     torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
 
 
+def test_mpnet_encode_equals_padded_encode(minilm, tmp_path):
+    """A tiny all-mpnet-base-v2 (MPNet: relative position bias, attention of its own; mean pooling): texts longer
+    than its bucket range included, packed encode() equals padded, although sentence-transformers calls the
+    model's forward past its hooks."""
+    from transformers import MPNetConfig, MPNetModel
+
+    torch.manual_seed(0)
+    config = MPNetConfig(vocab_size=minilm.tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0)
+    MPNetModel(config, add_pooling_layer=False).save_pretrained(tmp_path)
+    minilm.tokenizer.save_pretrained(tmp_path)
+    model = tiny_sentence_transformer(str(tmp_path))
+    texts = sentences(12, seed=9, longest=200)
+    padded = model.encode(texts, batch_size=6, convert_to_tensor=True)
+    with pst.enable(model, CONFIG) as enabled:
+        assert enabled.assembly.plan.architecture.name == "mpnet" and model[0].can_flatten_inputs
+        packed = model.encode(texts, batch_size=6, convert_to_tensor=True)
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
+    torch.testing.assert_close(model.encode(texts, batch_size=6, convert_to_tensor=True), padded, atol=0, rtol=0)
+
+
 def test_cross_encoder_scores_per_pair(tiny_dirs):
     model = CrossEncoder(tiny_dirs["cross"], device="cpu", activation_fn=torch.nn.Identity())
     pairs = list(zip(sentences(10, seed=1), sentences(10, seed=2)))

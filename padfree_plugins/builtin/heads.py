@@ -86,7 +86,7 @@ def _albert_head(model, hidden, batch):
 
 
 def _classification_head_module(model, hidden, batch):
-    """RoBERTa / XLM-R / ELECTRA: ``model.classifier`` takes ``features[:, 0]`` of ``[n, 1, H]``."""
+    """RoBERTa / XLM-R / ELECTRA / MPNet: ``model.classifier`` takes ``features[:, 0]`` of ``[n, 1, H]``."""
     return model.classifier(_first(hidden, batch).unsqueeze(1))
 
 
@@ -154,6 +154,7 @@ SEQUENCE_HEADS: Mapping[str, Callable] = MappingProxyType({
     "data2vec-text": _classification_head_module,
     "roberta-prelayernorm": _classification_head_module,
     "electra": _classification_head_module,
+    "mpnet": _classification_head_module,
     "eurobert": _eurobert_head,
     "distilbert": _distilbert_head,
     "modernbert": _modernbert_head,
