@@ -283,3 +283,18 @@ def test_mpnet_attention_dropout(attention_dropout):
             assembly.undo()
     difference = max((a - b).abs().max() for a, b in zip(got[::2], want[::2]))  # a 1-token example attends to itself
     assert (difference < 1e-5) == (attention_dropout == "disable")
+
+
+@pytest.mark.parametrize("backend", ["repad", "varlen", "flash_attn"])
+def test_mpnet_refuses_a_backend_that_cannot_take_its_bias(backend):
+    """None of these backends takes MPNet's relative position bias. On a GPU they resolve, so MPNet's plugin refuses
+    them itself (here its hook is called as assembly calls it, since on a CPU the backend is refused first)."""
+    from padfree_plugins import BackendUnavailableError
+    from padfree_plugins.builtin.architectures import mpnet
+    from padfree_plugins.config import load_config
+
+    model = model_for("mpnet")
+    config = load_config({"task": "hidden_states", "attention": backend})
+    with pytest.raises(BackendUnavailableError, match=f"attention: {backend} cannot run MPNet"):
+        mpnet.patch_model(model=model, architecture=mpnet.MPNET, backend=None, fallback=None, config=config)
+    assert getattr(model, "_padfree_patch", None) is None

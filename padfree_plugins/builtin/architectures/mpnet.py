@@ -7,6 +7,8 @@ a relative distance does not depend on where an example sits in the row) and run
 examples of equal length are stacked into one sdpa call with the bias as float mask (attention dropout on the
 probabilities, as MPNet's own). Nothing of size ``T × T`` is built and nothing crosses an example boundary.
 
+Any ``attention:`` backend but ``auto`` / ``exact`` is refused: none of them takes the bias.
+
 MPNet's layers pass no keyword arguments down, and sentence-transformers calls the model's ``forward`` itself (past
 its hooks), so the boundaries reach the encoder through the one input every call hands the embeddings: the
 position ids, which restart (at 2: ``MPNetEmbeddings`` hard-codes ``padding_idx = 1``) at every example. The guard
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ...errors import PadfreeError
+from ...errors import BackendUnavailableError, PadfreeError
 from ...hookspecs import hookimpl
 from ...patching import PATCH_ATTRIBUTE, ModelPatch, check_boundaries, own_attribute, restore_attributes
 from ...specs import Architecture
@@ -36,6 +38,10 @@ def after_padding_idx(model_config) -> int:
 MPNET = Architecture("mpnet", model_types=("mpnet",), kind="encoder", position_start=after_padding_idx,
                      default_pooling="first", description="MPNet encoders (all-mpnet-base-v2); relative position "
                      "bias per example")
+
+
+#: ``attention:`` values MPNet takes: its per-example sdpa with the bias is the only attention it can run.
+OWN_ATTENTION = ("auto", "exact")
 
 
 @hookimpl
@@ -134,6 +140,11 @@ def patch_model(model, architecture, backend, fallback, config):
         return None
     if getattr(model, PATCH_ATTRIBUTE, None) is not None:
         raise PadfreeError(f"{type(model).__name__} is already patched; undo the first patch before patching again")
+    if config.attention not in OWN_ATTENTION:
+        raise BackendUnavailableError(
+            f"attention: {config.attention} cannot run MPNet: its attention adds a relative position bias that "
+            "padfree computes per example with sdpa itself; use attention: auto or exact"
+        )
     keep = config.attention_dropout == "keep"
     implementation = model.config._attn_implementation  # MPNet's attention is its own: nothing to switch
     patch = ModelPatch(model, architecture, backend, fallback, implementation, None, attention_dropout=keep)
