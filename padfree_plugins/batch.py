@@ -33,6 +33,43 @@ def token_examples(cu_seq_lens: torch.Tensor, total: int) -> torch.Tensor:
                                    output_size=total)
 
 
+
+def restarts(position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The boundaries ``0, L1, …, T`` (int64, on the host) of a row ``[1, T]`` whose position ids restart at every
+    example, or ``None`` for a padded batch, a single example or no position ids.
+
+    Only for models whose layers are handed nothing but what their embeddings get (MPNet, DeBERTa-v2: the
+    boundaries cannot reach their attention, and sentence-transformers calls their forward past the hooks); the
+    model's guard checks that the restarts are exactly ``cu_seq_lens_q``. One read from the device per forward.
+    """
+    if position_ids is None or position_ids.ndim != 2 or position_ids.shape[0] != 1:
+        return None
+    found = (position_ids[0, 1:] != position_ids[0, :-1] + 1).nonzero().flatten().cpu()
+    if not len(found):
+        return None
+    return torch.cat([torch.zeros(1, dtype=torch.long), found + 1, torch.tensor([position_ids.shape[1]])])
+
+
+def length_groups(cu_seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+    """A packed row's tokens grouped by example length, for code that runs the examples of equal length together.
+
+    Returns ``order`` (int64 ``[T]``, on the host): the token indices with the examples sorted by length (stably),
+    so that each length's examples are one contiguous block, viewable as ``[count, length, …]``; ``inverse``, which
+    puts them back (``x[order][inverse] == x``); and each block's ``(length, count)``, shortest first. The
+    boundaries are read on the host (one copy from an accelerator).
+    """
+    cu = cu_seq_lens.long().cpu()
+    lengths = cu.diff()
+    by_length = torch.sort(lengths, stable=True).indices
+    sorted_lengths = lengths[by_length]
+    total = int(sorted_lengths.sum())
+    moved = cu[:-1][by_length] - (torch.cumsum(sorted_lengths, 0) - sorted_lengths)
+    order = torch.repeat_interleave(moved, sorted_lengths, output_size=total) + torch.arange(total)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(total)
+    group_lengths, counts = torch.unique_consecutive(sorted_lengths, return_counts=True)
+    return order, inverse, list(zip(group_lengths.tolist(), counts.tolist()))
+
 class PackedBatch(dict):
     """A ``dict`` of tensors (and two ints) following the contract above.
 

@@ -1,7 +1,7 @@
 """The encoder architecture plugins (DistilBERT, ELECTRA, ModernBERT, ALBERT, ERNIE, the wider RoBERTa family, the
-RoPE encoders, MPNet): packed hidden states and gradients equal every example run alone, embeddings and classifier
-logits equal the padded model's, ModernBERT's local attention keeps its window, MPNet's relative position bias stays
-per example, and undeclared encoders are probed as encoders."""
+RoPE encoders, MPNet, DeBERTa-v2): packed hidden states and gradients equal every example run alone, embeddings and
+classifier logits equal the padded model's, ModernBERT's local attention keeps its window, MPNet's relative position
+bias and DeBERTa-v2's disentangled attention stay per example, and undeclared encoders are probed as encoders."""
 
 from __future__ import annotations
 
@@ -25,18 +25,36 @@ MORE_ENCODERS = {
     "gte": {},
     "eurobert": dict(num_key_value_heads=2),
     "mpnet": {},
+    # v3 (deberta-v3-*, mxbai-rerank-v1, nli-deberta-v3): relative attention only, log buckets (8, so the 30-token
+    # examples reach past them), keys shared with the relative embeddings, no token types
+    "deberta-v2": dict(position_biased_input=False, relative_attention=True, pos_att_type=["p2c", "c2p"],
+                       position_buckets=8, max_relative_positions=-1, share_att_key=True, norm_rel_ebd="layer_norm",
+                       type_vocab_size=0),
+    # v2 xlarge-style: absolute positions too, token types, the encoder's convolution, separate position projections,
+    # relative distances clamped at 12 without buckets
+    "deberta-v2/absolute": dict(position_biased_input=True, type_vocab_size=2, relative_attention=True,
+                                pos_att_type="p2c|c2p", share_att_key=False, position_buckets=-1,
+                                max_relative_positions=12, conv_kernel_size=3, conv_act="gelu"),
 }
-#: Models transformers builds without sdpa (MPNet computes attention itself).
-EAGER = ("mpnet",)
+#: Models transformers builds without sdpa (MPNet and DeBERTa-v2 compute attention themselves).
+EAGER = ("mpnet", "deberta-v2")
 TINY = {**ENCODERS, **MORE_ENCODERS}
 NEW_ENCODERS = ("distilbert", "electra", "modernbert", *MORE_ENCODERS)
 POSITIONS_FROM_2 = ("camembert", "xlm-roberta-xl", "mpnet")  # padding_idx + 1 (RoBERTa family, MPNet)
+#: Encoders whose plugin runs their own attention per example (the rest go through transformers' interface).
+OWN_ATTENTION = ("mpnet", "deberta-v2", "deberta-v2/absolute")
 LENGTHS = {"one-token": [1, 1, 4], "unequal": [1, 13, 7, 30, 7], "single": [12]}
 
 
+def model_type(name):
+    """A case's model type: ``deberta-v2/absolute`` is a second tiny config of ``deberta-v2``."""
+    return name.split("/")[0]
+
+
 def model_for(name, head="base", **overrides):
-    attn_implementation = "eager" if name in EAGER else "sdpa"
-    return tiny_model(name, head=head, attn_implementation=attn_implementation, **{**TINY[name], **overrides})
+    attn_implementation = "eager" if model_type(name) in EAGER else "sdpa"
+    return tiny_model(model_type(name), head=head, attn_implementation=attn_implementation,
+                      **{**TINY[name], **overrides})
 
 
 def packed_hidden(model, examples):
@@ -74,8 +92,8 @@ def test_gradients_equal_per_example(name):
 
 @pytest.mark.parametrize("name", NEW_ENCODERS)
 def test_architecture_is_resolved_by_model_type(name):
-    resolved = plan(tiny_config(name, **TINY[name]), {"task": "hidden_states", "attention": "exact"})
-    assert name in resolved.architecture.model_types and resolved.architecture.kind == "encoder"
+    resolved = plan(tiny_config(model_type(name), **TINY[name]), {"task": "hidden_states", "attention": "exact"})
+    assert model_type(name) in resolved.architecture.model_types and resolved.architecture.kind == "encoder"
     assert resolved.architecture_plugin != "probe" and "bidirectional" in resolved.features
     assert resolved.position_start == (2 if name in POSITIONS_FROM_2 else 0)
 
@@ -248,10 +266,12 @@ def test_mpnet_beyond_the_bucket_range_equals_padded_and_undoes(monkeypatch):
     torch.testing.assert_close(again, want, atol=0, rtol=0)
 
 
-def test_mpnet_examples_do_not_mix():
+@pytest.mark.parametrize("name", OWN_ATTENTION)
+def test_own_attention_examples_do_not_mix(name):
     """Changing one packed example's tokens changes its outputs and leaves every other example's exactly as they
-    were: a bias or attention over the whole packed row would carry the change across."""
-    model = model_for("mpnet")
+    were: a bias, attention or convolution (DeBERTa-v2's, absolute config) over the whole packed row would carry the
+    change across."""
+    model = model_for(name)
     examples = make_examples([20, 1, 33, 20])
     changed = [dict(ex) for ex in examples]
     changed[2] = {"input_ids": make_examples([33], seed=7)[0]["input_ids"]}
@@ -267,10 +287,11 @@ def test_mpnet_examples_do_not_mix():
 
 
 @pytest.mark.parametrize("attention_dropout", ["keep", "disable"])
-def test_mpnet_attention_dropout(attention_dropout):
-    """In training MPNet drops attention probabilities (``attention_dropout: keep``); ``disable`` turns that off, so
-    the packed row then equals the model without dropout."""
-    model = model_for("mpnet", **{**NO_DROPOUT, "attention_probs_dropout_prob": 0.5})
+@pytest.mark.parametrize("name", ["mpnet", "deberta-v2"])
+def test_own_attention_dropout(name, attention_dropout):
+    """In training MPNet and DeBERTa-v2 drop attention probabilities (``attention_dropout: keep``); ``disable`` turns
+    that off, so the packed row then equals the model without dropout."""
+    model = model_for(name, **{**NO_DROPOUT, "attention_probs_dropout_prob": 0.5})
     examples = make_examples([9, 1, 17])
     with torch.no_grad():
         want = [out.last_hidden_state[0] for out in per_example(model, examples)]
@@ -286,15 +307,84 @@ def test_mpnet_attention_dropout(attention_dropout):
 
 
 @pytest.mark.parametrize("backend", ["repad", "varlen", "flash_attn"])
-def test_mpnet_refuses_a_backend_that_cannot_take_its_bias(backend):
-    """None of these backends takes MPNet's relative position bias. On a GPU they resolve, so MPNet's plugin refuses
-    them itself (here its hook is called as assembly calls it, since on a CPU the backend is refused first)."""
+@pytest.mark.parametrize(("name", "label"), [("mpnet", "MPNet"), ("deberta-v2", "DeBERTa-v2")])
+def test_own_attention_refuses_a_backend_that_cannot_run_it(name, label, backend):
+    """None of these backends takes MPNet's relative position bias or computes DeBERTa-v2's disentangled attention.
+    On a GPU they resolve, so the plugin refuses them itself (here its hook is called as assembly calls it, since on
+    a CPU the backend is refused first)."""
     from padfree_plugins import BackendUnavailableError
-    from padfree_plugins.builtin.architectures import mpnet
+    from padfree_plugins.builtin.architectures import deberta_v2, mpnet
     from padfree_plugins.config import load_config
 
-    model = model_for("mpnet")
+    plugin, architecture = {"mpnet": (mpnet, mpnet.MPNET), "deberta-v2": (deberta_v2, deberta_v2.DEBERTA_V2)}[name]
+    model = model_for(name)
     config = load_config({"task": "hidden_states", "attention": backend})
-    with pytest.raises(BackendUnavailableError, match=f"attention: {backend} cannot run MPNet"):
-        mpnet.patch_model(model=model, architecture=mpnet.MPNET, backend=None, fallback=None, config=config)
+    with pytest.raises(BackendUnavailableError, match=f"attention: {backend} cannot run {label}"):
+        plugin.patch_model(model=model, architecture=architecture, backend=None, fallback=None, config=config)
     assert getattr(model, "_padfree_patch", None) is None
+
+
+@pytest.mark.parametrize("name", ["deberta-v2", "deberta-v2/absolute"])
+def test_deberta_v2_per_length_relative_positions_no_row_mask_and_undo(name, monkeypatch):
+    """DeBERTa-v2, train mode: examples longer than its buckets / largest relative distance and one-token ones give
+    the padded hidden states and gradients (the relative embeddings' too); relative positions are built once per
+    example length and neither they nor the mask over the packed row (T × T) are ever built; copies run packed on
+    their own; undo gives back DeBERTa's own methods, and the padded outputs exactly."""
+    import copy
+    import pickle
+
+    from transformers.models.deberta_v2 import modeling_deberta_v2 as deberta
+
+    model = model_for(name, **NO_DROPOUT).train()
+    examples = make_examples([40, 1, 33, 9, 1, 33])
+    weight = torch.randn(len(examples), 40, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    inputs = padded(examples)
+    want = model(**inputs).last_hidden_state * inputs["attention_mask"][..., None]
+    (want * weight).sum().backward()
+    want_grads = grads(model)
+    assert "encoder.rel_embeddings.weight" in want_grads
+    assert (model.encoder.conv is not None) == (name == "deberta-v2/absolute")
+    sizes, build, masks = [], deberta.build_relative_position, []
+    monkeypatch.setattr(deberta, "build_relative_position",
+                        lambda q, k, *a, **kw: sizes.append((q.shape[-2], k.shape[-2])) or build(q, k, *a, **kw))
+    mask = deberta.DebertaV2Encoder.get_attention_mask
+    monkeypatch.setattr(deberta.DebertaV2Encoder, "get_attention_mask",
+                        lambda self, m: masks.append(m) or mask(self, m))
+    assembly = assemble(model, {"task": "hidden_states", "attention": "exact"})
+    batch = assembly.collator(examples)
+    got = model(**batch.model_inputs()).last_hidden_state
+    assert sorted(sizes) == [(1, 1), (9, 9), (33, 33), (40, 40)] and not masks  # nothing of T = 117
+    for i, part in enumerate(split_packed(got, batch)):
+        torch.testing.assert_close(part, want[i, : len(part)], atol=1e-5, rtol=1e-5)
+        (part * weight[i, : len(part)]).sum().backward(retain_graph=True)
+    assert_grads_close(grads(model), want_grads)
+    with torch.no_grad():
+        for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            torch.testing.assert_close(other(**batch.model_inputs()).last_hidden_state, got, atol=1e-6, rtol=0)
+        assembly.undo()
+        assert not any(name in module.__dict__ for module in model.modules()
+                       for name in ("forward", "get_attention_mask", "get_rel_pos"))
+        assert not model._forward_pre_hooks and not model.embeddings._forward_pre_hooks
+        again = model(**inputs).last_hidden_state * inputs["attention_mask"][..., None]
+    torch.testing.assert_close(again, want, atol=0, rtol=0)
+
+
+def test_deberta_v2_sentence_pairs_with_token_types_and_absolute_positions():
+    """Cross-encoder pairs on the absolute-position DeBERTa-v2 (token types, positions restarting at 0, the encoder's
+    convolution): seq_cls logits equal padded, and the token types matter."""
+    from tests.tasks_common import pair_examples
+
+    model = model_for("deberta-v2/absolute", head="seq_cls", num_labels=1)
+    examples = [{**ex, "label": float(i % 2)} for i, ex in enumerate(pair_examples([2, 1, 17, 9, 30]))]
+    with torch.no_grad():
+        want = model(**padded(examples, keys=("input_ids", "token_type_ids"))).logits
+        assembly = assemble(model, {"task": "seq_cls", "attention": "exact", "task_options": {"pairs": True}})
+        try:
+            batch = assembly.collator(examples)
+            assert "token_type_ids" in batch
+            got = assembly.forward(model, batch).logits
+        finally:
+            assembly.undo()
+        plain = model(**padded(examples)).logits  # token types all 0
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert (plain - got).abs().max() > 1e-4

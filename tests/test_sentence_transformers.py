@@ -227,6 +227,29 @@ def test_cross_encoder_scores_per_pair(tiny_dirs):
     assert "forward" not in model[0].__dict__  # undone
 
 
+
+def test_deberta_v3_cross_encoder_scores_per_pair(minilm, tmp_path):
+    """A tiny DeBERTa-v3 cross-encoder (mxbai-rerank-v1, nli-deberta-v3: disentangled attention of its own, log-bucketed
+    relative positions, ContextPooler head): pairs longer than its buckets score as padded, although
+    sentence-transformers calls the model's forward past its hooks."""
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    torch.manual_seed(0)
+    config = DebertaV2Config(vocab_size=minilm.tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=2, num_attention_heads=4, hidden_dropout_prob=0.0,
+                             attention_probs_dropout_prob=0.0, position_biased_input=False, relative_attention=True,
+                             pos_att_type=["p2c", "c2p"], position_buckets=8, share_att_key=True,
+                             norm_rel_ebd="layer_norm", type_vocab_size=0, num_labels=1, initializer_range=0.2)
+    DebertaV2ForSequenceClassification(config).save_pretrained(tmp_path)
+    minilm.tokenizer.save_pretrained(tmp_path)
+    model = CrossEncoder(str(tmp_path), device="cpu", activation_fn=torch.nn.Identity())
+    pairs = list(zip(sentences(10, seed=1), sentences(10, seed=2)))
+    padded = model.predict(pairs, batch_size=4, convert_to_tensor=True)
+    packed = pst.predict(model, pairs, CONFIG, batch_size=4, convert_to_tensor=True)
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
+    assert padded.std() > 1e-3
+    assert "forward" not in model[0].__dict__ and not model[0].auto_model.deberta.embeddings._forward_pre_hooks
+
 def test_unsupported_modules_and_pooling_config(tiny_dirs):
     from sentence_transformers.sentence_transformer.modules import LSTM, Pooling, Transformer
 

@@ -19,7 +19,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from ..batch import token_examples
+from ..batch import length_groups, token_examples
 from ..errors import BackendUnavailableError
 
 
@@ -134,22 +134,13 @@ def _self_attention_by_length(query, key, value, cu_seq_lens, **options) -> torc
     and the output is put back in order with one more ``index_select``. The backward pass is then a few
     gathers and one ``cat`` instead of a zero-filled full-size gradient per example slice.
     """
-    lengths = cu_seq_lens.diff().long().cpu()
-    order = torch.sort(lengths, stable=True).indices
-    sorted_lengths = lengths[order]
-    starts = cu_seq_lens[:-1].long().cpu()[order]
-    total = query.shape[0]
-    moved = starts - (torch.cumsum(sorted_lengths, 0) - sorted_lengths)
-    perm = torch.repeat_interleave(moved, sorted_lengths, output_size=total) + torch.arange(total)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(total)
+    perm, inverse, groups = length_groups(cu_seq_lens)
     perm, inverse = perm.to(query.device), inverse.to(query.device)
-    group_lengths, counts = (t.tolist() for t in torch.unique_consecutive(sorted_lengths, return_counts=True))
-    sizes = [n * m for n, m in zip(group_lengths, counts)]
+    sizes = [n * m for n, m in groups]
     q_groups, k_groups, v_groups = (torch.split(_PermuteRows.apply(t, perm, inverse), sizes)
                                     for t in (query, key, value))
     outputs = []
-    for n, m, q, k, v in zip(group_lengths, counts, q_groups, k_groups, v_groups):
+    for (n, m), q, k, v in zip(groups, q_groups, k_groups, v_groups):
         q, k, v = (t.view(m, n, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))  # [m, H, n, D]
         out = attend(q, k, v, **options)
         outputs.append(out.transpose(1, 2).reshape(m * n, out.shape[1], out.shape[-1]))  # [m * n, H, D]

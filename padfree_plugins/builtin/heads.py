@@ -105,6 +105,12 @@ def _modernbert_head(model, hidden, batch):
     return model.classifier(model.drop(model.head(pooled)))
 
 
+def _context_pooler_head(model, hidden, batch):
+    """DeBERTa-v2 / v3: first token -> ``ContextPooler`` (pooler_dropout -> dense -> ``pooler_hidden_act``) ->
+    dropout (``cls_dropout``) -> classifier."""
+    return model.classifier(model.dropout(model.pooler(_first(hidden, batch).unsqueeze(1))))
+
+
 def _eurobert_head(model, hidden, batch):
     """EuroBERT (``config.classifier_pooling``): ``bos`` / ``mean`` pool, then dense -> activation -> classifier;
     ``late`` runs dense -> activation -> classifier on every token, then takes each example's mean."""
@@ -155,6 +161,7 @@ SEQUENCE_HEADS: Mapping[str, Callable] = MappingProxyType({
     "roberta-prelayernorm": _classification_head_module,
     "electra": _classification_head_module,
     "mpnet": _classification_head_module,
+    "deberta-v2": _context_pooler_head,
     "eurobert": _eurobert_head,
     "distilbert": _distilbert_head,
     "modernbert": _modernbert_head,

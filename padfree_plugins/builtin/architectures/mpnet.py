@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ...batch import length_groups, restarts
 from ...errors import BackendUnavailableError, PadfreeError
 from ...hookspecs import hookimpl
 from ...patching import PATCH_ATTRIBUTE, ModelPatch, check_boundaries, own_attribute, restore_attributes
@@ -95,18 +96,12 @@ class PerExampleAttention:
         encoder = self.model.base_model.encoder
         compute = type(encoder).compute_position_bias
         positions, self.positions = self.positions, None
-        restarts = [] if positions is None else (positions[0, 1:] != positions[0, :-1] + 1).nonzero().flatten()
-        if not len(restarts):  # a padded batch, or one example
+        bounds = restarts(positions)  # one host read per forward, for every layer
+        if bounds is None:  # a padded batch, or one example
             return compute(encoder, x, position_ids, num_buckets)
-        bounds = [0, *(restarts + 1).tolist(), positions.shape[1]]  # one host read per forward, for every layer
-        starts: dict[int, list[int]] = {}
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            starts.setdefault(end - start, []).append(start)
-        order = torch.cat([(torch.tensor(s)[:, None] + torch.arange(n)).flatten() for n, s in starts.items()])
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel())
-        biases = [compute(encoder, x[:, :n], None, num_buckets) for n in starts]
-        return PackedBias(order.to(x.device), inverse.to(x.device), [(n, len(s)) for n, s in starts.items()], biases)
+        order, inverse, groups = length_groups(bounds)
+        biases = [compute(encoder, x[:, :n], None, num_buckets) for n, _ in groups]
+        return PackedBias(order.to(x.device), inverse.to(x.device), groups, biases)
 
     def attend(self, module, hidden_states, attention_mask=None, position_bias=None, output_attentions=False,
                **kwargs):
