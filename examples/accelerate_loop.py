@@ -70,7 +70,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     args = parse_args(argv)
     accelerator = Accelerator()
     losses = train(accelerator, args)
-    accelerator.end_training()  # after train() returned: DDP and its buffers are gone before the process group
+    # The process group is torn down once train() has returned, so DDP (whose reducer holds the group) is gone
+    # first: destroying the group while DDP still holds it deadlocks gloo at DDP's release (torch 2.13).
+    accelerator.end_training()
     return losses
 
 
@@ -116,8 +118,6 @@ def train(accelerator: Accelerator, args: argparse.Namespace) -> list[float]:
     if args.out and accelerator.is_main_process:
         Path(args.out).write_text(json.dumps({"processes": accelerator.num_processes, "ranks": ranks,
                                               "losses": losses, "tokens": tokens}))
-    accelerator.wait_for_everyone()
-    accelerator.end_training()  # the process group torn down in order, before the interpreter exits
     return losses
 
 

@@ -33,7 +33,6 @@ def token_examples(cu_seq_lens: torch.Tensor, total: int) -> torch.Tensor:
                                    output_size=total)
 
 
-
 def restarts(position_ids: torch.Tensor | None) -> torch.Tensor | None:
     """The boundaries ``0, L1, …, T`` (int64, on the host) of a row ``[1, T]`` whose position ids restart at every
     example, or ``None`` for a padded batch, a single example or no position ids.
@@ -69,6 +68,7 @@ def length_groups(cu_seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     inverse[order] = torch.arange(total)
     group_lengths, counts = torch.unique_consecutive(sorted_lengths, return_counts=True)
     return order, inverse, list(zip(group_lengths.tolist(), counts.tolist()))
+
 
 class PackedBatch(dict):
     """A ``dict`` of tensors (and two ints) following the contract above.

@@ -137,17 +137,17 @@ def _self_attention_by_length(query, key, value, cu_seq_lens, **options) -> torc
     perm, inverse, groups = length_groups(cu_seq_lens)
     perm, inverse = perm.to(query.device), inverse.to(query.device)
     sizes = [n * m for n, m in groups]
-    q_groups, k_groups, v_groups = (torch.split(_PermuteRows.apply(t, perm, inverse), sizes)
+    q_groups, k_groups, v_groups = (torch.split(PermuteRows.apply(t, perm, inverse), sizes)
                                     for t in (query, key, value))
     outputs = []
     for (n, m), q, k, v in zip(groups, q_groups, k_groups, v_groups):
         q, k, v = (t.view(m, n, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))  # [m, H, n, D]
         out = attend(q, k, v, **options)
         outputs.append(out.transpose(1, 2).reshape(m * n, out.shape[1], out.shape[-1]))  # [m * n, H, D]
-    return _PermuteRows.apply(torch.cat(outputs), inverse, perm)  # [T, H, D]
+    return PermuteRows.apply(torch.cat(outputs), inverse, perm)  # [T, H, D]
 
 
-class _PermuteRows(torch.autograd.Function):
+class PermuteRows(torch.autograd.Function):
     """``x[perm]`` for a permutation: the backward is the inverse gather (no scatter-add, no zero fill)."""
 
     @staticmethod

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ...attention.backends import _PermuteRows
+from ...attention.backends import PermuteRows
 from ...batch import length_groups, restarts
 from ...errors import BackendUnavailableError, PadfreeError, UnsupportedArchitectureError
 from ...hookspecs import hookimpl
@@ -68,13 +68,13 @@ class PackedRow:
 
     def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """``[1, T, C]`` -> one ``[count, length, C]`` block per group."""
-        rows = _PermuteRows.apply(x[0], self.order, self.inverse)
+        rows = PermuteRows.apply(x[0], self.order, self.inverse)
         return [block.view(m, n, -1) for (n, m), block in zip(self.groups, rows.split([n * m for n, m in self.groups]))]
 
     def scatter(self, blocks: list[torch.Tensor]) -> torch.Tensor:
         """The inverse of :meth:`gather`: ``[1, T, C]`` in the row's order."""
         rows = torch.cat([block.reshape(-1, block.shape[-1]) for block in blocks])
-        return _PermuteRows.apply(rows, self.inverse, self.order).unsqueeze(0)
+        return PermuteRows.apply(rows, self.inverse, self.order).unsqueeze(0)
 
 
 @dataclass
