@@ -5,6 +5,9 @@ bias and DeBERTa-v2's disentangled attention stay per example, and undeclared en
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -231,9 +234,6 @@ def test_mpnet_beyond_the_bucket_range_equals_padded_and_undoes(monkeypatch):
     """MPNet's relative position bias, train mode: examples longer than its largest bucket distance (128) and a
     one-token one give the padded hidden states and gradients (the bias table's too); the bias is built per example
     length, never over the packed row; copies run packed on their own; undo gives back MPNet's own forward."""
-    import copy
-    import pickle
-
     from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
 
     model = model_for("mpnet", **NO_DROPOUT).train()
@@ -251,19 +251,8 @@ def test_mpnet_beyond_the_bucket_range_equals_padded_and_undoes(monkeypatch):
     batch = assembly.collator(examples)
     got = model(**batch.model_inputs()).last_hidden_state
     assert sorted(lengths) == [1, 9, 140, 150]  # one [1, H, L, L] bias per length, none of T = 301
-    for i, part in enumerate(split_packed(got, batch)):
-        torch.testing.assert_close(part, want[i, : len(part)], atol=1e-5, rtol=1e-5)
-        (part * weight[i, : len(part)]).sum().backward(retain_graph=True)
-    assert_grads_close(grads(model), want_grads)
-    with torch.no_grad():
-        for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-            torch.testing.assert_close(other(**batch.model_inputs()).last_hidden_state, got, atol=1e-6, rtol=0)
-        assembly.undo()
-        assert not any(name in module.__dict__ for module in model.modules()
-                       for name in ("forward", "compute_position_bias"))
-        assert not model._forward_pre_hooks and not model.embeddings._forward_pre_hooks
-        again = model(**inputs).last_hidden_state * inputs["attention_mask"][..., None]
-    torch.testing.assert_close(again, want, atol=0, rtol=0)
+    check_packed_then_undo(model, assembly, batch, got, (want, weight, want_grads, inputs),
+                           replaced=("forward", "compute_position_bias"))
 
 
 @pytest.mark.parametrize("name", OWN_ATTENTION)
@@ -330,9 +319,6 @@ def test_deberta_v2_per_length_relative_positions_no_row_mask_and_undo(name, mon
     the padded hidden states and gradients (the relative embeddings' too); relative positions are built once per
     example length and neither they nor the mask over the packed row (T × T) are ever built; copies run packed on
     their own; undo gives back DeBERTa's own methods, and the padded outputs exactly."""
-    import copy
-    import pickle
-
     from transformers.models.deberta_v2 import modeling_deberta_v2 as deberta
 
     model = model_for(name, **NO_DROPOUT).train()
@@ -354,19 +340,8 @@ def test_deberta_v2_per_length_relative_positions_no_row_mask_and_undo(name, mon
     batch = assembly.collator(examples)
     got = model(**batch.model_inputs()).last_hidden_state
     assert sorted(sizes) == [(1, 1), (9, 9), (33, 33), (40, 40)] and not masks  # nothing of T = 117
-    for i, part in enumerate(split_packed(got, batch)):
-        torch.testing.assert_close(part, want[i, : len(part)], atol=1e-5, rtol=1e-5)
-        (part * weight[i, : len(part)]).sum().backward(retain_graph=True)
-    assert_grads_close(grads(model), want_grads)
-    with torch.no_grad():
-        for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-            torch.testing.assert_close(other(**batch.model_inputs()).last_hidden_state, got, atol=1e-6, rtol=0)
-        assembly.undo()
-        assert not any(name in module.__dict__ for module in model.modules()
-                       for name in ("forward", "get_attention_mask", "get_rel_pos"))
-        assert not model._forward_pre_hooks and not model.embeddings._forward_pre_hooks
-        again = model(**inputs).last_hidden_state * inputs["attention_mask"][..., None]
-    torch.testing.assert_close(again, want, atol=0, rtol=0)
+    check_packed_then_undo(model, assembly, batch, got, (want, weight, want_grads, inputs),
+                           replaced=("forward", "get_attention_mask", "get_rel_pos"))
 
 
 def test_deberta_v2_sentence_pairs_with_token_types_and_absolute_positions():
@@ -388,3 +363,22 @@ def test_deberta_v2_sentence_pairs_with_token_types_and_absolute_positions():
         plain = model(**padded(examples)).logits  # token types all 0
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert (plain - got).abs().max() > 1e-4
+
+
+def check_packed_then_undo(model, assembly, batch, got, padded_run, replaced):
+    """A model with its own attention code: packed outputs and gradients equal the padded run's (``want``,
+    ``weight``, ``want_grads``, ``inputs``); copies run packed; undo removes every replaced method and hook, and
+    the model gives its padded outputs again, bit for bit."""
+    want, weight, want_grads, inputs = padded_run
+    for i, part in enumerate(split_packed(got, batch)):
+        torch.testing.assert_close(part, want[i, : len(part)], atol=1e-5, rtol=1e-5)
+        (part * weight[i, : len(part)]).sum().backward(retain_graph=True)
+    assert_grads_close(grads(model), want_grads)
+    with torch.no_grad():
+        for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            torch.testing.assert_close(other(**batch.model_inputs()).last_hidden_state, got, atol=1e-6, rtol=0)
+        assembly.undo()
+        assert not any(name in module.__dict__ for module in model.modules() for name in replaced)
+        assert not model._forward_pre_hooks and not model.embeddings._forward_pre_hooks
+        again = model(**inputs).last_hidden_state * inputs["attention_mask"][..., None]
+    torch.testing.assert_close(again, want, atol=0, rtol=0)

@@ -19,35 +19,28 @@ token types travel per token, so the embeddings need nothing.
 Any ``attention:`` backend but ``auto`` / ``exact`` is refused: none of them computes disentangled attention.
 ``output_attentions`` is refused for a packed row.
 
-DeBERTa's layers pass no keyword arguments down, and sentence-transformers calls the model's ``forward`` itself
-(past its hooks), so the boundaries reach the encoder as MPNet's do: through the position ids the embeddings get,
-which restart at 0 at every example; the guard on the base model (and sentence-transformers' guarded call) checks
-that they restart exactly at ``cu_seq_lens_q``. DeBERTa v1 (``deberta``) has another attention and stays refused.
+The boundaries come from the position ids (see :mod:`._own_attention`), which restart at 0 at every example.
+DeBERTa v1 (``deberta``) has another attention and stays refused.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ...attention.backends import PermuteRows
 from ...batch import length_groups, restarts
-from ...errors import BackendUnavailableError, PadfreeError, UnsupportedArchitectureError
+from ...errors import PadfreeError, UnsupportedArchitectureError
 from ...hookspecs import hookimpl
-from ...patching import PATCH_ATTRIBUTE, ModelPatch, check_boundaries, own_attribute, restore_attributes
 from ...specs import Architecture
+from ._own_attention import MethodPatch, patch_own_attention
 
 DEBERTA_V2 = Architecture("deberta-v2", model_types=("deberta-v2",), kind="encoder", default_pooling="first",
                           description="DeBERTa-v2 / v3 encoders, classifiers and cross-encoders; disentangled "
                           "attention per example")
-
-#: ``attention:`` values DeBERTa-v2 takes: its own disentangled attention per example is the only one it can run.
-OWN_ATTENTION = ("auto", "exact")
-
 
 @hookimpl
 def register_architectures():
@@ -78,43 +71,29 @@ class PackedRow:
 
 
 @dataclass
-class PerExampleAttention:
-    """The patch's changes to a DeBERTa-v2 model (it sits in ``patch.handles``: ``remove()`` undoes them)."""
+class PerExampleAttention(MethodPatch):
+    """The patch's changes to a DeBERTa-v2 model: its mask and relative positions, every self-attention and the
+    convolution."""
 
-    model: Any
-    dropout: bool = True
-    positions: torch.Tensor | None = None  # from the embeddings' pre-hook until the encoder reads them
     row: PackedRow | None = None  # the current forward's packed row (None: padded), for get_rel_pos and the conv
-    saved: list = field(default_factory=list)
 
-    def install(self) -> PerExampleAttention:
+    def targets(self):
         encoder = self.model.base_model.encoder
         targets = [(encoder, "get_attention_mask", self.attention_mask), (encoder, "get_rel_pos", self.rel_pos)]
         targets += [(layer.attention.self, "forward", partial(self.attend, layer.attention.self))
                     for layer in encoder.layer]
         if encoder.conv is not None:
             targets.append((encoder.conv, "forward", partial(self.convolve, encoder.conv)))
-        for obj, name, value in targets:
-            self.saved.append((obj, name, own_attribute(obj, name)))
-            setattr(obj, name, value)
-        return self
+        return targets
 
     def remove(self) -> None:
-        for obj, name, value in reversed(self.saved):
-            restore_attributes(obj, {name: value})
-        self.saved.clear()
-        self.row = self.positions = None
-
-    def remember(self, module, args, kwargs) -> None:
-        """Pre-hook of the embeddings, which every call path reaches (sentence-transformers calls the model's
-        ``forward`` itself, past the base model's hooks): the row's position ids."""
-        self.positions = kwargs.get("position_ids")
+        super().remove()
+        self.row = None
 
     def attention_mask(self, attention_mask):
         """``get_attention_mask``: DeBERTa's own for a padded batch; a :class:`PackedRow` for a packed one."""
         encoder = self.model.base_model.encoder
-        positions, self.positions = self.positions, None
-        bounds = restarts(positions)  # one host read per forward, for every layer
+        bounds = restarts(self.take_positions())  # one host read per forward, for every layer
         if bounds is None:  # a padded batch, or one example
             self.row = None
             return type(encoder).get_attention_mask(encoder, attention_mask)
@@ -201,32 +180,13 @@ class PerExampleAttention:
         return row.scatter(blocks), None
 
 
-def guard(module, args, kwargs) -> None:
-    """The base model's pre-hook: a packed row has boundaries where its position ids restart, and no mask."""
-    check_boundaries(module, args, kwargs)
-
-
 @hookimpl
 def patch_model(model, architecture, backend, fallback, config):
     if architecture.name != DEBERTA_V2.name:
         return None
-    if getattr(model, PATCH_ATTRIBUTE, None) is not None:
-        raise PadfreeError(f"{type(model).__name__} is already patched; undo the first patch before patching again")
-    if config.attention not in OWN_ATTENTION:
-        raise BackendUnavailableError(
-            f"attention: {config.attention} cannot run DeBERTa-v2: its disentangled attention (relative-position "
-            "terms per query / key pair) is computed per example by padfree itself; use attention: auto or exact"
-        )
-    base = model.base_model
-    if getattr(base, "z_steps", 0) > 1:
+    if getattr(model.base_model, "z_steps", 0) > 1:
         raise UnsupportedArchitectureError("DeBERTa-v2 with z_steps > 1 (enhanced mask decoder steps) cannot run "
                                            "packed")
-    keep = config.attention_dropout == "keep"
-    implementation = model.config._attn_implementation  # DeBERTa's attention is its own: nothing to switch
-    patch = ModelPatch(model, architecture, backend, fallback, implementation, None, attention_dropout=keep)
-    attention = PerExampleAttention(model, keep)
-    patch.handles += [base.register_forward_pre_hook(guard, with_kwargs=True),
-                      base.embeddings.register_forward_pre_hook(attention.remember, with_kwargs=True),
-                      attention.install()]
-    setattr(model, PATCH_ATTRIBUTE, patch)
-    return patch
+    return patch_own_attention(model, architecture, backend, fallback, config, PerExampleAttention,
+                               "DeBERTa-v2: its disentangled attention (relative-position terms per query / key "
+                               "pair) is computed per example by padfree itself")

@@ -9,26 +9,23 @@ probabilities, as MPNet's own). Nothing of size ``T × T`` is built and nothing 
 
 Any ``attention:`` backend but ``auto`` / ``exact`` is refused: none of them takes the bias.
 
-MPNet's layers pass no keyword arguments down, and sentence-transformers calls the model's ``forward`` itself (past
-its hooks), so the boundaries reach the encoder through the one input every call hands the embeddings: the
-position ids, which restart (at 2: ``MPNetEmbeddings`` hard-codes ``padding_idx = 1``) at every example. The guard
-on the base model (and sentence-transformers' guarded call) checks that they restart exactly at ``cu_seq_lens_q``.
+The boundaries come from the position ids (see :mod:`._own_attention`), which restart at 2 at every example
+(``MPNetEmbeddings`` hard-codes ``padding_idx = 1``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ...batch import length_groups, restarts
-from ...errors import BackendUnavailableError, PadfreeError
+from ...errors import PadfreeError
 from ...hookspecs import hookimpl
-from ...patching import PATCH_ATTRIBUTE, ModelPatch, check_boundaries, own_attribute, restore_attributes
 from ...specs import Architecture
+from ._own_attention import MethodPatch, patch_own_attention
 
 
 def after_padding_idx(model_config) -> int:
@@ -39,10 +36,6 @@ def after_padding_idx(model_config) -> int:
 MPNET = Architecture("mpnet", model_types=("mpnet",), kind="encoder", position_start=after_padding_idx,
                      default_pooling="first", description="MPNet encoders (all-mpnet-base-v2); relative position "
                      "bias per example")
-
-
-#: ``attention:`` values MPNet takes: its per-example sdpa with the bias is the only attention it can run.
-OWN_ATTENTION = ("auto", "exact")
 
 
 @hookimpl
@@ -62,41 +55,19 @@ class PackedBias:
 
 
 @dataclass
-class PerExampleAttention:
-    """The patch's changes to an MPNet model (it sits in ``patch.handles``: ``remove()`` undoes them)."""
+class PerExampleAttention(MethodPatch):
+    """The patch's changes to an MPNet model: its position bias and every self-attention."""
 
-    model: Any
-    dropout: bool = True
-    positions: torch.Tensor | None = None  # from the embeddings' pre-hook until the encoder reads them
-    saved: list = field(default_factory=list)
-
-    def install(self) -> PerExampleAttention:
+    def targets(self):
         encoder = self.model.base_model.encoder
-        targets = [(encoder, "compute_position_bias", self.position_bias)]
-        targets += [(layer.attention.attn, "forward", partial(self.attend, layer.attention.attn))
-                    for layer in encoder.layer]
-        for obj, name, value in targets:
-            self.saved.append((obj, name, own_attribute(obj, name)))
-            setattr(obj, name, value)
-        return self
-
-    def remove(self) -> None:
-        for obj, name, value in reversed(self.saved):
-            restore_attributes(obj, {name: value})
-        self.saved.clear()
-
-    def remember(self, module, args, kwargs) -> None:
-        """Pre-hook of the embeddings, which every call path reaches (sentence-transformers calls the model's
-        ``forward`` itself, past the base model's hooks): the row's position ids."""
-        positions = kwargs.get("position_ids")
-        self.positions = positions if positions is not None and positions.shape[0] == 1 else None
+        return [(encoder, "compute_position_bias", self.position_bias)] + [
+            (layer.attention.attn, "forward", partial(self.attend, layer.attention.attn)) for layer in encoder.layer]
 
     def position_bias(self, x, position_ids=None, num_buckets=32):
         """``compute_position_bias``: MPNet's own for a padded batch; per example length for a packed row."""
         encoder = self.model.base_model.encoder
         compute = type(encoder).compute_position_bias
-        positions, self.positions = self.positions, None
-        bounds = restarts(positions)  # one host read per forward, for every layer
+        bounds = restarts(self.take_positions())  # one host read per forward, for every layer
         if bounds is None:  # a padded batch, or one example
             return compute(encoder, x, position_ids, num_buckets)
         order, inverse, groups = length_groups(bounds)
@@ -124,29 +95,10 @@ class PerExampleAttention:
         return (module.o(torch.cat(pieces).index_select(0, position_bias.inverse)).unsqueeze(0),)
 
 
-def guard(module, args, kwargs) -> None:
-    """The base model's pre-hook: a packed row has boundaries where its position ids restart, and no mask."""
-    check_boundaries(module, args, kwargs)
-
-
 @hookimpl
 def patch_model(model, architecture, backend, fallback, config):
     if architecture.name != MPNET.name:
         return None
-    if getattr(model, PATCH_ATTRIBUTE, None) is not None:
-        raise PadfreeError(f"{type(model).__name__} is already patched; undo the first patch before patching again")
-    if config.attention not in OWN_ATTENTION:
-        raise BackendUnavailableError(
-            f"attention: {config.attention} cannot run MPNet: its attention adds a relative position bias that "
-            "padfree computes per example with sdpa itself; use attention: auto or exact"
-        )
-    keep = config.attention_dropout == "keep"
-    implementation = model.config._attn_implementation  # MPNet's attention is its own: nothing to switch
-    patch = ModelPatch(model, architecture, backend, fallback, implementation, None, attention_dropout=keep)
-    attention = PerExampleAttention(model, keep)
-    base = model.base_model
-    patch.handles += [base.register_forward_pre_hook(guard, with_kwargs=True),
-                      base.embeddings.register_forward_pre_hook(attention.remember, with_kwargs=True),
-                      attention.install()]
-    setattr(model, PATCH_ATTRIBUTE, patch)
-    return patch
+    return patch_own_attention(model, architecture, backend, fallback, config, PerExampleAttention,
+                               "MPNet: its attention adds a relative position bias that padfree computes per "
+                               "example with sdpa itself")
