@@ -23,12 +23,43 @@ DECODERS = {
     "qwen2": dict(num_key_value_heads=2),
     "qwen3": dict(num_key_value_heads=2, head_dim=16),
 }
-ARCHITECTURES = {**ENCODERS, **DECODERS}
+#: Encoders added later, in every task test too (tests/test_encoders.py checks their hidden states in depth).
+MORE_ENCODERS = {
+    "camembert": {},
+    "xlm-roberta-xl": {},
+    "ernie": dict(use_task_id=True, task_type_vocab_size=3),
+    "albert": dict(embedding_size=32),
+    "nomic_bert": {},
+    "gte": {},
+    "eurobert": dict(num_key_value_heads=2),
+    "mpnet": {},
+    # v3 (deberta-v3-*, mxbai-rerank-v1, nli-deberta-v3): relative attention only, log buckets (8, so the 30-token
+    # examples reach past them), keys shared with the relative embeddings, no token types
+    "deberta-v2": dict(position_biased_input=False, relative_attention=True, pos_att_type=["p2c", "c2p"],
+                       position_buckets=8, max_relative_positions=-1, share_att_key=True, norm_rel_ebd="layer_norm",
+                       type_vocab_size=0),
+    # v2 xlarge-style: absolute positions too, token types, the encoder's convolution, separate position projections,
+    # relative distances clamped at 12 without buckets
+    "deberta-v2/absolute": dict(position_biased_input=True, type_vocab_size=2, relative_attention=True,
+                                pos_att_type="p2c|c2p", share_att_key=False, position_buckets=-1,
+                                max_relative_positions=12, conv_kernel_size=3, conv_act="gelu"),
+}
+#: Models transformers builds without sdpa (MPNet and DeBERTa-v2 compute attention themselves).
+EAGER = ("mpnet", "deberta-v2")
+TINY = {**ENCODERS, **MORE_ENCODERS}
+ARCHITECTURES = {**TINY, **DECODERS}
 PAD = 1  # tiny configs' pad_token_id; example token ids start at 5
 
 
+def model_type(name: str) -> str:
+    """A case's model type: ``deberta-v2/absolute`` is a second tiny config of ``deberta-v2``."""
+    return name.split("/")[0]
+
+
 def model_for(name: str, head: str = "base", **overrides):
-    return tiny_model(name, head=head, **{**ARCHITECTURES[name], **overrides})
+    attn_implementation = "eager" if model_type(name) in EAGER else "sdpa"
+    return tiny_model(model_type(name), head=head, attn_implementation=attn_implementation,
+                      **{**ARCHITECTURES[name], **overrides})
 
 
 def padded(examples, keys=("input_ids",), pad=PAD):

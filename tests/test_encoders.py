@@ -12,52 +12,17 @@ import pytest
 import torch
 
 from padfree_plugins import assemble, plan
-from tests.conftest import make_examples, per_example, split_packed, tiny_config, tiny_model
-from tests.tasks_common import ENCODERS, assert_grads_close, grads, padded
+from tests.conftest import make_examples, per_example, split_packed, tiny_config
+from tests.tasks_common import MORE_ENCODERS, TINY, assert_grads_close, grads, model_for, model_type, padded
 
 #: Dropout off (training-mode comparisons with padded batches), under every name these configs use.
 NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0,
                   classifier_dropout_prob=0.0, attention_dropout=0.0)
-#: Encoders without a task test of their own (tests/tasks_common.ENCODERS has those) and their tiny configs.
-MORE_ENCODERS = {
-    "camembert": {},
-    "xlm-roberta-xl": {},
-    "ernie": dict(use_task_id=True, task_type_vocab_size=3),
-    "albert": dict(embedding_size=32),
-    "nomic_bert": {},
-    "gte": {},
-    "eurobert": dict(num_key_value_heads=2),
-    "mpnet": {},
-    # v3 (deberta-v3-*, mxbai-rerank-v1, nli-deberta-v3): relative attention only, log buckets (8, so the 30-token
-    # examples reach past them), keys shared with the relative embeddings, no token types
-    "deberta-v2": dict(position_biased_input=False, relative_attention=True, pos_att_type=["p2c", "c2p"],
-                       position_buckets=8, max_relative_positions=-1, share_att_key=True, norm_rel_ebd="layer_norm",
-                       type_vocab_size=0),
-    # v2 xlarge-style: absolute positions too, token types, the encoder's convolution, separate position projections,
-    # relative distances clamped at 12 without buckets
-    "deberta-v2/absolute": dict(position_biased_input=True, type_vocab_size=2, relative_attention=True,
-                                pos_att_type="p2c|c2p", share_att_key=False, position_buckets=-1,
-                                max_relative_positions=12, conv_kernel_size=3, conv_act="gelu"),
-}
-#: Models transformers builds without sdpa (MPNet and DeBERTa-v2 compute attention themselves).
-EAGER = ("mpnet", "deberta-v2")
-TINY = {**ENCODERS, **MORE_ENCODERS}
 NEW_ENCODERS = ("distilbert", "electra", "modernbert", *MORE_ENCODERS)
 POSITIONS_FROM_2 = ("camembert", "xlm-roberta-xl", "mpnet")  # padding_idx + 1 (RoBERTa family, MPNet)
 #: Encoders whose plugin runs their own attention per example (the rest go through transformers' interface).
 OWN_ATTENTION = ("mpnet", "deberta-v2", "deberta-v2/absolute")
 LENGTHS = {"one-token": [1, 1, 4], "unequal": [1, 13, 7, 30, 7], "single": [12]}
-
-
-def model_type(name):
-    """A case's model type: ``deberta-v2/absolute`` is a second tiny config of ``deberta-v2``."""
-    return name.split("/")[0]
-
-
-def model_for(name, head="base", **overrides):
-    attn_implementation = "eager" if model_type(name) in EAGER else "sdpa"
-    return tiny_model(model_type(name), head=head, attn_implementation=attn_implementation,
-                      **{**TINY[name], **overrides})
 
 
 def packed_hidden(model, examples):
@@ -352,7 +317,8 @@ def test_deberta_v2_sentence_pairs_with_token_types_and_absolute_positions():
     model = model_for("deberta-v2/absolute", head="seq_cls", num_labels=1)
     examples = [{**ex, "label": float(i % 2)} for i, ex in enumerate(pair_examples([2, 1, 17, 9, 30]))]
     with torch.no_grad():
-        want = model(**padded(examples, keys=("input_ids", "token_type_ids"))).logits
+        labels = torch.tensor([ex["label"] for ex in examples])  # with labels DeBERTa's regression logits are [n]
+        want = model(**padded(examples, keys=("input_ids", "token_type_ids")), labels=labels).logits
         assembly = assemble(model, {"task": "seq_cls", "attention": "exact", "task_options": {"pairs": True}})
         try:
             batch = assembly.collator(examples)
@@ -360,7 +326,7 @@ def test_deberta_v2_sentence_pairs_with_token_types_and_absolute_positions():
             got = assembly.forward(model, batch).logits
         finally:
             assembly.undo()
-        plain = model(**padded(examples)).logits  # token types all 0
+        plain = model(**padded(examples), labels=labels).logits  # token types all 0
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert (plain - got).abs().max() > 1e-4
 

@@ -60,6 +60,43 @@ def test_logits_loss_and_gradients_equal_padded(name, problem):
     assert_grads_close(got_grads, want_grads)
 
 
+#: Labels DeBERTa-v2's own loss treats apart from transformers' shared one (``problem_type`` unset).
+DEBERTA_LABELS = {
+    "soft-targets": [[0.2, 0.5, 0.3], [1.0, 0.0, 0.0], [0.0, 0.5, 0.5], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]],
+    "some-left-out": [2, -100, 0, -100, 1],
+}
+
+
+@pytest.mark.parametrize("labels", DEBERTA_LABELS.values(), ids=DEBERTA_LABELS.keys())
+def test_deberta_v2_keeps_its_own_loss(labels):
+    """DeBERTa-v2's classifier computes its own loss when ``problem_type`` is unset (soft targets take a soft
+    cross-entropy, class labels below 0 are left out); the packed run takes the same loss, not the shared one."""
+    model = model_for("deberta-v2", head="seq_cls", num_labels=3)
+    examples = make_examples([1, 13, 7, 30, 7])
+    for example, label in zip(examples, labels):
+        example["label"] = label
+    want_loss, want_logits, want_grads = padded_reference(model, examples)
+    loss, logits, got_grads = packed_run(model, examples)
+    assert model.config.problem_type is None
+    torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loss, want_loss, atol=1e-5, rtol=1e-5)
+    assert_grads_close(got_grads, want_grads)
+
+
+def test_deberta_v2_loss_is_zero_when_every_label_is_left_out():
+    model = model_for("deberta-v2", head="seq_cls", num_labels=3)
+    examples = make_examples([1, 13, 7])
+    for example in examples:
+        example["label"] = -100
+    want = model(**padded(examples), labels=torch.tensor([-100] * 3))
+    assembly = assemble(model, CONFIG)
+    try:
+        got = assembly.forward(model, assembly.collator(examples))
+    finally:
+        assembly.undo()
+    assert want.loss.item() == got.loss.item() == 0.0
+    torch.testing.assert_close(got.logits, want.logits.detach(), atol=1e-5, rtol=1e-5)
+
 @pytest.mark.parametrize("name", ["bert", "llama"])
 def test_batch_of_one(name):
     model = model_for(name, head="seq_cls", num_labels=3)

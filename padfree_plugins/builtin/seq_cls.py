@@ -12,10 +12,13 @@ are sentence pairs, so a model with token types needs ``token_type_ids`` in ever
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 from ..hookspecs import hookimpl
@@ -43,11 +46,33 @@ class SequenceClassificationForward:
 
     def compute(self, model: Any, batch: Mapping) -> SequenceClassifierOutput:
         logits = sequence_logits(model, batch)
-        loss = None
-        if batch.get("labels") is not None:
-            loss = model.loss_function(logits=logits, labels=batch["labels"], pooled_logits=logits,
-                                       config=model.config)
+        labels, loss = batch.get("labels"), None
+        own_loss = OWN_LOSSES.get(model.config.model_type) if model.config.problem_type is None else None
+        if labels is not None and own_loss is not None:
+            loss, logits = own_loss(model, logits, labels)
+        elif labels is not None:
+            loss = model.loss_function(logits=logits, labels=labels, pooled_logits=logits, config=model.config)
         return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+def deberta_v2_loss(model: Any, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``DebertaV2ForSequenceClassification``'s own loss when ``config.problem_type`` is unset, which differs from
+    transformers' shared one: one label is a regression that returns ``[n]`` logits; class labels below 0 are left
+    out (a loss of 0 when none is left); labels ``[n, num_labels]`` are soft targets of a cross-entropy."""
+    if model.num_labels == 1:
+        logits = logits.view(-1).to(labels.dtype)
+        return F.mse_loss(logits, labels.view(-1)), logits
+    if labels.dim() == 1 or labels.size(-1) == 1:
+        kept = labels.view(-1) >= 0
+        if not kept.any():
+            return torch.tensor(0).to(logits), logits
+        return F.cross_entropy(logits[kept].float(), labels.view(-1)[kept].long()), logits
+    return -(F.log_softmax(logits, dim=-1) * labels).sum(-1).mean(), logits
+
+
+#: ``config.model_type`` -> its classifier's own loss where it differs from transformers' shared
+#: ``ForSequenceClassificationLoss`` (only when ``config.problem_type`` is unset).
+OWN_LOSSES: Mapping[str, Callable] = MappingProxyType({"deberta-v2": deberta_v2_loss})
 
 
 @hookimpl
