@@ -141,13 +141,13 @@ def run_probe(model: Any, position_start: int = 0, lengths: tuple[int, ...] = PR
                 raise  # the machine's limit, not the architecture's
             except Exception as exc:  # noqa: BLE001 - any other failure of the packed forward is a refusal
                 return ProbeResult(model_type, None, tolerance, f"{type(exc).__name__}: {exc}")
+            with original_attention(model):  # the reference: the model as it was before the patch
+                references = [_outputs(body(input_ids=torch.tensor([example["input_ids"]], device=parameter.device)))
+                              [0].float() for example in examples]
             error, start = 0.0, 0
-            for example in examples:
-                ids = torch.tensor([example["input_ids"]], device=parameter.device)
-                with original_attention(model):  # the reference: the model as it was before the patch
-                    alone = _outputs(body(input_ids=ids))[0].float()
-                got = packed[start : start + ids.shape[1]]
-                start += ids.shape[1]
+            for example, alone in zip(examples, references):
+                got = packed[start : start + len(example["input_ids"])]
+                start += len(example["input_ids"])
                 if got.shape != alone.shape:
                     return ProbeResult(model_type, None, tolerance,
                                        f"packed outputs have shape {tuple(got.shape)} per example, expected "
