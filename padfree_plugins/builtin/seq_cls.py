@@ -62,11 +62,11 @@ def deberta_v2_loss(model: Any, logits: torch.Tensor, labels: torch.Tensor) -> t
     if model.num_labels == 1:
         logits = logits.view(-1).to(labels.dtype)
         return F.mse_loss(logits, labels.view(-1)), logits
-    if labels.dim() == 1 or labels.size(-1) == 1:
-        kept = labels.view(-1) >= 0
-        if not kept.any():
-            return torch.tensor(0).to(logits), logits
-        return F.cross_entropy(logits[kept].float(), labels.view(-1)[kept].long()), logits
+    if labels.dim() == 1 or labels.size(-1) == 1:  # the mean over kept labels, 0 without any; no host read
+        labels = labels.view(-1).long()
+        kept = labels >= 0
+        losses = F.cross_entropy(logits.float(), labels.clamp(min=0), reduction="none") * kept
+        return losses.sum() / kept.sum().clamp(min=1), logits
     return -(F.log_softmax(logits, dim=-1) * labels).sum(-1).mean(), logits
 
 
