@@ -11,12 +11,12 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .arguments import AccelerationArguments
-from .assembly import Assembly, assemble, plan
-from .batch import PackedBatch
-from .collator import PackingCollator
-from .config import PadfreeConfig, load_config
-from .errors import (
+from padfree_plugins.assembly import Assembly, assemble, plan
+from padfree_plugins.config.schema import PadfreeConfig, load_config
+from padfree_plugins.contract.declarations import Architecture, AttentionBackend, Task
+from padfree_plugins.contract.hookspecs import hookimpl
+from padfree_plugins.contract.host import PluginHost
+from padfree_plugins.errors import (
     BackendUnavailableError,
     BatchError,
     BoundaryError,
@@ -25,11 +25,11 @@ from .errors import (
     PluginError,
     UnsupportedArchitectureError,
 )
-from .hookspecs import hookimpl
-from .host import PluginHost
-from .patching import ModelPatch, patch_of, unwrap_model
-from .specs import Architecture, AttentionBackend, Task
-from .trainer import Acceleration, accelerate
+from padfree_plugins.integrations.accelerate import Acceleration, accelerate
+from padfree_plugins.integrations.arguments import AccelerationArguments
+from padfree_plugins.modeling.patching import ModelPatch, patch_of, unwrap_model
+from padfree_plugins.packing.batch import PackedBatch
+from padfree_plugins.packing.collator import PackingCollator
 
 try:
     __version__ = version("padfree-plugins")

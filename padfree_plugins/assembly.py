@@ -12,13 +12,19 @@ from typing import Any
 
 import torch
 
-from .config import PadfreeConfig, load_config
-from .errors import BackendUnavailableError, ConfigError, PluginError, UnsupportedArchitectureError, did_you_mean
-from .host import PluginHost
-from .patching import ModelPatch, unwrap_model
-from .probe import PROBE, PROBE_PLUGIN, probed_architecture, verify
-from .specs import Architecture, AttentionBackend, Task
-from .task_options import read_options
+from padfree_plugins.config.schema import PadfreeConfig, load_config
+from padfree_plugins.config.task_options import read_options
+from padfree_plugins.contract.declarations import Architecture, AttentionBackend, Task
+from padfree_plugins.contract.host import PluginHost
+from padfree_plugins.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    PluginError,
+    UnsupportedArchitectureError,
+    did_you_mean,
+)
+from padfree_plugins.modeling.patching import ModelPatch, unwrap_model
+from padfree_plugins.modeling.probe import PROBE, PROBE_PLUGIN, probed_architecture, verify
 
 EXACT_BACKEND = "exact"
 logger = logging.getLogger("padfree_plugins")

@@ -37,7 +37,7 @@ for bs in 16 4; do
 done
 
 log "ours: padfree-plugins bench sft --device cuda --dtype bfloat16 --model-size 1b"
-timeout 240 $PY -m padfree_plugins.cli bench sft --device cuda --dtype bfloat16 --model-size 1b \
+timeout 240 $PY -m padfree_plugins.cli.app bench sft --device cuda --dtype bfloat16 --model-size 1b \
   --laws lognormal --batch-sizes 4,16 --batches 6 --rounds 3 --warmup 3 --out "$OUT" 2>&1 \
   | grep -E "│|environment|[Ee]rror" | tee -a "$OUT/summary.txt"
 
@@ -48,9 +48,9 @@ for spec in "128 60" "32 120"; do set -- $spec
 done
 
 log "ours: padfree-plugins bench embedding --device cuda"
-timeout 180 $PY -m padfree_plugins.cli bench embedding --device cuda --batches 8 --rounds 3 2>&1 \
+timeout 180 $PY -m padfree_plugins.cli.app bench embedding --device cuda --batches 8 --rounds 3 2>&1 \
   | grep -E "│|memory|[Ee]rror" | tee -a "$OUT/summary.txt"
 log "ours, fp32 (auto falls back to repad): padfree-plugins bench embedding --device cuda --dtype float32"
-timeout 90 $PY -m padfree_plugins.cli bench embedding --device cuda --dtype float32 --batches 4 --rounds 2 2>&1 \
+timeout 90 $PY -m padfree_plugins.cli.app bench embedding --device cuda --dtype float32 --batches 4 --rounds 2 2>&1 \
   | grep -E "│|memory|[Ee]rror" | tee -a "$OUT/summary.txt"
 log "done"

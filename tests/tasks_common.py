@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from padfree_plugins.padding import pad_examples
+from padfree_plugins.packing.padded import pad_examples
 from tests.conftest import make_examples, tiny_model
 
 #: Encoder architecture plugins and the overrides their tiny configs need.

@@ -8,8 +8,8 @@ import types
 import pytest
 import torch
 
-from padfree_plugins.attention import backends
 from padfree_plugins.errors import BackendUnavailableError
+from padfree_plugins.modeling.attention import backends
 
 
 def reference(q, k, v, lengths, *, causal, scale=None, window=None, softcap=None):

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from padfree_plugins import __version__
-from padfree_plugins.cli import app
+from padfree_plugins.cli.app import app
 
 
 def run(*args: str):

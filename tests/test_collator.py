@@ -10,9 +10,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from padfree_plugins.batch import PackedBatch
-from padfree_plugins.collator import PackingCollator, holds_several_texts
 from padfree_plugins.errors import BatchError
+from padfree_plugins.packing.batch import PackedBatch
+from padfree_plugins.packing.collator import PackingCollator, holds_several_texts
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOKEN_KEYS = ("token_type_ids", "labels")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from padfree_plugins.config import PadfreeConfig, PluginsConfig, describe_fields, load_config
+from padfree_plugins.config.schema import PadfreeConfig, PluginsConfig, describe_fields, load_config
 from padfree_plugins.errors import ConfigError
 
 REPO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "padfree.yaml"

@@ -13,8 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from padfree_plugins import ConfigError, PluginHost, UnsupportedArchitectureError, assemble, patch_of, plan
-from padfree_plugins.padding import pad_examples
-from padfree_plugins.probe import run_probe
+from padfree_plugins.modeling.probe import run_probe
+from padfree_plugins.packing.padded import pad_examples
 from tests.conftest import make_examples, tiny_config
 
 MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)

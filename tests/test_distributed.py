@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from padfree_plugins import assemble, load_config
-from padfree_plugins.distributed import num_label_tokens
-from padfree_plugins.sampler import token_budget_sampler, trainer_train_dataloader
+from padfree_plugins.batching.distributed import num_label_tokens
+from padfree_plugins.batching.sampler import token_budget_sampler, trainer_train_dataloader
 from tests.conftest import make_examples
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -220,7 +220,7 @@ def test_trainer_keeps_its_own_dataloader_for_example_count_batching():
 
 
 def test_num_label_tokens_counts_what_the_shifted_loss_counts():
-    from padfree_plugins.collator import PackingCollator
+    from padfree_plugins.packing.collator import PackingCollator
 
     batch = PackingCollator(token_keys=("labels",), masked_first_keys=("labels",))(
         [{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8, 9], "labels": [8, -100]}])

@@ -153,7 +153,7 @@ def test_probe_checks_a_classifier_on_its_body():
 @pytest.mark.parametrize(("model_type", "kind"), [("bert", "encoder"), ("albert", "encoder"), ("llama", "decoder"),
                                                   ("gpt2", "decoder")])
 def test_probed_kind_from_the_config(model_type, kind):
-    from padfree_plugins.probe import probed_architecture
+    from padfree_plugins.modeling.probe import probed_architecture
 
     architecture = probed_architecture(tiny_config(model_type))
     assert architecture.kind == kind and architecture.default_pooling == ("first" if kind == "encoder" else "last")
@@ -268,7 +268,7 @@ def test_own_attention_refuses_a_backend_that_cannot_run_it(name, label, backend
     a CPU the backend is refused first)."""
     from padfree_plugins import BackendUnavailableError
     from padfree_plugins.builtin.architectures import deberta_v2, mpnet
-    from padfree_plugins.config import load_config
+    from padfree_plugins.config.schema import load_config
 
     plugin, architecture = {"mpnet": (mpnet, mpnet.MPNET), "deberta-v2": (deberta_v2, deberta_v2.DEBERTA_V2)}[name]
     model = model_for(name)

@@ -12,8 +12,8 @@ from conftest import make_examples, per_example, tiny_model
 
 import padfree_plugins
 from padfree_plugins import Architecture, AttentionBackend, PluginHost, Task, assemble, hookimpl, plan
-from padfree_plugins.attention.backends import exact_varlen
 from padfree_plugins.errors import PluginError
+from padfree_plugins.modeling.attention.backends import exact_varlen
 
 BUILTIN_PLUGINS = {"core", "backends", "tasks", "llama", "bert"}
 NO_ENV: dict[str, str] = {}
@@ -511,7 +511,7 @@ def test_an_assembly_hook_answering_with_something_uncallable_is_named():
 def test_a_plugins_pooling_mode_serves_the_embedding_task():
     """The embedding task pools with what the pool hook answers, so a plugin's mode works there too."""
     from padfree_plugins import assemble
-    from padfree_plugins.pooling import MeanPooler
+    from padfree_plugins.modeling.pooling import MeanPooler
     from tests.conftest import make_examples, tiny_model
 
     calls = []

@@ -18,7 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from padfree_plugins import PluginHost, assemble, hookimpl
-from padfree_plugins.neftune import PackedNeftune
+from padfree_plugins.modeling.neftune import PackedNeftune
 from tests.conftest import make_examples
 from tests.tasks_common import model_for, pair_examples
 

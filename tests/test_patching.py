@@ -16,7 +16,7 @@ from padfree_plugins import (
     patch_of,
     plan,
 )
-from padfree_plugins.padding import pad_examples
+from padfree_plugins.packing.padded import pad_examples
 from tests.conftest import make_examples, tiny_config, tiny_model
 from tests.tasks_common import per_example_case
 
@@ -207,7 +207,7 @@ def test_backend_selection_and_errors():
 def test_forced_backend_missing_feature_is_an_error():
     """A backend that cannot implement a feature the model uses is refused, naming the feature."""
     from padfree_plugins import AttentionBackend, PluginHost, hookimpl
-    from padfree_plugins.attention.backends import exact_varlen
+    from padfree_plugins.modeling.attention.backends import exact_varlen
 
     class NoWindowPlugin:
         @hookimpl
@@ -225,7 +225,7 @@ def test_layer_dropping_boundaries_raises_instead_of_mixing():
     """StableLM's decoder layer does not pass **kwargs to attention: declaring it is not enough, and the packed
     forward must raise rather than attend across examples."""
     from padfree_plugins import Architecture, PluginHost, hookimpl
-    from padfree_plugins.attention import PACKED_CALL
+    from padfree_plugins.modeling.attention import PACKED_CALL
 
     class StableLmDeclaration:
         @hookimpl
@@ -251,7 +251,7 @@ def test_attention_dropout_policy():
     """attention_dropout: keep respects the model's attention dropout (so a backend without dropout is not chosen
     by auto, with a note); disable turns it off, which lets that backend run."""
     from padfree_plugins import AttentionBackend, PluginHost, hookimpl
-    from padfree_plugins.attention.backends import exact_varlen
+    from padfree_plugins.modeling.attention.backends import exact_varlen
 
     class NoDropoutBackend:
         @hookimpl
@@ -316,7 +316,7 @@ def test_auto_falls_back_to_exact_for_inputs_the_backend_cannot_take():
     """With attention: auto, a backend limited to some dtypes runs what it can and exact runs the rest; named
     explicitly, the same backend gets no fallback."""
     from padfree_plugins import AttentionBackend, PluginHost, hookimpl
-    from padfree_plugins.attention.backends import exact_varlen
+    from padfree_plugins.modeling.attention.backends import exact_varlen
 
     calls = []
 
@@ -440,7 +440,7 @@ def test_auto_fallback_is_the_fastest_backend_that_takes_every_dtype():
     """On a GPU the fallback for what a 16-bit-only kernel cannot take (fp32) is ``repad`` (a fixed number of
     kernels, no host sync); on a CPU it is ``exact``; a backend that takes every dtype needs none."""
     from padfree_plugins import AttentionBackend, PluginHost, hookimpl
-    from padfree_plugins.attention.backends import exact_varlen
+    from padfree_plugins.modeling.attention.backends import exact_varlen
 
     class HalfOnly:
         @hookimpl

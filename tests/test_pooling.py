@@ -9,10 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from padfree_plugins.collator import PackingCollator
 from padfree_plugins.errors import ConfigError
-from padfree_plugins.pooling import POOLERS, make_pooler
-from padfree_plugins.revert import Reverter
+from padfree_plugins.modeling.pooling import POOLERS, make_pooler
+from padfree_plugins.packing.collator import PackingCollator
+from padfree_plugins.packing.repad import Reverter
 
 SETTINGS = settings(max_examples=100, deadline=None)
 lengths_strategy = st.lists(st.integers(1, 12), min_size=1, max_size=10)

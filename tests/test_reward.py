@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from padfree_plugins import ConfigError, PadfreeError, accelerate
-from padfree_plugins.reward import PreferenceCollator
+from padfree_plugins.integrations.trl_reward import PreferenceCollator
 from tests.conftest import tiny_config
 from tests.test_trainer import tokenizer
 

@@ -8,17 +8,17 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from padfree_plugins.config import BatchingConfig, load_config
-from padfree_plugins.demo import lognormal_lengths
-from padfree_plugins.errors import BatchError, ConfigError
-from padfree_plugins.packing import balanced_partition, best_fit_decreasing, plan_epoch
-from padfree_plugins.sampler import (
+from padfree_plugins.batching.planning import balanced_partition, best_fit_decreasing, plan_epoch
+from padfree_plugins.batching.sampler import (
     ChunkedDataset,
     Items,
     TokenBudgetBatchSampler,
     example_lengths,
     token_budget_dataloader,
 )
+from padfree_plugins.config.schema import BatchingConfig, load_config
+from padfree_plugins.errors import BatchError, ConfigError
+from padfree_plugins.recipes.demo import lognormal_lengths
 from tests.conftest import make_examples
 
 
@@ -163,7 +163,7 @@ def test_accelerates_per_rank_wrapper_passes_the_epoch_on(monkeypatch):
 
     from accelerate.data_loader import BatchSamplerShard
 
-    from padfree_plugins.sampler import trainer_train_dataloader
+    from padfree_plugins.batching.sampler import trainer_train_dataloader
 
     prepared = {}
 
@@ -185,7 +185,7 @@ def test_an_iterable_dataset_keeps_example_count_batches():
 
     from torch.utils.data import IterableDataset
 
-    from padfree_plugins.sampler import trainer_train_dataloader
+    from padfree_plugins.batching.sampler import trainer_train_dataloader
 
     class Stream(IterableDataset):
         def __iter__(self):
@@ -251,7 +251,7 @@ def test_split_covers_every_token_once(lengths, budget):
 
 
 def test_split_examples_train_as_independent_chunks():
-    from padfree_plugins.collator import PackingCollator
+    from padfree_plugins.packing.collator import PackingCollator
 
     lengths = [30, 250, 12, 100, 7]
     examples = make_examples(lengths, seed=4)
@@ -388,7 +388,7 @@ def test_bench_batching_command_meets_the_balance_target():
 
     from typer.testing import CliRunner
 
-    from padfree_plugins.cli import app
+    from padfree_plugins.cli.app import app
 
     result = CliRunner().invoke(app, ["bench", "batching", "--examples", "3000", "--time-steps", "1", "--json"])
     assert result.exit_code == 0, result.output

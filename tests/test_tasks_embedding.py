@@ -214,7 +214,7 @@ def test_a_bad_text_names_its_row_and_column(change, message):
 
 
 def test_the_dataset_check_reads_every_text_column():
-    from padfree_plugins.datacheck import check_dataset
+    from padfree_plugins.packing.datacheck import check_dataset
 
     model = model_for("bert")
     assembly = assemble(model, {**load_config(CONFIG).to_dict(), "max_length": 64})

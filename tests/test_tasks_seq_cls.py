@@ -210,7 +210,7 @@ def test_unknown_task_option_is_an_error():
 
 
 def test_unknown_head_is_refused():
-    from padfree_plugins.builtin.heads import sequence_head
+    from padfree_plugins.modeling.heads import sequence_head
 
     class Strange(torch.nn.Module):
         config = type("C", (), {"model_type": "strange"})()

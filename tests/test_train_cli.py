@@ -13,8 +13,8 @@ from transformers import HfArgumentParser, Trainer, TrainingArguments
 from typer.testing import CliRunner
 
 from padfree_plugins import AccelerationArguments, ConfigError
-from padfree_plugins.cli import app
-from padfree_plugins.train import parse_arguments, run_train
+from padfree_plugins.cli.app import app
+from padfree_plugins.recipes.train import parse_arguments, run_train
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "padfree.yaml"
 

@@ -4,7 +4,7 @@ Two parts, in one run:
 
 * **balance** (no model): an epoch of each length law is split into micro-batches for ``N`` ranks, either the
   usual way (shuffle, then ``bs`` examples per rank per step, ``bs`` chosen so that a micro-batch averages the
-  token budget) or with :class:`~padfree_plugins.sampler.TokenBudgetBatchSampler`. Reported per step: the rank
+  token budget) or with :class:`~padfree_plugins.batching.sampler.TokenBudgetBatchSampler`. Reported per step: the rank
   token spread (max / min tokens over the ranks), the padding a padded batch would carry, and the idle share of
   a synchronous step (every rank waits for the one with the most tokens: ``1 - mean / max`` tokens).
 * **throughput**: a tiny Llama, padding-free, runs forward + backward on every rank's micro-batch of the first
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..demo import lognormal_lengths
-from ..sampler import TokenBudgetBatchSampler
+from padfree_plugins.batching.sampler import TokenBudgetBatchSampler
+from padfree_plugins.recipes.demo import lognormal_lengths
 
 LAWS = ("lognormal", "mix")
 
@@ -119,7 +119,7 @@ def _tiny_llama():
     """A tiny Llama (2 layers, d=128, GQA 4/2), random weights, patched padding-free (exact attention)."""
     from transformers import LlamaConfig, LlamaModel
 
-    from ..assembly import assemble
+    from padfree_plugins.assembly import assemble
 
     torch.manual_seed(0)
     model = LlamaModel(LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=344, num_hidden_layers=2,

@@ -35,12 +35,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..assembly import assemble
-from ..demo import lognormal_lengths
-from ..errors import PadfreeError
-from ..host import PluginHost
-from .lengths import sample_lengths
-from .measure import saved_activation_bytes, synchronize
+from padfree_plugins.assembly import assemble
+from padfree_plugins.benchmarks.lengths import sample_lengths
+from padfree_plugins.benchmarks.measure import saved_activation_bytes, synchronize
+from padfree_plugins.contract.host import PluginHost
+from padfree_plugins.errors import PadfreeError
+from padfree_plugins.recipes.demo import lognormal_lengths
 
 CLS, SEP = 101, 102
 

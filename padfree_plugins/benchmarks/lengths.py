@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..errors import PadfreeError
+from padfree_plugins.errors import PadfreeError
 
 #: Text rows tokenized to estimate a dataset's length law (a seeded random sample of a larger dataset).
 MAX_TOKENIZED_ROWS = 20_000
@@ -28,7 +28,7 @@ def dataset_lengths(path: str, *, split: str = "train", tokenizer: str | None = 
     """
     import pyarrow.compute as pc
 
-    from ..train import load_rows, quietly, tokenize
+    from padfree_plugins.recipes.train import load_rows, quietly, tokenize
 
     rows = quietly(load_rows, path, split)
     columns = [c for c in rows.column_names if c == "input_ids" or c.endswith("_input_ids")]

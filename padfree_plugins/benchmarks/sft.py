@@ -9,7 +9,7 @@ Three ways to run a causal-LM training step (forward + backward of the loss) on 
 * ``padfree``: :func:`~padfree_plugins.assemble` with its collator, ``cu_seq_lens`` computed once, attention
   backend ``auto`` (``exact`` on CPU, ``varlen`` / ``flash_attn`` on CUDA in 16-bit), and — as ``accelerate``
   runs HF ``Trainer`` — logits only for positions whose next token has a label
-  (:func:`~padfree_plugins.causal_lm.keep_labelled_logits`). ``prompt_share`` masks the first share of every
+  (:func:`~padfree_plugins.builtin.tasks.causal_lm.keep_labelled_logits`). ``prompt_share`` masks the first share of every
   example's labels (completion-only SFT) in all three variants.
 
 Batches are collated and moved to the device beforehand (collator speed is ``bench collator``'s job); each timed
@@ -56,11 +56,11 @@ from typing import Any
 
 import torch
 
-from ..causal_lm import keep_labelled_logits
-from ..errors import PadfreeError
-from ..padding import pad_examples
-from .lengths import dataset_lengths, sample_lengths
-from .measure import saved_activation_bytes, synchronize
+from padfree_plugins.benchmarks.lengths import dataset_lengths, sample_lengths
+from padfree_plugins.benchmarks.measure import saved_activation_bytes, synchronize
+from padfree_plugins.builtin.tasks.causal_lm import keep_labelled_logits
+from padfree_plugins.errors import PadfreeError
+from padfree_plugins.packing.padded import pad_examples
 
 VARIANTS = ("padded", "hf_native", "padfree")
 MODEL_SIZES = {
@@ -170,7 +170,7 @@ def build_model(settings: BenchSettings) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     if settings.model_config is not None:
-        from ..model_configs import load_model_config
+        from padfree_plugins.config.model_configs import load_model_config
 
         config = load_model_config(settings.model_config, "--model-config")
         config.use_cache = False
@@ -229,8 +229,8 @@ class Runner:
     def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
         from transformers import DataCollatorWithFlattening
 
-        from ..assembly import assemble
-        from ..host import PluginHost
+        from padfree_plugins.assembly import assemble
+        from padfree_plugins.contract.host import PluginHost
 
         self.model, self.device = model, device
         self.host = PluginHost()
@@ -250,7 +250,7 @@ class Runner:
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
     def enter(self, variant: str) -> None:
-        from ..assembly import assemble
+        from padfree_plugins.assembly import assemble
 
         if variant == "padfree" and self.assembly is None:
             self.assembly = assemble(self.model, {"task": "causal_lm"}, host=self.host)

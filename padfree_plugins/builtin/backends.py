@@ -3,9 +3,9 @@ flash-attn (CUDA, if installed)."""
 
 from __future__ import annotations
 
-from ..attention import backends
-from ..hookspecs import hookimpl
-from ..specs import FEATURES, AttentionBackend
+from padfree_plugins.contract.declarations import FEATURES, AttentionBackend
+from padfree_plugins.contract.hookspecs import hookimpl
+from padfree_plugins.modeling.attention import backends
 
 
 @hookimpl

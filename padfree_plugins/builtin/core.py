@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..collator import DEFAULT_TOKEN_KEYS, PackingCollator
-from ..errors import ConfigError
-from ..forward import ModelForward
-from ..hookspecs import hookimpl
-from ..patching import ModelPatch
-from ..pooling import POOLING_MODES, make_pooler
-from ..revert import Reverter
-from ..specs import Architecture
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
+from padfree_plugins.errors import ConfigError
+from padfree_plugins.modeling.forward import ModelForward
+from padfree_plugins.modeling.patching import ModelPatch
+from padfree_plugins.modeling.pooling import POOLING_MODES, make_pooler
+from padfree_plugins.packing.collator import DEFAULT_TOKEN_KEYS, PackingCollator
+from padfree_plugins.packing.repad import Reverter
 
 
 def model_token_limit(model_config, position_start: int = 0) -> int | None:
@@ -52,7 +52,7 @@ def packing_collator(task, architecture, model_config, config) -> PackingCollato
 @hookimpl(trylast=True)
 def collate(task, architecture, model_config, config):
     if task.name == "causal_lm":  # labels default to input_ids
-        from ..causal_lm import causal_lm_collator
+        from padfree_plugins.builtin.tasks.causal_lm import causal_lm_collator
 
         return causal_lm_collator(task, architecture, model_config, config)
     return packing_collator(task, architecture, model_config, config)
@@ -96,7 +96,7 @@ def revert_output(task, architecture, config):
 @hookimpl(trylast=True)
 def task_forward(task, architecture, config):
     if task.name == "causal_lm":
-        from ..causal_lm import CausalLMForward
+        from padfree_plugins.builtin.tasks.causal_lm import CausalLMForward
 
         return CausalLMForward(task.model_keys)
     return ModelForward(task.model_keys)

@@ -16,8 +16,14 @@ from typing import Any
 
 import torch
 
-from ...errors import BackendUnavailableError, PadfreeError
-from ...patching import PATCH_ATTRIBUTE, ModelPatch, check_boundaries, own_attribute, restore_attributes
+from padfree_plugins.errors import BackendUnavailableError, PadfreeError
+from padfree_plugins.modeling.patching import (
+    PATCH_ATTRIBUTE,
+    ModelPatch,
+    check_boundaries,
+    own_attribute,
+    restore_attributes,
+)
 
 #: ``attention:`` values these models take: their per-example attention is the only one they can run.
 OWN_ATTENTION = ("auto", "exact")

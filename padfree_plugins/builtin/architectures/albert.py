@@ -1,7 +1,7 @@
 """ALBERT: a BERT-shaped encoder with factorised embeddings and shared layers; token types, positions from 0."""
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 @hookimpl

@@ -3,8 +3,8 @@
 ERNIE is BERT plus optional task-type embeddings (``use_task_id``; ``task_type_ids`` default to zeros, packed or not).
 """
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 @hookimpl

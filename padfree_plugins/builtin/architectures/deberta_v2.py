@@ -31,12 +31,12 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from ...attention.backends import PermuteRows
-from ...batch import length_groups, restarts
-from ...errors import PadfreeError, UnsupportedArchitectureError
-from ...hookspecs import hookimpl
-from ...specs import Architecture
-from ._own_attention import MethodPatch, patch_own_attention
+from padfree_plugins.builtin.architectures._own_attention import MethodPatch, patch_own_attention
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
+from padfree_plugins.errors import PadfreeError, UnsupportedArchitectureError
+from padfree_plugins.modeling.attention.backends import PermuteRows
+from padfree_plugins.packing.batch import length_groups, restarts
 
 DEBERTA_V2 = Architecture("deberta-v2", model_types=("deberta-v2",), kind="encoder", default_pooling="first",
                           description="DeBERTa-v2 / v3 encoders, classifiers and cross-encoders; disentangled "

@@ -3,8 +3,8 @@
 Positions start at 0; ``DistilBertForSequenceClassification`` pools the first token, then ``pre_classifier``.
 """
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 @hookimpl

@@ -1,7 +1,7 @@
 """ELECTRA (the discriminator): a BERT-shaped encoder with token types; positions start at 0."""
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 @hookimpl

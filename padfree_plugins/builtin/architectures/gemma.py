@@ -1,7 +1,7 @@
 """Gemma: a Llama-shaped decoder (embeddings scaled by sqrt(hidden), GeGLU); no window, no soft-capping."""
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 @hookimpl

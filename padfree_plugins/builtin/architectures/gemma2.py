@@ -5,9 +5,9 @@ implement it (``exact``, ``flash_attn``; not ``varlen``). The final-logit soft-c
 needs nothing from packing.
 """
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
-from ._features import softcap_features, window_features
+from padfree_plugins.builtin.architectures._features import softcap_features, window_features
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 def gemma2_features(model_config) -> frozenset[str]:

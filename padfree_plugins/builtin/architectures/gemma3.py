@@ -2,9 +2,9 @@
 (``use_bidirectional_attention``, as in EmbeddingGemma), which the attention reads from each layer's
 ``is_causal``."""
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
-from ._features import softcap_features, window_features
+from padfree_plugins.builtin.architectures._features import softcap_features, window_features
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 def gemma3_features(model_config) -> frozenset[str]:

@@ -1,8 +1,8 @@
 """GLM-4 (0414): a GQA decoder with partial, interleaved rotary embeddings and extra post-attention / post-MLP
 norms."""
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 @hookimpl

@@ -1,7 +1,7 @@
 """GPT-NeoX: fused qkv, partial rotary embeddings, parallel residual (Pythia, GPT-NeoX-20B)."""
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 @hookimpl

@@ -1,8 +1,8 @@
 """Granite: a Llama-shaped decoder with multipliers (embedding, residual, attention scale, logits); the
 attention multiplier arrives as ``scaling``."""
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 @hookimpl

@@ -1,8 +1,8 @@
 """Granite MoE: Granite's multipliers with a token-wise mixture of experts; the load-balancing loss
 (``output_router_logits``) is computed over the packed tokens, as padded it is over the real ones."""
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 @hookimpl

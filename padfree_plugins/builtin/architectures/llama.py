@@ -1,7 +1,7 @@
 """Llama: the decoder pattern (causal, RoPE, GQA). Positions start at 0."""
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 @hookimpl

@@ -1,7 +1,7 @@
 """Mistral: a Llama-shaped decoder with an optional sliding window (``config.sliding_window``)."""
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 @hookimpl

@@ -4,9 +4,9 @@ The router and the experts work token by token, so packing changes nothing for t
 (``output_router_logits``) averages over the real tokens, which in a packed row are all of them.
 """
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
-from ._features import window_features
+from padfree_plugins.builtin.architectures._features import window_features
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 @hookimpl

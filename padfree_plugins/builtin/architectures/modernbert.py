@@ -6,8 +6,8 @@ distance ``< window`` on both sides when bidirectional) a token sees ``local_att
 exactly as ModernBERT's own sliding-window mask. Positions start at 0 (RoPE).
 """
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 def local_attention(model_config) -> frozenset[str]:

@@ -21,11 +21,11 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from ...batch import length_groups, restarts
-from ...errors import PadfreeError
-from ...hookspecs import hookimpl
-from ...specs import Architecture
-from ._own_attention import MethodPatch, patch_own_attention
+from padfree_plugins.builtin.architectures._own_attention import MethodPatch, patch_own_attention
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
+from padfree_plugins.errors import PadfreeError
+from padfree_plugins.packing.batch import length_groups, restarts
 
 
 def after_padding_idx(model_config) -> int:

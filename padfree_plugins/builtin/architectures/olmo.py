@@ -1,8 +1,8 @@
 """OLMo (1, 1.7): a Llama-shaped decoder with non-parametric LayerNorm and optional q/k/v clipping (``clip_qkv``,
 token-wise)."""
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 @hookimpl

@@ -1,7 +1,7 @@
 """OLMo 2: post-norm decoder with RMSNorm on the full query / key projections (token-wise, packing-safe)."""
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 @hookimpl

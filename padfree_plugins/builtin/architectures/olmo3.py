@@ -1,9 +1,9 @@
 """OLMo 3: OLMo 2's post-norm decoder with sliding-window layers interleaved with full ones (``layer_types``,
 3:1 in the released models)."""
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
-from ._features import window_features
+from padfree_plugins.builtin.architectures._features import window_features
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 @hookimpl

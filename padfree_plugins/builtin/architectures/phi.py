@@ -1,7 +1,7 @@
 """Phi (Phi-1, Phi-1.5, Phi-2): parallel attention and MLP, partial rotary embeddings, optional q/k LayerNorm."""
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 @hookimpl

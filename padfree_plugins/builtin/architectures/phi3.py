@@ -1,8 +1,8 @@
 """Phi-3 / Phi-3.5 / Phi-4: fused qkv projection, partial RoPE variants, optional sliding window."""
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
-from ._features import window_features
+from padfree_plugins.builtin.architectures._features import window_features
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 @hookimpl

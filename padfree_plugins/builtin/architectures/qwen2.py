@@ -1,9 +1,9 @@
 """Qwen2 / Qwen2.5: a Llama-shaped decoder with q/k/v biases; a sliding window on the layers above
 ``max_window_layers`` when ``use_sliding_window`` is set."""
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
-from ._features import window_features
+from padfree_plugins.builtin.architectures._features import window_features
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 @hookimpl

@@ -1,8 +1,8 @@
 """Qwen2-MoE: Qwen2 attention with a token-wise mixture of experts plus a shared expert."""
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
-from ._features import window_features
+from padfree_plugins.builtin.architectures._features import window_features
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 @hookimpl

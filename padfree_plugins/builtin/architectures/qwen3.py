@@ -1,8 +1,8 @@
 """Qwen3: Qwen2 with per-head RMSNorm on queries and keys (applied token by token, so packing-safe)."""
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
-from ._features import window_features
+from padfree_plugins.builtin.architectures._features import window_features
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 @hookimpl

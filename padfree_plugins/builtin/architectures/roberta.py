@@ -1,7 +1,7 @@
 """RoBERTa family: BERT-shaped encoders whose positions start at ``pad_token_id + 1`` (usually 2)."""
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 def after_padding_idx(model_config) -> int:

@@ -1,8 +1,8 @@
 """Encoders with rotary positions (RoPE), so every example's positions simply restart at 0: Nomic BERT
 (nomic-embed-text), GTE (gte-multilingual, gte-*-v1.5) and EuroBERT (grouped-query attention)."""
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 @hookimpl

@@ -1,9 +1,9 @@
 """SmolLM3: a Llama-shaped GQA decoder with NoPE layers (``no_rope_layers``: every fourth layer has no rotary
 embedding) and, with ``use_sliding_window``, a sliding window on those NoPE layers (``layer_types``)."""
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
-from ._features import window_features
+from padfree_plugins.builtin.architectures._features import window_features
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 @hookimpl

@@ -1,8 +1,8 @@
 """StarCoder2: GQA decoder with biases, LayerNorm and a sliding window (4096 in the released models)."""
 
-from ...hookspecs import hookimpl
-from ...specs import Architecture
-from ._features import window_features
+from padfree_plugins.builtin.architectures._features import window_features
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
 
 
 @hookimpl

@@ -3,7 +3,7 @@
 sentence-transformers builds its dataloaders through ``trainer.get_batch_sampler(dataset, …)`` — for a single
 dataset and for every dataset of a ``DatasetDict`` — then lets accelerate shard them. :class:`TokenBudgetBatches`
 replaces that method for the training data: the batch sampler is padfree-plugins'
-:class:`~padfree_plugins.sampler.TokenBudgetBatchSampler` (micro-batches filled up to ``max_tokens_per_batch``,
+:class:`~padfree_plugins.batching.sampler.TokenBudgetBatchSampler` (micro-batches filled up to ``max_tokens_per_batch``,
 ranks balanced, every row once per epoch), and every other dataset (evaluation) keeps the trainer's own sampler.
 With several training datasets (a ``DatasetDict``), :class:`TokenBudgetMultiDataset` replaces
 ``get_multi_dataset_batch_sampler``: :class:`InterleavedSteps` interleaves the datasets' micro-batches a whole
@@ -22,9 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from padfree_plugins.errors import BatchError, ConfigError
-from padfree_plugins.patching import own_attribute, restore_attributes
-from padfree_plugins.sampler import (
+from padfree_plugins.batching.sampler import (
     TokenBudgetBatchSampler,
     batching_config,
     check_whole_micro_batches,
@@ -32,6 +30,8 @@ from padfree_plugins.sampler import (
     token_budget_sampler,
     uses_token_budget,
 )
+from padfree_plugins.errors import BatchError, ConfigError
+from padfree_plugins.modeling.patching import own_attribute, restore_attributes
 
 
 def text_lengths(model: Any, dataset: Any, label_columns: Any = ()) -> np.ndarray:
@@ -143,7 +143,7 @@ class TokenBudgetMultiDataset:
 @dataclass
 class EpochThroughShards:
     """The trainer's ``get_train_dataloader``, with the epoch passed on to a token-budget sampler through
-    accelerate's per-rank wrapper (see :func:`padfree_plugins.sampler.pass_epoch_on`): resuming mid-epoch under DDP
+    accelerate's per-rank wrapper (see :func:`padfree_plugins.batching.sampler.pass_epoch_on`): resuming mid-epoch under DDP
     would otherwise replay epoch 0's batches."""
 
     original: Any

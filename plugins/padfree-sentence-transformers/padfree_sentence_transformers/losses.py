@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from padfree_plugins.batch import token_examples
 from padfree_plugins.errors import PadfreeError
-from padfree_plugins.patching import own_attribute, restore_attributes
+from padfree_plugins.modeling.patching import own_attribute, restore_attributes
+from padfree_plugins.packing.batch import token_examples
 
 
 def loss_modules(trainer: Any) -> list[torch.nn.Module]:

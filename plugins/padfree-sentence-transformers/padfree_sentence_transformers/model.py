@@ -13,7 +13,7 @@ sentence-transformers 6 can already run text packed: its ``Transformer`` module 
 2. the module's flattening switch is set, with padfree-plugins' packing collator (positions from the
    architecture, e.g. from 2 for XLM-R; int32 ``cu_seq_lens``; python-int max lengths, so no device sync);
 3. for a ``CrossEncoder`` the module's forward runs the base model packed and the model's own head on every
-   text's pooled token (:func:`padfree_plugins.builtin.heads.sequence_logits`).
+   text's pooled token (:func:`padfree_plugins.modeling.heads.sequence_logits`).
 
 Everything after the ``Transformer`` module must understand packed features: ``Pooling`` (all its modes,
 ``include_prompt=False`` too), a ``SparseEncoder``'s ``SpladePooling`` (per text over ``cu_seq_lens_q`` too), and
@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from padfree_plugins import PackingCollator, assemble, load_config
-from padfree_plugins.batch import BOUNDARY_KEYS
-from padfree_plugins.builtin.heads import sequence_logits
 from padfree_plugins.errors import ConfigError, PadfreeError, UnsupportedArchitectureError
-from padfree_plugins.patching import guarded_call, own_attribute, restore_attributes
+from padfree_plugins.modeling.heads import sequence_logits
+from padfree_plugins.modeling.patching import guarded_call, own_attribute, restore_attributes
+from padfree_plugins.packing.batch import BOUNDARY_KEYS
 
 #: sentence-transformers modules that work on a packed row (after the Transformer module).
 PACKED_SAFE_MODULES = frozenset({"Pooling", "Normalize", "Dense", "LayerNorm", "Dropout", "SpladePooling",

@@ -8,7 +8,7 @@ and whose CrossEncoder head scores per text. Other models a loss calls on those 
 guide) are made padding-free too, and the few losses that read the features themselves are fixed or refused
 (:mod:`.losses`).
 With ``batching.strategy: tokens`` the training batches are filled up to a token budget (:mod:`.batching`);
-accelerate's ``dispatch_batches`` is kept off, as for HF ``Trainer`` (:class:`padfree_plugins.trainer.WholeBatches`).
+accelerate's ``dispatch_batches`` is kept off, as for HF ``Trainer`` (:class:`padfree_plugins.integrations.accelerate.WholeBatches`).
 ``undo()`` restores the modules and the trainer (``accelerate``'s own ``undo`` restores the model's attention).
 """
 
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from padfree_plugins import PadfreeError, hookimpl, unwrap_model
-from padfree_plugins.sampler import uses_token_budget
-from padfree_plugins.trainer import WholeBatches
+from padfree_plugins.batching.sampler import uses_token_budget
+from padfree_plugins.integrations.accelerate import WholeBatches
 
 from .batching import BatchSamplerPatch, check_config
 from .losses import loss_modules, patch_losses

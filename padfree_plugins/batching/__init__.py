@@ -1,0 +1,1 @@
+"""Token-budget batching: epoch planning, the sampler and dataloader, loss normalisation across ranks."""

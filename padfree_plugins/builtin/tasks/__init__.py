@@ -1,0 +1,1 @@
+"""Builtin task plugins: hidden_states, causal_lm, seq_cls, reranker, embedding."""

@@ -1,0 +1,231 @@
+"""The acceleration config (``padfree.yaml``): typed dataclasses, loaded and validated strictly.
+
+Unknown keys are errors that suggest the nearest valid key; every value is checked against its type and its
+allowed values. Names that plugins provide (tasks, attention backends, architectures) are checked against the
+installed plugins at assembly, where the host knows them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from padfree_plugins.errors import ConfigError, did_you_mean
+
+
+def _help(text: str, *, minimum: int | None = None, **kwargs: Any) -> Any:
+    return field(metadata={"help": text, "minimum": minimum}, **kwargs)
+
+
+@dataclass
+class PluginsConfig:
+    """Which plugins this config relies on or refuses."""
+
+    require: list[str] = _help("plugins that must load; the config fails if one is missing or broken",
+                               default_factory=list)
+    block: list[str] = _help("plugins never to load for this config", default_factory=list)
+
+
+@dataclass
+class BatchingConfig:
+    """How training batches are formed: a fixed number of examples, or a token budget filled by bin packing."""
+
+    strategy: Literal["examples", "tokens"] = _help(
+        "examples: the trainer's usual fixed number of examples per batch; tokens: micro-batches filled up to "
+        "max_tokens_per_batch by bin packing, balanced across ranks", default="examples")
+    max_tokens_per_batch: int | None = _help(
+        "token budget of one micro-batch on one rank (required with strategy: tokens)", default=None, minimum=1)
+    window: int = _help("examples shuffled and packed together at a time; more packs tighter, fewer mixes more "
+                        "(raised to at least 4 steps' worth of tokens)", default=1024, minimum=1)
+    on_overlong_example: Literal["error", "split"] = _help(
+        "an example longer than max_tokens_per_batch: error, or split into chunks trained as independent examples "
+        "(positions restart in every chunk)", default="error")
+    seed: int | None = _help("shuffle seed; each epoch reshuffles (null: the trainer's data_seed or seed, else 0)",
+                             default=None)
+    drop_last: bool = _help("cut every epoch to the fewest steps its shuffles pack into, dropping the last, lightest "
+                            "steps; their examples sit out that epoch (default: every example once per epoch, the "
+                            "last steps lighter)", default=False)
+    length_column: str = _help("dataset column with example lengths, used when present (otherwise lengths are "
+                               "computed once from input_ids)", default="length")
+
+    def __post_init__(self) -> None:
+        if self.strategy == "tokens" and self.max_tokens_per_batch is None:
+            raise ConfigError("batching.max_tokens_per_batch is not set: strategy: tokens needs the number of tokens "
+                              "one rank processes per micro-batch (e.g. 4 x the longest example)")
+
+
+@dataclass
+class PadfreeConfig:
+    """Everything ``padfree.yaml`` can say. Defaults give padding-free causal-LM training with the fastest
+    attention backend available on the machine."""
+
+    task: str = _help("training task: causal_lm, seq_cls, reranker, embedding, hidden_states, or one a plugin "
+                      "provides", default="causal_lm")
+    attention: str = _help("attention backend: auto (fastest available), exact, repad, varlen, flash_attn, or a "
+                           "plugin's", default="auto")
+    architecture: str = _help("architecture plugin to use: auto (from config.model_type), an architecture name, or "
+                              "probe (an undeclared model type, accepted after an equivalence check)", default="auto")
+    attention_dropout: Literal["keep", "disable"] = _help(
+        "keep: attention-probability dropout as the model defines it (the varlen backend cannot do it, so auto then "
+        "picks flash_attn, repad or exact); disable: no attention dropout, so varlen can run (hidden dropout "
+        "unaffected)", default="keep")
+    max_length: int | None = _help("longest example in tokens (default: no limit)", default=None, minimum=1)
+    on_overlong: Literal["error", "truncate"] = _help("what to do with an example longer than max_length",
+                                                      default="error")
+    pooling: str | None = _help("per-example pooling for the embedding and hidden_states tasks: first (cls), last, "
+                                "mean, max, weighted_mean, mean_sqrt_len, or a plugin's (default: the model's)",
+                                default=None)
+    task_options: dict[str, Any] = _help("options passed to the task plugin", default_factory=dict)
+    plugins: PluginsConfig = _help("plugins this config requires or blocks", default_factory=PluginsConfig)
+    batching: BatchingConfig = _help("how training batches are formed (token budget, balance across ranks)",
+                                     default_factory=BatchingConfig)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None, *, source: str = "config") -> "PadfreeConfig":
+        return _build(cls, data or {}, source)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load_config(config: str | Path | dict[str, Any] | PadfreeConfig | None) -> PadfreeConfig:
+    """A :class:`PadfreeConfig` from a YAML path, a dict, an existing config or ``None`` (all defaults)."""
+    if config is None:
+        return PadfreeConfig()
+    if isinstance(config, PadfreeConfig):
+        return config
+    if isinstance(config, dict):
+        return PadfreeConfig.from_dict(config)
+    if not isinstance(config, (str, Path)):
+        raise ConfigError(f"an acceleration config is a YAML path, a dict or a PadfreeConfig, not "
+                          f"{type(config).__name__} {config!r}")
+    path = Path(config)
+    if path.is_dir():
+        raise ConfigError(f"acceleration config {str(path)!r} is a directory; give the path of its YAML file")
+    if not path.is_file():
+        raise ConfigError(f"acceleration config {str(path)!r} does not exist")
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys to values, not {type(data).__name__}")
+    return PadfreeConfig.from_dict(data, source=str(path))
+
+
+def describe_fields(cls: type = PadfreeConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, type, help) for every key, nested sections flattened with dots: the config's schema, with which the
+    tests check that every key is documented and accepted."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            rows.extend(describe_fields(hint, f"{prefix}{f.name}."))
+        else:
+            rows.append((prefix + f.name, _type_name(hint), f.metadata.get("help", "")))
+    return rows
+
+
+# -- validation ----------------------------------------------------------------------------------------------------
+
+
+def _type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(hint))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(hint))
+    if origin is not None:
+        args = ", ".join(_type_name(a) for a in typing.get_args(hint))
+        return f"{origin.__name__}[{args}]"
+    return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML would keep the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise ConfigError(
+                f"{where}: unknown key {key!r}.{did_you_mean(str(key), fields)} Valid keys: {', '.join(fields)}."
+            )
+        values[key] = _check(hints[key], value, f"{where}: {key}")
+        minimum = fields[key].metadata.get("minimum")
+        if minimum is not None and values[key] is not None and values[key] < minimum:
+            raise ConfigError(f"{where}: {key} must be at least {minimum}, got {values[key]}")
+    return cls(**values)
+
+
+def _check(hint: Any, value: Any, where: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, {} if value is None else value, where)  # an empty section (keys commented out)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _check(option, value, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where} must be {_type_name(hint)}, got {value!r}")
+    if origin is Literal:
+        if value not in args:
+            allowed = ", ".join(map(repr, args))
+            hint = did_you_mean(str(value), map(str, args))
+            raise ConfigError(f"{where} must be one of {allowed}, got {value!r}.{hint}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        return [_check(args[0], item, f"{where}[{i}]") for i, item in enumerate(value)]
+    if origin is dict:
+        if value is None:  # an empty section
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a mapping, got {value!r}")
+        return dict(value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(f"{where} must be a non-empty string, got {value!r}")
+        return value
+    if hint is Any:
+        return value
+    raise ConfigError(f"{where}: cannot check values of type {hint!r}")  # pragma: no cover - schema bug

@@ -1,0 +1,156 @@
+"""What a trainer must not have before it is made padding-free: each check refuses (or, for TRL's ``eval_packing``,
+warns) while the trainer is unchanged, with what to do instead (a model ``accelerate`` already assembled is
+restored).
+
+* parallelism that splits a packed row: ``torch.nn.DataParallel``, context / sequence parallelism;
+* a ``model_init`` (its new models would not be padding-free);
+* a data collator that may build features or labels (only those in :data:`REPLACEABLE_COLLATORS` are replaced);
+  transformers' ``DataCollatorForLanguageModeling`` with a ``labels`` column in the train or an eval set;
+* over-long, empty or misaligned examples, and datasets laid out in a way the trainer's batches would break;
+* a token budget the trainer cannot keep: a ``RewardTrainer``, accelerate's ``split_batches=True``, TRL
+  ``packing=True`` rows it would have to split.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from padfree_plugins.batching.sampler import check_whole_micro_batches
+from padfree_plugins.errors import ConfigError, PadfreeError
+from padfree_plugins.packing.datacheck import check_dataset
+
+
+def check_parallelism(trainer: Any) -> None:
+    """Refuse parallelism that splits a batch's rows or a row's tokens: a packed batch is one row."""
+    if getattr(trainer.args, "n_gpu", 1) > 1:
+        raise PadfreeError(
+            "the trainer would use torch.nn.DataParallel (several GPUs in one process), which splits a batch by "
+            "rows; a packed batch is one row. Launch with `accelerate launch` or `torchrun` (one process per "
+            "GPU), or make one GPU visible with CUDA_VISIBLE_DEVICES."
+        )
+    parallelism = getattr(trainer.accelerator, "parallelism_config", None)
+    if parallelism is not None and (parallelism.cp_enabled or parallelism.sp_enabled):
+        raise PadfreeError(
+            "context / sequence parallelism (parallelism_config cp_size or sp_size > 1) splits every row along "
+            "the sequence across ranks, cutting a packed row's examples from their boundaries; train with "
+            "cp_size=sp_size=1 (a padding-free batch needs far less memory) or without padfree-plugins"
+        )
+
+
+def check_model_given(trainer: Any) -> None:
+    """Refuse a trainer without a model, or with a ``model_init`` (it would re-create the model unpatched)."""
+    if getattr(trainer, "model", None) is None:
+        raise PadfreeError("the trainer has no model yet (model_init?): pass a model to the trainer, then accelerate")
+    if getattr(trainer, "model_init", None) is not None:
+        raise PadfreeError("the trainer has a model_init, which train() (and every hyperparameter-search trial) calls "
+                           "for a new model that would not be padding-free: pass the model itself, "
+                           "Trainer(model=model_init(), ...), then accelerate")
+
+
+#: Collators whose work the packing collator does (padding, labels from input_ids, flattening): replacing them
+#: changes nothing but the padding. Any other collator may compute features or labels, and is refused.
+REPLACEABLE_COLLATORS = {
+    "transformers": ("DataCollatorWithPadding", "DataCollatorForSeq2Seq", "DataCollatorWithFlattening",
+                     "DataCollatorForLanguageModeling", "DefaultDataCollator", "default_data_collator"),
+    "trl": ("DataCollatorForLanguageModeling", "DataCollatorForPreference"),
+}
+
+
+def check_collator(collator: Any) -> None:
+    """Refuse to replace a data collator that may build features or labels of its own (never silently wrong)."""
+    if collator is None:
+        return
+    kind = collator if inspect.isfunction(collator) else type(collator)
+    name, module = getattr(kind, "__name__", ""), getattr(kind, "__module__", "") or ""
+    library = module.split(".")[0]
+    if name in REPLACEABLE_COLLATORS.get(library, ()) and not getattr(collator, "mlm", False):
+        return
+    raise PadfreeError(
+        f"the trainer's data_collator is {module}.{name}, which padfree-plugins would replace with its packing "
+        "collator: that keeps input_ids and the dataset's labels (-100 where no loss) but nothing a custom collator "
+        "computes. Build such features and labels in the dataset (dataset.map), or, if the collator only pads, set "
+        "trainer.data_collator = None before accelerating."
+    )
+
+
+def language_modeling_pad_id(trainer: Any) -> int | None:
+    """The pad id of the trainer's collator when it is transformers' ``DataCollatorForLanguageModeling`` (causal):
+    it builds the labels from ``input_ids`` with every token equal to the pad id at -100 — real ones too (an EOS
+    that doubles as the pad token). Replacing it keeps that, and refuses a dataset ``labels`` column, which that
+    collator overwrites and padfree-plugins would keep (the two trainings would differ)."""
+    collator = trainer.data_collator
+    if type(collator).__name__ != "DataCollatorForLanguageModeling" or not type(collator).__module__.startswith(
+            "transformers") or getattr(collator, "mlm", False):
+        return None
+    for what, dataset in trainer_datasets(trainer):
+        if "labels" in (getattr(dataset, "column_names", None) or ()):
+            raise PadfreeError(
+                f"the trainer's DataCollatorForLanguageModeling overwrites the {what} dataset's labels column with "
+                "input_ids (your -100 masks are lost in padded training), and padfree-plugins would keep it: remove "
+                "the column to train on every token as that collator does, or set trainer.data_collator = None to "
+                "keep your labels"
+            )
+    return getattr(getattr(collator, "tokenizer", None), "pad_token_id", None)
+
+
+def trainer_datasets(trainer: Any) -> list[tuple[str, Any]]:
+    """The trainer's training and evaluation sets that are set, named for messages: ``train``, ``eval``, or
+    ``eval (name)`` for each of several."""
+    evals = trainer.eval_dataset
+    named = dict(evals) if isinstance(evals, Mapping) else {"": evals}
+    datasets = [("train", trainer.train_dataset)] + [(f"eval ({name})" if name else "eval", dataset)
+                                                      for name, dataset in named.items()]
+    return [(what, dataset) for what, dataset in datasets if dataset is not None]
+
+
+def check_datasets(trainer: Any, collator: Any) -> None:
+    """Find over-long, empty or misaligned examples before training starts (see :mod:`padfree_plugins.packing.datacheck`),
+    and a training or evaluation set laid out in a way the trainer's batches would break (the collator's
+    ``check_trainer_dataset``)."""
+    layout_check = getattr(collator, "check_trainer_dataset", None)
+    for what, dataset in trainer_datasets(trainer):
+        check_dataset(dataset, collator, what)
+        if layout_check is not None:
+            layout_check(dataset)
+
+
+def check_token_budget(trainer: Any, kind: str, config: Any) -> None:
+    """``batching.strategy: tokens`` on this trainer: a ``RewardTrainer``'s rows are pairs (nothing to budget by
+    ``input_ids``); accelerate's ``split_batches=True`` would cut the planned micro-batches across ranks; TRL
+    ``packing=True`` rows (up to ``max_length`` tokens) are the examples, and cannot be split without losing the
+    sequence boundaries inside them."""
+    batching = getattr(config, "batching", None)
+    if getattr(batching, "strategy", "examples") != "tokens":
+        return
+    if kind == "reward":
+        raise ConfigError("batching.strategy: tokens plans batches from each row's input_ids, and a RewardTrainer's "
+                          "rows are chosen/rejected pairs: use batching.strategy: examples "
+                          "(per_device_train_batch_size pairs per batch, as TRL)")
+    check_whole_micro_batches(trainer.accelerator)
+    if not getattr(trainer.args, "packing", False):
+        return
+    longest = getattr(trainer.args, "max_length", None)
+    if batching.on_overlong_example == "split":
+        raise ConfigError("batching.on_overlong_example: split cannot cut TRL's packed rows (each holds several "
+                          "examples' boundaries); use error, with max_tokens_per_batch at least TRL's max_length")
+    if longest is not None and batching.max_tokens_per_batch < longest:
+        raise ConfigError(f"batching.max_tokens_per_batch={batching.max_tokens_per_batch} is less than TRL's "
+                          f"max_length={longest}: with packing=True, TRL's packed rows are the examples; raise the "
+                          "budget to at least max_length")
+
+
+def note_trl_eval_packing(trainer: Any) -> None:
+    """TRL ``eval_packing=True`` without its padding-free collator (``packing=False``): TRL evaluates each packed row
+    as one sequence, its examples attending to each other; here every example is evaluated on its own (the row's
+    ``seq_lengths`` are kept), so ``eval_loss`` and the eval metrics differ from TRL's a little. Said, not refused."""
+    args = trainer.args
+    if (not getattr(args, "eval_packing", None) or getattr(trainer, "padding_free", True)
+            or trainer.eval_dataset is None or getattr(args, "packing_strategy", "bfd") == "wrapped"):
+        return
+    warnings.warn("eval_packing=True with packing=False: TRL's own evaluation lets the examples packed into one eval "
+                  "row attend to each other; padfree-plugins evaluates each example on its own, so eval_loss and the "
+                  "eval metrics differ slightly from TRL's. Set packing=True as well (TRL then keeps the boundaries "
+                  "too) or eval_packing=False to compare like with like.", stacklevel=3)

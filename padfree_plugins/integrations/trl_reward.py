@@ -1,0 +1,74 @@
+"""TRL ``RewardTrainer`` padding-free: the chosen and rejected texts of a batch packed into one row, scored per text
+by the model's sequence-classification head, and TRL's loss and metrics computed from those scores.
+
+TRL's ``DataCollatorForPreference`` pads the chosen texts, then the rejected ones, into ``[2n, L]``;
+:class:`PreferenceCollator` packs them in the same order, so ``logits[:n]`` are the chosen scores and ``logits[n:]``
+the rejected ones, as there. :func:`preference_loss` is TRL's ``compute_loss`` on those scores: the Bradley-Terry
+loss ``-logsigmoid(chosen - rejected [- margin])`` (plus ``center_rewards_coefficient``), and the metrics TRL logs
+(``num_tokens``, min / mean / max reward, accuracy, margin) — ``num_tokens`` counts real tokens, as TRL's attention
+mask does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from padfree_plugins.errors import BatchError
+from padfree_plugins.packing.collator import as_examples
+
+#: The token-id columns of a tokenized preference dataset, in the order TRL's collator stacks them.
+PREFERENCE_COLUMNS = ("chosen_ids", "rejected_ids")
+
+
+@dataclass
+class PreferenceCollator:
+    """Rows ``{chosen_ids, rejected_ids[, margin]}`` -> one packed batch of every chosen text, then every rejected
+    one (``collator``: the ``seq_cls`` task's), plus ``margin`` ``[n]`` when the rows carry one."""
+
+    collator: Any
+    id_columns = PREFERENCE_COLUMNS  # what the dataset check reads (see padfree_plugins.packing.datacheck)
+
+    @property
+    def packing(self) -> Any:
+        return getattr(self.collator, "packing", self.collator)
+
+    def __call__(self, rows: list[Mapping[str, Any]]) -> dict[str, Any]:
+        rows = as_examples(rows)
+        missing = [key for key in PREFERENCE_COLUMNS if rows and key not in rows[0]]
+        if missing:
+            raise BatchError(f"preference rows need {' and '.join(PREFERENCE_COLUMNS)} (what RewardTrainer's dataset "
+                             f"preparation writes); missing {', '.join(missing)}")
+        batch = self.collator([{"input_ids": row[key]} for key in PREFERENCE_COLUMNS for row in rows])
+        if "margin" in rows[0]:
+            batch["margin"] = torch.tensor([row["margin"] for row in rows], dtype=torch.float)
+        return batch
+
+
+def preference_loss(trainer: Any, logits: torch.Tensor, inputs: Mapping[str, Any]) -> torch.Tensor:
+    """TRL's reward loss on per-text scores ``logits`` ``[2n, 1]`` (chosen first), with TRL's metrics recorded."""
+    mode = "train" if trainer.model.training else "eval"
+    chosen, rejected = torch.chunk(logits.squeeze(-1), chunks=2)
+    margin = inputs.get("margin")
+    difference = chosen - rejected if margin is None else chosen - rejected - margin
+    loss = -F.logsigmoid(difference).mean()
+    if trainer.args.center_rewards_coefficient is not None:
+        loss = loss + trainer.args.center_rewards_coefficient * torch.mean((chosen + rejected) ** 2)
+    accelerator, metrics = trainer.accelerator, trainer._metrics[mode]
+    if mode == "train":
+        tokens = torch.tensor(inputs["input_ids"].shape[-1], device=logits.device)
+        trainer._total_train_tokens += accelerator.gather_for_metrics(tokens).sum().item() // trainer._tp_size
+    metrics["num_tokens"] = [trainer._total_train_tokens]
+    with torch.no_grad():
+        rewards = accelerator.gather(logits)
+        metrics["min_reward"].append(rewards.min().item())
+        metrics["mean_reward"].append(rewards.mean().item())
+        metrics["max_reward"].append(rewards.max().item())
+        accuracy = accelerator.gather_for_metrics((chosen > rejected).float().mean()).mean()
+        metrics["accuracy"].append(accuracy.item())
+        metrics["margin"].append(accelerator.gather_for_metrics((chosen - rejected).mean()).mean().item())
+    return loss

@@ -1,0 +1,142 @@
+"""The padding-free attention implementation registered with transformers' ``AttentionInterface``.
+
+One implementation per backend, named ``padfree_<backend>`` (e.g. ``padfree_exact``), each registered together
+with a mask function in ``AttentionMaskInterface``:
+
+* **Packed call** (``cu_seq_lens_q`` in the kwargs, which the model forwards from the batch): attention runs
+  inside each example through the backend. No ``[T, T]`` mask is ever built.
+* **Ordinary call** (no boundaries: a padded batch, ``generate()``): the mask function builds the usual sdpa
+  mask and attention runs as sdpa would, so a patched model gives the results it gave before patching.
+  The model-level guard in :mod:`padfree_plugins.modeling.patching` refuses packed rows that lack boundaries.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from padfree_plugins.contract.declarations import AttentionBackend
+from padfree_plugins.errors import BoundaryError
+from padfree_plugins.modeling.attention.backends import attend
+
+#: True while a patched model runs a packed batch (set by the guard, reset when the forward ends, even on error).
+#: Attention reads it to refuse a call that lost the boundaries on the way: a layer that does not forward
+#: ``**kwargs`` to attention would otherwise attend across examples silently. Context-local, so threads and
+#: async tasks never see each other's calls.
+PACKED_CALL: ContextVar[bool] = ContextVar("padfree_packed_call", default=False)
+
+IMPLEMENTATION_PREFIX = "padfree_"
+#: Keyword arguments that change attention semantics in ways no backend here implements.
+_UNSUPPORTED_KWARGS = ("s_aux", "sinks", "position_bias", "alibi_slopes")
+
+
+def implementation_name(backend: AttentionBackend, fallback: AttentionBackend | None = None,
+                        attention_dropout: bool = True) -> str:
+    """The transformers ``attn_implementation`` name of one variant, e.g. ``padfree_exact`` or
+    ``padfree_varlen_or_exact_nodropout``: every variant has its own name, so models patched differently in one
+    process never overwrite each other's function."""
+    name = IMPLEMENTATION_PREFIX + backend.name
+    if fallback is not None and fallback.name != backend.name:
+        name += f"_or_{fallback.name}"
+    return name if attention_dropout else name + "_nodropout"
+
+
+def padfree_mask(*args, attention_mask=None, **kwargs):
+    """Mask function: none for unpadded input (attention handles structure itself), sdpa's mask otherwise."""
+    if attention_mask is None:
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+@dataclass
+class PadfreeAttention:
+    """The attention function for one backend; ``fallback`` runs inputs the backend cannot (e.g. fp32 on a
+    bf16-only kernel) when the backend was chosen automatically."""
+
+    backend: AttentionBackend
+    fallback: AttentionBackend | None = None
+    attention_dropout: bool = True
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                 sliding_window=None, softcap=None, **kwargs):
+        for name in _UNSUPPORTED_KWARGS:
+            if kwargs.get(name) is not None:
+                raise NotImplementedError(
+                    f"{type(module).__name__} passes {name!r} to attention, which padfree-plugins does not "
+                    "implement; this architecture needs its own plugin (see docs/writing-a-plugin.md)"
+                )
+        if not self.attention_dropout:
+            dropout = 0.0
+        causal = kwargs.get("is_causal")
+        causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+        cu_seq_lens_q = kwargs.get("cu_seq_lens_q")
+        if cu_seq_lens_q is None:
+            if PACKED_CALL.get():
+                raise BoundaryError(
+                    f"{type(module).__name__} was called without the example boundaries during a packed forward: "
+                    "a layer of this model does not pass **kwargs on to attention, so it would attend across "
+                    "examples. This architecture needs a plugin that implements patch_model (see "
+                    "docs/writing-a-plugin.md)."
+                )
+            return self._ordinary(module, query, key, value, attention_mask, scaling, dropout,
+                                  sliding_window, softcap, causal, kwargs)
+        if query.shape[0] != 1:
+            raise BoundaryError(
+                f"a packed batch must be one row [1, T]; got {query.shape[0]} rows with cu_seq_lens_q. "
+                "Use padfree_plugins' collator, which packs every example into a single row."
+            )
+        if key.shape[2] != query.shape[2]:
+            raise BoundaryError(
+                f"{type(module).__name__}: packed queries ({query.shape[2]} tokens) attend to {key.shape[2]} keys "
+                "(a KV cache or cross-attention); padding-free packing supports self-attention without cache only"
+            )
+        cu_seq_lens_k = kwargs.get("cu_seq_lens_k")
+        cu_seq_lens_k = cu_seq_lens_q if cu_seq_lens_k is None else cu_seq_lens_k
+        max_q = kwargs.get("max_length_q")
+        max_k = kwargs.get("max_length_k", max_q)
+        if max_q is None:
+            max_q = max_k = int(cu_seq_lens_q.diff().max())  # a sync: collators always provide it
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+        backend = self._backend_for(q)
+        out = backend.varlen(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_q, max_k, causal=causal,
+                             scale=scaling, window=sliding_window, softcap=softcap, dropout=dropout)
+        return out.unsqueeze(0), None
+
+    def _backend_for(self, query: torch.Tensor) -> AttentionBackend:
+        if self.fallback is None or self.backend.accepts(query.device.type, query.dtype):
+            return self.backend
+        return self.fallback
+
+    def _ordinary(self, module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
+                  causal, kwargs):
+        """Inputs without boundaries: behave as the sdpa implementation, plus windows and soft-capping."""
+        if softcap is None and (attention_mask is not None or sliding_window is None):
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, is_causal=causal)
+        groups = query.shape[1] // key.shape[1]
+        mask = attention_mask
+        if mask is not None and mask.dtype != torch.bool:  # an additive float mask: 0 attends, a large negative not
+            mask = mask > torch.finfo(mask.dtype).min / 2
+        out = attend(query, repeat_kv(key, groups), repeat_kv(value, groups), causal=causal, scale=scaling,
+                     window=sliding_window, softcap=softcap, dropout=dropout, mask=mask)
+        return out.transpose(1, 2).contiguous(), None
+
+
+def register(backend: AttentionBackend, fallback: AttentionBackend | None = None,
+             attention_dropout: bool = True) -> str:
+    """Register the implementation of this variant with transformers and return its name.
+
+    Registering the same variant again replaces its function with an equal one; the registry belongs to
+    transformers, so nothing here keeps state.
+    """
+    if fallback is not None and fallback.name == backend.name:
+        fallback = None
+    name = implementation_name(backend, fallback, attention_dropout)
+    AttentionInterface.register(name, PadfreeAttention(backend, fallback, attention_dropout))
+    AttentionMaskInterface.register(name, padfree_mask)
+    return name

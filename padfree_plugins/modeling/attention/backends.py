@@ -1,0 +1,282 @@
+"""Attention kernels over a packed row: ``[T, H, D]`` tensors split into examples by ``cu_seq_lens``.
+
+Every backend has the signature of :func:`exact_varlen` and returns ``[T, H_q, D]``. Semantics shared by all:
+
+* ``causal``: a token sees itself and earlier tokens of its own example only.
+* ``window``: transformers' ``sliding_window`` — a token sees tokens at distance ``< window`` (on the left when
+  causal, on both sides otherwise); ``None`` is unlimited.
+* ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2).
+* ``dropout``: attention-probability dropout, already ``0.0`` outside training.
+* GQA / MQA: ``key`` / ``value`` may have fewer heads than ``query`` (a divisor of it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from padfree_plugins.errors import BackendUnavailableError
+from padfree_plugins.packing.batch import length_groups, token_examples
+
+
+def segment_mask(
+    length_q: int, length_k: int, causal: bool, window: int | None, device, *, always: bool = False
+) -> torch.Tensor | None:
+    """Boolean ``[Lq, Lk]`` mask (True = attend) for one example; ``None`` when sdpa's ``is_causal`` flag (or
+    no mask at all) says the same, unless ``always``.
+
+    Queries are aligned to the end of the keys (the last query sees the last key), as in a KV cache.
+    """
+    window_limits = window is not None and window < max(length_q, length_k)
+    causal_limits = causal and length_q > 1
+    if not always and not window_limits and not (causal_limits and length_q != length_k):
+        return None
+    q = torch.arange(length_q, device=device)[:, None] + (length_k - length_q)
+    k = torch.arange(length_k, device=device)[None, :]
+    distance = q - k
+    allowed = distance >= 0 if causal else torch.ones_like(distance, dtype=torch.bool)
+    if window_limits:
+        allowed &= (distance < window) & (distance > -window)
+    return allowed
+
+
+def attend(q, k, v, *, causal, scale=None, window=None, softcap=None, dropout=0.0, mask=None):
+    """Exact attention of ``[B, H, Lq, D]`` queries over ``[B, H_kv, Lk, D]`` keys (``H_kv`` divides ``H``).
+
+    ``mask`` (optional, boolean, True = attend, broadcastable to ``[B, H, Lq, Lk]``) is combined with the
+    causal / window structure.
+    """
+    grouped = k.shape[-3] != q.shape[-3]
+    explicit = mask is not None or softcap is not None
+    structure = segment_mask(q.shape[-2], k.shape[-2], causal, window, q.device, always=explicit and causal)
+    if mask is not None:
+        structure = mask if structure is None else (mask & structure)
+    if softcap is None:
+        use_flag = structure is None and causal and q.shape[-2] > 1
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=structure, dropout_p=dropout, scale=scale,
+                                              is_causal=use_flag, enable_gqa=grouped)
+    if grouped:
+        repeat = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    if structure is not None:
+        scores = scores.masked_fill(~structure, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = F.dropout(probs, p=dropout, training=dropout > 0)
+    return torch.matmul(probs, v)
+
+
+def _expand_kv(key: torch.Tensor, value: torch.Tensor, num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Repeat key/value heads (dim 1 of ``[T, H, D]``) to match the query heads (GQA / MQA)."""
+    heads = key.shape[1]
+    if heads == num_q_heads:
+        return key, value
+    if num_q_heads % heads:
+        raise ValueError(f"query heads ({num_q_heads}) must be a multiple of key/value heads ({heads})")
+    repeat = num_q_heads // heads
+    return key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+
+
+def exact_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_lens_q: torch.Tensor,
+    cu_seq_lens_k: torch.Tensor,
+    max_length_q: int,
+    max_length_k: int,
+    *,
+    causal: bool,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Exact attention on any device: one ``scaled_dot_product_attention`` per example.
+
+    Examples of equal length are stacked into one call, so the number of kernel launches is the number of
+    distinct lengths, not of examples. No work is spent on padding; nothing crosses an example boundary.
+    """
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})")
+    if cu_seq_lens_k is cu_seq_lens_q or (cu_seq_lens_k.shape == cu_seq_lens_q.shape
+                                          and torch.equal(cu_seq_lens_k, cu_seq_lens_q)):
+        return _self_attention_by_length(query, key, value, cu_seq_lens_q, causal=causal, scale=scale,
+                                         window=window, softcap=softcap, dropout=dropout)
+    q_all, k_all, v_all = (t.transpose(0, 1) for t in (query, key, value))  # [H, T, D]
+    bounds_q = cu_seq_lens_q.tolist()
+    bounds_k = bounds_q if cu_seq_lens_k is cu_seq_lens_q else cu_seq_lens_k.tolist()
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i in range(len(bounds_q) - 1):
+        shape = (bounds_q[i + 1] - bounds_q[i], bounds_k[i + 1] - bounds_k[i])
+        groups.setdefault(shape, []).append(i)
+    pieces: list[torch.Tensor | None] = [None] * (len(bounds_q) - 1)
+    for (length_q, length_k), members in groups.items():
+        q = torch.stack([q_all[:, bounds_q[i] : bounds_q[i] + length_q] for i in members])
+        k = torch.stack([k_all[:, bounds_k[i] : bounds_k[i] + length_k] for i in members])
+        v = torch.stack([v_all[:, bounds_k[i] : bounds_k[i] + length_k] for i in members])
+        out = attend(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, dropout=dropout)
+        for j, i in enumerate(members):
+            pieces[i] = out[j]
+    return torch.cat(pieces, dim=1).transpose(0, 1)  # [T, H, D]
+
+
+def _self_attention_by_length(query, key, value, cu_seq_lens, **options) -> torch.Tensor:
+    """:func:`exact_varlen` when queries and keys share their boundaries (self-attention, the usual case).
+
+    The tokens are reordered once so that examples of equal length sit together (one ``index_select`` per
+    tensor), each length group is a contiguous block viewed as ``[examples, L, H, D]`` (``split``, no copy),
+    and the output is put back in order with one more ``index_select``. The backward pass is then a few
+    gathers and one ``cat`` instead of a zero-filled full-size gradient per example slice.
+    """
+    perm, inverse, groups = length_groups(cu_seq_lens)
+    perm, inverse = perm.to(query.device), inverse.to(query.device)
+    sizes = [n * m for n, m in groups]
+    q_groups, k_groups, v_groups = (torch.split(PermuteRows.apply(t, perm, inverse), sizes)
+                                    for t in (query, key, value))
+    outputs = []
+    for (n, m), q, k, v in zip(groups, q_groups, k_groups, v_groups):
+        q, k, v = (t.view(m, n, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))  # [m, H, n, D]
+        out = attend(q, k, v, **options)
+        outputs.append(out.transpose(1, 2).reshape(m * n, out.shape[1], out.shape[-1]))  # [m * n, H, D]
+    return PermuteRows.apply(torch.cat(outputs), inverse, perm)  # [T, H, D]
+
+
+class PermuteRows(torch.autograd.Function):
+    """``x[perm]`` for a permutation: the backward is the inverse gather (no scatter-add, no zero fill)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+# -- re-padded attention (any device, any dtype, a fixed number of kernels) --------------------------------------
+
+
+def padded_slots(cu_seq_lens: torch.Tensor, total: int, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each of the ``total`` packed tokens, its row in a ``[n * longest]`` right-padded layout, and each
+    example's length. Device-side and sync-free: sizes come from shapes and ``longest`` (a python int)."""
+    starts, lengths = cu_seq_lens[:-1].long(), cu_seq_lens.diff().long()
+    example = token_examples(cu_seq_lens, total)
+    position = torch.arange(total, device=cu_seq_lens.device) - starts[example]
+    return example * longest + position, lengths
+
+
+def repad_varlen(query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, *,
+                 causal, scale=None, window=None, softcap=None, dropout=0.0) -> torch.Tensor:
+    """Exact attention with one masked ``scaled_dot_product_attention`` call: queries, keys and values are
+    scattered into a right-padded ``[n, L_max, H, D]`` view for attention alone (every other layer stays packed),
+    padded keys are masked out, and the output is gathered back to ``[T, H, D]``.
+
+    The number of kernels does not grow with the number of examples and nothing is read on the host, which suits
+    GPUs for inputs the varlen kernels cannot take (fp32): attention costs what it costs in a padded batch
+    (``n × L_max²``) and everything else runs on real tokens only, so a step is never slower than padded, where
+    :func:`exact_varlen`'s per-length calls (dozens for a batch of short texts) can be. On a CPU, where kernel
+    launches are cheap, :func:`exact_varlen` is much faster for mixed lengths (8× on a bs64 batch of short
+    texts), which is why ``repad`` is registered for accelerators only. Queries and keys are aligned at each example's
+    start: self-attention, where an example has as many keys as queries (what packed training runs).
+    """
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})")
+    slots_q, lengths_q = padded_slots(cu_seq_lens_q, query.shape[0], max_length_q)
+    slots_k, lengths_k = (slots_q, lengths_q) if cu_seq_lens_k is cu_seq_lens_q else \
+        padded_slots(cu_seq_lens_k, key.shape[0], max_length_k)
+    n = lengths_q.numel()
+
+    def padded(x: torch.Tensor, slots: torch.Tensor, longest: int) -> torch.Tensor:  # [n, H, L, D]
+        grid = x.new_zeros(n * longest, *x.shape[1:]).index_copy(0, slots, x)
+        return grid.view(n, longest, *x.shape[1:]).transpose(1, 2)
+
+    q = padded(query, slots_q, max_length_q)
+    k, v = (padded(t, slots_k, max_length_k) for t in _expand_kv(key, value, query.shape[1]))
+    keys = torch.arange(max_length_k, device=query.device)
+    real_key = keys[None, :] < lengths_k[:, None]  # [n, Lk]
+    padding_query = torch.arange(max_length_q, device=query.device)[None, :] >= lengths_q[:, None]  # [n, Lq]
+    # a padding query may see every key: its row is never read, and a fully masked row would be NaN in backward
+    mask = (real_key[:, None, :] | padding_query[:, :, None])[:, None]  # [n, 1, Lq, Lk]
+    out = attend(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, dropout=dropout, mask=mask)
+    return out.transpose(1, 2).reshape(n * max_length_q, *out.shape[1:2], out.shape[-1]).index_select(0, slots_q)
+
+
+# -- torch varlen_attn (CUDA, FlashAttention-2 inside ATen) -----------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def _torch_varlen_parameters() -> frozenset[str]:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def torch_varlen_unavailable() -> str | None:
+    """Why ``torch.nn.attention.varlen.varlen_attn`` cannot be used here, or ``None``."""
+    try:
+        _torch_varlen_parameters()
+    except ImportError:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (needs torch >= 2.10)"
+    if not torch.cuda.is_available():
+        return "varlen_attn runs on CUDA only and no CUDA device is available"
+    return None
+
+
+def torch_varlen(query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, *,
+                 causal, scale=None, window=None, softcap=None, dropout=0.0):
+    """``torch.nn.attention.varlen.varlen_attn`` (no soft-capping, no dropout)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    if softcap is not None or dropout:
+        raise BackendUnavailableError(
+            "the 'varlen' backend implements neither attention soft-capping nor attention dropout; "
+            "use attention: flash_attn or exact, or set the model's attention dropout to 0"
+        )
+    parameters = _torch_varlen_parameters()
+    extra = {}
+    if "window_size" in parameters:
+        left = window - 1 if window is not None else -1
+        extra["window_size"] = (left, 0 if causal else left)
+    else:
+        if window is not None:
+            raise BackendUnavailableError(f"varlen_attn of torch {torch.__version__} has no sliding window")
+        extra["is_causal"] = causal
+    if key.shape[1] != query.shape[1]:
+        if "enable_gqa" in parameters:
+            extra["enable_gqa"] = True
+        else:
+            key, value = _expand_kv(key, value, query.shape[1])
+    return varlen_attn(query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
+                       scale=scale, **extra)
+
+
+# -- flash-attn package ------------------------------------------------------------------------------------------
+
+
+def flash_attn_unavailable() -> str | None:
+    if importlib.util.find_spec("flash_attn") is None:
+        return "the flash_attn package is not installed (pip install flash-attn)"
+    if not torch.cuda.is_available():
+        return "flash_attn runs on CUDA only and no CUDA device is available"
+    return None
+
+
+def flash_attn_varlen(query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, *,
+                      causal, scale=None, window=None, softcap=None, dropout=0.0):
+    """``flash_attn.flash_attn_varlen_func`` (GQA, windows, soft-capping and dropout supported)."""
+    from flash_attn import flash_attn_varlen_func
+
+    left = window - 1 if window is not None else -1
+    return flash_attn_varlen_func(
+        query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
+        dropout_p=dropout, softmax_scale=scale, causal=causal,
+        window_size=(left, 0 if causal else left), softcap=softcap or 0.0,
+    )

@@ -1,0 +1,22 @@
+"""How a patched model is called on a packed batch (the default ``task_forward``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from padfree_plugins.packing.batch import MODEL_INPUT_KEYS
+
+
+@dataclass(frozen=True)
+class ModelForward:
+    """Call ``model`` with the packing keys plus ``model_keys`` that the batch has (e.g. ``labels``)."""
+
+    model_keys: tuple[str, ...] = ()
+
+    def inputs(self, batch: Mapping) -> dict[str, Any]:
+        return {key: batch[key] for key in (*MODEL_INPUT_KEYS, *self.model_keys) if key in batch}
+
+    def __call__(self, model: Any, batch: Mapping, **loss_kwargs: Any) -> Any:
+        return model(**self.inputs(batch), **loss_kwargs)

@@ -1,0 +1,308 @@
+"""Patch a transformers model to run padding-free, and undo it.
+
+A patch does these things, all reversible:
+
+1. switches the model's attention implementation to ``padfree_<backend>`` (see :mod:`padfree_plugins.modeling.attention`);
+2. installs a guard on the base model that refuses packed rows without boundaries (positions that restart inside
+   a row with no ``cu_seq_lens_q``): without it such a row would silently attend across examples;
+3. for tasks that compute per example inside the model's forward (classification, rerankers, embeddings:
+   :meth:`ModelPatch.route_compute`), lets ``model(padfree_compute=fn)`` run ``fn`` as the forward, through
+   every wrapper (DDP, FSDP, peft, accelerate's autocast).
+
+The ``padfree_<backend>`` name stays in transformers' attention registry after ``undo`` (the registry has no
+public way to remove a name); for a call without boundaries it behaves exactly as sdpa.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from padfree_plugins.contract.declarations import Architecture, AttentionBackend
+from padfree_plugins.errors import BoundaryError, PadfreeError, UnsupportedArchitectureError
+from padfree_plugins.modeling import attention
+from padfree_plugins.modeling.attention import PACKED_CALL
+
+PATCH_ATTRIBUTE = "_padfree_patch"
+#: The keyword of the model's forward that runs a task's computation instead (see :meth:`ModelPatch.route_compute`).
+COMPUTE_KEYWORD = "padfree_compute"
+logger = logging.getLogger("padfree_plugins")
+
+
+
+def unwrap_model(model: Any) -> Any:
+    """The transformers ``PreTrainedModel`` inside peft, DDP / FSDP, ``torch.compile`` and similar wrappers."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        elif hasattr(model, "get_base_model") and callable(model.get_base_model):  # peft PeftModel
+            model = model.get_base_model()
+        elif hasattr(model, "module") and isinstance(getattr(model, "module"), torch.nn.Module):  # DDP
+            model = model.module
+        elif isinstance(model, torch.nn.Sequential) and len(model) and hasattr(model[0], "auto_model"):
+            model = model[0].auto_model  # sentence-transformers: the transformers model of its Transformer module
+    if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
+        raise UnsupportedArchitectureError(
+            f"{type(model).__name__} is not a transformers PreTrainedModel (nor a peft / DDP / "
+            "sentence-transformers wrapper of one)"
+        )
+    return model
+
+
+def _bound_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
+    if not args:
+        return kwargs
+    try:
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+    except TypeError:
+        return kwargs
+    arguments = dict(bound.arguments)
+    for name, parameter in bound.signature.parameters.items():  # GPT-NeoX passes input_ids positionally: the
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:       # boundaries then sit inside ``**kwargs``
+            arguments.update(arguments.pop(name, {}))
+    return arguments
+
+
+def _check_packed_boundaries(cu: Any, cu_k: Any, position_ids: torch.Tensor) -> None:
+    """Boundaries built by hand must be what the collator builds: a 1-D integer tensor ``0, L1, …, T`` whose
+    examples are where ``position_ids`` restart. The values are checked only on the host (free there; on an
+    accelerator a check would wait for the device in every forward)."""
+    for name, value in (("cu_seq_lens_q", cu), ("cu_seq_lens_k", cu_k)):
+        if value is not None and not (isinstance(value, torch.Tensor) and value.ndim == 1 and value.numel() >= 2
+                                      and not value.is_floating_point()):
+            raise BoundaryError(f"{name} must be a 1-D integer tensor of boundaries 0, L1, L1+L2, …, T; got "
+                                f"{type(value).__name__} {getattr(value, 'shape', '')}".rstrip())
+    if cu.device.type != "cpu" or position_ids.device.type != "cpu" or position_ids.ndim != 2:
+        return
+    total = position_ids.shape[-1]
+    restarts = torch.nonzero(position_ids[0, 1:] != position_ids[0, :-1] + 1).flatten() + 1
+    expected = torch.cat([torch.zeros(1, dtype=torch.long), restarts, torch.tensor([total])])
+    if not torch.equal(cu.long(), expected) or (cu_k is not None and not torch.equal(cu_k.long(), cu.long())):
+        raise BoundaryError(
+            f"cu_seq_lens_q {cu.tolist()[:8]} does not match the packed row: position_ids restart at "
+            f"{expected.tolist()[:8]} (T={total}); attention would cross examples. Build packed batches with "
+            "padfree_plugins' collator"
+        )
+
+
+def check_boundaries(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Raise :class:`BoundaryError` on a packed row that lacks its boundaries; return whether the call is packed."""
+    inputs = _bound_inputs(module, args, kwargs)
+    position_ids = inputs.get("position_ids")
+    attention_mask = inputs.get("attention_mask")
+    tokens = inputs.get("input_ids")
+    tokens = inputs.get("inputs_embeds") if tokens is None else tokens
+    if inputs.get("cu_seq_lens_q") is not None:
+        for name in ("input_ids", "position_ids"):
+            value = inputs.get(name)
+            if isinstance(value, torch.Tensor) and value.ndim != 2:
+                raise BoundaryError(f"{name} of shape {tuple(value.shape)}; a packed batch is one row [1, T], as the "
+                                    "collator builds it: keep the batch dimension")
+        if tokens is not None and tokens.shape[0] != 1:
+            raise BoundaryError(f"a packed batch is one row [1, T]; got {tokens.shape[0]} rows with cu_seq_lens_q")
+        if attention_mask is not None:
+            raise BoundaryError(
+                "a packed batch must not carry an attention_mask (the boundaries replace it); drop the key"
+            )
+        if position_ids is None:
+            raise BoundaryError(
+                "a packed batch needs position_ids restarting at every example; without them positions would "
+                "run on across examples. Use padfree_plugins' collator."
+            )
+        _check_packed_boundaries(inputs["cu_seq_lens_q"], inputs.get("cu_seq_lens_k"), position_ids)
+        return True
+    if position_ids is None or position_ids.ndim != 2 or position_ids.shape[-1] < 2:
+        return False
+    if attention_mask is not None and attention_mask.ndim != 2:
+        return False  # a custom 4D mask states the structure itself
+    restarts = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    if attention_mask is not None:
+        real = attention_mask.bool()
+        restarts &= real[:, 1:] & real[:, :-1]
+    if bool(restarts.any()):
+        raise BoundaryError(
+            f"{type(module).__name__} got position_ids that restart inside a row but no cu_seq_lens_q: this looks "
+            "like several examples packed into one row without their boundaries, and attention would mix them. "
+            "Pack with padfree_plugins' collator (it adds cu_seq_lens_q / max_length_q), or pass an ordinary "
+            "padded batch."
+        )
+    return False
+
+
+@contextmanager
+def guarded_call(model: torch.nn.Module, inputs: Mapping[str, Any]) -> Iterator[None]:
+    """The guard of :class:`ModelPatch` for a caller that runs ``model.forward(**inputs)`` directly (which skips the
+    model's hooks, where the guard sits): the inputs are checked, and during a packed call attention refuses a
+    layer that lost the boundaries."""
+    token = PACKED_CALL.set(check_boundaries(model, (), dict(inputs)))
+    try:
+        yield
+    finally:
+        PACKED_CALL.reset(token)
+
+
+@dataclass
+class ForwardOrCompute:
+    """A model's forward that runs ``padfree_compute(model)`` instead when given it (see
+    :meth:`ModelPatch.route_compute`); a plain object, so that the model still pickles."""
+
+    model: Any
+    previous: Any = None  # an instance forward someone installed before the route
+
+    @property
+    def __wrapped__(self) -> Any:
+        """The model's own forward: ``inspect.signature`` shows its parameters (Trainer and TRL read them)."""
+        return type(self.model).forward.__get__(self.model)
+
+    def __call__(self, *args: Any, padfree_compute: Callable | None = None, **kwargs: Any) -> Any:
+        if padfree_compute is not None:
+            return padfree_compute(self.model)
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.model).forward(self.model, *args, **kwargs)
+
+
+@dataclass
+class ModelPatch:
+    """A model made padding-free; :meth:`undo` restores it exactly."""
+
+    model: Any
+    architecture: Architecture
+    backend: AttentionBackend
+    fallback: AttentionBackend | None
+    implementation: str
+    previous_implementation: str | None
+    handles: list[RemovableHandle] = field(default_factory=list)
+    active: bool = True
+    attention_dropout: bool = True
+    compute_route: ForwardOrCompute | None = field(default=None, repr=False)
+    _call_tokens: list = field(default_factory=list, repr=False)
+
+    @classmethod
+    def apply(cls, model: Any, architecture: Architecture, backend: AttentionBackend,
+              fallback: AttentionBackend | None = None, *, attention_dropout: bool = True) -> "ModelPatch":
+        """Patch ``model``; ``attention_dropout=False`` runs attention without probability dropout."""
+        model = unwrap_model(model)
+        if getattr(model, PATCH_ATTRIBUTE, None) is not None:
+            raise PadfreeError(f"{type(model).__name__} is already patched; undo the first patch before patching again")
+        previous = model.config._attn_implementation
+        name = attention.register(backend, fallback, attention_dropout)
+        model.set_attn_implementation(name)
+        if model.config._attn_implementation != name:
+            raise UnsupportedArchitectureError(
+                f"{type(model).__name__} does not route attention through transformers' AttentionInterface, so its "
+                "attention cannot be made padding-free by this plugin; it needs an architecture plugin of its own "
+                "(see docs/writing-a-plugin.md)"
+            )
+        base = getattr(model, "base_model", model)
+        patch = cls(model, architecture, backend, fallback, name, previous, attention_dropout=attention_dropout)
+        patch.handles.append(base.register_forward_pre_hook(patch._before_forward, with_kwargs=True))
+        patch.handles.append(base.register_forward_hook(patch._after_forward, with_kwargs=True, always_call=True))
+        setattr(model, PATCH_ATTRIBUTE, patch)
+        return patch
+
+    def _before_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Guard the inputs and mark packed calls in :data:`PACKED_CALL` for attention to check."""
+        self._call_tokens.append(PACKED_CALL.set(False))  # pushed first: the after-hook pops it even on error
+        if check_boundaries(module, args, kwargs):
+            PACKED_CALL.set(True)
+
+    def _after_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """Restore :data:`PACKED_CALL` as it was before this forward (runs even when the forward raised)."""
+        if self._call_tokens:
+            PACKED_CALL.reset(self._call_tokens.pop())
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled in another process (a DataLoader or encode worker): register the attention implementation the
+        model names there too (the registry is per process)."""
+        self.__dict__.update(state)
+        if self.active:
+            attention.register(self.backend, self.fallback, self.attention_dropout)
+
+    def route_compute(self) -> None:
+        """Make ``model(padfree_compute=fn)`` return ``fn(model)``, with every other call unchanged.
+
+        A task that computes per example (its own pooling and heads over the packed base model) then runs *as the
+        forward* of every wrapper around the model, which therefore does around it what it does around a forward:
+        DDP prepares the gradient all-reduce, accelerate's mixed precision autocasts. Installed on the instance at
+        assembly, under any wrapper added later (accelerate's autocast wraps it), and removed by :meth:`undo`.
+        """
+        if self.compute_route is not None:
+            return
+        previous = self.model.__dict__.get("forward")  # an instance forward someone installed before us, kept
+        if previous is not None:
+            logger.warning(
+                "padfree-plugins: %s.forward was already replaced on the instance (accelerator.prepare does so for "
+                "mixed precision): per-example computations run outside that wrapper, without its autocast; "
+                "assemble the model before accelerator.prepare", type(self.model).__name__)
+        self.compute_route = ForwardOrCompute(self.model, previous)
+        self.model.forward = self.compute_route
+
+    def _remove_compute_route(self) -> None:
+        if self.compute_route is None:
+            return
+        if self.model.__dict__.get("forward") is self.compute_route:  # a wrapper installed over it since stays
+            restore_attributes(self.model, {"forward": self.compute_route.previous or MISSING})
+        self.compute_route = None
+
+    def undo(self) -> None:
+        """Restore the previous attention implementation and remove the guard. Safe to call twice."""
+        if not self.active:
+            return
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        self._remove_compute_route()
+        if self.previous_implementation is not None:
+            self.model.set_attn_implementation(self.previous_implementation)
+        if getattr(self.model, PATCH_ATTRIBUTE, None) is self:
+            delattr(self.model, PATCH_ATTRIBUTE)
+        self.active = False
+
+    def describe(self) -> dict[str, Any]:
+        """What was patched, for logs and the CLI."""
+        attention_modules = sorted({type(m).__name__ for m in self.model.modules() if hasattr(m, "is_causal")})
+        return {
+            "model": type(self.model).__name__,
+            "architecture": self.architecture.name,
+            "attn_implementation": f"{self.previous_implementation} -> {self.implementation}",
+            "backend": self.backend.name + (f" (fallback {self.fallback.name})" if self.fallback else ""),
+            "attention_modules": attention_modules,
+            "guard": type(getattr(self.model, "base_model", self.model)).__name__,
+            "active": self.active,
+        }
+
+
+def patch_of(model: Any) -> ModelPatch | None:
+    """The active patch of a model (or of the model inside a wrapper), if any."""
+    try:
+        return getattr(unwrap_model(model), PATCH_ATTRIBUTE, None)
+    except UnsupportedArchitectureError:
+        return None
+
+
+#: Marks an attribute an object did not have in its own ``__dict__`` before a patch set it.
+MISSING = object()
+
+
+def own_attribute(obj: Any, name: str) -> Any:
+    """``obj``'s own instance attribute ``name`` (not its class's), or :data:`MISSING` — what a patch saves."""
+    return obj.__dict__.get(name, MISSING)
+
+
+def restore_attributes(obj: Any, saved: dict[str, Any]) -> None:
+    """Undo instance-attribute patches: put back saved values, delete those that were :data:`MISSING`."""
+    for name, value in saved.items():
+        if value is MISSING:
+            obj.__dict__.pop(name, None)
+        else:
+            setattr(obj, name, value)

@@ -1,0 +1,287 @@
+"""The packing collator: a list of tokenized examples -> one :class:`~padfree_plugins.packing.batch.PackedBatch`.
+
+Vectorised: the only Python loop runs once per example (to read lengths and check keys); tokens, positions and
+boundaries are built with numpy / torch ops. Instances are plain picklable objects (DataLoader workers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from padfree_plugins.errors import BatchError
+from padfree_plugins.packing.batch import PackedBatch
+
+#: Per-token keys carried whenever every example has them.
+DEFAULT_TOKEN_KEYS = ("token_type_ids",)
+
+
+def _as_int_array(value: Any, key: str, index: int) -> np.ndarray:
+    """A 1-D int64 array from a list, tuple, numpy array or tensor; a :class:`BatchError` otherwise."""
+    if isinstance(value, torch.Tensor):
+        array = value.detach().cpu().numpy()
+    else:
+        try:
+            array = np.asarray(value)
+        except Exception as exc:  # noqa: BLE001 - ragged nested lists and the like
+            raise BatchError(f"example {index}: {key!r} is not a flat sequence of integers ({exc})") from None
+    if array.ndim == 2 and array.shape[0] == 1:
+        array = array[0]
+    if array.ndim != 1:
+        raise BatchError(
+            f"example {index}: {key!r} must be 1-D (one example, unpadded); got shape {tuple(array.shape)}. "
+            "Pass examples one by one, not an already-batched tensor."
+        )
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise BatchError(f"example {index}: {key!r} must hold integers, got dtype {array.dtype}")
+    return array.astype(np.int64, copy=False)
+
+
+def as_examples(examples: Any) -> Any:
+    """``examples`` as a sequence of rows: any other iterable (a generator, a ``datasets.Dataset``) becomes a list;
+    a single row (a dict) is a :class:`BatchError`."""
+    if isinstance(examples, Mapping):
+        raise BatchError(
+            "the collator takes a list of examples (one dict per example), got a single dict; "
+            "wrap it in a list or use the dataset's rows"
+        )
+    if isinstance(examples, Sequence) and not isinstance(examples, (str, bytes)):
+        return examples
+    return list(examples)
+
+
+def holds_several_texts(input_ids: Any) -> bool:
+    """Whether one row's ``input_ids`` holds several texts — a listwise reranker row, one token list per candidate
+    of its query — rather than one example's tokens. The task collators expand such a row into its candidates and
+    the token-budget sampler counts (and refuses to split) it through this one test:
+
+    * a list or tuple holds several texts when its first element is a token sequence itself (a list, a tuple, or a
+      numpy array / tensor with at least one dimension); a flat list of ints (or of 0-d tensors) is one text;
+    * a numpy **object** array (``datasets``' numpy format of ragged candidates) is a container of Python objects
+      and is judged like a list, by its first element: an object array of lists or arrays holds several texts;
+    * any other numpy array or tensor holds several texts when it is 2-D with at least two rows (``[k, L]``: ``k``
+      candidates of equal length). A ``[1, L]`` one is **one text** — what ``tokenizer(text, return_tensors="pt")``
+      gives for one example, and what :class:`PackingCollator` reads as one example; a 1-D one is one text;
+    * an empty row, ``None`` and anything else hold one text (or none).
+    """
+    if isinstance(input_ids, torch.Tensor) or isinstance(input_ids, np.ndarray) and input_ids.dtype != object:
+        return input_ids.ndim == 2 and input_ids.shape[0] > 1
+    if isinstance(input_ids, np.ndarray) and input_ids.ndim == 0:  # an object scalar
+        return False
+    if not isinstance(input_ids, (list, tuple, np.ndarray)) or len(input_ids) == 0:
+        return False
+    first = input_ids[0]
+    return isinstance(first, (list, tuple)) or isinstance(first, (np.ndarray, torch.Tensor)) and first.ndim >= 1
+
+
+def stack_example_values(values: Sequence[Any], what: str, float_values: bool = False) -> torch.Tensor:
+    """One number (or fixed-length list of numbers) per example as one tensor: int64 for integers and booleans,
+    float32 otherwise or with ``float_values``; a :class:`BatchError` naming ``what`` for anything else."""
+    values = [v.tolist() if isinstance(v, (torch.Tensor, np.ndarray)) else v for v in values]
+    try:
+        array = np.asarray(values)
+    except ValueError:  # ragged lists
+        array = np.asarray(values, dtype=object)
+    if array.dtype == object or not (np.issubdtype(array.dtype, np.number) or array.dtype == bool):
+        raise BatchError(f"{what} must be a number or a fixed-length list of numbers in every example; got "
+                         f"{', '.join(sorted({type(v).__name__ for v in values}))}")
+    if float_values or not (np.issubdtype(array.dtype, np.integer) or array.dtype == bool):
+        return torch.from_numpy(array.astype(np.float32))
+    return torch.from_numpy(array.astype(np.int64))
+
+
+def _concat_int_lists(values: Sequence[Any], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """All examples' ``key`` as one flat int64 array plus the per-example lengths.
+
+    Plain Python lists (what tokenizers and datasets give) take one conversion for the whole batch; anything else,
+    or anything suspicious, goes example by example so that errors name the example.
+    """
+    if all(type(v) is list for v in values):
+        try:
+            flat = np.asarray(list(chain.from_iterable(values)))
+        except ValueError:  # ragged nested lists: the per-example path names the culprit
+            flat = np.empty((0, 0))
+        if flat.ndim == 1 and (flat.size == 0 or np.issubdtype(flat.dtype, np.integer)):
+            lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+            return flat.astype(np.int64, copy=False), lengths
+    arrays = [_as_int_array(v, key, i) for i, v in enumerate(values)]
+    lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+    return np.concatenate(arrays), lengths
+
+
+@dataclass
+class PackingCollator:
+    """Packs examples into one row with explicit boundaries.
+
+    Args:
+        position_start: first position id of every example (architecture-given: 0, or 2 for RoBERTa-family).
+        token_keys: per-token keys to concatenate like ``input_ids`` when present (in all examples or none).
+        example_keys: per-example keys to stack (scalars or fixed-length vectors), required in every example.
+        required_keys: keys every example must have.
+        max_length: longest example allowed (``None``: no limit).
+        on_overlong: ``"error"`` (default) or ``"truncate"`` examples longer than ``max_length``.
+        masked_first_keys: token keys (e.g. ``"labels"``) whose first value in every example is set to
+            ``ignore_index``, so that no example learns to predict its first token from the one before it.
+        limit_source: when ``max_length`` is the model's own limit rather than the config's, what sets it (e.g.
+            ``LlamaConfig.max_position_embeddings=2048``); error messages name it.
+        vocab_size: token ids must be below it (``None``: unchecked); negative ids are always refused.
+    """
+
+    position_start: int = 0
+    token_keys: tuple[str, ...] = DEFAULT_TOKEN_KEYS
+    example_keys: tuple[str, ...] = ()
+    required_keys: tuple[str, ...] = ("input_ids",)
+    max_length: int | None = None
+    on_overlong: Literal["error", "truncate"] = "error"
+    masked_first_keys: tuple[str, ...] = ()
+    ignore_index: int = -100
+    limit_source: str = ""
+    vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.on_overlong not in ("error", "truncate"):
+            raise ValueError(f"on_overlong must be 'error' or 'truncate', not {self.on_overlong!r}")
+        if self.max_length is not None and self.max_length < 1:
+            raise ValueError(f"max_length must be a positive integer or None, not {self.max_length!r}")
+
+    def __call__(self, examples: Sequence[Mapping[str, Any]]) -> PackedBatch:
+        examples = self._check_examples(examples)
+        ids, full_lengths = _concat_int_lists([ex["input_ids"] for ex in examples], "input_ids")
+        self._check_lengths(full_lengths)
+        self._check_token_ids(ids, full_lengths)
+        keep = self._kept_tokens(full_lengths)
+        lengths = full_lengths if keep is None else np.minimum(full_lengths, self.max_length)
+        if keep is not None:
+            ids = ids[keep]
+
+        n, total = len(examples), int(lengths.sum())
+        cu = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lengths, out=cu[1:])
+        positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1], lengths) + self.position_start
+        example_index = np.repeat(np.arange(n, dtype=np.int32), lengths)
+        columns = {"input_ids": ids, "position_ids": positions, "seq_idx": example_index}
+        for key in self.token_keys:
+            values = self._token_key(examples, key, full_lengths, keep)
+            if values is not None:
+                columns[key] = values
+        for key in self.masked_first_keys:
+            if key in columns:
+                columns[key][cu[:-1]] = self.ignore_index
+        batch = PackedBatch({key: torch.from_numpy(values.reshape(1, -1)) for key, values in columns.items()})
+        batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.from_numpy(cu.astype(np.int32))
+        batch["max_length_q"] = batch["max_length_k"] = int(lengths.max())
+        for key in self.example_keys:
+            batch[key] = stack_example_values([ex[key] for ex in examples], repr(key))
+        return batch
+
+    # -- checks --------------------------------------------------------------------------------------------------
+
+    def _check_examples(self, examples: Any) -> Sequence[Mapping[str, Any]]:
+        examples = as_examples(examples)
+        if len(examples) == 0:
+            raise BatchError("empty batch: the collator got no examples")
+        for i, ex in enumerate(examples):
+            if not isinstance(ex, Mapping):
+                raise BatchError(f"example {i} is a {type(ex).__name__}, not a dict of features")
+            missing = [key for key in (*self.required_keys, *self.example_keys) if key not in ex]
+            if missing:
+                raise BatchError(
+                    f"example {i} is missing {', '.join(map(repr, missing))}; it has {', '.join(map(repr, ex))}"
+                )
+            mask = ex.get("attention_mask")
+            if isinstance(mask, torch.Tensor):
+                mask = mask.tolist()
+            if mask is not None and not bool(np.all(np.asarray(mask))):
+                raise BatchError(
+                    f"example {i} is padded (its attention_mask has zeros): pass unpadded examples; "
+                    "the collator packs them without any padding"
+                )
+        return examples
+
+    def _check_lengths(self, lengths: np.ndarray) -> None:
+        empty = np.flatnonzero(lengths == 0)
+        if empty.size:
+            raise BatchError(
+                f"example {int(empty[0])} has no tokens (zero-length input_ids); "
+                f"{empty.size} empty example(s) in this batch — filter them out of the dataset"
+            )
+        if self.max_length is not None and self.on_overlong == "error":
+            over = np.flatnonzero(lengths > self.max_length)
+            if over.size:
+                i = int(over[0])
+                raise BatchError(f"{self.overlong_message(i, int(lengths[i]))} ({over.size} such example(s))")
+
+    def _check_token_ids(self, ids: np.ndarray, lengths: np.ndarray) -> None:
+        """Refuse ids the embedding table does not have (an index error on CPU, a device assert on GPU)."""
+        low, high = int(ids.min()), int(ids.max())
+        if low >= 0 and (self.vocab_size is None or high < self.vocab_size):
+            return
+        bad = low if low < 0 else high
+        example = int(np.searchsorted(np.cumsum(lengths), int(np.flatnonzero(ids == bad)[0]), side="right"))
+        limit = f"ids 0 to {self.vocab_size - 1}" if self.vocab_size is not None else "ids from 0"
+        raise BatchError(f"example {example} has token id {bad}, outside the model's vocabulary ({limit}): was it "
+                         "tokenized with another tokenizer, or were tokens added without resizing the embeddings?")
+
+    def overlong_message(self, index: int, length: int, where: str = "") -> str:
+        """The error for an example longer than ``max_length`` (also used by the dataset check)."""
+        if self.limit_source:
+            return (
+                f"example {index}{where} has {length} tokens but the model takes at most {self.max_length} "
+                f"({self.limit_source}); truncate it when tokenizing, or set max_length: {self.max_length} and "
+                "on_overlong: truncate in the acceleration config"
+            )
+        return (
+            f"example {index}{where} has {length} tokens, more than max_length={self.max_length}; truncate it when "
+            "tokenizing or set on_overlong: truncate in the acceleration config"
+        )
+
+    def _kept_tokens(self, full_lengths: np.ndarray) -> np.ndarray | None:
+        """Boolean mask over the concatenated tokens when truncating, else ``None``."""
+        if self.max_length is None or self.on_overlong != "truncate" or full_lengths.max() <= self.max_length:
+            return None
+        total = int(full_lengths.sum())
+        starts = np.repeat(np.cumsum(full_lengths) - full_lengths, full_lengths)
+        return np.arange(total) - starts < self.max_length
+
+    def _token_key(self, examples: Sequence[Mapping[str, Any]], key: str, lengths: np.ndarray,
+                   keep: np.ndarray | None) -> np.ndarray | None:
+        """``key`` of every example concatenated; ``lengths`` are the untruncated ``input_ids`` lengths."""
+        have = [key in ex and ex[key] is not None for ex in examples]
+        if not any(have):
+            if key in self.required_keys:
+                raise BatchError(f"every example needs {key!r}")
+            return None
+        if not all(have):
+            raise BatchError(
+                f"{key!r} is present in some examples but not in example {have.index(False)}: "
+                "give it to every example or to none"
+            )
+        flat, key_lengths = _concat_int_lists([ex[key] for ex in examples], key)
+        wrong = np.flatnonzero(key_lengths != lengths)
+        if wrong.size:
+            i = int(wrong[0])
+            raise BatchError(
+                f"example {i}: {key!r} has {int(key_lengths[i])} values but input_ids has {int(lengths[i])} tokens; "
+                "they must be the same length"
+            )
+        return flat if keep is None else flat[keep]  # always a fresh array: masking never touches the caller's data
+
+
+class WrapsPackingCollator:
+    """Mixin for task collators built around a :class:`PackingCollator` in ``self.packing``: exposes its
+    ``max_length`` and ``on_overlong`` (read by the dataset checks before training)."""
+
+    packing: PackingCollator
+
+    @property
+    def max_length(self) -> int | None:
+        return self.packing.max_length
+
+    @property
+    def on_overlong(self) -> str:
+        return self.packing.on_overlong

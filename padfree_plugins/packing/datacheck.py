@@ -1,0 +1,131 @@
+"""Check a whole dataset against a packing collator before training starts.
+
+The collator refuses bad examples anyway, but only when a batch reaches it, possibly hours into a run. This
+check finds the same problems up front: empty examples, examples longer than the collator accepts (the model's
+``max_position_embeddings`` or the config's ``max_length``), and per-token keys (``labels``) whose length differs
+from ``input_ids`` — for the embedding task, in every ``<column>_input_ids`` column. It reads lengths only: a
+vectorised pass over Arrow columns for a ``datasets.Dataset``, a Python pass for an in-memory list; streaming
+datasets and on-the-fly transforms are left to the collator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from padfree_plugins.errors import BatchError
+
+#: Plain Python datasets longer than this are left to the collator (a Python pass would take too long).
+MAX_PYTHON_ROWS = 200_000
+
+
+def _packing(collator: Any) -> Any:
+    """The :class:`~padfree_plugins.packing.collator.PackingCollator` inside a task collator (or the collator itself)."""
+    return getattr(collator, "packing", collator)
+
+
+def _arrow_lengths(dataset: Any, keys: list[str]) -> Iterator[dict[str, np.ndarray]]:
+    import pyarrow.compute as pc
+
+    for table in dataset.select_columns(keys).with_format("arrow").iter(batch_size=50_000):
+        yield {key: pc.list_value_length(table.column(key)).fill_null(-1).to_numpy(zero_copy_only=False)
+               for key in keys}
+
+
+def _python_lengths(dataset: Sequence[Mapping[str, Any]], keys: list[str]) -> Iterator[dict[str, np.ndarray]]:
+    def length(row: Mapping[str, Any], key: str) -> int:
+        value = row.get(key)
+        return -1 if value is None else len(value)
+
+    rows = [dataset[i] for i in range(len(dataset))]
+    yield {key: np.fromiter((length(row, key) for row in rows), dtype=np.int64, count=len(rows)) for key in keys}
+
+
+def _length_batches(dataset: Any, keys: list[str]) -> Iterator[dict[str, np.ndarray]] | None:
+    """Per-key lengths of every row, in chunks (``keys[0]`` is the token ids); ``None`` when they cannot be read
+    cheaply and exactly."""
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover - datasets is a dependency of the train extra
+        datasets = None
+    if datasets is not None and isinstance(dataset, datasets.Dataset):
+        if dataset.format.get("type") == "custom" or keys[0] not in dataset.column_names:
+            return None  # a transform builds the features on the fly: the collator checks them
+        return _arrow_lengths(dataset, [key for key in keys if key in dataset.column_names])
+    if isinstance(dataset, Sequence) and 0 < len(dataset) <= MAX_PYTHON_ROWS and isinstance(dataset[0], Mapping):
+        return _python_lengths(dataset, keys) if keys[0] in dataset[0] else None
+    return None
+
+
+def _column_names(dataset: Any) -> list[str]:
+    names = getattr(dataset, "column_names", None)
+    if names is None and isinstance(dataset, Sequence) and len(dataset) and isinstance(dataset[0], Mapping):
+        names = list(dataset[0])
+    return list(names or [])
+
+
+def _text_columns(dataset: Any, collator: Any) -> list[tuple[str, str]]:
+    """``(token-id column, prefix of its per-token columns)`` for every text of a row: ``input_ids``; the embedding
+    collator's ``<column>_input_ids`` texts; the columns a collator names in ``id_columns`` (``chosen_ids`` …)."""
+    named = getattr(collator, "id_columns", None)
+    if named is not None:
+        return [(column, f"{column}_") for column in named]
+    columns = getattr(collator, "columns", None)
+    if columns is None:
+        return [("input_ids", "")]
+    columns = columns or [name[: -len("_input_ids")] for name in _column_names(dataset) if name.endswith("_input_ids")]
+    prefixes = [f"{column}_" if column else "" for column in columns] or [""]
+    return [(f"{prefix}input_ids", prefix) for prefix in prefixes]
+
+
+def check_dataset(dataset: Any, collator: Any, name: str = "train") -> int | None:
+    """Raise :class:`BatchError` for the first problem the collator would find in ``dataset``.
+
+    Returns the number of rows checked, or ``None`` when the dataset cannot be checked up front.
+    """
+    checked = None
+    for ids_key, prefix in _text_columns(dataset, collator):
+        rows = _check_texts(dataset, _packing(collator), ids_key, prefix, name)
+        checked = rows if rows is not None else checked
+    return checked
+
+
+def _check_texts(dataset: Any, packing: Any, ids_key: str, prefix: str, name: str) -> int | None:
+    """:func:`check_dataset` for the texts of one column (``ids_key``; ``prefix`` + ``labels`` … per token)."""
+    token_keys = [key for key in getattr(packing, "token_keys", ()) if key != "input_ids"]
+    batches = _length_batches(dataset, [ids_key, *(prefix + key for key in token_keys)])
+    if batches is None:
+        return None
+    limit = getattr(packing, "max_length", None) if getattr(packing, "on_overlong", "error") == "error" else None
+    offset = 0
+    where = f" of the {name} dataset" + (f" ({ids_key})" if ids_key != "input_ids" else "")
+    for lengths in batches:
+        ids = lengths[ids_key]
+        empty = np.flatnonzero(ids <= 0)
+        if empty.size:
+            raise BatchError(f"example {offset + int(empty[0])}{where} has no tokens ({empty.size} such example(s) "
+                             "in this chunk); filter empty examples out of the dataset")
+        if limit is not None:
+            over = np.flatnonzero(ids > limit)
+            if over.size:
+                row = int(over[0])
+                message = (packing.overlong_message(offset + row, int(ids[row]), where)
+                           if hasattr(packing, "overlong_message") else
+                           f"example {offset + row}{where} has {int(ids[row])} tokens, more than max_length={limit}")
+                raise BatchError(f"{message} ({over.size} example(s) too long in this chunk)")
+        for key in token_keys:
+            if prefix + key not in lengths:
+                continue
+            present = lengths[prefix + key] >= 0
+            bad = np.flatnonzero(present & (lengths[prefix + key] != ids))
+            if bad.size:
+                row = int(bad[0])
+                raise BatchError(
+                    f"example {offset + row}{where}: {prefix + key!r} has {int(lengths[prefix + key][row])} values "
+                    f"but {ids_key} has {int(ids[row])} tokens ({bad.size} such example(s)); they must be the same "
+                    "length" + (" — give -100 for tokens without a label" if key == "labels" else "")
+                )
+        offset += ids.size
+    return offset

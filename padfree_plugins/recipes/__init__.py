@@ -1,0 +1,1 @@
+"""Recipes: the embedded training run and the demo."""

@@ -1,0 +1,421 @@
+"""``padfree-plugins train``: fine-tune a causal LM padding-free with HF ``Trainer``, from the command line.
+
+Every ``TrainingArguments`` flag passes through (``--learning_rate``, ``--bf16``, ``--gradient_accumulation_steps``,
+…), plus the script's own (:class:`TrainScriptArguments`) and ``--acceleration_config`` (:class:`~padfree_plugins.
+arguments.AccelerationArguments`). With no model and no dataset it runs its embedded default: a tiny Llama built
+from a config, a byte-level BPE tokenizer trained on the spot, and the instruction dataset shipped in
+``padfree_plugins/data`` — no downloads, well under a minute on two CPU cores.
+
+``--output_dir DIR`` receives the checkpoints (``--save_strategy``) and, after training, the trained model and its
+tokenizer; ``--resume_from_checkpoint DIR/checkpoint-N`` continues a run from one of its checkpoints.
+
+Everything that can be wrong with the input is checked before the first step: the acceleration config, the
+architecture and attention backend (``plan``), the dataset (examples longer than the model takes, labels not
+aligned with ``input_ids``, empty examples), in that order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+from padfree_plugins.config.model_configs import load_model_config, local_directory
+from padfree_plugins.config.schema import PadfreeConfig
+from padfree_plugins.errors import ConfigError, PadfreeError
+from padfree_plugins.integrations.arguments import AccelerationArguments
+
+#: The instruction / response pairs shipped with the package (``padfree_plugins/data``).
+DEFAULT_DATASET = "instructions.jsonl"
+PROMPT_TEMPLATE = "### Instruction:\n{prompt}\n### Response:\n"
+#: TrainingArguments of the embedded default (any of them can still be given on the command line).
+EMBEDDED_FLAGS = [
+    "--num_train_epochs", "3", "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "32",
+    "--learning_rate", "3e-3", "--lr_scheduler_type", "cosine", "--warmup_steps", "6", "--weight_decay", "0.0",
+    "--logging_steps", "6", "--save_strategy", "no", "--seed", "0",
+]
+#: TrainingArguments defaults of the command (overridable): quiet, countable, nothing reported anywhere.
+COMMON_FLAGS = ["--report_to", "none", "--disable_tqdm", "true", "--include_num_input_tokens_seen", "true"]
+#: The rows train reads, by the columns that make each (the first one present wins).
+ROW_FORMATS = {"input_ids": ("input_ids",), "prompt + completion": ("prompt", "completion"), "text": ("text",)}
+#: Words of torch's optimizer errors -> the TrainingArguments field they are about.
+OPTIMIZER_ARGUMENTS = {"learning rate": "learning_rate", "epsilon": "adam_epsilon", "index 0": "adam_beta1",
+                       "index 1": "adam_beta2", "weight_decay": "weight_decay"}
+
+
+@dataclass
+class TrainScriptArguments:
+    """What to train on what (``padfree-plugins train --help`` lists these with the TrainingArguments)."""
+
+    model_name_or_path: str | None = field(default=None, metadata={
+        "help": "local model directory (config and weights). Default: a tiny Llama built from a config"})
+    model_config: str | None = field(default=None, metadata={
+        "help": "a config.json (or a directory holding one) to build a randomly initialised model from"})
+    tokenizer_name_or_path: str | None = field(default=None, metadata={
+        "help": "local tokenizer directory (default: the model's; for a model built from a config, a byte-level "
+                "BPE tokenizer trained on the dataset)"})
+    dataset: str | None = field(default=None, metadata={
+        "help": "a local .json / .jsonl / .parquet / .csv file, or a directory written by datasets' save_to_disk. "
+                "Rows hold input_ids (and optional labels), or prompt + completion, or text. Default: the "
+                "instruction dataset shipped with padfree-plugins"})
+    dataset_split: str = field(default="train", metadata={
+        "help": "split to read from a saved DatasetDict (a file or a saved Dataset has the train split only)"})
+    eval_fraction: float = field(default=0.1, metadata={"help": "share of the dataset held out for evaluation"})
+    max_examples: int | None = field(default=None, metadata={"help": "use only the first N examples"})
+    completion_only_loss: bool = field(default=True, metadata={
+        "help": "prompt + completion rows: train on the completion only (prompt labels are -100)"})
+    truncate_to: int | None = field(default=None, metadata={
+        "help": "truncate examples to this many tokens when tokenizing (default: keep them whole; an example "
+                "longer than the model takes is then an error before training)"})
+    vocab_size: int = field(default=512, metadata={"help": "vocabulary of the tokenizer trained for a model built "
+                                                           "from a config"})
+
+
+@dataclass
+class TrainReport:
+    """What a run did: the loss curve, evaluation before and after, throughput."""
+
+    losses: list[tuple[int, float]]
+    eval_before: float | None
+    eval_after: float | None
+    steps: int
+    runtime_s: float
+    tokens: int
+    setup: dict[str, Any]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.runtime_s if self.runtime_s else 0.0
+
+
+# -- inputs ------------------------------------------------------------------------------------------------------
+
+
+def _has_flag(argv: Sequence[str], name: str) -> bool:
+    """Whether ``argv`` gives the option ``name`` (``--model_config``), as ``--model_config x``,
+    ``--model_config=x`` or with dashes (``--model-config x``), which ``HfArgumentParser`` accepts too."""
+    spelling = name.replace("-", "_")
+    return any(arg.startswith("--") and arg.split("=", 1)[0].replace("-", "_") == spelling for arg in argv)
+
+
+def parse_arguments(argv: Sequence[str]) -> tuple[TrainScriptArguments, Any, AccelerationArguments, bool]:
+    """Parse the command line; the embedded default's flags come first, so that anything given overrides them."""
+    from transformers import HfArgumentParser, TrainingArguments
+
+    parser = HfArgumentParser((TrainScriptArguments, TrainingArguments, AccelerationArguments))
+    embedded = not any(_has_flag(argv, f) for f in ("--model_name_or_path", "--model_config", "--dataset"))
+    prefix = list(COMMON_FLAGS)
+    if embedded:
+        prefix += EMBEDDED_FLAGS
+    if not _has_flag(argv, "--dataloader_pin_memory") and not _has_flag(argv, "--no_dataloader_pin_memory"):
+        import torch
+
+        if not torch.cuda.is_available():
+            prefix += ["--dataloader_pin_memory", "false"]  # pinning needs an accelerator (torch warns otherwise)
+    if not _has_flag(argv, "--output_dir"):
+        prefix += ["--output_dir", tempfile.mkdtemp(prefix="padfree-train-")]
+        if not _has_flag(argv, "--save_strategy"):
+            prefix += ["--save_strategy", "no"]  # a throwaway directory: nothing worth saving into it
+    try:
+        script, training, acceleration = parser.parse_args_into_dataclasses(args=[*prefix, *argv])
+    except ConfigError:
+        raise
+    except ValueError as error:  # TrainingArguments' own checks (e.g. --bf16 on a machine without bf16 support)
+        raise ConfigError(f"invalid training arguments: {error}") from error
+    if not 0 <= script.eval_fraction < 1:
+        raise ConfigError(f"--eval_fraction must be in [0, 1), got {script.eval_fraction}")
+    return script, training, acceleration, embedded
+
+
+def load_rows(path: str | None, split: str = "train") -> Any:
+    """A ``datasets.Dataset`` from a local file or a ``save_to_disk`` directory (the shipped dataset if ``None``)."""
+    import datasets
+    from datasets.exceptions import DatasetGenerationError
+
+    source = Path(path) if path is not None else None
+    loaded = datasets.load_from_disk(str(source)) if source is not None and source.is_dir() else None
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise ConfigError(f"{path}: no split {split!r}; splits: {', '.join(loaded)} (use --dataset_split)")
+        return loaded[split]
+    if split != "train":
+        raise ConfigError(f"--dataset_split {split!r}: {f'dataset {path!r}' if path else 'the shipped dataset'} has "
+                          "a single (train) split; --dataset_split selects a split of a saved DatasetDict")
+    if loaded is not None:
+        return loaded
+    if source is None:
+        text = files("padfree_plugins.data").joinpath(DEFAULT_DATASET).read_text()
+        return datasets.Dataset.from_list([json.loads(line) for line in text.splitlines() if line.strip()])
+    if not source.is_file():
+        raise ConfigError(f"dataset {path!r} does not exist (give a local file or a save_to_disk directory)")
+    kinds = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+    kind = kinds.get(source.suffix.lower())
+    if kind is None:
+        raise ConfigError(f"dataset {path!r}: unknown format {source.suffix!r}; use one of {', '.join(kinds)} or a "
+                          "save_to_disk directory")
+    try:
+        return datasets.load_dataset(kind, data_files=str(source), split="train")
+    except (DatasetGenerationError, ValueError, StopIteration) as error:  # StopIteration: an empty .jsonl
+        cause = str(error.__cause__ or error).splitlines()
+        raise ConfigError(f"dataset {path!r} cannot be read as {kind}: {cause[0] if cause else 'it has no rows'}"
+                          ) from error
+
+
+def train_tokenizer(texts: Sequence[str], vocab_size: int = 512) -> Any:
+    """A byte-level BPE tokenizer trained on ``texts`` (deterministic, under a second for a few hundred rows)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def row_format(rows: Any) -> str:
+    """Which of :data:`ROW_FORMATS` ``rows`` hold, after checking the types of its columns (token ids: lists of
+    integers; prompt, completion, text: strings), so that bad data fails before any model or tokenizer loads."""
+    import pyarrow as pa
+
+    columns = rows.column_names
+    kind = next((kind for kind, needed in ROW_FORMATS.items() if set(needed) <= set(columns)), None)
+    if kind is None:
+        raise ConfigError(f"the dataset has columns {', '.join(columns)}; give input_ids (and labels), or prompt + "
+                          "completion, or text")
+    schema = rows.features.arrow_schema
+    for name in (*ROW_FORMATS[kind], *(["labels"] if kind == "input_ids" and "labels" in columns else [])):
+        kind_of = schema.field(name).type
+        if name in ("input_ids", "labels"):
+            good = (pa.types.is_list(kind_of) or pa.types.is_large_list(kind_of)) and pa.types.is_integer(
+                kind_of.value_type)
+            wanted = "lists of integer token ids"
+        else:
+            good, wanted = pa.types.is_string(kind_of) or pa.types.is_large_string(kind_of), "text (strings)"
+        if not good:
+            raise ConfigError(f"the dataset's {name!r} column holds {kind_of} values; it must hold {wanted}")
+    return kind
+
+
+def _texts(rows: Any) -> list[str]:
+    """The texts of prompt + completion or text rows, to train a tokenizer on."""
+    if row_format(rows) == "prompt + completion":
+        return [PROMPT_TEMPLATE.format(prompt=p) + c for p, c in zip(rows["prompt"], rows["completion"])]
+    return list(rows["text"])
+
+
+def tokenize(rows: Any, tokenizer: Any, completion_only_loss: bool = True, truncate_to: int | None = None) -> Any:
+    """``input_ids`` + ``labels`` from pre-tokenized, prompt + completion, or text rows (no padding anywhere)."""
+    columns = rows.column_names
+    kind = row_format(rows)
+    eos = [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []
+
+    def cut(example: dict) -> dict:
+        if truncate_to is not None:
+            example = {k: v[:truncate_to] for k, v in example.items()}
+        return example
+
+    if kind == "input_ids":
+        keep = [c for c in columns if c in ("input_ids", "labels")]
+        return rows.select_columns(keep).map(cut) if truncate_to else rows.select_columns(keep)
+    if kind == "prompt + completion":
+        def encode(row: dict) -> dict:
+            prompt = tokenizer(PROMPT_TEMPLATE.format(prompt=row["prompt"]), add_special_tokens=False)["input_ids"]
+            answer = tokenizer(row["completion"], add_special_tokens=False)["input_ids"] + eos
+            labels = ([-100] * len(prompt) if completion_only_loss else prompt) + answer
+            return cut({"input_ids": prompt + answer, "labels": labels})
+    else:
+        def encode(row: dict) -> dict:
+            ids = tokenizer(row["text"], add_special_tokens=False)["input_ids"] + eos
+            return cut({"input_ids": ids, "labels": list(ids)})
+    return rows.map(encode, remove_columns=columns)
+
+
+def tiny_llama_config(vocab_size: int, tokenizer: Any = None) -> Any:
+    """The embedded default model: 4 layers, d=128, GQA 4 heads / 2 key-value heads, 512 positions."""
+    from transformers import LlamaConfig
+
+    special = {f"{name}_token_id": getattr(tokenizer, f"{name}_token_id", None) for name in ("pad", "bos", "eos")}
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       tie_word_embeddings=True, **special)
+
+
+def _largest_token(rows: Any) -> int:
+    import pyarrow.compute as pc
+
+    column = rows.with_format("arrow")[:]["input_ids"]
+    largest = pc.max(pc.list_flatten(column)).as_py()
+    return int(largest) if largest is not None else 0
+
+
+def check_token_ids(data: Any, vocab_size: int) -> None:
+    """Every token id in ``[0, vocab_size)`` (labels: or -100); one outside fails only mid-training (IndexError)."""
+    import pyarrow.compute as pc
+
+    keys = [key for key in ("input_ids", "labels") if key in data.column_names]
+    offset = 0
+    for table in data.select_columns(keys).with_format("arrow").iter(batch_size=50_000):
+        for key in keys:
+            column = table.column(key).combine_chunks()
+            ids = pc.list_flatten(column)
+            bad = pc.or_(pc.less(ids, 0), pc.greater_equal(ids, vocab_size))
+            if key == "labels":
+                bad = pc.and_(bad, pc.not_equal(ids, -100))
+            first = pc.index(bad, True).as_py()
+            if first >= 0:
+                row = offset + pc.list_parent_indices(column)[first].as_py()
+                raise ConfigError(f"example {row} of the dataset: {key} holds {ids[first].as_py()}, outside the "
+                                  f"model's vocabulary [0, {vocab_size}){' (or -100)' if key == 'labels' else ''}")
+        offset += table.num_rows
+
+
+def _model_config(script: TrainScriptArguments) -> Any:
+    if script.model_name_or_path:
+        return load_model_config(local_directory(script.model_name_or_path, "--model_name_or_path"),
+                                 "--model_name_or_path")
+    return load_model_config(script.model_config)
+
+
+def _build_trainer(training: Any, **kwargs: Any) -> Any:
+    """The ``Trainer`` and its optimizer, built now: an argument they refuse (``--learning_rate -1``) is then a
+    :class:`ConfigError` naming it, before any step. Where ``train()`` builds the optimizer only after wrapping the
+    model (FSDP, DeepSpeed), it is left to ``train()``."""
+    from transformers import Trainer
+
+    try:
+        trainer = Trainer(args=training, **kwargs)
+        if not (trainer.is_fsdp_enabled or trainer.is_fsdp_xla_enabled or trainer.is_deepspeed_enabled):
+            trainer.create_optimizer()  # train() uses this one
+    except (ValueError, TypeError, RuntimeError, ImportError) as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        name = next((name for words, name in OPTIMIZER_ARGUMENTS.items() if words in message.lower()), None)
+        given = f"--{name} {getattr(training, name)}: " if name else ""
+        raise ConfigError(f"invalid training arguments: {given}{message}") from error
+    return trainer
+
+
+# -- the run -----------------------------------------------------------------------------------------------------
+
+
+def quietly(function: Callable[..., Any], *args: Any) -> Any:
+    """Run ``function`` without datasets' progress bars (a few hundred rows map in milliseconds)."""
+    import datasets
+
+    shown = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        return function(*args)
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
+
+
+def _loss_curve_callback(print_fn: Callable[[str], None] | None) -> Any:
+    from transformers import TrainerCallback
+
+    class LossCurve(TrainerCallback):
+        """Collects the training loss at every logging step (and prints one line per log)."""
+
+        def __init__(self) -> None:
+            self.losses: list[tuple[int, float]] = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logs = logs or {}
+            if "loss" in logs:
+                self.losses.append((state.global_step, float(logs["loss"])))
+                if print_fn:
+                    print_fn(f"step {state.global_step:>4}  loss {logs['loss']:.4f}  "
+                             f"lr {logs.get('learning_rate', 0):.2e}")
+
+    return LossCurve()
+
+
+def run_train(argv: Sequence[str] = (), print_fn: Callable[[str], None] | None = print) -> TrainReport:
+    """Parse ``argv``, check everything, train, evaluate; see the module docstring."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
+
+    from padfree_plugins.assembly import plan
+    from padfree_plugins.integrations.accelerate import accelerate
+
+    script, training, acceleration_args, embedded = parse_arguments(argv)
+    config = acceleration_args.config or PadfreeConfig()
+    say = print_fn or (lambda _: None)
+    if script.model_name_or_path and script.model_config:
+        raise ConfigError("give either --model_name_or_path or --model_config, not both")
+
+    given_config = _model_config(script) if script.model_name_or_path or script.model_config else None
+    # resolve what will be patched before reading any data (the embedded model is planned once its vocab is known)
+    planned = plan(given_config, config, device_type=training.device.type) if given_config is not None else None
+    rows = quietly(load_rows, script.dataset, script.dataset_split)
+    if script.max_examples is not None:
+        rows = rows.select(range(min(script.max_examples, len(rows))))
+    if len(rows) == 0:
+        raise ConfigError("the dataset has no rows" + (f" (--max_examples {script.max_examples})"
+                                                      if script.max_examples is not None else ""))
+    pretokenized = row_format(rows) == "input_ids"
+    if script.tokenizer_name_or_path:
+        tokenizer = AutoTokenizer.from_pretrained(local_directory(script.tokenizer_name_or_path,
+                                                                  "--tokenizer_name_or_path"))
+    elif script.model_name_or_path:
+        tokenizer = AutoTokenizer.from_pretrained(script.model_name_or_path)
+    elif not pretokenized:
+        tokenizer = train_tokenizer(_texts(rows), script.vocab_size)
+    else:
+        tokenizer = None  # already tokenized: nothing to encode
+    vocab = len(tokenizer) if tokenizer is not None else _largest_token(rows) + 1
+    if given_config is not None:
+        model_config = given_config
+        if not script.model_name_or_path and vocab > model_config.get_text_config().vocab_size:
+            raise ConfigError(f"the data uses {vocab} token ids but the model config's vocab_size is "
+                              f"{model_config.get_text_config().vocab_size}; raise vocab_size in the config")
+    else:
+        model_config = tiny_llama_config(vocab, tokenizer)
+    setup = (planned or plan(model_config, config, device_type=training.device.type)).describe()
+
+    data = quietly(tokenize, rows, tokenizer, script.completion_only_loss, script.truncate_to)
+    check_token_ids(data, model_config.get_text_config().vocab_size)
+    evaluation = None
+    if script.eval_fraction > 0 and len(data) >= 10:
+        split = data.train_test_split(test_size=script.eval_fraction, seed=training.seed)
+        data, evaluation = split["train"], split["test"]
+
+    torch.manual_seed(training.seed)
+    if script.model_name_or_path:
+        model = AutoModelForCausalLM.from_pretrained(script.model_name_or_path, attn_implementation="sdpa")
+    else:
+        model = AutoModelForCausalLM.from_config(model_config, attn_implementation="sdpa")
+    curve = _loss_curve_callback(print_fn if training.disable_tqdm else None)
+    trainer = _build_trainer(training, model=model, train_dataset=data, eval_dataset=evaluation,
+                             processing_class=tokenizer, callbacks=[curve])
+    if training.disable_tqdm:
+        trainer.remove_callback(PrinterCallback)  # the loss curve prints its own lines
+    acceleration = accelerate(trainer, config)  # checks every example against the model before training
+    described = acceleration.describe()
+    setup = {"model": f"{type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
+                      f"parameters{', embedded default' if embedded else ''})",
+             "examples": f"{len(data)} train, {len(evaluation) if evaluation is not None else 0} eval",
+             "acceleration config": acceleration_args.acceleration_config or "defaults (no --acceleration_config)",
+             "architecture": setup["architecture"], "attention backend": setup["attention backend"],
+             "collator": described["collator"], "device": str(training.device)}
+    for key, value in setup.items():
+        say(f"{key}: {value}")
+    eval_before = trainer.evaluate()["eval_loss"] if evaluation is not None else None
+    result = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
+    if _has_flag(argv, "--output_dir"):
+        trainer.save_model()  # the trained model and its tokenizer, for plain transformers
+    eval_after = trainer.evaluate()["eval_loss"] if evaluation is not None else None
+    for value in (eval_before, eval_after, *(loss for _, loss in curve.losses)):
+        if value is not None and not math.isfinite(value):
+            raise PadfreeError(f"the loss is not finite ({value}); lower --learning_rate or check the data")
+    runtime = float(result.metrics.get("train_runtime", 0.0))
+    return TrainReport(curve.losses, eval_before, eval_after, trainer.state.global_step, runtime,
+                       int(trainer.state.num_input_tokens_seen), setup)
