@@ -18,18 +18,10 @@ from functools import partial
 import torch
 
 from padfree_plugins.errors import ConfigError, did_you_mean
-from padfree_plugins.packing.batch import token_examples
+from padfree_plugins.packing.batch import packed_tokens, token_examples
 
 #: Batch key with the number of prompt tokens at the start of every example (an int or a tensor ``[n]``).
 PROMPT_LENGTH_KEY = "prompt_length"
-
-
-def packed_tokens(batch: Mapping) -> int | None:
-    """``T``, the number of tokens of a packed batch, read from tensor shapes (no device sync); ``None`` if unknown."""
-    for key in ("input_ids", "seq_idx", "position_ids"):
-        if key in batch:
-            return int(batch[key].shape[-1])
-    return None
 
 
 def _rows(hidden_states: torch.Tensor, batch: Mapping) -> torch.Tensor:

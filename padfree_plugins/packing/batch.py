@@ -17,12 +17,22 @@ The boundaries are computed once, in the collator; nothing downstream re-derives
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 #: The keys that carry the boundaries into attention (``**kwargs`` of transformers models).
 BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 #: What a patched model is called with on every packed batch: the tokens, their positions and the boundaries.
 MODEL_INPUT_KEYS = ("input_ids", "position_ids", *BOUNDARY_KEYS)
+
+
+def packed_tokens(batch: Mapping) -> int | None:
+    """``T``, the number of tokens of a packed batch, read from tensor shapes (no device sync); ``None`` if unknown."""
+    for key in ("input_ids", "seq_idx", "position_ids"):
+        if key in batch:
+            return int(batch[key].shape[-1])
+    return None
 
 
 def token_examples(cu_seq_lens: torch.Tensor, total: int) -> torch.Tensor:

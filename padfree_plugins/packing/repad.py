@@ -8,8 +8,7 @@ from typing import Literal
 
 import torch
 
-from padfree_plugins.modeling.pooling import packed_tokens
-from padfree_plugins.packing.batch import token_examples
+from padfree_plugins.packing.batch import packed_tokens, token_examples
 
 
 @dataclass(frozen=True)
