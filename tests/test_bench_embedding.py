@@ -63,7 +63,7 @@ def test_dataset_lengths_drive_the_batches(tmp_path):
     example, and the batches draw their lengths from those texts."""
     from padfree_plugins.benchmarks.embedding import make_batches, with_dataset_lengths
     from padfree_plugins.benchmarks.lengths import dataset_lengths
-    from padfree_plugins.recipes.train import train_tokenizer
+    from padfree_plugins.data.tokenizer import train_tokenizer
 
     rows = [{"anchor": "a short query", "positive": "a much longer passage of text that answers the query"},
             {"anchor": "another", "positive": None}]
