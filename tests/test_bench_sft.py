@@ -10,7 +10,8 @@ import torch
 from typer.testing import CliRunner
 
 from padfree_plugins import PadfreeError
-from padfree_plugins.benchmarks.sft import VARIANTS, BenchSettings, draw_lengths, run_sft_benchmark, write_outputs
+from padfree_plugins.benchmarks.lengths import draw_lengths
+from padfree_plugins.benchmarks.sft import VARIANTS, BenchSettings, run_sft_benchmark, write_outputs
 from padfree_plugins.cli.app import app
 
 TINY = dict(model_size="micro", batch_sizes=(3,), laws=("lognormal", "mix"), batches=1, rounds=1, warmup=0,
@@ -135,7 +136,7 @@ def test_cli_defaults_to_the_dataset_law(tmp_path):
 def test_text_rows_are_measured_with_their_tokenizer(tmp_path, monkeypatch):
     from padfree_plugins.benchmarks import lengths as module
     from padfree_plugins.benchmarks.lengths import dataset_lengths
-    from padfree_plugins.recipes.train import train_tokenizer
+    from padfree_plugins.data.tokenizer import train_tokenizer
 
     texts = ["a short one", "a somewhat longer sentence of text", "x"]
     tokenizer = train_tokenizer(texts * 20, vocab_size=300)

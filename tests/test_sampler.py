@@ -16,9 +16,9 @@ from padfree_plugins.batching.sampler import (
     example_lengths,
     token_budget_dataloader,
 )
+from padfree_plugins.benchmarks.lengths import lognormal_lengths
 from padfree_plugins.config.schema import BatchingConfig, load_config
 from padfree_plugins.errors import BatchError, ConfigError
-from padfree_plugins.recipes.demo import lognormal_lengths
 from tests.conftest import make_examples
 
 

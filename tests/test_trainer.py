@@ -18,10 +18,10 @@ import torch
 from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
 from padfree_plugins import BatchError, ConfigError, PadfreeError, PluginError, accelerate, patch_of
+from padfree_plugins.data.tokenizer import train_tokenizer
 from padfree_plugins.integrations.accelerate import TrainerCollator
 from padfree_plugins.integrations.trl_sft import split_packed_row
 from padfree_plugins.modeling.neftune import PackedNeftune
-from padfree_plugins.recipes.train import train_tokenizer
 from tests.conftest import tiny_config
 from tests.test_decoders import DECODERS, causal_lm
 

@@ -12,8 +12,9 @@ Two parts, in one run:
   long as its slowest rank, so the step time is the max over the ranks. Reported: real tokens per second of the
   whole simulated cluster for both batchings, interleaved step by step in one run.
 
-Length laws: ``lognormal`` (median 120, sigma 0.6, clipped to 8..2048, like SFT sets such as OrcaMath) and
-``mix`` (:func:`short_texts_and_long_documents`; longer than the ``mix`` of bench sft).
+Length laws (:data:`~padfree_plugins.benchmarks.lengths.BATCHING_LAWS`): ``lognormal`` (median 120, sigma 0.6,
+clipped to 8..2048, like SFT sets such as OrcaMath) and ``mix``
+(:func:`~padfree_plugins.benchmarks.lengths.short_texts_and_long_documents`; longer than the ``mix`` of bench sft).
 """
 
 from __future__ import annotations
@@ -26,28 +27,9 @@ import numpy as np
 import torch
 
 from padfree_plugins.batching.sampler import TokenBudgetBatchSampler
-from padfree_plugins.recipes.demo import lognormal_lengths
+from padfree_plugins.benchmarks.lengths import BATCHING_LAWS, batching_law_lengths
 
-LAWS = ("lognormal", "mix")
-
-
-def law_lengths(law: str, n: int, seed: int = 0) -> list[int]:
-    """``n`` example lengths drawn from a length law (see the module docstring)."""
-    if law == "lognormal":
-        return lognormal_lengths(n, 120, 0.6, 8, 2048, seed)
-    if law == "mix":
-        return short_texts_and_long_documents(n, seed)
-    raise ValueError(f"unknown length law {law!r}; choose from {', '.join(LAWS)}")
-
-
-def short_texts_and_long_documents(n: int, seed: int = 0) -> list[int]:
-    """The ``mix`` law of this benchmark: 80% short texts (lognormal median 40, sigma 0.5) and 20% long documents
-    (median 1000, sigma 0.3), clipped to 8..4096 — hard to balance across ranks by example count. Not the ``mix``
-    of bench sft (:data:`~padfree_plugins.benchmarks.sft.SHORT_TEXTS_AND_600_TOKEN_ANSWERS`)."""
-    short = lognormal_lengths(n, 40, 0.5, 8, 4096, seed)
-    long = lognormal_lengths(n, 1000, 0.3, 8, 4096, seed + 1)
-    is_long = np.random.default_rng(seed + 2).random(n) < 0.2
-    return np.where(is_long, long, short).tolist()
+LAWS = tuple(BATCHING_LAWS)
 
 
 def example_count_plan(lengths: list[int], batch_size: int, num_replicas: int, seed: int = 0) -> list[list[int]]:
@@ -83,7 +65,7 @@ def _balance(law: str, ranks: int, batching: str, lengths: np.ndarray, plan: lis
 
 def plans(law: str, ranks: int, examples: int, max_tokens: int, seed: int = 0):
     """(lengths, example-count plan and its label, token-budget plan and its label) for one law and rank count."""
-    lengths = law_lengths(law, examples, seed)
+    lengths = batching_law_lengths(law, examples, seed)
     batch_size = max(1, round(max_tokens / float(np.mean(lengths))))
     sampler = TokenBudgetBatchSampler(lengths, max_tokens, num_replicas=ranks, seed=seed)
     return (np.asarray(lengths), (f"examples (bs={batch_size})", example_count_plan(lengths, batch_size, ranks, seed)),

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from padfree_plugins.benchmarks.lengths import lognormal_lengths
 from padfree_plugins.packing.collator import PackingCollator
-from padfree_plugins.recipes.demo import lognormal_lengths
 
 
 @dataclass

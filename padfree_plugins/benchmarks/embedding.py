@@ -36,11 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from padfree_plugins.assembly import assemble
-from padfree_plugins.benchmarks.lengths import sample_lengths
+from padfree_plugins.benchmarks.lengths import lognormal_lengths, sample_lengths
 from padfree_plugins.benchmarks.measure import saved_activation_bytes, synchronize
 from padfree_plugins.contract.host import PluginHost
 from padfree_plugins.errors import PadfreeError
-from padfree_plugins.recipes.demo import lognormal_lengths
 
 CLS, SEP = 101, 102
 

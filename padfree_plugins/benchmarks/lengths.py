@@ -1,20 +1,117 @@
-"""Example lengths from a user's dataset, for the benchmarks' ``--dataset`` option ("how much on my data?").
+"""Every length law of the benchmarks and the demo, in one place: what example lengths a workload draws.
 
-The benchmarks only need lengths: token values are drawn at random, so a dataset contributes its length law and
-nothing else. Rows may be pre-tokenized (``input_ids``, or ``<column>_input_ids`` as the embedding task takes
-them) or text, tokenized with a local tokenizer (a seeded random sample of at most :data:`MAX_TOKENIZED_ROWS`).
+Token values are drawn at random everywhere (speed does not depend on them), so a workload is its length law:
+
+* :func:`lognormal_lengths` — one clipped lognormal (SFT sets such as OrcaMath or Alpaca: median 120, sigma
+  0.6), drawn in float32: ``bench collator``, ``bench embedding``, ``bench batching``'s ``lognormal`` and the demo;
+* :func:`mixture_lengths` — a clipped mixture of lognormals, drawn in float64; :data:`SFT_LAWS` names
+  ``bench sft``'s (``lognormal``, and ``mix`` = :data:`SHORT_TEXTS_AND_600_TOKEN_ANSWERS`), :func:`draw_lengths`
+  draws one by name;
+* :func:`short_texts_and_long_documents` — ``bench batching``'s ``mix`` (longer documents than bench sft's
+  ``mix``, to be hard to balance across ranks); :func:`batching_law_lengths` draws a law of
+  :data:`BATCHING_LAWS` by name;
+* :func:`dataset_lengths` / :func:`sample_lengths` — the length law of a user's dataset (the benchmarks'
+  ``--dataset`` option, "how much on my data?"), the law :data:`DATASET_LAW` of bench sft.
+
+Two laws share each name across benchmarks and stay distinct on purpose: bench sft's ``lognormal`` has bench
+batching's parameters but another sampler (a one-component mixture, float64), and the two ``mix`` laws differ in
+their long share (answers of median 600, clipped by ``--max-length``, vs documents of median 1000, clipped to
+4096); unifying either would change the published figures.
+
+Dataset rows may be pre-tokenized (``input_ids``, or ``<column>_input_ids`` as the embedding task takes them) or
+text, tokenized with a local tokenizer (a seeded random sample of at most :data:`MAX_TOKENIZED_ROWS`).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
+from padfree_plugins.data.loading import load_rows, quietly, tokenize
 from padfree_plugins.errors import PadfreeError
 
 #: Text rows tokenized to estimate a dataset's length law (a seeded random sample of a larger dataset).
 MAX_TOKENIZED_ROWS = 20_000
+
+# -- lognormal laws ------------------------------------------------------------------------------------------------
+
+
+def lognormal_lengths(n: int, median: float, sigma: float, low: int, high: int, seed: int) -> list[int]:
+    """Example lengths drawn from a clipped lognormal law (like SFT datasets such as OrcaMath or Alpaca)."""
+    generator = torch.Generator().manual_seed(seed)
+    draws = torch.exp(torch.randn(n, generator=generator) * sigma + math.log(median))
+    return draws.round().clamp(low, high).long().tolist()
+
+
+#: A mixture of lognormals: its components as (weight, median, sigma).
+Mixture = tuple[tuple[float, float, float], ...]
+
+
+def mixture_lengths(components: Mixture, n: int, seed: int, low: int, high: int) -> list[int]:
+    """``n`` example lengths from a mixture of lognormals, clipped to ``[low, high]``."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = torch.tensor([w for w, _, _ in components])
+    component = torch.multinomial(weights, n, replacement=True, generator=generator)
+    medians = torch.tensor([m for _, m, _ in components], dtype=torch.float64)[component]
+    sigmas = torch.tensor([s for _, _, s in components], dtype=torch.float64)[component]
+    draws = torch.exp(torch.randn(n, generator=generator, dtype=torch.float64) * sigmas + medians.log())
+    return draws.round().clamp(low, high).long().tolist()
+
+
+# -- bench sft's laws ----------------------------------------------------------------------------------------------
+
+#: 80% short texts (median 40) and 20% answers of median 600: mostly short, a few long, the worst case for padding.
+#: bench sft's ``mix``; bench batching's ``mix`` has longer documents (:func:`short_texts_and_long_documents`).
+SHORT_TEXTS_AND_600_TOKEN_ANSWERS: Mixture = ((0.8, 40, 0.5), (0.2, 600, 0.3))
+#: bench sft's length laws by name: lognormal mixtures (:func:`mixture_lengths`).
+SFT_LAWS: dict[str, Mixture] = {
+    "lognormal": ((1.0, 120, 0.6),),  # OrcaMath / Alpaca-like
+    "mix": SHORT_TEXTS_AND_600_TOKEN_ANSWERS,
+}
+#: The law of bench sft whose lengths are drawn from a dataset (``BenchSettings.dataset``).
+DATASET_LAW = "dataset"
+
+
+def draw_lengths(law: str, n: int, seed: int, low: int, high: int) -> list[int]:
+    """``n`` example lengths from a law of :data:`SFT_LAWS` (a mixture of lognormals), clipped to ``[low, high]``."""
+    if law not in SFT_LAWS:
+        raise PadfreeError(f"unknown length law {law!r}; choose from {', '.join(SFT_LAWS)}, or {DATASET_LAW} with a "
+                           "--dataset")
+    return mixture_lengths(SFT_LAWS[law], n, seed, low, high)
+
+
+# -- bench batching's laws -----------------------------------------------------------------------------------------
+
+
+def short_texts_and_long_documents(n: int, seed: int = 0) -> list[int]:
+    """bench batching's ``mix``: 80% short texts (lognormal median 40, sigma 0.5) and 20% long documents
+    (median 1000, sigma 0.3), clipped to 8..4096 — hard to balance across ranks by example count. Not the ``mix``
+    of bench sft (:data:`SHORT_TEXTS_AND_600_TOKEN_ANSWERS`)."""
+    short = lognormal_lengths(n, 40, 0.5, 8, 4096, seed)
+    long = lognormal_lengths(n, 1000, 0.3, 8, 4096, seed + 1)
+    is_long = np.random.default_rng(seed + 2).random(n) < 0.2
+    return np.where(is_long, long, short).tolist()
+
+
+#: bench batching's length laws by name: ``n, seed -> lengths``.
+BATCHING_LAWS: dict[str, Callable[[int, int], list[int]]] = {
+    "lognormal": lambda n, seed: lognormal_lengths(n, 120, 0.6, 8, 2048, seed),  # as bench sft's, float32 draws
+    "mix": short_texts_and_long_documents,
+}
+
+
+def batching_law_lengths(law: str, n: int, seed: int = 0) -> list[int]:
+    """``n`` example lengths drawn from a law of :data:`BATCHING_LAWS`."""
+    if law not in BATCHING_LAWS:
+        raise ValueError(f"unknown length law {law!r}; choose from {', '.join(BATCHING_LAWS)}")
+    return BATCHING_LAWS[law](n, seed)
+
+
+# -- a dataset's law -----------------------------------------------------------------------------------------------
 
 
 def dataset_lengths(path: str, *, split: str = "train", tokenizer: str | None = None, seed: int = 0,
@@ -28,8 +125,6 @@ def dataset_lengths(path: str, *, split: str = "train", tokenizer: str | None = 
     """
     import pyarrow.compute as pc
 
-    from padfree_plugins.recipes.train import load_rows, quietly, tokenize
-
     rows = quietly(load_rows, path, split)
     columns = [c for c in rows.column_names if c == "input_ids" or c.endswith("_input_ids")]
     if not columns:
@@ -38,7 +133,7 @@ def dataset_lengths(path: str, *, split: str = "train", tokenizer: str | None = 
                                "--tokenizer DIR to tokenize their text, or pre-tokenize the dataset")
         if len(rows) > MAX_TOKENIZED_ROWS:
             rows = rows.shuffle(seed=seed).select(range(MAX_TOKENIZED_ROWS))
-        rows, columns = _tokenized(rows, tokenizer, texts, quietly, tokenize)
+        rows, columns = _tokenized(rows, tokenizer, texts)
     table = rows.with_format("arrow")[:]
     lengths = [n for c in columns for n in pc.list_value_length(table[c]).to_pylist() if n]
     if not lengths:
@@ -46,7 +141,7 @@ def dataset_lengths(path: str, *, split: str = "train", tokenizer: str | None = 
     return lengths
 
 
-def _tokenized(rows: Any, tokenizer: str, texts: str, quietly: Any, tokenize: Any) -> tuple[Any, list[str]]:
+def _tokenized(rows: Any, tokenizer: str, texts: str) -> tuple[Any, list[str]]:
     from transformers import AutoTokenizer
 
     try:

@@ -39,8 +39,10 @@ On a shared machine, OpenMP barriers across contended cores cost milliseconds pe
 dominate every small kernel, so the comparison would measure the scheduler (and punish the variant with more,
 smaller kernels: per-example attention). The thread count and the load average are reported with the results.
 
-Your own data: ``dataset`` (a local file or ``save_to_disk`` directory) gives the law ``"dataset"``, whose batches
-are drawn at random from the dataset's example lengths; ``model_config`` times any supported decoder's shape.
+Length laws: ``lognormal`` and ``mix`` (:data:`~padfree_plugins.benchmarks.lengths.SFT_LAWS`, every law in
+:mod:`padfree_plugins.benchmarks.lengths`). Your own data: ``dataset`` (a local file or ``save_to_disk``
+directory) gives the law ``"dataset"``, whose batches are drawn at random from the dataset's example lengths;
+``model_config`` times any supported decoder's shape.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from typing import Any
 
 import torch
 
-from padfree_plugins.benchmarks.lengths import dataset_lengths, sample_lengths
+from padfree_plugins.benchmarks.lengths import DATASET_LAW, dataset_lengths, draw_lengths, sample_lengths
 from padfree_plugins.benchmarks.measure import saved_activation_bytes, synchronize
 from padfree_plugins.builtin.tasks.causal_lm import keep_labelled_logits
 from padfree_plugins.errors import PadfreeError
@@ -73,14 +75,6 @@ MODEL_SIZES = {
     # TinyLlama 1.1B shape (the GPU run, next to ../shared/bench/gpu_anchor.py)
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048),
-}
-#: 80% short texts (median 40) and 20% answers of median 600: mostly short, a few long, the worst case for padding.
-#: The ``mix`` law here; bench batching's ``mix`` has longer documents (``batching.short_texts_and_long_documents``).
-SHORT_TEXTS_AND_600_TOKEN_ANSWERS = ((0.8, 40, 0.5), (0.2, 600, 0.3))
-#: Length laws by name: lognormal components as (weight, median, sigma).
-LAWS = {
-    "lognormal": ((1.0, 120, 0.6),),  # OrcaMath / Alpaca-like
-    "mix": SHORT_TEXTS_AND_600_TOKEN_ANSWERS,
 }
 
 
@@ -135,24 +129,6 @@ class BenchResult:
 
 
 # -- data -------------------------------------------------------------------------------------------------------
-
-
-def draw_lengths(law: str, n: int, seed: int, low: int, high: int) -> list[int]:
-    """``n`` example lengths from a named law (a mixture of lognormals), clipped to ``[low, high]``."""
-    if law not in LAWS:
-        raise PadfreeError(f"unknown length law {law!r}; choose from {', '.join(LAWS)}, or {DATASET_LAW} with a "
-                           "--dataset")
-    generator = torch.Generator().manual_seed(seed)
-    weights = torch.tensor([w for w, _, _ in LAWS[law]])
-    component = torch.multinomial(weights, n, replacement=True, generator=generator)
-    medians = torch.tensor([m for _, m, _ in LAWS[law]], dtype=torch.float64)[component]
-    sigmas = torch.tensor([s for _, _, s in LAWS[law]], dtype=torch.float64)[component]
-    draws = torch.exp(torch.randn(n, generator=generator, dtype=torch.float64) * sigmas + medians.log())
-    return draws.round().clamp(low, high).long().tolist()
-
-
-#: The law whose lengths are drawn from ``BenchSettings.dataset``.
-DATASET_LAW = "dataset"
 
 
 def make_examples(lengths: list[int], vocab: int, seed: int, prompt_share: float = 0.0) -> list[dict]:

@@ -7,13 +7,13 @@ per-example difference between the padded and the padding-free outputs, and forw
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
 import torch
 
 from padfree_plugins.assembly import assemble
+from padfree_plugins.benchmarks.lengths import lognormal_lengths
 from padfree_plugins.packing.padded import pad_examples
 
 
@@ -31,13 +31,6 @@ class DemoResult:
     @property
     def speedup(self) -> float:
         return self.padfree_tokens_per_s / self.padded_tokens_per_s
-
-
-def lognormal_lengths(n: int, median: float, sigma: float, low: int, high: int, seed: int) -> list[int]:
-    """Example lengths drawn from a clipped lognormal law (like SFT datasets such as OrcaMath or Alpaca)."""
-    generator = torch.Generator().manual_seed(seed)
-    draws = torch.exp(torch.randn(n, generator=generator) * sigma + math.log(median))
-    return draws.round().clamp(low, high).long().tolist()
 
 
 def demo_models() -> dict[str, torch.nn.Module]:
