@@ -28,6 +28,7 @@ import torch
 
 from padfree_plugins.batching.sampler import TokenBudgetBatchSampler
 from padfree_plugins.benchmarks.lengths import BATCHING_LAWS, batching_law_lengths
+from padfree_plugins.benchmarks.measure import torch_threads
 
 LAWS = tuple(BATCHING_LAWS)
 
@@ -123,28 +124,27 @@ def run_throughput(law: str = "lognormal", ranks=(2, 8), steps: int = 8, max_tok
     """Real tokens/s of a simulated synchronous data-parallel run, example-count vs token-budget batches."""
     model, assembly = _tiny_llama()
     vocab = model.config.vocab_size
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one simulated rank = one core: steadier timings on a shared machine
     try:
-        generator = torch.Generator().manual_seed(seed)
-        results = []
-        for n in ranks:
-            lengths, *both = plans(law, n, examples, max_tokens, seed)
-            rows = [{"input_ids": torch.randint(5, vocab, (int(length),), generator=generator).tolist()}
-                    for length in lengths]
-            _step_seconds(model, assembly.collator, [rows[0]])  # warm-up
-            timed = {label: 0.0 for label, _ in both}
-            for step in range(steps):  # interleaved, so machine noise hits both sides alike
+        with torch_threads(1):  # one simulated rank = one core: steadier timings on a shared machine
+            generator = torch.Generator().manual_seed(seed)
+            results = []
+            for n in ranks:
+                lengths, *both = plans(law, n, examples, max_tokens, seed)
+                rows = [{"input_ids": torch.randint(5, vocab, (int(length),), generator=generator).tolist()}
+                        for length in lengths]
+                _step_seconds(model, assembly.collator, [rows[0]])  # warm-up
+                timed = {label: 0.0 for label, _ in both}
+                for step in range(steps):  # interleaved, so machine noise hits both sides alike
+                    for label, plan in both:
+                        micro = plan[step * n : (step + 1) * n]
+                        timed[label] += max(_step_seconds(model, assembly.collator, [rows[i] for i in b])
+                                            for b in micro)
                 for label, plan in both:
-                    micro = plan[step * n : (step + 1) * n]
-                    timed[label] += max(_step_seconds(model, assembly.collator, [rows[i] for i in b]) for b in micro)
-            for label, plan in both:
-                tokens = np.asarray([lengths[b].sum() for b in plan[: steps * n]]).reshape(steps, n)
-                results.append(ThroughputResult(law, n, label, steps, int(tokens.sum()),
-                                                float((tokens.max(1) / tokens.min(1)).mean()), timed[label]))
-        return results
+                    tokens = np.asarray([lengths[b].sum() for b in plan[: steps * n]]).reshape(steps, n)
+                    results.append(ThroughputResult(law, n, label, steps, int(tokens.sum()),
+                                                    float((tokens.max(1) / tokens.min(1)).mean()), timed[label]))
+            return results
     finally:
-        torch.set_num_threads(threads)
         assembly.undo()
 
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from padfree_plugins.assembly import assemble
 from padfree_plugins.benchmarks.lengths import lognormal_lengths, sample_lengths
-from padfree_plugins.benchmarks.measure import saved_activation_bytes, synchronize
+from padfree_plugins.benchmarks.measure import saved_activation_bytes, synchronize, torch_threads
 from padfree_plugins.contract.host import PluginHost
 from padfree_plugins.errors import PadfreeError
 
@@ -352,14 +352,9 @@ def run_embedding_benchmark(workloads: tuple[Workload, ...] | None = None, *, de
     if device == "cuda" and not torch.cuda.is_available():
         raise PadfreeError("--device cuda was asked for but torch sees no CUDA device "
                            f"(torch {torch.__version__}, cuda {torch.version.cuda}); run on a GPU machine")
-    previous = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         return [run_workload(w, device=device, dtype=dtype, batches=batches, rounds=rounds, attention=attention)
                 for w in (workloads or DEFAULT_WORKLOADS[device])]
-    finally:
-        torch.set_num_threads(previous)
 
 
 def with_dataset_lengths(workloads: tuple[Workload, ...], lengths: list[int]) -> tuple[Workload, ...]:

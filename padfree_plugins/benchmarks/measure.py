@@ -1,8 +1,9 @@
-"""What the benchmarks share to measure a step: device synchronisation and CPU activation memory."""
+"""What the benchmarks share to measure a step: device synchronisation, CPU activation memory, thread count."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -28,3 +29,15 @@ def saved_activation_bytes(step: Callable[[], torch.Tensor]) -> int:
         loss = step()
     loss.backward()
     return sum(seen.values())
+
+
+@contextmanager
+def torch_threads(count: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``count`` inside the block (``None``: left as they are), restored after."""
+    previous = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
