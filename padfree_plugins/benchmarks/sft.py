@@ -9,8 +9,8 @@ Three ways to run a causal-LM training step (forward + backward of the loss) on 
 * ``padfree``: :func:`~padfree_plugins.assemble` with its collator, ``cu_seq_lens`` computed once, attention
   backend ``auto`` (``exact`` on CPU, ``varlen`` / ``flash_attn`` on CUDA in 16-bit), and — as ``accelerate``
   runs HF ``Trainer`` — logits only for positions whose next token has a label
-  (:func:`~padfree_plugins.builtin.tasks.causal_lm.keep_labelled_logits`). ``prompt_share`` masks the first share of every
-  example's labels (completion-only SFT) in all three variants.
+  (:func:`~padfree_plugins.builtin.tasks.causal_lm.keep_labelled_logits`). ``prompt_share`` masks the first share
+  of every example's labels (completion-only SFT) in all three variants.
 
 Batches are collated and moved to the device beforehand (collator speed is ``bench collator``'s job); each timed
 step is the model's forward + backward, gradients cleared in between, no optimizer step (so every variant sees
