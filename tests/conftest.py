@@ -9,45 +9,25 @@ from pathlib import Path
 import pytest
 import torch
 
-VOCAB = 128
+from padfree_plugins import testing
+from padfree_plugins.testing import VOCAB, split_packed, tiny_config  # noqa: F401 - re-exported to the tests
 
-
-def tiny_config(model_type: str, **overrides):
-    """A tiny transformers config of ``model_type`` (2 layers, d=64, 4 heads)."""
-    from transformers import AutoConfig
-
-    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=4, max_position_embeddings=256, pad_token_id=1, bos_token_id=0, eos_token_id=2)
-    base.update(overrides)
-    return AutoConfig.for_model(model_type, **base)
+__all__ = ["VOCAB", "make_examples", "per_example", "split_packed", "tiny_config", "tiny_model"]
 
 
 def tiny_model(model_type: str, head: str = "base", attn_implementation: str = "sdpa", **overrides):
     """A randomly initialised tiny model in eval mode, fp32, seeded (``eager`` for models without sdpa: MPNet)."""
-    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    torch.manual_seed(0)
-    factory = {"base": AutoModel, "causal_lm": AutoModelForCausalLM, "seq_cls": AutoModelForSequenceClassification}
-    config = tiny_config(model_type, **overrides)
-    config._attn_implementation = attn_implementation
-    return factory[head].from_config(config, attn_implementation=attn_implementation).eval()
+    return testing.tiny_model(model_type, head, attn_implementation=attn_implementation, **overrides)
 
 
 def make_examples(lengths, seed: int = 0, low: int = 5, **extra_token_keys):
     """Examples with random token ids of the given lengths (ids >= ``low`` avoid special tokens)."""
-    generator = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(low, VOCAB, (n,), generator=generator).tolist()} for n in lengths]
+    return testing.random_examples(lengths, VOCAB, seed=seed, low=low)
 
 
 def per_example(model, examples, **kwargs):
     """Each example run alone through ``model`` (the reference a packed forward must equal)."""
-    return [model(input_ids=torch.tensor([ex["input_ids"]]), **kwargs) for ex in examples]
-
-
-def split_packed(tensor, batch):
-    """``[1, T, ...]`` -> list of per-example ``[L_i, ...]``."""
-    cu = batch["cu_seq_lens_q"].tolist()
-    return [tensor[0, cu[i] : cu[i + 1]] for i in range(len(cu) - 1)]
+    return [testing.run_alone(model, {"input_ids": ex["input_ids"]}, **kwargs) for ex in examples]
 
 
 @pytest.fixture
