@@ -1,7 +1,8 @@
 """The heart of the suite: a padding-free forward equals running every example alone (fp32, CPU).
 
-Hidden states within 1e-5, gradients of the parameters within 1e-4, for every builtin architecture, with
-examples of length 1, equal lengths and very unequal lengths.
+Hidden states within 1e-5, gradients of the parameters within 1e-4 (absolute, every element), for every builtin
+architecture, with examples of length 1, equal lengths and very unequal lengths. The comparisons are
+:func:`padfree_plugins.testing.assert_packed_matches_alone`, the check plugin authors use.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from padfree_plugins import assemble
-from tests.conftest import make_examples, per_example, split_packed, tiny_model
+from padfree_plugins.testing import assert_packed_matches_alone
+from tests.conftest import make_examples, tiny_model
 
 LENGTH_SETS = {
     "one-token": [1, 1, 4],
@@ -43,12 +45,9 @@ def packed_hidden(model, examples, config=None):
 def test_hidden_states_equal_per_example(name, lengths):
     model_type, overrides = ARCHITECTURES[name]
     model = tiny_model(model_type, **overrides)
-    examples = make_examples(lengths)
-    with torch.no_grad():
-        reference = [out.last_hidden_state[0] for out in per_example(model, examples)]
-        packed, batch, _ = packed_hidden(model, examples)
-    for i, (got, want) in enumerate(zip(split_packed(packed, batch), reference)):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"example {i}: {m}")
+    report = assert_packed_matches_alone(model, {"task": "hidden_states"}, make_examples(lengths), atol=1e-5,
+                                         rtol=0, grad_atol=None)
+    assert report.output == "last_hidden_state (per token)" and report.architecture_plugin != "probe"
 
 
 def test_sliding_window_is_really_exercised():
@@ -81,17 +80,9 @@ def _loss(hidden: torch.Tensor) -> torch.Tensor:
 def test_gradients_equal_per_example(name):
     model_type, overrides = ARCHITECTURES[name]
     model = tiny_model(model_type, **overrides)
-    examples = make_examples([1, 30, 7, 7])
-    for out in per_example(model, examples):
-        _loss(out.last_hidden_state).backward()
-    reference = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    packed, _, _ = packed_hidden(model, examples)
-    _loss(packed).backward()
-    assert reference, "the reference produced no gradients"
-    for n, p in model.named_parameters():
-        if n in reference:
-            torch.testing.assert_close(p.grad, reference[n], atol=1e-4, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+    report = assert_packed_matches_alone(model, {"task": "hidden_states"}, make_examples([1, 30, 7, 7]), atol=1e-5,
+                                         rtol=0, grad_atol=1e-4, grad_rtol=0, loss=_loss)
+    assert report.parameters_compared > 5
 
 
 def test_packed_differs_from_mixing_examples():
@@ -105,16 +96,8 @@ def test_packed_differs_from_mixing_examples():
 
 
 def test_causal_lm_logits_equal_per_example():
+    """Logits and gradients; the packed forward asks for a cache, which must not mix examples."""
     model = tiny_model("llama", head="causal_lm", num_key_value_heads=2)
-    examples = make_examples([1, 5, 23])
-    assembly = assemble(model, {"task": "causal_lm"})
-    try:
-        batch = assembly.collator(examples)
-        with torch.no_grad():
-            logits = model(**batch.model_inputs(), use_cache=True).logits  # a cache must not mix examples
-    finally:
-        assembly.undo()
-    with torch.no_grad():
-        reference = [out.logits[0] for out in per_example(model, examples)]
-    for got, want in zip(split_packed(logits, batch), reference):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    report = assert_packed_matches_alone(model, {"task": "causal_lm"}, make_examples([1, 5, 23]), atol=1e-5,
+                                         rtol=0, forward_kwargs={"use_cache": True})
+    assert report.output == "logits (per token)"
