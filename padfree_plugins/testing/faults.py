@@ -44,11 +44,15 @@ def _replace_hidden(output: Any, hidden: torch.Tensor) -> Any:
 
 
 @contextmanager
-def leak_across_boundaries(model: Any, strength: float = 1e-3, layer: int = 0) -> Iterator[None]:
+def leak_across_boundaries(model: Any, strength: float = 1e-3, layer: int = 0,
+                           backward_only: bool = False) -> Iterator[None]:
     """Within the block, the output of layer ``layer`` leaks across example boundaries on packed rows: the first
     token of example ``i > 0`` gets ``strength ×`` the previous token's hidden state added (a relative leak of
     about ``strength``). A row of one example, or a padded batch, is left alone. Works patched or not: the
     boundaries are read from ``cu_seq_lens_q`` (or from where ``position_ids`` restart) of the base model's call.
+
+    ``backward_only=True`` leaks gradients only: the forward values stay exact (the leak is added and subtracted
+    detached), but gradients flow back across the boundary, as from a wrong backward kernel.
     """
     inner = unwrap_model(model)
     base = getattr(inner, "base_model", inner)
@@ -69,7 +73,10 @@ def leak_across_boundaries(model: Any, strength: float = 1e-3, layer: int = 0) -
         hidden = _hidden(output)
         mask = torch.zeros(hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
         mask[cu[1:-1].to(hidden.device)] = strength
-        return _replace_hidden(output, hidden + mask[None, :, None] * torch.roll(hidden, 1, dims=1))
+        previous = torch.roll(hidden, 1, dims=1)
+        if backward_only:
+            previous = previous - previous.detach()
+        return _replace_hidden(output, hidden + mask[None, :, None] * previous)
 
     handles = [base.register_forward_pre_hook(record, with_kwargs=True),
                base.register_forward_hook(forget, with_kwargs=True, always_call=True),
