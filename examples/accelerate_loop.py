@@ -13,7 +13,8 @@ The recipe:
 2. ``token_budget_dataloader(..., num_replicas=accelerator.num_processes)`` packs micro-batches under the token
    budget, ``N`` balanced ones per step; ``accelerator.prepare`` hands micro-batch ``s*N + r`` to rank ``r``;
 3. every step, the loss is the sum of token losses over the **global** token count, times ``N`` (DDP averages
-   gradients), so the run equals single-process training on the same global batches (padfree_plugins.batching.distributed).
+   gradients), so the run equals single-process training on the same global batches
+   (padfree_plugins.batching.distributed).
 
 The model is a tiny Llama with random weights and the data random token sequences, so it runs anywhere without
 downloads; swap in your own model and tokenized dataset.

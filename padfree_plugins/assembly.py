@@ -63,6 +63,8 @@ class Plan:
     device_type: str
     position_start: int
     notes: list[str] = field(default_factory=list)
+    #: Assembly hook -> the plugin that answered it (filled when the parts are built, and by ``assemble``).
+    answers: dict[str, str | None] = field(default_factory=dict)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -73,6 +75,7 @@ class Plan:
             "attention features": ", ".join(sorted(self.features)) or "-",
             "device": self.device_type,
             "position_start": self.position_start,
+            "hooks answered by": ", ".join(f"{hook}: {plugin or '-'}" for hook, plugin in self.answers.items()) or "-",
             "notes": self.notes,
         }
 
@@ -154,7 +157,7 @@ def plan(model_config: Any, config: PadfreeConfig | dict | str | None = None, *,
     config = load_config(config)
     host = host or PluginHost(block=config.plugins.block)
     resolved = _resolve(model_config, config, host, device_type)
-    Parts.build(host, model_config, config, resolved)
+    Parts.build(host, model_config, config, resolved)  # records who answered in resolved.answers
     return resolved
 
 
@@ -221,7 +224,10 @@ class Parts:
         forward = host.call_first("task_forward", returns_callable=True, **call)
         if getattr(forward, "uses_assembly_pooler", False):  # the pool hook's pooler, a plugin's mode included
             forward = dataclasses.replace(forward, pooler=pooler)
-        return cls(collator, pooler, host.call_first("revert_output", returns_callable=True, **call), forward)
+        reverter = host.call_first("revert_output", returns_callable=True, **call)
+        hooks = ("collate", *(("pool",) if mode else ()), "task_forward", "revert_output")
+        resolved.answers.update({hook: host.answered.get(hook) for hook in hooks})
+        return cls(collator, pooler, reverter, forward)
 
 
 @dataclass
@@ -277,6 +283,7 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
                             backend=resolved.backend, fallback=resolved.fallback, config=config)
     if patch is None:
         raise PluginError(f"no plugin could patch {type(inner).__name__}")
+    resolved.answers["patch_model"] = host.answered.get("patch_model")
     if getattr(parts.forward, "runs_inside_model_forward", False):  # per-example heads, run as the model's forward
         patch.route_compute()
     if resolved.architecture_plugin == PROBE_PLUGIN:

@@ -15,7 +15,7 @@ from padfree_plugins import Architecture, AttentionBackend, PluginHost, Task, as
 from padfree_plugins.errors import PluginError
 from padfree_plugins.modeling.attention.backends import exact_varlen
 
-BUILTIN_PLUGINS = {"core", "backends", "tasks", "llama", "bert"}
+BUILTIN_PLUGINS = {"core", "backends", "hidden_states", "causal_lm", "llama", "bert"}
 NO_ENV: dict[str, str] = {}
 
 BROKEN_IMPORT = """
@@ -117,13 +117,14 @@ def test_builtin_declarations():
     assert host.architecture_for("llama").name == "llama"
     assert host.architecture_for("no-such-model") is None
     tasks = host.tasks()
-    assert tasks["causal_lm"][1] == tasks["hidden_states"][1] == "tasks"
+    assert tasks["causal_lm"][1] == "causal_lm" and tasks["hidden_states"][1] == "hidden_states"
     assert "labels" in tasks["causal_lm"][0].token_keys
     backends = host.backends()
     assert {"exact", "varlen", "flash_attn"} <= set(backends)
     assert all(backends[name][1] == "backends" for name in ("exact", "varlen", "flash_attn"))
     assert host.records["llama"].architectures == ("llama",)
-    assert set(host.records["tasks"].tasks) >= {"causal_lm", "hidden_states"}
+    assert host.records["causal_lm"].tasks == ("causal_lm",)
+    assert host.records["hidden_states"].tasks == ("hidden_states",)
     assert set(host.records["backends"].backends) >= {"exact", "varlen", "flash_attn"}
     assert host.notes == []  # builtins do not conflict with each other
 
@@ -411,8 +412,8 @@ def test_block_reads_os_environ_by_default(monkeypatch):
 
 def test_allow_env(fake_distribution):
     fake_distribution("extra", claiming("extra", model_type="extra_model"))
-    host = PluginHost(environ={"PADFREE_PLUGINS_ALLOW": "core,tasks,backends,llama"})
-    assert {r.name for r in host.loaded()} == {"core", "tasks", "backends", "llama"}
+    host = PluginHost(environ={"PADFREE_PLUGINS_ALLOW": "core,causal_lm,backends,llama"})
+    assert {r.name for r in host.loaded()} == {"core", "causal_lm", "backends", "llama"}
     assert host.records["bert"].status == host.records["extra"].status == "blocked"
     assert host.architecture_for("extra_model") is None
     assert_llama_assembles(host)

@@ -455,7 +455,8 @@ def test_token_budget_batching_with_several_training_datasets(tiny_dirs, policy)
     acceleration.undo()
     assert "get_multi_dataset_batch_sampler" not in trainer.__dict__
 
-    two_ranks = [padfree_plugins.batching.sampler.TokenBudgetBatchSampler(text_lengths(model, part), budget, num_replicas=2)
+    sampler = padfree_plugins.batching.sampler.TokenBudgetBatchSampler
+    two_ranks = [sampler(text_lengths(model, part), budget, num_replicas=2)
                  for part in (pairs, Dataset.from_dict({"anchor": sentences(20, seed=1)}))]
     steps = list(InterleavedSteps([0, len(pairs)], two_ranks, policy))
     assert len(steps) % 2 == 0

@@ -19,9 +19,9 @@ from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, 
 
 from padfree_plugins import BatchError, ConfigError, PadfreeError, PluginError, accelerate, patch_of
 from padfree_plugins.data.tokenizer import train_tokenizer
-from padfree_plugins.integrations.accelerate import TrainerCollator
-from padfree_plugins.integrations.trl_sft import split_packed_row
+from padfree_plugins.integrations.base import TrainerCollator
 from padfree_plugins.modeling.neftune import PackedNeftune
+from padfree_plugins.packing.collator import split_packed_row
 from tests.conftest import tiny_config
 from tests.test_decoders import DECODERS, causal_lm
 
@@ -410,7 +410,8 @@ def test_bad_dataset_is_refused_before_training():
 
 
 def test_token_budget_batching_replaces_the_train_dataloader():
-    """``batching.strategy: tokens`` in the config: micro-batches filled up to the budget (padfree_plugins.batching.sampler)."""
+    """``batching.strategy: tokens`` in the config: micro-batches filled up to the budget
+    (padfree_plugins.batching.sampler)."""
     trainer, _ = make_trainer("hf", packed=False, max_steps=3)
     acceleration = accelerate(trainer, {"task": "causal_lm",
                                         "batching": {"strategy": "tokens", "max_tokens_per_batch": 128}})
@@ -449,8 +450,8 @@ def test_bf16_training_on_gpu_follows_the_padded_curve(kind):
 
 
 def test_keep_labelled_logits_names_the_positions_whose_next_label_counts():
-    from padfree_plugins.builtin.tasks.causal_lm import drop_labelled_logits, keep_labelled_logits
     from padfree_plugins.packing.batch import PackedBatch
+    from padfree_plugins.packing.labelled_logits import drop_labelled_logits, keep_labelled_logits
 
     labels = torch.tensor([[-100, -100, 5, 6, -100, -100, 7]])  # example 1: 4 tokens (prompt 2), 2: 3 (prompt 1)
     batch = keep_labelled_logits({"input_ids": torch.zeros(1, 7, dtype=torch.long), "labels": labels})

@@ -3,7 +3,8 @@
 With padding gone, a micro-batch costs its token count, not its example count, and in data-parallel training the
 rank with the most tokens holds the others up. :class:`TokenBudgetBatchSampler` fills every micro-batch up to
 ``max_tokens_per_batch`` by bin packing and gives the ``N`` ranks of each step nearly the same number of tokens
-(the plan is in :mod:`padfree_plugins.batching.planning`). Every rank computes the same plan from the same seed and epoch,
+(the plan is in :mod:`padfree_plugins.batching.planning`). Every rank computes the same plan from the same seed and
+epoch,
 so no communication is needed.
 
 Two ways to shard across ranks:

@@ -60,8 +60,8 @@ import torch
 
 from padfree_plugins.benchmarks.lengths import DATASET_LAW, dataset_lengths, draw_lengths, sample_lengths
 from padfree_plugins.benchmarks.measure import saved_activation_bytes, synchronize
-from padfree_plugins.builtin.tasks.causal_lm import keep_labelled_logits
 from padfree_plugins.errors import PadfreeError
+from padfree_plugins.packing.labelled_logits import keep_labelled_logits
 from padfree_plugins.packing.padded import pad_examples
 
 VARIANTS = ("padded", "hf_native", "padfree")

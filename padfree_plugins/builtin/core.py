@@ -13,48 +13,12 @@ from padfree_plugins.errors import ConfigError
 from padfree_plugins.modeling.forward import ModelForward
 from padfree_plugins.modeling.patching import ModelPatch
 from padfree_plugins.modeling.pooling import POOLING_MODES, make_pooler
-from padfree_plugins.packing.collator import DEFAULT_TOKEN_KEYS, PackingCollator
+from padfree_plugins.packing.collator import packing_collator
 from padfree_plugins.packing.repad import Reverter
-
-
-def model_token_limit(model_config, position_start: int = 0) -> int | None:
-    """The longest example the model's position table takes (``None`` when the config states no limit)."""
-    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    limit = getattr(text_config, "max_position_embeddings", None)
-    return int(limit) - int(position_start) if isinstance(limit, int) and limit > 0 else None
-
-
-def packing_collator(task, architecture, model_config, config) -> PackingCollator:
-    """The core packing collator for a task and a model: positions from the architecture, keys from the task,
-    and ``max_length`` from the config or else the model's own limit (so that an over-long example is a clear
-    error, not an index error deep inside the position embeddings)."""
-    start = int(architecture.position_start(model_config))
-    limit = model_token_limit(model_config, start)
-    source = f"{type(model_config).__name__}.max_position_embeddings={limit + start}" if limit else ""
-    if config.max_length is not None and limit is not None and config.max_length > limit:
-        raise ConfigError(
-            f"max_length: {config.max_length} is more than the model takes ({limit} tokens, {source}); "
-            f"set max_length to at most {limit}"
-        )
-    return PackingCollator(
-        position_start=start,
-        token_keys=tuple(dict.fromkeys((*DEFAULT_TOKEN_KEYS, *task.token_keys))),
-        example_keys=task.example_keys,
-        required_keys=task.required_keys,
-        max_length=config.max_length if config.max_length is not None else limit,
-        on_overlong=config.on_overlong,
-        masked_first_keys=task.masked_first_keys,
-        limit_source="" if config.max_length is not None or limit is None else source,
-        vocab_size=getattr(getattr(model_config, "get_text_config", lambda: model_config)(), "vocab_size", None),
-    )
 
 
 @hookimpl(trylast=True)
 def collate(task, architecture, model_config, config):
-    if task.name == "causal_lm":  # labels default to input_ids
-        from padfree_plugins.builtin.tasks.causal_lm import causal_lm_collator
-
-        return causal_lm_collator(task, architecture, model_config, config)
     return packing_collator(task, architecture, model_config, config)
 
 
@@ -95,8 +59,4 @@ def revert_output(task, architecture, config):
 
 @hookimpl(trylast=True)
 def task_forward(task, architecture, config):
-    if task.name == "causal_lm":
-        from padfree_plugins.builtin.tasks.causal_lm import CausalLMForward
-
-        return CausalLMForward(task.model_keys)
     return ModelForward(task.model_keys)

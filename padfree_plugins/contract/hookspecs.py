@@ -2,7 +2,8 @@
 
 Two kinds of hooks:
 
-* **Declarations** (``register_*``) return lists of :mod:`padfree_plugins.contract.declarations` objects. Every plugin's results
+* **Declarations** (``register_*``) return lists of :mod:`padfree_plugins.contract.declarations` objects. Every
+  plugin's results
   are collected; when two plugins declare the same name, the host picks one deterministically and records a note.
 * **Assembly hooks** (``collate``, ``patch_model``, ``pool``, ``revert_output``, ``task_forward``,
   ``trainer_config``, ``wrap_trainer``) are ``firstresult``: the first plugin that returns something other than
@@ -51,7 +52,8 @@ def collate(task, architecture, model_config, config):
 def patch_model(model, architecture, backend, fallback, config):
     """Make ``model`` (a transformers ``PreTrainedModel``, never a peft wrapper) padding-free in place.
 
-    ``backend`` is the chosen :class:`~padfree_plugins.contract.declarations.AttentionBackend`; ``fallback`` (or ``None``) runs
+    ``backend`` is the chosen :class:`~padfree_plugins.contract.declarations.AttentionBackend`; ``fallback`` (or
+    ``None``) runs
     the inputs ``backend`` cannot take (e.g. fp32 on a bf16-only kernel) when the backend was picked by ``auto``.
 
     Return a :class:`~padfree_plugins.modeling.patching.ModelPatch` whose ``undo()`` restores the model exactly, or

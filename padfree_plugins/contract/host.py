@@ -7,13 +7,17 @@ Environment switches (comma-separated plugin names):
 
 * ``PADFREE_PLUGINS_BLOCK``: never load these.
 * ``PADFREE_PLUGINS_ALLOW``: load only these (builtins included, so name them too).
+
+``PADFREE_PLUGINS_TRACE=1`` logs every assembly hook call to stderr: which plugin was asked and what it answered.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import os
-from collections.abc import Iterable, Mapping
+import sys
+import types
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -59,6 +63,30 @@ def _dist_name(ep: importlib.metadata.EntryPoint) -> str:
     return (dist.metadata["Name"] if dist is not None else None) or ""
 
 
+def _hashable(plugin: object) -> bool:
+    try:
+        hash(plugin)
+    except TypeError:
+        return False
+    return True
+
+
+class _HashablePlugin(types.SimpleNamespace):
+    """An unhashable plugin object (a ``SimpleNamespace`` of hook functions, say) as pluggy's sets need it: its
+    public attributes, compared and hashed by identity."""
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    @classmethod
+    def of(cls, plugin: object) -> _HashablePlugin:
+        return cls(**{name: getattr(plugin, name) for name in dir(plugin) if not name.startswith("__")})
+
+
+def _stderr_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def _split_env(value: str | None) -> set[str]:
     return {part.strip() for part in (value or "").split(",") if part.strip()}
 
@@ -74,8 +102,13 @@ class PluginHost:
         block: Iterable[str] = (),
         allow: Iterable[str] | None = None,
         environ: Mapping[str, str] | None = None,
+        trace: Callable[[str], Any] | None = None,
     ) -> None:
         environ = os.environ if environ is None else environ
+        #: Where every assembly hook call is logged: ``trace``, or stderr with ``PADFREE_PLUGINS_TRACE=1``.
+        self.trace = trace or (_stderr_line if environ.get("PADFREE_PLUGINS_TRACE", "") not in ("", "0") else None)
+        #: Assembly hook name -> the plugin whose answer was used in its latest call (``None``: nobody answered).
+        self.answered: dict[str, str | None] = {}
         self.block = set(block) | _split_env(environ.get("PADFREE_PLUGINS_BLOCK"))
         env_allow = _split_env(environ.get("PADFREE_PLUGINS_ALLOW"))
         self.allow = None if allow is None and not env_allow else set(allow or ()) | env_allow
@@ -130,7 +163,7 @@ class PluginHost:
         record = PluginRecord(name, source, version, module)
         self.records[name] = record
         if self._allowed(record):
-            self._register(record, plugin)
+            self._register(record, plugin if _hashable(plugin) else _HashablePlugin.of(plugin))
         self._architectures = self._tasks = self._backends = None
 
     def _allowed(self, record: PluginRecord) -> bool:
@@ -161,11 +194,11 @@ class PluginHost:
         record.hooks = tuple(sorted(hc.name for hc in callers))
         declared: dict[str, list[Any]] = {}
         for hook_name, spec_type in DECLARATION_HOOKS.items():
-            function = getattr(plugin, hook_name, None)
-            if function is None or hook_name not in record.hooks:
+            if hook_name not in record.hooks:
                 continue
-            try:
-                items = list(function() or ())
+            try:  # through pluggy's own calling (monitoring, specname=), asking this plugin alone
+                answers = self._only(plugin, hook_name)()
+                items = [item for answer in answers for item in (answer or ())]
                 bad = [item for item in items if not isinstance(item, spec_type)]
                 if bad:
                     raise TypeError(f"{hook_name} must return {spec_type.__name__} objects, got {bad[0]!r}")
@@ -258,31 +291,45 @@ class PluginHost:
         """The pluggy hook relay (``host.hook.collate(...)``) — call it at assembly only."""
         return self.pm.hook
 
+    def _only(self, plugin: object, hook_name: str) -> Any:
+        """``hook_name``'s caller restricted to ``plugin``'s implementations (pluggy's own calling)."""
+        others = [other for other in self.pm.get_plugins() if other is not plugin]
+        return self.pm.subset_hook_caller(hook_name, remove_plugins=others)
+
     def call_first(self, hook_name: str, *, returns_callable: bool = False, **kwargs: Any) -> Any:
-        """Call an assembly (``firstresult``) hook as pluggy does — the first answer other than ``None`` wins, the
-        last-registered plugin is asked first, ``trylast`` ones last — but when a plugin raises something other
-        than a padfree-plugins error, or (``returns_callable``) answers with something that cannot be called, say
-        which plugin it was and how to block it."""
+        """Call an assembly (``firstresult``) hook with pluggy's semantics — the first answer other than ``None``
+        wins, the last-registered plugin is asked first, ``trylast`` ones last — one plugin at a time through
+        pluggy's own calling, so that monitoring sees every call and ``specname=`` implementations count. Records
+        which plugin answered (:attr:`answered`); when a plugin raises something other than a padfree-plugins
+        error, or (``returns_callable``) answers with something that cannot be called, says which plugin it was and
+        how to block it."""
         caller = getattr(self.pm.hook, hook_name)
         implementations = caller.get_hookimpls()
         if any(impl.hookwrapper or impl.wrapper for impl in implementations):
-            return caller(**kwargs)  # wrappers: pluggy's own call, which runs them
-        for impl in reversed(implementations):
+            self.answered[hook_name] = "(hook wrappers)"
+            return caller(**kwargs)  # wrappers wrap every other implementation: one call of them all
+        asked = list(dict.fromkeys(impl.plugin_name for impl in reversed(implementations)))
+        for name in asked:
             try:
-                result = impl.function(*(kwargs[name] for name in impl.argnames))
+                result = self._only(self.pm.get_plugin(name), hook_name)(**kwargs)
             except PadfreeError:
                 raise
             except Exception as error:
-                name = impl.plugin_name
                 raise PluginError(
                     f"plugin {name!r} failed in its {hook_name} hook: {type(error).__name__}: {error}. If this "
                     f"model does not need it, block it: plugins.block: [{name}] in the config, or "
                     f"PADFREE_PLUGINS_BLOCK={name}"
                 ) from error
+            self._trace(f"{hook_name}: {name} -> {'None' if result is None else type(result).__name__}")
             if result is not None:
                 if returns_callable and not callable(result):
-                    raise PluginError(f"plugin {impl.plugin_name!r} answered its {hook_name} hook with a "
+                    raise PluginError(f"plugin {name!r} answered its {hook_name} hook with a "
                                       f"{type(result).__name__}, not a callable (docs/writing-a-plugin.md)")
+                self.answered[hook_name] = name
                 return result
+        self.answered[hook_name] = None
         return None
 
+    def _trace(self, line: str) -> None:
+        if self.trace is not None:
+            self.trace(f"padfree-plugins hook {line}")

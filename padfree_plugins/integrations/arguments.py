@@ -51,7 +51,8 @@ class AccelerationArguments:
 
     def accelerate(self, trainer: Any) -> Any:
         """``padfree_plugins.accelerate(trainer, config)`` when the flag was given; ``None`` (and nothing done)
-        otherwise. Returns the :class:`~padfree_plugins.integrations.accelerate.Acceleration` (``.undo()`` reverts it)."""
+        otherwise. Returns the :class:`~padfree_plugins.integrations.accelerate.Acceleration` (``.undo()`` reverts
+        it)."""
         if self._config is None:
             return None
         from padfree_plugins.integrations.accelerate import accelerate

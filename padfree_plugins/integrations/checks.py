@@ -7,7 +7,7 @@ restored).
 * a data collator that may build features or labels (only those in :data:`REPLACEABLE_COLLATORS` are replaced);
   transformers' ``DataCollatorForLanguageModeling`` with a ``labels`` column in the train or an eval set;
 * over-long, empty or misaligned examples, and datasets laid out in a way the trainer's batches would break;
-* a token budget the trainer cannot keep: a ``RewardTrainer``, accelerate's ``split_batches=True``, TRL
+* a token budget the trainer cannot keep: accelerate's ``split_batches=True``, TRL
   ``packing=True`` rows it would have to split.
 """
 
@@ -107,7 +107,8 @@ def trainer_datasets(trainer: Any) -> list[tuple[str, Any]]:
 
 
 def check_datasets(trainer: Any, collator: Any) -> None:
-    """Find over-long, empty or misaligned examples before training starts (see :mod:`padfree_plugins.packing.datacheck`),
+    """Find over-long, empty or misaligned examples before training starts (see
+    :mod:`padfree_plugins.packing.datacheck`),
     and a training or evaluation set laid out in a way the trainer's batches would break (the collator's
     ``check_trainer_dataset``)."""
     layout_check = getattr(collator, "check_trainer_dataset", None)
@@ -117,18 +118,13 @@ def check_datasets(trainer: Any, collator: Any) -> None:
             layout_check(dataset)
 
 
-def check_token_budget(trainer: Any, kind: str, config: Any) -> None:
-    """``batching.strategy: tokens`` on this trainer: a ``RewardTrainer``'s rows are pairs (nothing to budget by
-    ``input_ids``); accelerate's ``split_batches=True`` would cut the planned micro-batches across ranks; TRL
-    ``packing=True`` rows (up to ``max_length`` tokens) are the examples, and cannot be split without losing the
-    sequence boundaries inside them."""
+def check_token_budget(trainer: Any, config: Any) -> None:
+    """``batching.strategy: tokens`` on this trainer: accelerate's ``split_batches=True`` would cut the planned
+    micro-batches across ranks; TRL ``packing=True`` rows (up to ``max_length`` tokens) are the examples, and cannot
+    be split without losing the sequence boundaries inside them."""
     batching = getattr(config, "batching", None)
     if getattr(batching, "strategy", "examples") != "tokens":
         return
-    if kind == "reward":
-        raise ConfigError("batching.strategy: tokens plans batches from each row's input_ids, and a RewardTrainer's "
-                          "rows are chosen/rejected pairs: use batching.strategy: examples "
-                          "(per_device_train_batch_size pairs per batch, as TRL)")
     check_whole_micro_batches(trainer.accelerator)
     if not getattr(trainer.args, "packing", False):
         return

@@ -1,4 +1,5 @@
-"""TRL ``RewardTrainer`` padding-free: the chosen and rejected texts of a batch packed into one row, scored per text
+"""The plugin for TRL ``RewardTrainer`` (and subclasses that keep its ``compute_loss`` and ``prediction_step``): the
+chosen and rejected texts of a batch packed into one row, scored per text
 by the model's sequence-classification head, and TRL's loss and metrics computed from those scores.
 
 TRL's ``DataCollatorForPreference`` pads the chosen texts, then the rejected ones, into ``[2n, L]``;
@@ -11,6 +12,7 @@ mask does.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +20,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from padfree_plugins.errors import BatchError
+from padfree_plugins.contract.hookspecs import hookimpl
+from padfree_plugins.errors import BatchError, ConfigError
+from padfree_plugins.integrations.base import TrainerPatch, keeps_methods, library_class
 from padfree_plugins.packing.collator import as_examples
 
 #: The token-id columns of a tokenized preference dataset, in the order TRL's collator stacks them.
@@ -72,3 +76,64 @@ def preference_loss(trainer: Any, logits: torch.Tensor, inputs: Mapping[str, Any
         metrics["accuracy"].append(accuracy.item())
         metrics["margin"].append(accelerator.gather_for_metrics((chosen - rejected).mean()).mean().item())
     return loss
+
+
+class RewardTrainerPatch(TrainerPatch):
+    """TRL ``RewardTrainer`` trained padding-free: every pair's texts packed into one row, TRL's loss and metrics
+    from the per-text scores of the ``seq_cls`` head."""
+
+    kind = "reward"
+
+    @classmethod
+    def claims(cls, trainer: Any) -> bool:
+        return keeps_methods(trainer, library_class(trainer, "trl", "RewardTrainer"))
+
+    def make_collator(self) -> PreferenceCollator:
+        return PreferenceCollator(self.assembly.collator)
+
+    def check(self) -> None:
+        """``batching.strategy: tokens`` plans batches from each row's ``input_ids``; a RewardTrainer's rows are
+        pairs."""
+        if self.assembly.config.batching.strategy == "tokens":
+            raise ConfigError("batching.strategy: tokens plans batches from each row's input_ids, and a "
+                              "RewardTrainer's rows are chosen/rejected pairs: use batching.strategy: examples "
+                              "(per_device_train_batch_size pairs per batch, as TRL)")
+
+    def compute_loss(self, model: Any, inputs: Mapping, return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        """TRL's own loss and metrics on the per-text scores."""
+        with self.neftune_scope(inputs):
+            outputs = self.assembly.forward(model, {k: v for k, v in inputs.items() if k != "margin"})
+        loss = preference_loss(self.trainer, outputs.logits, inputs)
+        return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(self, model: Any, inputs: Mapping, prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
+        """As ``Trainer``'s own ``prediction_step`` on TRL's loss: the loss and every text's score."""
+        trainer = self.trainer
+        batch_as_given = inputs
+        inputs = trainer._prepare_inputs(inputs)
+        with torch.no_grad(), trainer.compute_loss_context_manager():
+            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+        if prediction_loss_only:
+            return (loss.detach(), None, None)
+        self.repad_metric_inputs(batch_as_given, inputs)
+        # labels: the empty tuple of TRL's empty label_names, without which compute_metrics is never called
+        return (loss.detach(), outputs.logits.detach(), ())
+
+
+@hookimpl(trylast=True)
+def trainer_config(trainer, config):
+    """A RewardTrainer trains a sequence classifier: the task is ``seq_cls``."""
+    if not RewardTrainerPatch.claims(trainer) or config.task == "seq_cls":
+        return None
+    if config.task != "causal_lm":  # the default: a config that never named a task
+        raise ConfigError(f"task: {config.task} in the config, but a RewardTrainer trains a sequence classifier: "
+                          "set task: seq_cls, or leave task out")
+    return dataclasses.replace(config, task="seq_cls")
+
+
+@hookimpl(trylast=True)
+def wrap_trainer(trainer, assembly, config):
+    """TRL ``RewardTrainer``, and subclasses that keep its ``compute_loss`` and ``prediction_step``."""
+    return RewardTrainerPatch.wrap(trainer, assembly)

@@ -1,7 +1,15 @@
-"""TRL ``SFTTrainer`` specifics, as TRL does them: rows TRL packed itself split back into their examples, the loss
-from the fused LM head's log-probabilities (``fused_lm_head=True``: no logits materialised), the MoE ``aux_loss``
-term, and TRL's metrics (``mean_token_accuracy``, ``entropy``, ``num_tokens``, ``aux_loss``) recorded as TRL records
-them.
+"""The plugin for TRL ``SFTTrainer`` (and subclasses that keep its ``compute_loss`` and ``prediction_step``).
+
+It trains as HF ``Trainer`` does (:class:`~padfree_plugins.integrations.hf_trainer.HFTrainerPatch`), with TRL's
+specifics done as TRL does them: rows TRL packed itself (``packing=True``, a ``seq_lengths`` column) split back
+into their examples, the loss from the fused LM head's log-probabilities (``fused_lm_head=True``: no logits
+materialised; NLL or DFT), the MoE ``aux_loss`` term, and TRL's metrics (``mean_token_accuracy``, ``entropy``,
+``num_tokens``, ``aux_loss``) recorded as TRL records them.
+
+TRL refuses a custom collator when its own ``padding_free=True`` is set and requires ``max_length=None`` for
+padding-free training without packing. Neither applies here: build the SFTTrainer normally (its own collator, any
+``max_length`` — it truncates during dataset preparation), then accelerate it; the collator is swapped after
+construction.
 """
 
 from __future__ import annotations
@@ -11,23 +19,10 @@ from typing import Any
 
 import torch
 
-from padfree_plugins.errors import PadfreeError
-
-
-def split_packed_row(row: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """A row that TRL packed (``seq_lengths``) -> its examples; per-token lists are cut, other values copied."""
-    lengths = [int(n) for n in row["seq_lengths"]]
-    total = len(row["input_ids"])
-    if sum(lengths) != total:
-        raise PadfreeError(f"a packed row has {total} tokens but its seq_lengths add up to {sum(lengths)}")
-    per_token = {k: v for k, v in row.items() if k != "seq_lengths" and hasattr(v, "__len__") and not isinstance(v, str)
-                 and len(v) == total}
-    other = {k: v for k, v in row.items() if k != "seq_lengths" and k not in per_token}
-    examples, start = [], 0
-    for n in lengths:
-        examples.append({**other, **{k: v[start : start + n] for k, v in per_token.items()}})
-        start += n
-    return examples
+from padfree_plugins.contract.hookspecs import hookimpl
+from padfree_plugins.integrations.base import keeps_methods, library_class
+from padfree_plugins.integrations.checks import check_token_budget, note_trl_eval_packing
+from padfree_plugins.integrations.hf_trainer import HFTrainerPatch, uses_own_loss
 
 
 def sft_loss(trainer: Any, outputs: Any, num_items_in_batch: Any) -> torch.Tensor:
@@ -78,3 +73,70 @@ def record_sft_metrics(trainer: Any, outputs: Any, inputs: Mapping) -> None:
     aux_loss = getattr(outputs, "aux_loss", None)
     if aux_loss is not None:
         metrics[mode]["aux_loss"].append(gather(aux_loss.detach()).mean().item())
+
+
+class SFTTrainerPatch(HFTrainerPatch):
+    """TRL ``SFTTrainer`` trained padding-free: HF ``Trainer``'s patch with TRL's loss, metrics and model flags."""
+
+    kind = "sft"
+
+    @classmethod
+    def claims(cls, trainer: Any) -> bool:
+        return keeps_methods(trainer, library_class(trainer, "trl", "SFTTrainer"))
+
+    def check(self) -> None:
+        check_token_budget(self.trainer, self.assembly.config)
+        note_trl_eval_packing(self.trainer)
+
+    def labelled_logits(self) -> bool:
+        return False  # TRL's fused LM head builds no logits for unlabelled positions anyway
+
+    def model_kwargs(self, fused: bool) -> dict[str, Any]:
+        """TRL's model flags: no cache, the fused LM head when no logits are needed, MoE router logits."""
+        kwargs: dict[str, Any] = {"use_cache": False}
+        if fused:
+            kwargs["fused_lm_head"] = True
+        if getattr(self.trainer, "aux_loss_enabled", False):
+            kwargs["output_router_logits"] = True
+        return kwargs
+
+    def passes_num_items(self) -> bool:
+        return True  # TRL's loss normalises by num_items_in_batch itself
+
+    def loss_of(self, outputs: Any, inputs: Mapping, num_items_in_batch: Any) -> torch.Tensor:
+        record_sft_metrics(self.trainer, outputs, inputs)
+        return sft_loss(self.trainer, outputs, num_items_in_batch)
+
+    def own_loss_and_outputs(self, model: Any, inputs: Mapping, kwargs: dict[str, Any],
+                             num_items_in_batch: Any) -> tuple[torch.Tensor, Any]:
+        loss, outputs = super().own_loss_and_outputs(model, inputs, kwargs, num_items_in_batch)
+        with torch.no_grad():  # TRL records its metrics from a fused forward beside this loss, as here
+            fused = self.assembly.forward(model, inputs, **self.model_kwargs(fused=True))
+            record_sft_metrics(self.trainer, fused, inputs)
+        return loss, outputs
+
+    def add_aux_loss(self, loss: torch.Tensor, outputs: Any, num_items_in_batch: Any) -> torch.Tensor:
+        return loss + sft_aux_loss(self.trainer, outputs, num_items_in_batch)
+
+    def evaluates_through_loss(self) -> bool:
+        return True  # TRL's fused loss and metrics, as in training
+
+    def eval_loss_and_outputs(self, model: Any, inputs: Mapping, num_items: Any) -> tuple[torch.Tensor, Any]:
+        loss, outputs = self.compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items)
+        if not uses_own_loss(self.trainer):
+            # the fused LM head builds no logits: one more forward for them, as TRL itself does
+            outputs = self.assembly.forward(model, {k: v for k, v in inputs.items() if k != "labels"},
+                                            **self.model_kwargs(fused=False))
+        return loss, outputs
+
+    def counts_eval_items(self) -> bool:
+        return False  # as TRL's prediction_step
+
+    def metric_outputs(self, outputs: Any) -> Any:
+        return [("logits", outputs["logits"])]  # TRL hands metrics the logits alone (no aux loss, router logits)
+
+
+@hookimpl(trylast=True)
+def wrap_trainer(trainer, assembly, config):
+    """TRL ``SFTTrainer``, and subclasses that keep its ``compute_loss`` and ``prediction_step``."""
+    return SFTTrainerPatch.wrap(trainer, assembly)

@@ -2,7 +2,8 @@
 
 A patch does these things, all reversible:
 
-1. switches the model's attention implementation to ``padfree_<backend>`` (see :mod:`padfree_plugins.modeling.attention`);
+1. switches the model's attention implementation to ``padfree_<backend>`` (see
+:mod:`padfree_plugins.modeling.attention`);
 2. installs a guard on the base model that refuses packed rows without boundaries (positions that restart inside
    a row with no ``cu_seq_lens_q``): without it such a row would silently attend across examples;
 3. for tasks that compute per example inside the model's forward (classification, rerankers, embeddings:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from padfree_plugins.errors import BatchError
+from padfree_plugins.errors import BatchError, ConfigError
 from padfree_plugins.packing.batch import PackedBatch
 
 #: Per-token keys carried whenever every example has them.
@@ -285,3 +285,59 @@ class WrapsPackingCollator:
     @property
     def on_overlong(self) -> str:
         return self.packing.on_overlong
+
+
+def split_packed_row(row: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A row that TRL packed (``seq_lengths``) -> its examples; per-token lists are cut, other values copied."""
+    lengths = [int(n) for n in row["seq_lengths"]]
+    total = len(row["input_ids"])
+    if sum(lengths) != total:
+        raise BatchError(f"a packed row has {total} tokens but its seq_lengths add up to {sum(lengths)}")
+    per_token = {k: v for k, v in row.items() if k != "seq_lengths" and hasattr(v, "__len__") and not isinstance(v, str)
+                 and len(v) == total}
+    other = {k: v for k, v in row.items() if k != "seq_lengths" and k not in per_token}
+    examples, start = [], 0
+    for n in lengths:
+        examples.append({**other, **{k: v[start : start + n] for k, v in per_token.items()}})
+        start += n
+    return examples
+
+
+def split_packed_rows(rows: Sequence[Mapping[str, Any]]) -> list:
+    """``rows`` with every row that holds several examples (a ``seq_lengths`` column, as TRL's ``packing=True``
+    writes) split into them (:func:`split_packed_row`); other rows as they are."""
+    if rows and isinstance(rows[0], Mapping) and "seq_lengths" in rows[0]:
+        return [example for row in rows for example in split_packed_row(row)]
+    return list(rows)
+
+
+def model_token_limit(model_config, position_start: int = 0) -> int | None:
+    """The longest example the model's position table takes (``None`` when the config states no limit)."""
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    limit = getattr(text_config, "max_position_embeddings", None)
+    return int(limit) - int(position_start) if isinstance(limit, int) and limit > 0 else None
+
+
+def packing_collator(task, architecture, model_config, config) -> PackingCollator:
+    """The core packing collator for a task and a model: positions from the architecture, keys from the task,
+    and ``max_length`` from the config or else the model's own limit (so that an over-long example is a clear
+    error, not an index error deep inside the position embeddings)."""
+    start = int(architecture.position_start(model_config))
+    limit = model_token_limit(model_config, start)
+    source = f"{type(model_config).__name__}.max_position_embeddings={limit + start}" if limit else ""
+    if config.max_length is not None and limit is not None and config.max_length > limit:
+        raise ConfigError(
+            f"max_length: {config.max_length} is more than the model takes ({limit} tokens, {source}); "
+            f"set max_length to at most {limit}"
+        )
+    return PackingCollator(
+        position_start=start,
+        token_keys=tuple(dict.fromkeys((*DEFAULT_TOKEN_KEYS, *task.token_keys))),
+        example_keys=task.example_keys,
+        required_keys=task.required_keys,
+        max_length=config.max_length if config.max_length is not None else limit,
+        on_overlong=config.on_overlong,
+        masked_first_keys=task.masked_first_keys,
+        limit_source="" if config.max_length is not None or limit is None else source,
+        vocab_size=getattr(getattr(model_config, "get_text_config", lambda: model_config)(), "vocab_size", None),
+    )

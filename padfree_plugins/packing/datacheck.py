@@ -22,7 +22,8 @@ MAX_PYTHON_ROWS = 200_000
 
 
 def _packing(collator: Any) -> Any:
-    """The :class:`~padfree_plugins.packing.collator.PackingCollator` inside a task collator (or the collator itself)."""
+    """The :class:`~padfree_plugins.packing.collator.PackingCollator` inside a task collator (or the collator
+    itself)."""
     return getattr(collator, "packing", collator)
 
 

@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from padfree_plugins.builtin import core
 from padfree_plugins.errors import BatchError
 from padfree_plugins.modeling.pooling import PROMPT_LENGTH_KEY
 from padfree_plugins.packing.batch import PackedBatch
@@ -28,6 +27,7 @@ from padfree_plugins.packing.collator import (
     WrapsPackingCollator,
     as_examples,
     holds_several_texts,
+    packing_collator,
     stack_example_values,
 )
 
@@ -39,7 +39,7 @@ GROUP_KEY = "group"
 def packing_for(task: Any, architecture: Any, model_config: Any, config: Any) -> PackingCollator:
     """The core packing collator for a task whose per-example keys (``Task.example_keys``: labels, groups) are
     optional and handled by the collators here rather than required by the core one."""
-    return dataclasses.replace(core.collate(task, architecture, model_config, config), example_keys=())
+    return dataclasses.replace(packing_collator(task, architecture, model_config, config), example_keys=())
 
 
 def labels_of(rows: Sequence[Mapping[str, Any]], float_labels: bool = False) -> torch.Tensor | None:

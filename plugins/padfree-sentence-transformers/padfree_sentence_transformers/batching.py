@@ -143,7 +143,8 @@ class TokenBudgetMultiDataset:
 @dataclass
 class EpochThroughShards:
     """The trainer's ``get_train_dataloader``, with the epoch passed on to a token-budget sampler through
-    accelerate's per-rank wrapper (see :func:`padfree_plugins.batching.sampler.pass_epoch_on`): resuming mid-epoch under DDP
+    accelerate's per-rank wrapper (see :func:`padfree_plugins.batching.sampler.pass_epoch_on`): resuming mid-epoch
+    under DDP
     would otherwise replay epoch 0's batches."""
 
     original: Any

@@ -8,7 +8,8 @@ and whose CrossEncoder head scores per text. Other models a loss calls on those 
 guide) are made padding-free too, and the few losses that read the features themselves are fixed or refused
 (:mod:`.losses`).
 With ``batching.strategy: tokens`` the training batches are filled up to a token budget (:mod:`.batching`);
-accelerate's ``dispatch_batches`` is kept off, as for HF ``Trainer`` (:class:`padfree_plugins.integrations.accelerate.WholeBatches`).
+accelerate's ``dispatch_batches`` is kept off, as for HF ``Trainer``
+(:class:`padfree_plugins.integrations.base.WholeBatches`).
 ``undo()`` restores the modules and the trainer (``accelerate``'s own ``undo`` restores the model's attention).
 """
 
@@ -19,7 +20,7 @@ from typing import Any
 
 from padfree_plugins import PadfreeError, hookimpl, unwrap_model
 from padfree_plugins.batching.sampler import uses_token_budget
-from padfree_plugins.integrations.accelerate import WholeBatches
+from padfree_plugins.integrations.base import WholeBatches
 
 from .batching import BatchSamplerPatch, check_config
 from .losses import loss_modules, patch_losses

@@ -1,0 +1,291 @@
+"""The shared base of every trainer plugin: install / undo, the collator swap, whole batches, padding-free
+evaluation with re-padded outputs.
+
+A trainer plugin (one module per trainer: :mod:`.hf_trainer`, :mod:`.trl_sft`, :mod:`.trl_reward`, or a third
+party's) subclasses :class:`TrainerPatch`, says which trainers it :meth:`~TrainerPatch.claims`, and answers the
+``wrap_trainer`` hook with ``MyPatch.wrap(trainer, assembly)``. What the base does for every trainer, all of it
+undone by :meth:`TrainerPatch.undo`:
+
+* refuses, while the trainer is unchanged, what cannot train padding-free (:mod:`.checks`): parallelism that
+  splits rows, a custom collator, bad examples, a token budget the trainer cannot keep;
+* **data_collator** becomes :meth:`~TrainerPatch.make_collator`'s (by default the assembly's packing collator as a
+  :class:`TrainerCollator`);
+* **batches stay whole**: accelerate's ``dispatch_batches``, left unset, is turned off (:class:`WholeBatches`);
+* **column removal**: the signature columns gain the task's keys (:func:`signature_columns`);
+* **compute_loss** / **prediction_step** are the subclass's;
+* **include_num_input_tokens_seen**: every packed token counts (there is no padding);
+* **NEFTune**: the padded batch's noise (:class:`~padfree_plugins.modeling.neftune.PackedNeftune`);
+* **get_train_dataloader**, with ``batching.strategy: tokens`` only: token-budget micro-batches.
+
+A plugin that patches a trainer some other way (its own attributes, say) saves and restores them with
+:func:`own_attribute` and :func:`restore_attributes`, re-exported here for that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from padfree_plugins.assembly import Assembly
+from padfree_plugins.batching.sampler import trainer_train_dataloader, uses_token_budget
+from padfree_plugins.errors import PadfreeError
+from padfree_plugins.integrations.checks import (
+    check_collator,
+    check_datasets,
+    check_parallelism,
+    trainer_datasets,
+)
+from padfree_plugins.modeling.neftune import PackedNeftune
+from padfree_plugins.modeling.patching import own_attribute, restore_attributes, unwrap_model
+from padfree_plugins.packing.batch import packed_tokens
+from padfree_plugins.packing.collator import split_packed_rows
+from padfree_plugins.packing.labelled_logits import keep_labelled_logits
+
+__all__ = ["TrainerCollator", "TrainerPatch", "WholeBatches", "library_class", "keeps_methods", "own_attribute",
+           "restore_attributes", "signature_columns"]
+
+
+def library_class(trainer: Any, module_prefix: str, name: str) -> type | None:
+    """The class named ``name`` from a module under ``module_prefix`` in ``trainer``'s MRO (by name, so that the
+    library need not be imported), or ``None``."""
+    for cls in type(trainer).__mro__:
+        if cls.__name__ == name and cls.__module__.startswith(module_prefix):
+            return cls
+    return None
+
+
+def keeps_methods(trainer: Any, owner: type | None,
+                  names: tuple[str, ...] = ("compute_loss", "prediction_step")) -> bool:
+    """Whether ``trainer``'s class is ``owner`` or a subclass that keeps ``owner``'s ``names`` methods. A subclass
+    that overrides ``compute_loss`` or ``prediction_step`` does something unknown with a batch: feeding it packed
+    rows could be silently wrong, so no builtin plugin claims it."""
+    if owner is None:
+        return False
+    cls = type(trainer)
+    return all(getattr(cls, name) is getattr(owner, name) for name in names)
+
+
+@dataclass
+class TrainerCollator:
+    """The assembly's collator as a trainer's ``data_collator`` (picklable, for DataLoader workers).
+
+    Rows that hold several examples (TRL's ``packing=True``: a ``seq_lengths`` column) are split into them first;
+    ``labelled_logits`` adds :func:`~padfree_plugins.packing.labelled_logits.keep_labelled_logits`'s keys to each
+    batch; ``unlabelled_token`` (the pad id of a replaced ``DataCollatorForLanguageModeling``) gets no loss, as there.
+    """
+
+    collator: Any
+    labelled_logits: bool = False
+    unlabelled_token: int | None = None
+
+    def __call__(self, rows: list[Mapping[str, Any]]) -> Any:
+        batch = self.collator(split_packed_rows(rows))
+        if self.unlabelled_token is not None and "labels" in batch:
+            batch["labels"] = batch["labels"].masked_fill(batch["input_ids"] == self.unlabelled_token, -100)
+        return keep_labelled_logits(batch) if self.labelled_logits else batch
+
+
+@dataclass
+class WholeBatches:
+    """accelerate's ``dispatch_batches`` kept off: it loads batches on the main process and slices every tensor by
+    rows for the processes, and a packed batch is one row (its boundaries would be cut to one number). Refused when
+    asked for; when left unset (accelerate would dispatch an iterable dataset's batches) it is turned off — every
+    process loads its own examples, the same batches — and :meth:`undo` unsets it again."""
+
+    config: Any
+    active: bool = True
+
+    @classmethod
+    def apply(cls, trainer: Any) -> WholeBatches | None:
+        config = getattr(trainer.accelerator, "dataloader_config", None)
+        if config is None or config.dispatch_batches is False:
+            return None
+        if config.dispatch_batches:
+            raise PadfreeError("accelerator_config dispatch_batches=True slices every batch by rows for the "
+                               "processes, and a packed batch is one row: set accelerator_config={'dispatch_batches': "
+                               "False} (every process then loads its own examples)")
+        config.dispatch_batches = False
+        return cls(config)
+
+    def undo(self) -> None:
+        if self.active:
+            self.config.dispatch_batches = None
+            self.active = False
+
+
+def signature_columns(trainer: Any, assembly: Assembly, extra: tuple[str, ...] = ()) -> list[str]:
+    """The trainer's signature columns plus every key the task's collator reads (and ``extra``).
+
+    A collator whose keys depend on the dataset (e.g. the embedding task's ``<column>_input_ids``) says which
+    dataset columns it reads through a ``dataset_columns(names)`` method.
+    """
+    task = assembly.plan.task
+    keys = ["input_ids", *task.required_keys, *task.token_keys, *task.example_keys, *extra]
+    reads = getattr(assembly.collator, "dataset_columns", None)
+    if reads is not None:
+        for _, dataset in trainer_datasets(trainer):
+            keys += reads(getattr(dataset, "column_names", None) or [])
+    return list(dict.fromkeys((*(trainer._signature_columns or ()), *keys)))
+
+
+def detach(value: Any) -> Any:
+    """``value`` detached: a tensor, or a tuple of them (anything else as it is)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, tuple):
+        return tuple(detach(v) for v in value)
+    return value
+
+
+@dataclass
+class TrainerPatch:
+    """What :meth:`wrap` changed on a trainer, and how to change it back (:meth:`undo`).
+
+    Subclasses implement :meth:`claims`, :meth:`compute_loss` and :meth:`prediction_step`, and may override
+    :meth:`make_collator`, :meth:`check` and :attr:`extra_columns`.
+    """
+
+    #: A short name of the trainer family, for ``describe()`` and messages.
+    kind: ClassVar[str] = "trainer"
+    #: Dataset columns the collator reads besides the task's keys (TRL's ``seq_lengths``, which it splits rows by).
+    extra_columns: ClassVar[tuple[str, ...]] = ("seq_lengths",)
+
+    trainer: Any
+    assembly: Assembly
+    saved: dict[str, Any] = field(default_factory=dict)
+    neftune: PackedNeftune | None = None
+    whole_batches: WholeBatches | None = None
+    active: bool = True
+
+    # -- what a subclass says ----------------------------------------------------------------------------------
+
+    @classmethod
+    def claims(cls, trainer: Any) -> bool:
+        """Whether this patch knows ``trainer`` (its class, and that it keeps the methods the patch replaces)."""
+        raise NotImplementedError
+
+    def make_collator(self) -> Any:
+        """The trainer's new ``data_collator`` (default: the assembly's collator, as a :class:`TrainerCollator`)."""
+        return TrainerCollator(self.assembly.collator)
+
+    def check(self) -> None:
+        """Refuse, before anything changes, what this trainer cannot do padding-free (default: nothing more)."""
+
+    def compute_loss(self, model: Any, inputs: Mapping, return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        """The trainer's ``compute_loss`` on a packed batch."""
+        raise NotImplementedError
+
+    def prediction_step(self, model: Any, inputs: Mapping, prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
+        """The trainer's ``prediction_step`` on a packed batch."""
+        raise NotImplementedError
+
+    # -- install / undo ----------------------------------------------------------------------------------------
+
+    @classmethod
+    def wrap(cls, trainer: Any, assembly: Assembly) -> TrainerPatch | None:
+        """``cls(trainer, assembly)`` installed, or ``None`` when :meth:`claims` says no (``wrap_trainer``'s answer)."""
+        if not cls.claims(trainer):
+            return None
+        check_parallelism(trainer)
+        if trainer.model is None or unwrap_model(trainer.model) is not assembly.model:
+            raise PadfreeError("the assembly was built for another model than trainer.model")
+        check_collator(trainer.data_collator)
+        patch = cls(trainer, assembly)
+        collator = patch.make_collator()
+        check_datasets(trainer, collator.collator if isinstance(collator, TrainerCollator) else collator)
+        patch.check()
+        patch.whole_batches = WholeBatches.apply(trainer)
+        try:
+            patch.install(collator)
+        except BaseException:  # an error part-way leaves the trainer as it was
+            patch.undo()
+            raise
+        return patch
+
+    def install(self, collator: Any) -> None:
+        """Put ``collator``, the signature columns, the loss, evaluation, token counting, the token-budget dataloader
+        and packed NEFTune on the trainer, saving what each replaces (for :meth:`undo`)."""
+        trainer = self.trainer
+        for name in ("data_collator", "_signature_columns"):
+            self.saved[name] = getattr(trainer, name)
+        for name in ("compute_loss", "prediction_step", "loss_is_scaled_for_ga", "_track_num_input_tokens"):
+            self.saved[name] = own_attribute(trainer, name)
+        trainer.data_collator = collator
+        trainer._set_signature_columns_if_needed()
+        trainer._signature_columns = signature_columns(trainer, self.assembly, self.extra_columns)
+        trainer.compute_loss = self.compute_loss
+        trainer.prediction_step = self.prediction_step
+        trainer._track_num_input_tokens = self.track_num_input_tokens
+        if uses_token_budget(self.assembly.config):
+            self.saved["get_train_dataloader"] = own_attribute(trainer, "get_train_dataloader")
+            trainer.get_train_dataloader = self.train_dataloader
+        if getattr(trainer, "neftune_noise_alpha", None) is not None:  # NEFTune scaled per example, as padded
+            self.saved["neftune_noise_alpha"] = own_attribute(trainer, "neftune_noise_alpha")
+            embeddings = unwrap_model(trainer.model).get_input_embeddings()
+            self.neftune = PackedNeftune.install(embeddings, trainer.neftune_noise_alpha)
+            trainer.neftune_noise_alpha = None
+
+    def undo(self) -> None:
+        """Restore everything :meth:`install` replaced. Safe twice."""
+        if not self.active:
+            return
+        restore_attributes(self.trainer, self.saved)
+        if self.whole_batches is not None:
+            self.whole_batches.undo()
+        if self.neftune is not None:
+            self.neftune.remove()
+        self.active = False
+
+    # -- what the trainer calls, shared ------------------------------------------------------------------------
+
+    def track_num_input_tokens(self, inputs: Mapping) -> None:
+        """``include_num_input_tokens_seen``: a packed batch has no padding, so ``non_padding`` counts every token (the
+        trainer would count the tokens unequal to the pad id, dropping real ones where pad is eos, say)."""
+        trainer = self.trainer
+        name = getattr(trainer.model, "main_input_name", "input_ids")
+        if trainer.args.include_num_input_tokens_seen != "non_padding" or name not in inputs:
+            return type(trainer)._track_num_input_tokens(trainer, inputs)
+        tokens = torch.as_tensor(inputs[name].numel(), device=trainer.args.device, dtype=torch.int64)
+        trainer.state.num_input_tokens_seen += trainer.accelerator.gather(tokens).sum().item()
+
+    def train_dataloader(self) -> Any:
+        """``batching.strategy: tokens``: micro-batches filled up to a token budget
+        (:mod:`padfree_plugins.batching`)."""
+        return trainer_train_dataloader(self.trainer, self.assembly.config, self.trainer.data_collator)
+
+    def neftune_scope(self, inputs: Mapping) -> Any:
+        """The block in which the embeddings' forwards belong to ``inputs`` (for packed NEFTune, when on)."""
+        return self.neftune.for_batch(inputs) if self.neftune is not None else contextlib.nullcontext()
+
+    def repad_metric_inputs(self, batch_as_given: Any, inputs: Mapping) -> None:
+        """``include_for_metrics=["inputs"]``: the trainer reads the model's main input from the batch it handed
+        to ``prediction_step``; a packed row ``[1, T]`` becomes ``[n, L_max]``, padded with the tokenizer's pad id
+        (as a padding collator pads), so that every example is one row of the inputs ``compute_metrics`` sees."""
+        if "inputs" not in (self.trainer.args.include_for_metrics or ()):
+            return
+        name = getattr(self.trainer.model, "main_input_name", "input_ids")
+        if not isinstance(batch_as_given, dict) or name not in inputs:
+            return
+        pad = getattr(self.trainer.processing_class, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(getattr(self.assembly.model, "config", None), "pad_token_id", None)
+        batch_as_given[name] = self.repad(inputs[name], inputs, -100 if pad is None else pad)
+
+    def repad(self, value: Any, batch: Mapping, fill: float | None) -> Any:
+        """A packed per-token tensor ``[1, T, ...]`` -> ``[n, L_max, ...]``; anything else unchanged."""
+        per_token = (isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[0] == 1
+                     and value.shape[1] == packed_tokens(batch))
+        if not per_token:
+            return value
+        padded, mask = self.assembly.reverter(value.unsqueeze(-1) if value.ndim == 2 else value, batch)
+        if value.ndim == 2:
+            padded = padded.squeeze(-1)
+        if fill is not None:
+            padded = padded.masked_fill(~mask.bool().reshape(mask.shape + (1,) * (padded.ndim - 2)), fill)
+        return padded
