@@ -1,4 +1,4 @@
-"""The command line: --version, list (with a broken plugin), check, demo, bad arguments."""
+"""The command line: --version, list (with a broken plugin), check, demo, bad arguments, help texts."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 from typer.testing import CliRunner
 
 from padfree_plugins import __version__
-from padfree_plugins.cli.app import app
+from padfree_plugins.cli import app
 
 
-def run(*args: str):
-    return CliRunner().invoke(app, list(args))
+def run(*args: str, env: dict[str, str] | None = None):
+    return CliRunner().invoke(app, list(args), env=env)
 
 
 def test_version():
@@ -31,6 +31,49 @@ def test_list_shows_builtins_and_a_broken_plugin(fake_distribution):
     assert plugins["llama"]["source"] == "builtin" and plugins["llama"]["architectures"] == ["llama"]
     table = run("list")
     assert table.exit_code == 0 and "broken" in table.output and "error" in table.output and "llama" in table.output
+
+
+def plugin_names(plugins: list[dict]) -> set[str]:
+    """Every name ``list`` shows: plugins, hooks, architectures, tasks, backends."""
+    return {name for p in plugins for name in (p["name"], *p["hooks"], *p["architectures"], *p["tasks"],
+                                                 *p["backends"])}
+
+
+@pytest.mark.parametrize("columns, layout", [(200, "architectures"), (110, "provides"), (64, "hooks: ")])
+def test_list_fits_the_terminal_and_never_splits_a_name(fake_distribution, columns, layout):
+    """The widest table that fits COLUMNS (one name per line in a cell), else one block per plugin: no line wider
+    than the terminal, every name whole, the broken plugin's reason shown."""
+    fake_distribution("broken", "raise ImportError('no module named nowhere')")
+    plugins = json.loads(run("list", "--json").output)["plugins"]
+    result = run("list", env={"COLUMNS": str(columns)})
+    assert result.exit_code == 0, result.output
+    assert max(len(line) for line in result.output.splitlines()) <= columns, result.output
+    for name in plugin_names(plugins):
+        assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", result.output), (name, result.output)
+    assert layout in result.output and "no module named nowhere" in result.output
+
+
+HELPS = [[], ["list"], ["check"], ["demo"], ["train"], ["bench"], ["bench", "sft"], ["bench", "embedding"],
+         ["bench", "collator"], ["bench", "batching"]]
+
+
+@pytest.mark.parametrize("command", HELPS, ids=lambda c: " ".join(c) or "top")
+def test_help_shows_no_type_for_flags(command):
+    """A flag takes no value: no ``<bool>`` after --json, --help or --version (typer's rich help printed one)."""
+    result = run(*command, "--help")
+    assert result.exit_code == 0, result.output
+    assert "--help" in result.output and "<bool>" not in result.output and "BOOL" not in result.output
+
+
+def test_check_says_that_a_model_is_required():
+    help_text = " ".join(run("check", "--help").output.split())
+    assert "one of --model-type (e.g. llama) or --model (a local directory): one of them is required" in help_text
+    result = run("check", "configs/padfree.yaml")
+    assert result.exit_code == 2
+    assert "error: check needs a model: give --model-type (e.g. --model-type llama) or --model (a local model " \
+           "directory); one of them is required" in " ".join(result.output.split())
+    result = run("check", "configs/padfree.yaml", "--model-type", "llama", "--model", "somewhere")
+    assert result.exit_code == 2 and "give either --model-type or --model, not both" in result.output
 
 
 def test_check_valid_config_shows_the_plan():

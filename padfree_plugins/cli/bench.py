@@ -1,0 +1,239 @@
+"""``bench``: side-by-side benchmarks (sft, embedding, collator, batching), each ratio measured in one run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from padfree_plugins.cli.common import JsonFlag, console, fail, positive, positive_ints
+from padfree_plugins.errors import PadfreeError
+
+app = typer.Typer(help="Benchmarks: side-by-side ratios measured in one run. Without a subcommand: all of "
+                       "them with their defaults (the README's main job).")
+
+
+@app.callback(invoke_without_command=True)
+def bench_all(ctx: typer.Context) -> None:
+    """Run every benchmark with its defaults: collator, sft, embedding, batching."""
+    if ctx.invoked_subcommand is not None:
+        return
+    for title, command in (("collator", bench_collator), ("sft (causal LM)", bench_sft),
+                           ("embedding and reranker", bench_embedding), ("batching", bench_batching)):
+        console().rule(f"bench {title}")
+        command()
+
+
+@app.command("collator")
+def bench_collator(
+    batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "4,16,64",
+    batches: Annotated[int, positive("Batches per round.")] = 200,
+    as_json: JsonFlag = False,
+) -> None:
+    """Our packing collator vs transformers.DataCollatorWithFlattening on identical batches."""
+    from padfree_plugins.benchmarks.collator import run_collator_benchmark
+
+    sizes = positive_ints(batch_sizes, "--batch-sizes")
+    try:
+        results = [run_collator_benchmark(bs, batches) for bs in sizes]
+    except PadfreeError as error:
+        fail(error)
+    if as_json:
+        print(json.dumps([{**r.__dict__, "ratio": r.ratio} for r in results], indent=2))
+        return
+    table = Table(title="collator time per batch (lognormal lengths, median 120): ours vs HF flattening")
+    for column in ("batch size", "ours ms", "HF ms", "ours / HF"):
+        table.add_column(column, justify="right")
+    for r in results:
+        table.add_row(str(r.batch_size), f"{r.ours_ms:.3f}", f"{r.hf_ms:.3f}", f"{r.ratio:.2f}")
+    stdout = console()
+    stdout.print(table)
+
+
+@app.command("embedding")
+def bench_embedding(
+    device: Annotated[str, typer.Option(help="cpu or cuda (cuda fails loudly without a GPU).")] = "cpu",
+    dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16 … (default: float32 on cpu, bfloat16 "
+                                                      "on cuda).")] = None,
+    workload: Annotated[Optional[list[str]], typer.Option(
+        help="task:model:batch_size:median, repeatable (task embedding or reranker; model minilm, bert-base or "
+             "tiny). Default: the real all-MiniLM-L6-v2 on cpu, BERT-base shapes on cuda.")] = None,
+    batches: Annotated[int, positive("Timed batches per round.")] = 3,
+    rounds: Annotated[int, positive("Interleaved rounds (the fastest round of each side counts).")] = 3,
+    attention: Annotated[str, typer.Option(help="Attention backend of the padding-free side.")] = "auto",
+    threads: Annotated[Optional[int], positive("torch intra-op threads (1 on a busy shared machine).")] = None,
+    dataset: Annotated[Optional[str], typer.Option(help="Draw every workload's batches from the lengths of your "
+                                                       "data: a local file or save_to_disk directory with "
+                                                       "*input_ids columns, or text columns (with --tokenizer; "
+                                                       "each text is one example).")] = None,
+    dataset_split: Annotated[str, typer.Option(help="Split of a saved DatasetDict.")] = "train",
+    tokenizer: Annotated[Optional[str], typer.Option(help="Local tokenizer directory for a --dataset of text.")] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Embedding and reranker training steps, padded vs padding-free, interleaved in one run."""
+    from padfree_plugins.benchmarks.embedding import (
+        DEFAULT_WORKLOADS,
+        parse_workload,
+        run_embedding_benchmark,
+        with_dataset_lengths,
+    )
+    from padfree_plugins.benchmarks.lengths import dataset_lengths
+
+    try:
+        workloads = tuple(parse_workload(w) for w in workload) if workload else None
+        if dataset is not None:
+            lengths = dataset_lengths(dataset, split=dataset_split, tokenizer=tokenizer, texts="each")
+            workloads = with_dataset_lengths(workloads or DEFAULT_WORKLOADS.get(device, ()), lengths)
+        results = run_embedding_benchmark(workloads, device=device, dtype=dtype, batches=batches, rounds=rounds,
+                                          attention=attention, threads=threads)
+    except PadfreeError as error:
+        fail(error)
+    if as_json:
+        print(json.dumps([{k: v for k, v in r.as_dict().items() if k != "losses"} for r in results], indent=2))
+        return
+    table = Table(title="training step (fwd + bwd), padded vs padding-free, same weights and batches; "
+                        "real (non-pad) tokens/s")
+    for column in ("task", "model", "batch", "padding", "padded tok/s", "padfree tok/s", "speedup", "ideal",
+                   "of ideal", "padded MiB", "padfree MiB", "max |loss diff|", "max |out diff|", "backend"):
+        table.add_column(column, justify="right")
+    for r in results:
+        table.add_row(r.task, r.model, f"{r.batch_size} (median {r.median:g})", f"{r.padding_fraction:.0%}",
+                      f"{r.padded_tokens_per_s:,.0f}", f"{r.padfree_tokens_per_s:,.0f}", f"{r.speedup:.2f}x",
+                      f"{r.ideal_speedup:.2f}x", f"{r.of_ideal:.0%}", f"{r.padded_memory_mib:,.0f}",
+                      f"{r.padfree_memory_mib:,.0f}", f"{r.max_loss_diff:.1e}", f"{r.max_output_diff:.1e}",
+                      f"{r.backend} {r.device} {r.dtype}")
+    stdout = console()
+    stdout.print(table)
+    if results:
+        stdout.print(f"memory: {results[0].memory_kind}; ideal = 1 / (1 - padding fraction).", highlight=False)
+
+
+@app.command("sft")
+def bench_sft(
+    device: Annotated[str, typer.Option(help="cpu, or cuda / cuda:N (fails if CUDA is missing).")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
+    model_size: Annotated[str, typer.Option(help="tiny (4 layers, d=256), 1b (TinyLlama 1.1B shape), micro "
+                                                   "(2 layers, d=64: smoke tests).")] = "tiny",
+    batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "4,16",
+    laws: Annotated[Optional[str], typer.Option(help="Comma-separated length laws: lognormal (median 120, sigma "
+                                                     "0.6), mix (80% median 40, 20% median 600), dataset (lengths "
+                                                     "of --dataset). Default: lognormal,mix; dataset with "
+                                                     "--dataset.")] = None,
+    dataset: Annotated[Optional[str], typer.Option(help="Measure on the lengths of your data: a local .json / "
+                                                       ".jsonl / .parquet / .csv file or a save_to_disk directory "
+                                                       "with input_ids (or text, with --tokenizer).")] = None,
+    dataset_split: Annotated[str, typer.Option(help="Split of a saved DatasetDict.")] = "train",
+    tokenizer: Annotated[Optional[str], typer.Option(help="Local tokenizer directory for a --dataset of text or "
+                                                         "prompt + completion rows.")] = None,
+    model_config: Annotated[Optional[str], typer.Option(help="A config.json (or a directory holding one) of any "
+                                                            "supported decoder, randomly initialised, instead of "
+                                                            "--model-size.")] = None,
+    batches: Annotated[int, positive("Distinct batches per (law, batch size).")] = 8,
+    rounds: Annotated[int, positive("Interleaved rounds; figures are medians over rounds.")] = 3,
+    warmup: Annotated[int, typer.Option(help="Untimed warm-up steps per variant.")] = 1,
+    max_length: Annotated[int, positive("Longest example (lengths are clipped).")] = 2048,
+    prompt_share: Annotated[float, typer.Option(help="Share of each example that is prompt (labels -100), as in "
+                                                     "completion-only SFT.")] = 0.0,
+    peak_tflops: Annotated[Optional[float], positive("MFU denominator in TFLOP/s. Default: 790 on CUDA (as "
+                                                      "gpu_anchor.py), the measured matmul rate on CPU.")] = None,
+    threads: Annotated[Optional[int], positive("torch intra-op threads. Default on CPU: 1 (on a shared machine, "
+                                                "OpenMP barriers on contended cores otherwise dominate small "
+                                                "kernels); on CUDA: torch's choice.")] = None,
+    out: Annotated[Path, typer.Option(help="Directory for bench_sft.json and bench_sft.png.")] = Path("out/bench-sft"),
+    as_json: JsonFlag = False,
+) -> None:
+    """Causal-LM training step: padded vs HF native packing vs padfree-plugins, same model and batches, one run."""
+    sizes = positive_ints(batch_sizes, "--batch-sizes")
+    import torch
+
+    from padfree_plugins.benchmarks.sft import BenchSettings, run_sft_benchmark, write_outputs
+
+    previous_threads = torch.get_num_threads()
+    if threads is not None or device == "cpu":
+        torch.set_num_threads(threads or 1)
+    default_laws = "dataset" if dataset else "lognormal,mix"
+    settings = BenchSettings(device=device, dtype=dtype, model_size=model_size, batch_sizes=sizes,
+                             laws=tuple(law.strip() for law in (laws or default_laws).split(",")),
+                             batches=batches, rounds=rounds, warmup=warmup, max_length=max_length,
+                             peak_tflops=peak_tflops, model_config=model_config, dataset=dataset,
+                             dataset_split=dataset_split, tokenizer=tokenizer, prompt_share=prompt_share)
+    stdout = console()
+    try:
+        result = run_sft_benchmark(settings, progress=None if as_json else
+                                   (lambda line: stdout.print(line, highlight=False)))
+    except PadfreeError as error:
+        fail(error)
+    finally:
+        torch.set_num_threads(previous_threads)
+    paths = write_outputs(result, out)
+    if as_json:
+        print(result.to_json())
+        return
+    kind = result.rows[0].memory_kind if result.rows else ""
+    model = model_config or f"Llama {model_size}"
+    prompts = f", {prompt_share:.0%} of each example is prompt" if prompt_share else ""
+    table = Table(title=f"SFT step (fwd + bwd), {model}, {dtype}, {result.environment['device']}{prompts}: "
+                        "real tokens/s, medians of interleaved rounds")
+    for column in ("law", "batch", "padding", "variant", "tokens/s", "step ms", "vs padded", "vs HF native",
+                   f"memory MiB ({kind})", "MFU", "loss rel. diff", "attention"):
+        table.add_column(column, justify="right")
+    for r in result.rows:
+        table.add_row(r.law, str(r.batch_size), f"{r.padding_fraction:.0%}", r.variant, f"{r.tokens_per_s:,.0f}",
+                      f"{r.step_ms:,.1f}", f"{r.speedup_vs_padded:.2f}x",
+                      "-" if r.variant != "padfree" else f"{r.speedup_vs_hf:.2f}x", f"{r.memory_bytes / 2**20:,.1f}",
+                      f"{r.mfu:.0%}", f"{r.loss_rel_diff:.1e}", r.backend)
+    stdout.print(table)
+    stdout.print(f"environment: {result.environment}", highlight=False)
+    stdout.print(f"wrote {paths['json']} and {paths['png']}", highlight=False)
+
+
+@app.command("batching")
+def bench_batching(
+    examples: Annotated[int, positive("Examples per length law (balance part).")] = 20000,
+    max_tokens: Annotated[int, positive("Token budget per micro-batch (balance part).")] = 4096,
+    ranks: Annotated[str, typer.Option(help="Comma-separated simulated rank counts.")] = "2,8",
+    laws: Annotated[str, typer.Option(help="Comma-separated length laws: lognormal (median 120, sigma 0.6), mix "
+                                           "(80% median 40, 20% median 1000).")] = "lognormal,mix",
+    time_steps: Annotated[int, typer.Option(help="Steps timed per batching (throughput part; 0 skips it).")] = 8,
+    time_max_tokens: Annotated[int, positive("Token budget of the timed micro-batches.")] = 2048,
+    time_law: Annotated[str, typer.Option(help="Length law of the timed run.")] = "lognormal",
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+) -> None:
+    """Example-count vs token-budget batching across simulated ranks: token spread, padding, real tokens/s."""
+    from padfree_plugins.benchmarks.batching import gain, run_balance, run_throughput
+
+    rank_counts = positive_ints(ranks, "--ranks")
+    try:
+        balance = run_balance(tuple(laws.split(",")), rank_counts, examples, max_tokens)
+        timed = run_throughput(time_law, rank_counts, time_steps, time_max_tokens) if time_steps > 0 else []
+    except (PadfreeError, ValueError) as error:
+        fail(error)
+    if as_json:
+        print(json.dumps({"balance": [r.__dict__ for r in balance],
+                          "throughput": [{**r.__dict__, "tokens_per_s": r.tokens_per_s} for r in timed],
+                          "gain": gain(timed)}, indent=2, default=float))
+        return
+    table = Table(title=f"rank balance per step, one epoch of {examples:,} examples (budget {max_tokens} tokens)")
+    for column in ("law", "ranks", "batching", "steps", "tokens / micro-batch", "spread mean", "spread max",
+                   "padding if padded", "idle (sync wait)"):
+        table.add_column(column, justify="right")
+    for r in balance:
+        table.add_row(r.law, str(r.ranks), r.batching, str(r.steps), f"{r.tokens_per_micro_batch:,.0f}",
+                      f"{r.spread_mean:.3f}", f"{r.spread_max:.3f}", f"{r.padding:.1%}", f"{r.idle:.1%}")
+    stdout = console()
+    stdout.print(table)
+    stdout.print("spread: max / min tokens over the ranks of a step. idle: rank time spent waiting for the slowest "
+                     "rank of each step.", highlight=False)
+    if timed:
+        gains = gain(timed)
+        table = Table(title=f"tiny Llama fwd+bwd per rank, step time = slowest rank ({time_law}, {time_steps} steps)")
+        for column in ("ranks", "batching", "real tokens", "spread mean", "seconds", "real tok/s", "gain"):
+            table.add_column(column, justify="right")
+        for r in timed:
+            mark = f"{gains[r.ranks]:.2f}x" if r.batching.startswith("tokens") and r.ranks in gains else ""
+            table.add_row(str(r.ranks), r.batching, f"{r.real_tokens:,}", f"{r.spread_mean:.3f}",
+                          f"{r.seconds:.2f}", f"{r.tokens_per_s:,.0f}", mark)
+        stdout.print(table)
