@@ -99,10 +99,15 @@ def test_check_reports_errors_with_exit_code_2(tmp_path):
     assert result.exit_code == 2 and "does not exist" in result.output
 
 
-def test_demo_outputs_equal_and_reports_speed():
+def test_demo_outputs_equal_and_reports_speed_and_its_progress():
     result = run("demo", "--batch-size", "3", "--median", "12", "--repeats", "1", "--json")
     assert result.exit_code == 0, result.output
-    rows = json.loads(result.output)
+    progress = result.stderr.splitlines()  # a line per stage, on stderr: stdout holds the JSON only
+    assert progress[0] == "building a tiny Llama and a tiny BERT (random weights)..."
+    for model in ("llama", "bert"):
+        assert any(line.startswith(f"{model}: 3 examples") for line in progress), progress
+        assert f"{model}: timing padding-free vs padded, round 2/2 (1 steps each)..." in progress
+    rows = json.loads(result.stdout)
     assert {row["model"] for row in rows} == {"llama", "bert"}
     for row in rows:
         assert row["max_abs_diff"] < 1e-4 and row["padfree_tokens_per_s"] > 0 and row["speedup"] > 0

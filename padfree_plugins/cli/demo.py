@@ -20,10 +20,15 @@ def demo(
     repeats: Annotated[int, positive("Timed repeats per variant.")] = 5,
     as_json: JsonFlag = False,
 ) -> None:
-    """Pack a batch, run tiny models padded and padding-free, print both results and the speed ratio."""
+    """Pack a batch, run tiny models padded and padding-free, print both results and the speed ratio.
+
+    Progress goes to stderr, one line per stage; the results to stdout.
+    """
     from padfree_plugins.recipes.demo import run_demo
 
-    results = run_demo(batch_size=batch_size, median=median, repeats=repeats)
+    progress = console(stderr=True)
+    results = run_demo(batch_size=batch_size, median=median, repeats=repeats,
+                       progress=lambda line: progress.print(line, highlight=False, markup=False))
     if as_json:
         print(json.dumps([{**r.__dict__, "speedup": r.speedup} for r in results], indent=2))
         return

@@ -8,6 +8,7 @@ per-example difference between the padded and the padding-free outputs, and forw
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -60,11 +61,14 @@ def _time_step(model, inputs: dict, repeats: int) -> float:
 
 
 def run_demo(batch_size: int = 16, median: float = 120, sigma: float = 0.6, repeats: int = 5,
-             seed: int = 0) -> list[DemoResult]:
-    """Run the demonstration for every demo model; see the module docstring."""
+             seed: int = 0, progress: Callable[[str], None] | None = None) -> list[DemoResult]:
+    """Run the demonstration for every demo model; see the module docstring. ``progress`` gets a line per stage."""
+    say = progress or (lambda _: None)
+    say("building a tiny Llama and a tiny BERT (random weights)...")
     results = []
     for name, model in demo_models().items():
         lengths = lognormal_lengths(batch_size, median, sigma, 8, 1000, seed)
+        say(f"{name}: {batch_size} examples, {sum(lengths)} real tokens: padded vs padding-free outputs...")
         generator = torch.Generator().manual_seed(seed)
         examples = [{"input_ids": torch.randint(5, model.config.vocab_size, (n,), generator=generator).tolist()}
                     for n in lengths]
@@ -82,7 +86,8 @@ def run_demo(batch_size: int = 16, median: float = 120, sigma: float = 0.6, repe
                        for i, n in enumerate(lengths))
             model.train()
             padfree_s, padded_s = [], []
-            for _ in range(2):  # interleaved, so that machine noise hits both sides alike
+            for round_ in range(2):  # interleaved, so that machine noise hits both sides alike
+                say(f"{name}: timing padding-free vs padded, round {round_ + 1}/2 ({repeats} steps each)...")
                 padfree_s.append(_time_step(model, inputs, repeats))
                 assembly.undo()
                 padded_s.append(_time_step(model, padded, repeats))
