@@ -13,7 +13,7 @@ from transformers import HfArgumentParser, Trainer, TrainingArguments
 from typer.testing import CliRunner
 
 from padfree_plugins import AccelerationArguments, ConfigError
-from padfree_plugins.cli.app import app
+from padfree_plugins.cli import app
 from padfree_plugins.recipes.train import parse_arguments, run_train
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "padfree.yaml"
@@ -50,6 +50,60 @@ def test_help_lists_training_arguments_and_the_acceleration_config():
     assert result.exit_code == 0
     for flag in ("--acceleration_config", "--learning_rate", "--model_name_or_path", "--dataset"):
         assert flag in result.output
+
+
+def help_entries(text: str) -> dict[str, str]:
+    """argparse's help, option by option: first spelling -> its help, on one line."""
+    entries = re.split(r"\n  (?=-)", text.split("\noptions:\n", 1)[1])
+    return {entry.split()[0].rstrip(","): " ".join(entry.split()) for entry in entries if entry.strip()}
+
+
+def test_help_names_the_command_states_each_default_once_and_describes_the_negations():
+    result = invoke("--help")
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("usage: padfree-plugins train [OPTIONS]\n")
+    entries = help_entries(result.output)
+    assert "--learning_rate" in entries and "--acceleration_config" in entries
+    for flag, entry in entries.items():
+        assert "(default: None)" not in entry, entry
+        if "(default: " in entry:
+            assert entry.lower().count("default") == 1, entry  # not "Default: x ... (default: y)"
+    assert "Default: the instruction dataset shipped with padfree-plugins" in entries["--dataset"]
+    assert "train on the completion only" in entries["--completion_only_loss"]
+    assert "train on the completion only" not in entries["--no_completion_only_loss"]
+    assert "turn --completion_only_loss off (the same as --completion_only_loss false)" in \
+        entries["--no_completion_only_loss"]
+    assert "--report_to none --disable_tqdm true" in " ".join(result.output.split())  # the command's own defaults
+
+
+def test_a_short_run_logs_every_step_unless_told_otherwise():
+    result = invoke("--max_steps", "5", "--max_examples", "64", "--eval_fraction", "0")
+    assert result.exit_code == 0, result.output
+    assert [int(step) for step in re.findall(r"step +(\d+) +loss", result.output)] == [1, 2, 3, 4, 5]
+    result = invoke("--max_steps", "5", "--max_examples", "64", "--eval_fraction", "0", "--logging_steps", "2")
+    assert [int(step) for step in re.findall(r"step +(\d+) +loss", result.output)] == [2, 4]
+
+
+def test_a_long_run_logs_about_fifty_times():
+    report = run_train(["--max_steps", "120", "--max_examples", "32", "--per_device_train_batch_size", "4",
+                        "--eval_fraction", "0"], print_fn=None)
+    assert [step for step, _ in report.losses] == list(range(3, 121, 3))  # ceil(120 / 50) = every 3 steps
+
+
+def test_no_progress_bar_in_a_pipe_and_the_loss_curve_still_prints(tmp_path):
+    """Not a terminal: no progress bar (tqdm's carriage returns glue a bar onto one line of a CI log); the loss
+    curve is printed all the same, and the bars are as they were afterwards."""
+    import datasets
+    from transformers.utils import logging
+
+    shown = logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled()
+    result = invoke("--max_steps", "2", "--max_examples", "32", "--eval_fraction", "0",
+                    "--output_dir", str(tmp_path / "out"))
+    assert result.exit_code == 0, result.output
+    assert "\r" not in result.output and "it/s" not in result.output, result.output
+    assert "training loss (padding-free)" in result.output and re.search(r"step +2 +loss", result.output)
+    assert (tmp_path / "out" / "config.json").exists()
+    assert (logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled()) == shown
 
 
 def test_acceleration_arguments_parse_with_hf_argument_parser(tmp_path):

@@ -3,6 +3,10 @@ train`), then print the loss curve."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import typer
 from rich.table import Table
 
@@ -10,6 +14,28 @@ from padfree_plugins.cli.common import console, fail
 from padfree_plugins.errors import PadfreeError
 
 app = typer.Typer()
+
+
+@contextmanager
+def progress_bars(shown: bool) -> Iterator[None]:
+    """transformers', datasets' and huggingface_hub's progress bars off unless ``shown`` (in a pipe or a CI log,
+    a bar is one line glued together by carriage returns); afterwards, as they were."""
+    if shown:
+        yield
+        return
+    import datasets
+    from transformers.utils import logging
+
+    were_shown = logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled()
+    logging.disable_progress_bar()  # huggingface_hub's too
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if were_shown[0]:
+            logging.enable_progress_bar()
+        if were_shown[1]:
+            datasets.enable_progress_bars()
 
 
 def print_losses(losses: list[tuple[int, float]]) -> None:
@@ -34,7 +60,8 @@ def train(ctx: typer.Context) -> None:
 
     stdout = console()
     try:
-        report = run_train(ctx.args, print_fn=lambda line: stdout.print(line, highlight=False, markup=False))
+        with progress_bars(shown=sys.stderr.isatty()):
+            report = run_train(ctx.args, print_fn=lambda line: stdout.print(line, highlight=False, markup=False))
     except (PadfreeError, OSError) as error:
         fail(error)
     if report.losses:

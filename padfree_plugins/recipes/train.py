@@ -16,6 +16,7 @@ aligned with ``input_ids``, empty examples), in that order.
 
 from __future__ import annotations
 
+import argparse
 import math
 import tempfile
 from collections.abc import Callable, Sequence
@@ -33,10 +34,12 @@ from padfree_plugins.integrations.arguments import AccelerationArguments
 EMBEDDED_FLAGS = [
     "--num_train_epochs", "3", "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "32",
     "--learning_rate", "3e-3", "--lr_scheduler_type", "cosine", "--warmup_steps", "6", "--weight_decay", "0.0",
-    "--logging_steps", "6", "--save_strategy", "no", "--seed", "0",
+    "--save_strategy", "no", "--seed", "0",
 ]
 #: TrainingArguments defaults of the command (overridable): quiet, countable, nothing reported anywhere.
 COMMON_FLAGS = ["--report_to", "none", "--disable_tqdm", "true", "--include_num_input_tokens_seen", "true"]
+#: Without --logging_steps, a run logs every step up to this many steps, and about this many times if longer.
+LOGGED_STEPS = 50
 #: Words of torch's optimizer errors -> the TrainingArguments field they are about.
 OPTIMIZER_ARGUMENTS = {"learning rate": "learning_rate", "epsilon": "adam_epsilon", "index 0": "adam_beta1",
                        "index 1": "adam_beta2", "weight_decay": "weight_decay"}
@@ -97,11 +100,40 @@ def _has_flag(argv: Sequence[str], name: str) -> bool:
     return any(arg.startswith("--") and arg.split("=", 1)[0].replace("-", "_") == spelling for arg in argv)
 
 
-def parse_arguments(argv: Sequence[str]) -> tuple[TrainScriptArguments, Any, AccelerationArguments, bool]:
-    """Parse the command line; the embedded default's flags come first, so that anything given overrides them."""
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each default said once: none after a help that states its own, after ``None``, or after a ``--no_*`` flag."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is None or "default" in text.lower() or isinstance(action, argparse._StoreFalseAction):
+            return text
+        return super()._get_help_string(action)
+
+
+def argument_parser() -> Any:
+    """The parser of ``padfree-plugins train``: :class:`TrainScriptArguments`, ``TrainingArguments`` and
+    ``--acceleration_config``."""
     from transformers import HfArgumentParser, TrainingArguments
 
-    parser = HfArgumentParser((TrainScriptArguments, TrainingArguments, AccelerationArguments))
+    parser = HfArgumentParser(
+        (TrainScriptArguments, TrainingArguments, AccelerationArguments), prog="padfree-plugins train",
+        usage="%(prog)s [OPTIONS]", formatter_class=_HelpFormatter,
+        description="Fine-tune a causal LM padding-free with HF Trainer: the flags of padfree-plugins train, every "
+                    "TrainingArguments flag, and --acceleration_config padfree.yaml. The defaults shown are "
+                    f"TrainingArguments', except these of the command: {' '.join(COMMON_FLAGS)}, --output_dir a "
+                    "temporary directory (nothing saved); without --model_name_or_path, --model_config and "
+                    f"--dataset (the embedded default), also {' '.join(EMBEDDED_FLAGS)}. Without --logging_steps, "
+                    f"a run logs every step up to {LOGGED_STEPS} steps, about {LOGGED_STEPS} times if longer (at most "
+                    "500 steps apart).")
+    for action in parser._actions:
+        if isinstance(action, argparse._StoreFalseAction):  # HfArgumentParser gives --no_X the help of --X
+            action.help = f"turn --{action.dest} off (the same as --{action.dest} false)"
+    return parser
+
+
+def parse_arguments(argv: Sequence[str]) -> tuple[TrainScriptArguments, Any, AccelerationArguments, bool]:
+    """Parse the command line; the embedded default's flags come first, so that anything given overrides them."""
+    parser = argument_parser()
     embedded = not any(_has_flag(argv, f) for f in ("--model_name_or_path", "--model_config", "--dataset"))
     prefix = list(COMMON_FLAGS)
     if embedded:
@@ -200,14 +232,20 @@ def _build_trainer(training: Any, **kwargs: Any) -> Any:
 # -- the run -----------------------------------------------------------------------------------------------------
 
 
-def _loss_curve_callback(print_fn: Callable[[str], None] | None) -> Any:
+def _loss_curve_callback(print_fn: Callable[[str], None] | None, log_often: bool = False) -> Any:
     from transformers import TrainerCallback
 
     class LossCurve(TrainerCallback):
-        """Collects the training loss at every logging step (and prints one line per log)."""
+        """Collects the training loss at every logging step (and prints one line per log). With ``log_often``, a
+        run logs every step up to :data:`LOGGED_STEPS` steps, about that many times if longer (at most
+        ``logging_steps`` apart)."""
 
         def __init__(self) -> None:
             self.losses: list[tuple[int, float]] = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            if log_often:
+                state.logging_steps = min(state.logging_steps, max(1, math.ceil(state.max_steps / LOGGED_STEPS)))
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             logs = logs or {}
@@ -275,7 +313,8 @@ def run_train(argv: Sequence[str] = (), print_fn: Callable[[str], None] | None =
         model = AutoModelForCausalLM.from_pretrained(script.model_name_or_path, attn_implementation="sdpa")
     else:
         model = AutoModelForCausalLM.from_config(model_config, attn_implementation="sdpa")
-    curve = _loss_curve_callback(print_fn if training.disable_tqdm else None)
+    curve = _loss_curve_callback(print_fn if training.disable_tqdm else None,
+                                 log_often=not _has_flag(argv, "--logging_steps"))
     trainer = _build_trainer(training, model=model, train_dataset=data, eval_dataset=evaluation,
                              processing_class=tokenizer, callbacks=[curve])
     if training.disable_tqdm:
