@@ -58,7 +58,8 @@ def help_entries(text: str) -> dict[str, str]:
     return {entry.split()[0].rstrip(","): " ".join(entry.split()) for entry in entries if entry.strip()}
 
 
-def test_help_names_the_command_states_each_default_once_and_describes_the_negations():
+def test_help_names_the_command_states_each_default_once_and_describes_the_negations(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # argparse wraps to the terminal: no word cut by a narrow one
     result = invoke("--help")
     assert result.exit_code == 0, result.output
     assert result.output.startswith("usage: padfree-plugins train [OPTIONS]\n")

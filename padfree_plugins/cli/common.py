@@ -23,8 +23,9 @@ def console(stderr: bool = False) -> Console:
 
 
 def fail(error: Exception | str) -> NoReturn:
-    """Print ``error: ...`` and exit with status 2, as a usage error does."""
-    console().print(f"[bold red]error:[/] {escape(str(error))}", highlight=False)
+    """Print ``error: ...`` (one line per line of the message, never wrapped: it may be searched for) and exit with
+    status 2, as a usage error does."""
+    console().print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
     raise typer.Exit(code=2)
 
 

@@ -28,7 +28,7 @@ def demo(
 
     progress = console(stderr=True)
     results = run_demo(batch_size=batch_size, median=median, repeats=repeats,
-                       progress=lambda line: progress.print(line, highlight=False, markup=False))
+                       progress=lambda line: progress.print(line, highlight=False, markup=False, soft_wrap=True))
     if as_json:
         print(json.dumps([{**r.__dict__, "speedup": r.speedup} for r in results], indent=2))
         return
