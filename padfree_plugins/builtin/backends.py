@@ -7,6 +7,9 @@ from padfree_plugins.contract.declarations import FEATURES, AttentionBackend
 from padfree_plugins.contract.hookspecs import hookimpl
 from padfree_plugins.modeling.attention import backends
 
+#: What the exact kernels implement: every feature, attention sinks included.
+EXACT_FEATURES = frozenset(FEATURES) | {"sinks"}
+
 
 @hookimpl
 def register_attention_backends():
@@ -14,6 +17,7 @@ def register_attention_backends():
         AttentionBackend(
             "exact",
             backends.exact_varlen,
+            features=EXACT_FEATURES,
             speed_rank=0,
             devices=("cpu", "cuda", "mps", "xpu"),
             description="one sdpa call per example length; exact everywhere, the CPU / CI path",
@@ -21,6 +25,7 @@ def register_attention_backends():
         AttentionBackend(
             "repad",
             backends.repad_varlen,
+            features=EXACT_FEATURES,
             speed_rank=5,
             devices=("cuda", "xpu", "mps"),
             description="one masked sdpa call on a padded view of attention only; any dtype, no host sync: the "

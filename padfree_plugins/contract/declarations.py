@@ -12,8 +12,11 @@ from typing import Any, Literal
 
 Kind = Literal["decoder", "encoder"]
 
-#: Attention features a model may use; backends declare which of them they implement.
+#: Attention features a model may use; backends declare which of them they implement (all of these by default).
 FEATURES = ("causal", "bidirectional", "gqa", "sliding_window", "softcap", "dropout")
+#: Features a backend implements only when it says so: ``sinks`` (a learned per-head logit in every softmax,
+#: gpt-oss), given to its ``varlen`` function as ``sinks=``.
+OPT_IN_FEATURES = ("sinks",)
 
 
 def position_start_zero(model_config: Any) -> int:

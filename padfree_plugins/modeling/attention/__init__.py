@@ -32,7 +32,9 @@ PACKED_CALL: ContextVar[bool] = ContextVar("padfree_packed_call", default=False)
 
 IMPLEMENTATION_PREFIX = "padfree_"
 #: Keyword arguments that change attention semantics in ways no backend here implements.
-_UNSUPPORTED_KWARGS = ("s_aux", "sinks", "position_bias", "alibi_slopes")
+_UNSUPPORTED_KWARGS = ("position_bias", "alibi_slopes")
+#: The names models give attention sinks (one learned logit per head in every softmax: gpt-oss's ``s_aux``).
+_SINK_KWARGS = ("s_aux", "sinks")
 
 
 def implementation_name(backend: AttentionBackend, fallback: AttentionBackend | None = None,
@@ -72,6 +74,7 @@ class PadfreeAttention:
                 )
         if not self.attention_dropout:
             dropout = 0.0
+        sinks = next((kwargs[name] for name in _SINK_KWARGS if kwargs.get(name) is not None), None)
         causal = kwargs.get("is_causal")
         causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
         cu_seq_lens_q = kwargs.get("cu_seq_lens_q")
@@ -84,11 +87,16 @@ class PadfreeAttention:
                     "docs/writing-a-plugin.md)."
                 )
             return self._ordinary(module, query, key, value, attention_mask, scaling, dropout,
-                                  sliding_window, softcap, causal, kwargs)
+                                  sliding_window, softcap, causal, sinks, bool(kwargs.get("output_attentions")))
         if query.shape[0] != 1:
             raise BoundaryError(
                 f"a packed batch must be one row [1, T]; got {query.shape[0]} rows with cu_seq_lens_q. "
                 "Use padfree_plugins' collator, which packs every example into a single row."
+            )
+        if kwargs.get("output_attentions"):
+            raise BoundaryError(
+                "output_attentions=True on a packed row: padding-free attention never builds the [T, T] weights of "
+                "a packed row. Run the examples as an ordinary padded batch to inspect attention weights."
             )
         if key.shape[2] != query.shape[2]:
             raise BoundaryError(
@@ -103,8 +111,16 @@ class PadfreeAttention:
             max_q = max_k = int(cu_seq_lens_q.diff().max())  # a sync: collators always provide it
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
         backend = self._backend_for(q)
+        extra = {}
+        if sinks is not None:
+            if "sinks" not in backend.features:
+                raise NotImplementedError(
+                    f"{type(module).__name__} uses attention sinks, which the {backend.name!r} attention backend "
+                    "does not implement: use attention: auto (which picks one that does) or exact"
+                )
+            extra["sinks"] = sinks
         out = backend.varlen(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_q, max_k, causal=causal,
-                             scale=scaling, window=sliding_window, softcap=softcap, dropout=dropout)
+                             scale=scaling, window=sliding_window, softcap=softcap, dropout=dropout, **extra)
         return out.unsqueeze(0), None
 
     def _backend_for(self, query: torch.Tensor) -> AttentionBackend:
@@ -113,9 +129,11 @@ class PadfreeAttention:
         return self.fallback
 
     def _ordinary(self, module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
-                  causal, kwargs):
-        """Inputs without boundaries: behave as the sdpa implementation, plus windows and soft-capping."""
-        if softcap is None and (attention_mask is not None or sliding_window is None):
+                  causal, sinks, output_attentions):
+        """Inputs without boundaries: behave as the sdpa implementation, plus windows, soft-capping, sinks, and the
+        attention weights when ``output_attentions`` asks for them (as the eager implementation returns them)."""
+        plain = softcap is None and sinks is None and not output_attentions
+        if plain and (attention_mask is not None or sliding_window is None):
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, is_causal=causal)
         groups = query.shape[1] // key.shape[1]
@@ -123,8 +141,10 @@ class PadfreeAttention:
         if mask is not None and mask.dtype != torch.bool:  # an additive float mask: 0 attends, a large negative not
             mask = mask > torch.finfo(mask.dtype).min / 2
         out = attend(query, repeat_kv(key, groups), repeat_kv(value, groups), causal=causal, scale=scaling,
-                     window=sliding_window, softcap=softcap, dropout=dropout, mask=mask)
-        return out.transpose(1, 2).contiguous(), None
+                     window=sliding_window, softcap=softcap, dropout=dropout, mask=mask, sinks=sinks,
+                     return_weights=output_attentions)
+        out, weights = out if output_attentions else (out, None)
+        return out.transpose(1, 2).contiguous(), weights
 
 
 def register(backend: AttentionBackend, fallback: AttentionBackend | None = None,

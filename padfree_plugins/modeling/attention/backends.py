@@ -8,6 +8,9 @@ Every backend has the signature of :func:`exact_varlen` and returns ``[T, H_q, D
 * ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2).
 * ``dropout``: attention-probability dropout, already ``0.0`` outside training.
 * GQA / MQA: ``key`` / ``value`` may have fewer heads than ``query`` (a divisor of it).
+* ``sinks`` (only for backends that declare the ``sinks`` feature, passed only when set): one learned logit per
+  query head that joins every softmax and takes its share of the probability, attending to nothing (gpt-oss's
+  ``s_aux``). A backend that does not declare it is never given it.
 """
 
 from __future__ import annotations
@@ -44,18 +47,20 @@ def segment_mask(
     return allowed
 
 
-def attend(q, k, v, *, causal, scale=None, window=None, softcap=None, dropout=0.0, mask=None):
+def attend(q, k, v, *, causal, scale=None, window=None, softcap=None, dropout=0.0, mask=None, sinks=None,
+           return_weights=False):
     """Exact attention of ``[B, H, Lq, D]`` queries over ``[B, H_kv, Lk, D]`` keys (``H_kv`` divides ``H``).
 
     ``mask`` (optional, boolean, True = attend, broadcastable to ``[B, H, Lq, Lk]``) is combined with the
-    causal / window structure.
+    causal / window structure. ``sinks`` (``[H]``): a per-head logit in every softmax that attends to nothing.
+    ``return_weights``: also return the attention probabilities ``[B, H, Lq, Lk]`` (``output_attentions``).
     """
     grouped = k.shape[-3] != q.shape[-3]
-    explicit = mask is not None or softcap is not None
+    explicit = mask is not None or softcap is not None or sinks is not None or return_weights
     structure = segment_mask(q.shape[-2], k.shape[-2], causal, window, q.device, always=explicit and causal)
     if mask is not None:
         structure = mask if structure is None else (mask & structure)
-    if softcap is None:
+    if softcap is None and sinks is None and not return_weights:
         use_flag = structure is None and causal and q.shape[-2] > 1
         return F.scaled_dot_product_attention(q, k, v, attn_mask=structure, dropout_p=dropout, scale=scale,
                                               is_causal=use_flag, enable_gqa=grouped)
@@ -63,12 +68,19 @@ def attend(q, k, v, *, causal, scale=None, window=None, softcap=None, dropout=0.
         repeat = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
     scores = torch.matmul(q, k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if structure is not None:
         scores = scores.masked_fill(~structure, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:  # the sink joins the softmax as one more column, then is dropped: it attends to nothing
+        column = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        combined = torch.cat([scores, column], dim=-1)
+        probs = torch.softmax(combined, dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
     probs = F.dropout(probs, p=dropout, training=dropout > 0)
-    return torch.matmul(probs, v)
+    out = torch.matmul(probs, v)
+    return (out, probs) if return_weights else out
 
 
 def _expand_kv(key: torch.Tensor, value: torch.Tensor, num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,6 +108,7 @@ def exact_varlen(
     window: int | None = None,
     softcap: float | None = None,
     dropout: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention on any device: one ``scaled_dot_product_attention`` per example.
 
@@ -107,7 +120,7 @@ def exact_varlen(
     if cu_seq_lens_k is cu_seq_lens_q or (cu_seq_lens_k.shape == cu_seq_lens_q.shape
                                           and torch.equal(cu_seq_lens_k, cu_seq_lens_q)):
         return _self_attention_by_length(query, key, value, cu_seq_lens_q, causal=causal, scale=scale,
-                                         window=window, softcap=softcap, dropout=dropout)
+                                         window=window, softcap=softcap, dropout=dropout, sinks=sinks)
     q_all, k_all, v_all = (t.transpose(0, 1) for t in (query, key, value))  # [H, T, D]
     bounds_q = cu_seq_lens_q.tolist()
     bounds_k = bounds_q if cu_seq_lens_k is cu_seq_lens_q else cu_seq_lens_k.tolist()
@@ -120,7 +133,8 @@ def exact_varlen(
         q = torch.stack([q_all[:, bounds_q[i] : bounds_q[i] + length_q] for i in members])
         k = torch.stack([k_all[:, bounds_k[i] : bounds_k[i] + length_k] for i in members])
         v = torch.stack([v_all[:, bounds_k[i] : bounds_k[i] + length_k] for i in members])
-        out = attend(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, dropout=dropout)
+        out = attend(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, dropout=dropout,
+                     sinks=sinks)
         for j, i in enumerate(members):
             pieces[i] = out[j]
     return torch.cat(pieces, dim=1).transpose(0, 1)  # [T, H, D]
@@ -174,7 +188,7 @@ def padded_slots(cu_seq_lens: torch.Tensor, total: int, longest: int) -> tuple[t
 
 
 def repad_varlen(query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, *,
-                 causal, scale=None, window=None, softcap=None, dropout=0.0) -> torch.Tensor:
+                 causal, scale=None, window=None, softcap=None, dropout=0.0, sinks=None) -> torch.Tensor:
     """Exact attention with one masked ``scaled_dot_product_attention`` call: queries, keys and values are
     scattered into a right-padded ``[n, L_max, H, D]`` view for attention alone (every other layer stays packed),
     padded keys are masked out, and the output is gathered back to ``[T, H, D]``.
@@ -205,7 +219,8 @@ def repad_varlen(query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q, 
     padding_query = torch.arange(max_length_q, device=query.device)[None, :] >= lengths_q[:, None]  # [n, Lq]
     # a padding query may see every key: its row is never read, and a fully masked row would be NaN in backward
     mask = (real_key[:, None, :] | padding_query[:, :, None])[:, None]  # [n, 1, Lq, Lk]
-    out = attend(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, dropout=dropout, mask=mask)
+    out = attend(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, dropout=dropout, mask=mask,
+                 sinks=sinks)
     return out.transpose(1, 2).reshape(n * max_length_q, *out.shape[1:2], out.shape[-1]).index_select(0, slots_q)
 
 
@@ -262,10 +277,11 @@ def torch_varlen(query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q, 
 
 
 def flash_attn_unavailable() -> str | None:
-    if importlib.util.find_spec("flash_attn") is None:
-        return "the flash_attn package is not installed (pip install flash-attn)"
     if not torch.cuda.is_available():
-        return "flash_attn runs on CUDA only and no CUDA device is available"
+        return ("flash_attn runs on CUDA GPUs only and no CUDA device is available (on a CPU use attention: auto or "
+                "exact)")
+    if importlib.util.find_spec("flash_attn") is None:
+        return "the flash_attn package is not installed (pip install flash-attn; CUDA only)"
     return None
 
 
