@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from padfree_plugins.config.model_configs import layer_values
 from padfree_plugins.config.schema import PadfreeConfig, load_config
 from padfree_plugins.config.task_options import read_options
 from padfree_plugins.contract.declarations import Architecture, AttentionBackend, Task
@@ -31,20 +32,21 @@ logger = logging.getLogger("padfree_plugins")
 
 
 def attention_features(model_config: Any, architecture: Architecture) -> frozenset[str]:
-    """The attention features a model uses, from its config and its architecture declaration."""
+    """The attention features a model uses, from its config (every layer's, for a heterogeneous config) and its
+    architecture declaration."""
     features = set(architecture.features(model_config))
     features.add("causal" if architecture.kind == "decoder" and getattr(model_config, "is_causal", True)
                  else "bidirectional")
-    heads = getattr(model_config, "num_attention_heads", None)
-    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
-    if heads and kv_heads and kv_heads < heads:
+    heads = [h for h in layer_values(model_config, "num_attention_heads") if h]
+    kv_heads = [h for h in layer_values(model_config, "num_key_value_heads") if h] or heads
+    if heads and kv_heads and min(kv_heads) < max(heads):
         features.add("gqa")
-    if getattr(model_config, "sliding_window", None):
+    if any(layer_values(model_config, "sliding_window")):
         features.add("sliding_window")
-    if getattr(model_config, "attn_logit_softcapping", None):
+    if any(layer_values(model_config, "attn_logit_softcapping")):
         features.add("softcap")
     for name in ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop"):
-        if (getattr(model_config, name, 0.0) or 0.0) > 0:
+        if any((value or 0.0) > 0 for value in layer_values(model_config, name)):
             features.add("dropout")
     return frozenset(features)
 
@@ -87,11 +89,16 @@ def _model_type(model_config: Any) -> str:
     return model_type
 
 
-def resolve_architecture(host: PluginHost, model_config: Any, config: PadfreeConfig) -> tuple[Architecture, str]:
+def resolve_architecture(host: PluginHost, model_config: Any, config: PadfreeConfig,
+                         model: Any = None) -> tuple[Architecture, str]:
+    """The architecture for a model config (an undeclared one under ``architecture: probe`` read from ``model``,
+    when given) and the plugin that declares it."""
     model_type = _model_type(model_config)
     claims = host.architectures()
     if config.architecture == PROBE:  # declared model types as usual; an undeclared one is probed at assembly
-        return claims[model_type] if model_type in claims else (probed_architecture(model_config), PROBE_PLUGIN)
+        if model_type in claims:
+            return claims[model_type]
+        return probed_architecture(model_config, model), PROBE_PLUGIN
     if config.architecture != "auto":
         by_name = {spec.name: (spec, plugin) for spec, plugin in claims.values()}
         if config.architecture not in by_name:
@@ -161,12 +168,14 @@ def plan(model_config: Any, config: PadfreeConfig | dict | str | None = None, *,
     return resolved
 
 
-def _resolve(model_config: Any, config: PadfreeConfig, host: PluginHost, device_type: str | None) -> Plan:
-    """Architecture, task and backend for a model config, with notes for the log."""
+def _resolve(model_config: Any, config: PadfreeConfig, host: PluginHost, device_type: str | None,
+             model: Any = None) -> Plan:
+    """Architecture, task and backend for a model config (and the model itself, when there is one), with notes for
+    the log."""
     host.require(config.plugins.require)
     if not host.loaded():
         raise PluginError("no plugin is loaded: is padfree-plugins installed (pip install -e .)?")
-    architecture, architecture_plugin = resolve_architecture(host, model_config, config)
+    architecture, architecture_plugin = resolve_architecture(host, model_config, config, model)
     tasks = host.tasks()
     if config.task not in tasks:
         raise ConfigError(
@@ -272,7 +281,7 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
     refuse_prompt_learning(model)
     host = host or PluginHost(block=config.plugins.block)
     inner = unwrap_model(model)
-    resolved = _resolve(inner.config, config, host, None)
+    resolved = _resolve(inner.config, config, host, None, inner)
     for note in resolved.notes:  # plugin precedence, a faster backend the config rules out …
         logger.warning("padfree-plugins: %s", note)
     parts = Parts.build(host, inner.config, config, resolved)

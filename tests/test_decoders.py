@@ -205,10 +205,12 @@ MASK_ONLY_STRUCTURE = {  # attention structure these models put only in the mask
 @pytest.mark.parametrize("model_type", MASK_ONLY_STRUCTURE)
 def test_probe_refuses_structure_that_only_the_models_own_mask_carries(model_type):
     """The patched attention never sees a structure that lives only in the model's own mask, so packed and alone
-    through the patched model agree, both without it. The probe's reference is the model with its own attention,
-    so it measures the difference (it used to accept both, and training was silently wrong by ~2e-3)."""
+    through the patched model agree, both without it (the probe used to accept both, and training was silently
+    wrong by ~2e-3). It is now refused before anything is measured: Llama 4's config declares chunked attention,
+    and PhiMoE's window reaches no attention call (tests/test_probe.py covers every size)."""
     model = causal_lm(model_type, **MASK_ONLY_STRUCTURE[model_type])
-    with pytest.raises(UnsupportedArchitectureError, match=r"differ from each example run alone by \d"):
+    reason = {"llama4_text": "chunked attention", "phimoe": "sliding window that no attention call receives"}
+    with pytest.raises(UnsupportedArchitectureError, match=reason[model_type]):
         assemble(model, {"task": "causal_lm", "architecture": "probe"})
     assert patch_of(model) is None and model.config._attn_implementation == "sdpa"
 

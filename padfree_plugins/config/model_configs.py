@@ -49,3 +49,27 @@ def load_model_config(source: str, flag: str = "--model_config") -> Any:
         return AutoConfig.for_model(data.pop("model_type"), **data)
     except ValueError as error:  # a value the config class refuses
         raise ConfigError(f"{file}: {str(error).splitlines()[0]}") from error
+
+
+def layer_values(model_config: Any, name: str) -> list[Any]:
+    """Every layer's ``name`` in a transformers config: one value per layer for a heterogeneous config (its
+    ``per_layer_config``, where reading a per-layer attribute globally raises), else the config's one value
+    (``None`` when it has none). The config's text config is read for a multimodal one."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    if getattr(text, "is_heterogeneous", False):
+        return [getattr(layer, name, None) for layer in text.per_layer_config]
+    try:
+        return [getattr(text, name, None)]
+    except RuntimeError:  # a per-layer attribute read globally on a config that declares per-layer values
+        return [getattr(layer, name, None) for layer in text.per_layer_config]
+
+
+def uses_sliding_window(model_config: Any) -> bool:
+    """Whether some layer attends through a window: a ``sliding_window`` that is not switched off
+    (``use_sliding_window: false``, Qwen2) and, when ``layer_types`` are given, a sliding layer among them."""
+    if not any(layer_values(model_config, "sliding_window")):
+        return False
+    if False in layer_values(model_config, "use_sliding_window"):
+        return False
+    kinds = [kind for layers in layer_values(model_config, "layer_types") for kind in (layers or ())]
+    return not kinds or any("sliding" in str(kind) for kind in kinds)

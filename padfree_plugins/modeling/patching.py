@@ -196,7 +196,7 @@ class ModelPatch:
         if getattr(model, PATCH_ATTRIBUTE, None) is not None:
             raise PadfreeError(f"{type(model).__name__} is already patched; undo the first patch before patching again")
         previous = model.config._attn_implementation
-        name = attention.register(backend, fallback, attention_dropout)
+        name = attention.register(backend, fallback, attention_dropout, architecture.kind == "decoder")
         model.set_attn_implementation(name)
         if model.config._attn_implementation != name:
             raise UnsupportedArchitectureError(
@@ -227,7 +227,7 @@ class ModelPatch:
         model names there too (the registry is per process)."""
         self.__dict__.update(state)
         if self.active:
-            attention.register(self.backend, self.fallback, self.attention_dropout)
+            attention.register(self.backend, self.fallback, self.attention_dropout, self.architecture.kind == "decoder")
 
     def route_compute(self) -> None:
         """Make ``model(padfree_compute=fn)`` return ``fn(model)``, with every other call unchanged.

@@ -12,6 +12,8 @@ with a mask function in ``AttentionMaskInterface``:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -30,6 +32,9 @@ from padfree_plugins.modeling.attention.backends import attend
 #: async tasks never see each other's calls.
 PACKED_CALL: ContextVar[bool] = ContextVar("padfree_packed_call", default=False)
 
+#: While set (by :func:`record_attention_calls`), every packed attention call appends what it received.
+_RECORDED_CALLS: ContextVar[list | None] = ContextVar("padfree_recorded_attention_calls", default=None)
+
 IMPLEMENTATION_PREFIX = "padfree_"
 #: Keyword arguments that change attention semantics in ways no backend here implements.
 _UNSUPPORTED_KWARGS = ("position_bias", "alibi_slopes")
@@ -38,14 +43,38 @@ _SINK_KWARGS = ("s_aux", "sinks")
 
 
 def implementation_name(backend: AttentionBackend, fallback: AttentionBackend | None = None,
-                        attention_dropout: bool = True) -> str:
+                        attention_dropout: bool = True, default_causal: bool = True) -> str:
     """The transformers ``attn_implementation`` name of one variant, e.g. ``padfree_exact`` or
     ``padfree_varlen_or_exact_nodropout``: every variant has its own name, so models patched differently in one
     process never overwrite each other's function."""
     name = IMPLEMENTATION_PREFIX + backend.name
     if fallback is not None and fallback.name != backend.name:
         name += f"_or_{fallback.name}"
-    return name if attention_dropout else name + "_nodropout"
+    if not attention_dropout:
+        name += "_nodropout"
+    return name if default_causal else name + "_bidirectional"
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """What one packed attention call received (recorded by :func:`record_attention_calls`)."""
+
+    module: str
+    causal: bool
+    window: int | None
+    sinks: bool
+
+
+@contextmanager
+def record_attention_calls() -> Iterator[list[AttentionCall]]:
+    """Collect an :class:`AttentionCall` for every packed attention call in the block (the probe reads which
+    structure reached attention); context-local, so other threads are not recorded."""
+    calls: list[AttentionCall] = []
+    token = _RECORDED_CALLS.set(calls)
+    try:
+        yield calls
+    finally:
+        _RECORDED_CALLS.reset(token)
 
 
 def padfree_mask(*args, attention_mask=None, **kwargs):
@@ -58,11 +87,13 @@ def padfree_mask(*args, attention_mask=None, **kwargs):
 @dataclass
 class PadfreeAttention:
     """The attention function for one backend; ``fallback`` runs inputs the backend cannot (e.g. fp32 on a
-    bf16-only kernel) when the backend was chosen automatically."""
+    bf16-only kernel) when the backend was chosen automatically. An attention module that does not say whether it
+    is causal (no ``is_causal``: LayoutLM, Splinter) is taken as ``default_causal`` — the architecture's kind."""
 
     backend: AttentionBackend
     fallback: AttentionBackend | None = None
     attention_dropout: bool = True
+    default_causal: bool = True
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                  sliding_window=None, softcap=None, **kwargs):
@@ -76,7 +107,7 @@ class PadfreeAttention:
             dropout = 0.0
         sinks = next((kwargs[name] for name in _SINK_KWARGS if kwargs.get(name) is not None), None)
         causal = kwargs.get("is_causal")
-        causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+        causal = bool(getattr(module, "is_causal", self.default_causal) if causal is None else causal)
         cu_seq_lens_q = kwargs.get("cu_seq_lens_q")
         if cu_seq_lens_q is None:
             if PACKED_CALL.get():
@@ -109,6 +140,9 @@ class PadfreeAttention:
         max_k = kwargs.get("max_length_k", max_q)
         if max_q is None:
             max_q = max_k = int(cu_seq_lens_q.diff().max())  # a sync: collators always provide it
+        recorded = _RECORDED_CALLS.get()
+        if recorded is not None:
+            recorded.append(AttentionCall(type(module).__name__, causal, sliding_window, sinks is not None))
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
         backend = self._backend_for(q)
         extra = {}
@@ -148,7 +182,7 @@ class PadfreeAttention:
 
 
 def register(backend: AttentionBackend, fallback: AttentionBackend | None = None,
-             attention_dropout: bool = True) -> str:
+             attention_dropout: bool = True, default_causal: bool = True) -> str:
     """Register the implementation of this variant with transformers and return its name.
 
     Registering the same variant again replaces its function with an equal one; the registry belongs to
@@ -156,7 +190,7 @@ def register(backend: AttentionBackend, fallback: AttentionBackend | None = None
     """
     if fallback is not None and fallback.name == backend.name:
         fallback = None
-    name = implementation_name(backend, fallback, attention_dropout)
-    AttentionInterface.register(name, PadfreeAttention(backend, fallback, attention_dropout))
+    name = implementation_name(backend, fallback, attention_dropout, default_causal)
+    AttentionInterface.register(name, PadfreeAttention(backend, fallback, attention_dropout, default_causal))
     AttentionMaskInterface.register(name, padfree_mask)
     return name
