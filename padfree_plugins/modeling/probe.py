@@ -277,9 +277,9 @@ class ProbeResult:
         elif self.failure:
             found = f"the packed forward failed: {self.failure}"
         else:
+            lengths = ", ".join(map(str, self.lengths))
             found = (f"packed outputs differ from each example run alone by {self.error:.2e} of the output scale "
-                     f"in float64 (tolerance {self.tolerance:.0e}; example lengths {', '.join(map(str,
-                     self.lengths))})")
+                     f"in float64 (tolerance {self.tolerance:.0e}; example lengths {lengths})")
         return (
             f"model type {self.model_type!r} failed the padding-free equivalence probe: {found.rstrip('.')}. "
             "Training it padding-free would mix examples, so it is refused. To support it, write an architecture "
