@@ -49,3 +49,30 @@ def test_auto_picks_varlen_and_falls_back_to_repad_for_fp32():
                                                    ("bert", dict(attention_probs_dropout_prob=0.0))])
 def test_repad_backend_in_fp32(model_type, overrides):
     _compare(model_type, "repad", torch.float32, 1e-4, **overrides)
+
+
+def test_gpt_oss_sinks_on_the_gpu_pick_repad_and_equal_the_eager_reference():
+    """gpt-oss's attention sinks: auto picks repad (varlen / flash_attn take no sinks), exact in fp32 on CUDA."""
+    from transformers import AutoModel
+
+    from tests.conftest import tiny_config
+    from tests.test_gpt_oss import GPT_OSS
+
+    torch.manual_seed(0)
+    model = AutoModel.from_config(tiny_config("gpt_oss", **GPT_OSS), attn_implementation="eager").to("cuda")
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.sinks.normal_(std=2.0)
+    examples = make_examples([1, 20, 7, 7, 3])
+    with torch.no_grad():
+        reference = [model(input_ids=torch.tensor([ex["input_ids"]], device="cuda")).last_hidden_state[0]
+                     for ex in examples]
+        assembly = assemble(model, {"task": "hidden_states"})
+        try:
+            assert assembly.plan.backend.name == "repad" or assembly.plan.fallback.name == "repad"
+            batch = assembly.collator(examples).to("cuda")
+            packed = model(**batch.model_inputs()).last_hidden_state
+        finally:
+            assembly.undo()
+    worst = max((got - want).abs().max().item() for got, want in zip(split_packed(packed, batch), reference))
+    assert worst < 1e-4, f"gpt-oss sinks on CUDA: max |diff| {worst}"
