@@ -8,16 +8,32 @@ routers with their load-balancing loss.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import transformers
 from transformers import AutoModelForCausalLM
 
 from padfree_plugins import ConfigError, PluginHost, UnsupportedArchitectureError, assemble, patch_of, plan
 from padfree_plugins.modeling.probe import run_probe
 from padfree_plugins.packing.padded import pad_examples
-from tests.conftest import make_examples, tiny_config
+from tests.conftest import VOCAB, make_examples, tiny_config
 
 MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
+#: Multi-head latent attention (DeepSeek-V2/V3, Mistral 4, GLM-4.7-Flash): queries and keys of 16 + 8 dims, values of
+#: 12 — the value head dim differs from the query's, as in the released models (192 vs 128).
+MLA = dict(kv_lora_rank=16, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
+#: DeepSeek-style MoE: layer 0 dense, layer 1 routed (4 experts, top 2) plus a shared expert. transformers computes no
+#: auxiliary loss for these families (DeepSeek-V2/V3, GLM-4.5, Mistral 4), so output_router_logits stays off: on, it
+#: only records the router logits, and TRL's fused forward then adds Mixtral's loss, reading ``config.num_experts``,
+#: which they name ``n_routed_experts`` (TRL's padded run fails with an AttributeError).
+DEEPSEEK_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+                    first_k_dense_replace=1)
+#: YaRN with Llama 4's query scaling (Ministral 3, Mistral 4) over an original context of 8 positions, so that the
+#: scale grows inside the long examples (positions 8..19) and must restart with each packed example.
+LLAMA4_SCALED_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=32.0, original_max_position_embeddings=8,
+                          beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
 DECODERS = {
     "llama": ("llama", dict(num_key_value_heads=2)),
     "mistral": ("mistral", dict(num_key_value_heads=2, sliding_window=4)),
@@ -46,8 +62,44 @@ DECODERS = {
     "phi": ("phi", dict(num_key_value_heads=2, qk_layernorm=True)),
     "glm4": ("glm4", dict(num_key_value_heads=2, head_dim=16)),
     "granitemoe": ("granitemoe", dict(num_key_value_heads=2, num_local_experts=4, attention_multiplier=0.3, **MOE)),
+    # -- 2025-26 families -------------------------------------------------------------------------------------------
+    "deepseek_v2": ("deepseek_v2", dict(**{**MLA, "q_lora_rank": None}, **DEEPSEEK_MOE, n_group=2, topk_group=1,
+                                        topk_method="group_limited_greedy")),
+    "deepseek_v3": ("deepseek_v3", dict(**MLA, **DEEPSEEK_MOE, n_group=2, topk_group=1)),
+    "mistral4": ("mistral4", dict(**MLA, **DEEPSEEK_MOE, rope_parameters=LLAMA4_SCALED_YARN)),
+    "glm4_moe_lite": ("glm4_moe_lite", dict(**MLA, **DEEPSEEK_MOE)),
+    "glm4_moe": ("glm4_moe", dict(num_key_value_heads=2, head_dim=16, use_qk_norm=True, **DEEPSEEK_MOE, n_group=2,
+                                  topk_group=1)),
+    "gemma3n": ("gemma3n_text", dict(num_hidden_layers=3, num_key_value_heads=2, head_dim=16, sliding_window=4,
+                                     layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                     num_kv_shared_layers=1, activation_sparsity_pattern=[0.95, 0.0, 0.0],
+                                     hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, laurel_rank=8)),
+    "gemma4": ("gemma4_text", dict(num_hidden_layers=3, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                                   attention_k_eq_v=True, sliding_window=4,
+                                   layer_types=["full_attention", "sliding_attention", "full_attention"],
+                                   num_kv_shared_layers=1, hidden_size_per_layer_input=8,
+                                   vocab_size_per_layer_input=VOCAB, enable_moe_block=True, num_experts=4,
+                                   top_k_experts=2, moe_intermediate_size=32, final_logit_softcapping=30.0)),
+    "ministral3": ("ministral3", dict(num_key_value_heads=2, head_dim=16, sliding_window=4,
+                                      rope_parameters=LLAMA4_SCALED_YARN)),
+    "exaone4": ("exaone4", dict(num_key_value_heads=2, sliding_window=4,
+                                layer_types=["sliding_attention", "full_attention"])),
+    "ernie4_5": ("ernie4_5", dict(num_key_value_heads=2, head_dim=16, use_bias=True)),
+    "ernie4_5_moe": ("ernie4_5_moe", dict(num_key_value_heads=2, head_dim=16, moe_num_experts=4, moe_k=2,
+                                          moe_intermediate_size=32, moe_num_shared_experts=1, moe_layer_start_index=1,
+                                          output_router_logits=True, router_aux_loss_coef=0.1)),
+    "minimax_m2": ("minimax_m2", dict(num_key_value_heads=2, head_dim=16, rotary_dim=8, num_local_experts=4, **MOE)),
+    "olmoe": ("olmoe", dict(num_key_value_heads=2, num_experts=4, **MOE)),
+    "flex_olmo": ("flex_olmo", dict(num_key_value_heads=2, num_experts=4, **MOE)),
+    "seed_oss": ("seed_oss", dict(num_key_value_heads=2, head_dim=16, attention_bias=True, attention_out_bias=True,
+                                  attention_dropout=0.0, residual_dropout=0.0)),
+    "hunyuan_v1_dense": ("hunyuan_v1_dense", dict(num_key_value_heads=2, head_dim=16)),
+    "apertus": ("apertus", dict(num_key_value_heads=2)),
 }
 LENGTHS = [1, 13, 6, 20, 2, 6]
+#: Causal-LM classes that transformers 5.23 leaves out of ``AutoModelForCausalLM`` (it maps Mistral 4 for pretraining
+#: and image-text-to-text only).
+CAUSAL_LM_CLASSES = {"mistral4": "Mistral4ForCausalLM"}
 
 
 def causal_lm(model_type: str, **overrides):
@@ -57,7 +109,12 @@ def causal_lm(model_type: str, **overrides):
     initial weights give scores far below it, where capping changes nothing)."""
     torch.manual_seed(0)
     implementation = "eager" if model_type == "gemma2" else "sdpa"
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), attn_implementation=implementation)
+    config = tiny_config(model_type, **copy.deepcopy(overrides))  # some configs edit what they get (rope_parameters)
+    if model_type in CAUSAL_LM_CLASSES:
+        model = getattr(transformers, CAUSAL_LM_CLASSES[model_type])._from_config(
+            config, attn_implementation=implementation)
+    else:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=implementation)
     if model_type == "gemma2":
         with torch.no_grad():
             for layer in model.model.layers:
@@ -70,11 +127,26 @@ def padded_batch(examples):
     return pad_examples(examples, ("input_ids", "labels"), pad_token_id=1)
 
 
-def loss_and_grads(model, inputs):
+def outputs_and_grads(model, inputs):
+    """The loss (MoE auxiliary loss included), the logits and every parameter's gradient of one training step."""
     model.zero_grad(set_to_none=True)
-    loss = model(**inputs, use_cache=False).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    output = model(**inputs, use_cache=False)
+    output.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return output.loss.detach(), output.logits.detach(), grads
+
+
+def loss_and_grads(model, inputs):
+    loss, _, grads = outputs_and_grads(model, inputs)
+    return loss, grads
+
+
+def assert_packed_logits_equal_padded(packed, padded, batch, atol=1e-5):
+    """Each example's packed logits (cut at ``cu_seq_lens_q``) equal its row of the padded logits, real tokens only."""
+    cu = batch["cu_seq_lens_q"].tolist()
+    for i in range(len(cu) - 1):
+        torch.testing.assert_close(packed[0, cu[i]:cu[i + 1]], padded[i, :cu[i + 1] - cu[i]], atol=atol, rtol=atol,
+                                   msg=lambda m: f"example {i}: {m}")
 
 
 @pytest.mark.parametrize("name", DECODERS)
@@ -82,15 +154,16 @@ def test_packed_loss_and_gradients_equal_padded(name):
     model_type, overrides = DECODERS[name]
     model = causal_lm(model_type, **overrides).train()  # dropout is 0 in these configs; MoE routers in train mode
     examples = make_examples(LENGTHS, seed=1)
-    want_loss, want_grads = loss_and_grads(model, padded_batch(examples))
+    want_loss, want_logits, want_grads = outputs_and_grads(model, padded_batch(examples))
     assembly = assemble(model, {"task": "causal_lm"})
     try:
         assert assembly.plan.architecture_plugin == name
         batch = assembly.collator(examples)
-        got_loss, got_grads = loss_and_grads(model, assembly.forward.inputs(batch))
+        got_loss, got_logits, got_grads = outputs_and_grads(model, assembly.forward.inputs(batch))
     finally:
         assembly.undo()
     torch.testing.assert_close(got_loss, want_loss, atol=1e-5, rtol=1e-5)
+    assert_packed_logits_equal_padded(got_logits, want_logits, batch)
     assert want_grads.keys() == got_grads.keys() and len(want_grads) > 5
     for key, want in want_grads.items():
         torch.testing.assert_close(got_grads[key], want, atol=1e-4, rtol=1e-4, msg=lambda m: f"{key}: {m}")
@@ -118,7 +191,8 @@ def test_gemma2_softcapping_and_window_are_really_exercised():
     assert {"softcap", "sliding_window", "gqa", "causal"} <= features
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "ernie4_5_moe", "minimax_m2",
+                                  "olmoe", "flex_olmo"])
 def test_moe_router_loss_is_part_of_the_packed_loss(name):
     """The load-balancing loss is included (output_router_logits) and equals the padded one, real tokens only."""
     model_type, overrides = DECODERS[name]
