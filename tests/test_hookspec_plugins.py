@@ -19,9 +19,17 @@ def llama():
     return tiny_model("llama", num_key_value_heads=2)
 
 
+def drop_boundaries(module, args, kwargs):
+    """A pre-hook that loses the packed row's boundaries and positions on the way in (as a broken plugin might)."""
+    return args, {k: v for k, v in kwargs.items() if k not in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
+                                                                  "max_length_q", "max_length_k")}
+
+
 class RecordingPatch:
-    """``patch_model`` for Llama: the builtin patch, recorded (``forget_attention``: then switched back to sdpa, so
-    the packed row attends across its examples)."""
+    """``patch_model`` for Llama: the builtin patch, recorded (``forget_attention``: then switched back to sdpa and
+    the row's boundaries and positions dropped before the model sees them, so the packed row attends across its
+    examples — with the boundaries kept, transformers' own sdpa would find them in the restarting positions, now
+    that packed rows run without a cache)."""
 
     def __init__(self, forget_attention: bool = False) -> None:
         self.patched: list[str] = []
@@ -34,6 +42,7 @@ class RecordingPatch:
         patch = ModelPatch.apply(model, architecture, backend, fallback)
         if self.forget_attention:
             model.set_attn_implementation(patch.previous_implementation)
+            patch.handles.append(model.register_forward_pre_hook(drop_boundaries, with_kwargs=True))
         self.patched.append(type(model).__name__)
         return patch
 
