@@ -76,3 +76,28 @@ def test_gpt_oss_sinks_on_the_gpu_pick_repad_and_equal_the_eager_reference():
             assembly.undo()
     worst = max((got - want).abs().max().item() for got, want in zip(split_packed(packed, batch), reference))
     assert worst < 1e-4, f"gpt-oss sinks on CUDA: max |diff| {worst}"
+
+
+@pytest.mark.parametrize("attention", ["varlen", "flash_attn"])
+def test_mla_with_a_narrower_value_head_on_the_flash_kernels(attention):
+    """DeepSeek-V3's MLA (value head dim < query's) through the one-head-dim FlashAttention kernels (values padded,
+    output cropped: backends.one_head_dim), in bf16, against each example alone."""
+    from padfree_plugins.modeling.attention.backends import flash_attn_unavailable
+    from tests.test_decoders import DECODERS, causal_lm
+
+    if attention == "flash_attn" and flash_attn_unavailable():
+        pytest.skip(flash_attn_unavailable())
+    model_type, overrides = DECODERS["deepseek_v3"]
+    model = causal_lm(model_type, **overrides).to("cuda", torch.bfloat16).eval()
+    examples = make_examples([1, 40, 9, 9, 3])
+    with torch.no_grad():
+        reference = [model(input_ids=torch.tensor([ex["input_ids"]], device="cuda")).logits[0] for ex in examples]
+        assembly = assemble(model, {"task": "causal_lm", "attention": attention})
+        try:
+            batch = assembly.collator(examples).to("cuda")
+            packed = model(**batch.model_inputs()).logits
+        finally:
+            assembly.undo()
+    worst = max((got.float() - want.float()).abs().max().item()
+                for got, want in zip(split_packed(packed, batch), reference))
+    assert worst < 6e-2, f"MLA {attention}: max |diff| {worst}"

@@ -224,6 +224,25 @@ def repad_varlen(query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q, 
     return out.transpose(1, 2).reshape(n * max_length_q, *out.shape[1:2], out.shape[-1]).index_select(0, slots_q)
 
 
+# -- FlashAttention kernels: one head dim for queries, keys and values -------------------------------------------
+
+
+def one_head_dim(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None):
+    """``(query, key, value, scale, crop)`` for a kernel that takes one head dim for all three (FlashAttention):
+    MLA's value head dim differs from the query's (DeepSeek-V3: 128 vs 192), so values are zero-padded to the
+    query's dim (or queries and keys to the value's) and the output is cropped back to the value's dim with
+    ``crop``; ``scale`` is fixed from the query's own dim first. Zero columns change no score and no output value."""
+    qk_dim, v_dim = query.shape[-1], value.shape[-1]
+    if qk_dim == v_dim:
+        return query, key, value, scale, lambda out: out
+    scale = qk_dim ** -0.5 if scale is None else scale
+    if v_dim < qk_dim:
+        value = F.pad(value, (0, qk_dim - v_dim))
+    else:
+        query, key = F.pad(query, (0, v_dim - qk_dim)), F.pad(key, (0, v_dim - qk_dim))
+    return query, key, value, scale, lambda out: out[..., :v_dim]
+
+
 # -- torch varlen_attn (CUDA, FlashAttention-2 inside ATen) -----------------------------------------------------
 
 
@@ -256,6 +275,7 @@ def torch_varlen(query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q, 
             "use attention: flash_attn or exact, or set the model's attention dropout to 0"
         )
     parameters = _torch_varlen_parameters()
+    query, key, value, scale, crop = one_head_dim(query, key, value, scale)
     extra = {}
     if "window_size" in parameters:
         left = window - 1 if window is not None else -1
@@ -269,8 +289,8 @@ def torch_varlen(query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q, 
             extra["enable_gqa"] = True
         else:
             key, value = _expand_kv(key, value, query.shape[1])
-    return varlen_attn(query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
-                       scale=scale, **extra)
+    return crop(varlen_attn(query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
+                            scale=scale, **extra))
 
 
 # -- flash-attn package ------------------------------------------------------------------------------------------
@@ -290,9 +310,10 @@ def flash_attn_varlen(query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_lengt
     """``flash_attn.flash_attn_varlen_func`` (GQA, windows, soft-capping and dropout supported)."""
     from flash_attn import flash_attn_varlen_func
 
+    query, key, value, scale, crop = one_head_dim(query, key, value, scale)
     left = window - 1 if window is not None else -1
-    return flash_attn_varlen_func(
+    return crop(flash_attn_varlen_func(
         query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k,
         dropout_p=dropout, softmax_scale=scale, causal=causal,
         window_size=(left, 0 if causal else left), softcap=softcap or 0.0,
-    )
+    ))
