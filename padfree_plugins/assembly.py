@@ -85,8 +85,18 @@ class Plan:
 def _model_type(model_config: Any) -> str:
     model_type = getattr(model_config, "model_type", None)
     if not model_type:
-        raise UnsupportedArchitectureError("the model config has no model_type, so no architecture can be chosen")
+        raise UnsupportedArchitectureError(
+            f"the model config ({type(model_config).__name__}) has no model_type, so no architecture can be chosen: "
+            f"give the config class a model_type (architecture: {PROBE} can then check it on the model itself). "
+            f"{ADD_AN_ARCHITECTURE}"
+        )
     return model_type
+
+
+#: How to support a model type for good (every unsupported-architecture message ends with it).
+ADD_AN_ARCHITECTURE = ("To support a model type for good, install or write an architecture plugin "
+                       "(docs/writing-a-plugin.md): it declares the model type, and its equivalence test proves it "
+                       "exact.")
 
 
 def resolve_architecture(host: PluginHost, model_config: Any, config: PadfreeConfig,
@@ -104,7 +114,9 @@ def resolve_architecture(host: PluginHost, model_config: Any, config: PadfreeCon
         if config.architecture not in by_name:
             raise ConfigError(
                 f"architecture {config.architecture!r} is not provided by any plugin."
-                f"{did_you_mean(config.architecture, by_name)} Available: {', '.join(sorted(by_name))}."
+                f"{did_you_mean(config.architecture, by_name)} Available: {', '.join(sorted(by_name))}; or "
+                f"'{PROBE}' (accepts a model type no plugin declares after an equivalence check on the model itself)"
+                f", or 'auto' (from the model type). {ADD_AN_ARCHITECTURE}"
             )
         spec, plugin = by_name[config.architecture]
         if model_type in spec.model_types:
@@ -117,12 +129,14 @@ def resolve_architecture(host: PluginHost, model_config: Any, config: PadfreeCon
             )
         return spec, PROBE_PLUGIN  # an undeclared model type run as a declared architecture: proven at assembly
     if model_type not in claims:
+        # No "did you mean": the model type is the model's own, not a typo, and a name spelt alike ('opt' and
+        # 'mpnet', 'hubert' and 'bert') says nothing about whether the architecture is alike.
         supported = ", ".join(sorted(claims)) or "none (is padfree-plugins installed? run pip install -e .)"
         raise UnsupportedArchitectureError(
-            f"model type {model_type!r} is not supported by any installed plugin.{did_you_mean(model_type, claims)} "
-            f"Supported model types: {supported}. To add one, install or write an architecture plugin "
-            "(docs/writing-a-plugin.md): it declares the model type, and the equivalence test proves it exact. "
-            "Or set architecture: probe to accept it after an equivalence check on the model itself."
+            f"model type {model_type!r} is not supported by any installed plugin. Supported model types: "
+            f"{supported}. To try it anyway, set architecture: {PROBE} in the acceleration config: assembly then "
+            "accepts it only after a packed-vs-per-example equivalence check on the model itself. "
+            f"{ADD_AN_ARCHITECTURE}"
         )
     return claims[model_type]
 
@@ -132,20 +146,25 @@ def resolve_backend(host: PluginHost, requested: str, device_type: str,
     """The backend to use and, for ``auto``, a fallback for inputs it cannot run: the fastest backend here that
     takes every dtype (``repad`` on a GPU, ``exact`` on a CPU)."""
     backends = {name: spec for name, (spec, _) in host.backends().items()}
+    ranked = sorted(backends.values(), key=lambda b: (-b.speed_rank, b.name))
     if requested != "auto":
         if requested not in backends:
             raise ConfigError(
                 f"attention backend {requested!r} is not provided by any plugin.{did_you_mean(requested, backends)} "
                 f"Available: auto, {', '.join(sorted(backends))}."
             )
-        reason = backends[requested].cannot_run(device_type, None, features)
+        backend = backends[requested]
+        reason = backend.cannot_run(device_type, None, features)
         if reason:
+            usable = [b.name for b in ranked if b.cannot_run(device_type, None, features) is None]
+            instead = (f"On {device_type} use attention: auto (it picks {usable[0]} here) or "
+                       f"{', '.join(usable)}." if usable else
+                       f"No attention backend can run this model on {device_type}.")
             raise BackendUnavailableError(
-                f"attention backend {requested!r} was requested but cannot be used: {reason}. "
-                "Use attention: auto to pick the fastest available backend."
+                f"attention backend {requested!r} was requested but cannot be used on {device_type}: "
+                f"{_why_not(backend, device_type, reason)}. {instead}"
             )
-        return backends[requested], None
-    ranked = sorted(backends.values(), key=lambda b: (-b.speed_rank, b.name))
+        return backend, None
     usable = [backend for backend in ranked if backend.cannot_run(device_type, None, features) is None]
     if usable:
         backend = usable[0]
@@ -154,6 +173,22 @@ def resolve_backend(host: PluginHost, requested: str, device_type: str,
         return backend, next((b for b in usable if not b.dtypes), backends.get(EXACT_BACKEND))
     reasons = "; ".join(f"{b.name}: {b.cannot_run(device_type, None, features)}" for b in ranked)
     raise BackendUnavailableError(f"no attention backend can run this model on {device_type}: {reasons}")
+
+
+#: How error messages name the device types of :attr:`AttentionBackend.devices`.
+DEVICE_NAMES = {"cuda": "CUDA", "cpu": "CPU", "mps": "Apple MPS", "xpu": "Intel XPU"}
+
+
+def _why_not(backend: AttentionBackend, device_type: str, reason: str) -> str:
+    """Why ``backend`` cannot run, device first: a backend for other devices is that whatever else is missing (its
+    package, say), and its declaration says what it is and needs."""
+    if device_type in backend.devices:
+        return reason
+    devices = " / ".join(DEVICE_NAMES.get(d, d) for d in backend.devices)
+    details = [*([f"{' / '.join(backend.dtypes)} inputs"] if backend.dtypes else []),
+               *([backend.description] if backend.description else [])]
+    what = f" ({'; '.join(details)})" if details else ""
+    return f"it is {devices}-only{what}, not for {DEVICE_NAMES.get(device_type, device_type)}"
 
 
 def plan(model_config: Any, config: PadfreeConfig | dict | str | None = None, *, host: PluginHost | None = None,

@@ -34,7 +34,14 @@ class PluginError(PadfreeError, RuntimeError):
     """A required plugin failed to load or misbehaved."""
 
 
-def did_you_mean(name: str, choices: Iterable[str]) -> str:
-    """Return ``" Did you mean 'x'?"`` for the closest choice, or an empty string."""
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+#: How alike (``difflib`` ratio, 0 to 1) a choice must be to a name to be suggested for it: a typo of one or two
+#: letters ('lats' -> 'last', 'lamma' -> 'llama', 'atention' -> 'attention') is; a name that merely shares a few
+#: letters ('opt' and 'mpnet': 0.5) is not.
+SUGGESTION_CUTOFF = 0.75
+
+
+def did_you_mean(name: str, choices: Iterable[str], cutoff: float = SUGGESTION_CUTOFF) -> str:
+    """Return ``" Did you mean 'x'?"`` for the closest choice when it is a likely typo of ``name`` (at least
+    ``cutoff`` alike), or an empty string."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=cutoff)
     return f" Did you mean {close[0]!r}?" if close else ""

@@ -1,5 +1,8 @@
-"""Builtin attention backends: exact (any device), repad (accelerators, any dtype), torch varlen_attn (CUDA),
-flash-attn (CUDA, if installed)."""
+"""Builtin attention backends: exact (any device), repad (accelerators, any dtype), torch varlen_attn (CUDA only,
+torch >= 2.10), flash-attn (CUDA only, if installed). On a CPU only ``exact`` runs (``auto`` picks it there).
+
+A backend's ``description`` completes the error for a backend that cannot run on a device (``assembly``): it says
+what the kernel is and what it needs."""
 
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ def register_attention_backends():
             devices=("cuda",),
             dtypes=("float16", "bfloat16"),
             speed_rank=10,
-            description="torch.nn.attention.varlen.varlen_attn (FlashAttention-2 in ATen), torch >= 2.10",
+            description="torch.nn.attention.varlen.varlen_attn (FlashAttention-2 inside torch), torch >= 2.10",
         ),
         AttentionBackend(
             "flash_attn",
@@ -48,6 +51,7 @@ def register_attention_backends():
             devices=("cuda",),
             dtypes=("float16", "bfloat16"),
             speed_rank=20,
-            description="flash_attn.flash_attn_varlen_func from the flash-attn package",
+            description="flash_attn.flash_attn_varlen_func from the flash-attn package: pip install flash-attn on "
+            "a CUDA machine",
         ),
     ]

@@ -5,7 +5,10 @@ A patch does these things, all reversible:
 1. switches the model's attention implementation to ``padfree_<backend>`` (see
 :mod:`padfree_plugins.modeling.attention`);
 2. installs a guard on the base model that refuses packed rows without boundaries (positions that restart inside
-   a row with no ``cu_seq_lens_q``): without it such a row would silently attend across examples;
+   a row with no ``cu_seq_lens_q``): without it such a row would silently attend across examples; a packed row
+   neither reads a KV cache (one is refused) nor returns one (``use_cache`` is turned off for it: a cache of the
+   whole packed row would mix its examples in any later generation); a model whose own head pools one token per row
+   (``*ForSequenceClassification``) refuses a packed row in its own forward (:func:`check_per_row_head`);
 3. for tasks that compute per example inside the model's forward (classification, rerankers, embeddings:
    :meth:`ModelPatch.route_compute`), lets ``model(padfree_compute=fn)`` run ``fn`` as the forward, through
    every wrapper (DDP, FSDP, peft, accelerate's autocast).
@@ -21,6 +24,7 @@ import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -96,7 +100,8 @@ def _check_packed_boundaries(cu: Any, cu_k: Any, position_ids: torch.Tensor) -> 
 
 
 def check_boundaries(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
-    """Raise :class:`BoundaryError` on a packed row that lacks its boundaries; return whether the call is packed."""
+    """Raise :class:`BoundaryError` on a packed row that lacks its boundaries (or carries a mask or a KV cache);
+    return whether the call is packed."""
     inputs = _bound_inputs(module, args, kwargs)
     position_ids = inputs.get("position_ids")
     attention_mask = inputs.get("attention_mask")
@@ -111,8 +116,17 @@ def check_boundaries(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool
         if tokens is not None and tokens.shape[0] != 1:
             raise BoundaryError(f"a packed batch is one row [1, T]; got {tokens.shape[0]} rows with cu_seq_lens_q")
         if attention_mask is not None:
+            shape = tuple(getattr(attention_mask, "shape", ()))
             raise BoundaryError(
-                "a packed batch must not carry an attention_mask (the boundaries replace it); drop the key"
+                f"a packed batch must not carry an attention_mask (got one of shape {shape}): its boundaries "
+                "(cu_seq_lens_q) replace it, and no mask (all ones, padded or shorter) can describe a packed row. "
+                "Drop the key (batch.model_inputs() never includes it)"
+            )
+        if inputs.get("past_key_values") is not None:
+            raise BoundaryError(
+                f"a packed batch cannot use a KV cache (got past_key_values={type(inputs['past_key_values']).__name__}"
+                "): its examples would all continue one cache. Call a packed row without past_key_values; to "
+                "generate, use model.generate() (or a cache) on ordinary, unpacked inputs"
             )
         if position_ids is None:
             raise BoundaryError(
@@ -127,7 +141,17 @@ def check_boundaries(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool
         return False  # a custom 4D mask states the structure itself
     restarts = position_ids[:, 1:] != position_ids[:, :-1] + 1
     if attention_mask is not None:
-        real = attention_mask.bool()
+        rows, total = position_ids.shape
+        if attention_mask.shape[0] != rows or attention_mask.shape[1] < total:
+            if bool(restarts.any()):
+                raise BoundaryError(
+                    f"{type(module).__name__} got an attention_mask of shape {tuple(attention_mask.shape)} for "
+                    f"position_ids of shape {(rows, total)} that restart inside a row: the mask does not cover the "
+                    "tokens, and a packed row needs none. Pack with padfree_plugins' collator (cu_seq_lens_q, no "
+                    "mask), or pass an ordinary padded batch with a mask of its input_ids' shape."
+                )
+            return False  # not packed: transformers judges the mask
+        real = attention_mask[:, -total:].bool()  # longer with a KV cache: its last columns are these tokens
         restarts &= real[:, 1:] & real[:, :-1]
     if bool(restarts.any()):
         raise BoundaryError(
@@ -137,6 +161,54 @@ def check_boundaries(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool
             "padded batch."
         )
     return False
+
+
+#: Class-name endings of transformers heads that pool one token per *row*: on a packed row they would return one
+#: result for all of its examples.
+PER_ROW_HEADS = ("ForSequenceClassification",)
+
+
+def check_per_row_head(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Refuse a packed row (``cu_seq_lens_q`` given) in the forward of a model whose head pools one token per row
+    (``*ForSequenceClassification``): it would return one result for all the examples of the row."""
+    if not type(model).__name__.endswith(PER_ROW_HEADS):
+        return
+    cu = _bound_inputs(model, args, kwargs).get("cu_seq_lens_q")
+    if cu is None:
+        return
+    count = f"{cu.numel() - 1} examples" if isinstance(cu, torch.Tensor) else "several examples"
+    raise BoundaryError(
+        f"{type(model).__name__}'s own forward pools one token per row, and a packed row holds {count}: it would "
+        "return one result for all of them. Run it as assembly.forward(model, batch) (tasks seq_cls and reranker "
+        "apply the head to every example), or pass an ordinary padded batch"
+    )
+
+
+@lru_cache(maxsize=256)
+def _use_cache_parameter(cls: type) -> tuple[bool, int | None]:
+    """Whether ``cls.forward`` takes ``use_cache``, and its position among the arguments after ``self`` (``None``
+    when keyword-only); read once per class."""
+    try:
+        parameters = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False, None
+    for index, parameter in enumerate(parameters):
+        if parameter.name == "use_cache":
+            positional = parameter.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            return True, index if positional else None
+    return False, None
+
+
+def without_cache(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` of a packed call with ``use_cache=False`` wherever the forward takes it: transformers
+    defaults ``use_cache`` to ``config.use_cache`` (True for most decoders), and a cache of a packed row would hold
+    every example of the row as one sequence, for any later generation to continue."""
+    takes, index = _use_cache_parameter(type(module))
+    if "use_cache" not in kwargs and index is not None and index < len(args):
+        return (*args[:index], False, *args[index + 1:]), kwargs
+    if takes or "use_cache" in kwargs:
+        return args, {**kwargs, "use_cache": False}
+    return args, kwargs
 
 
 @contextmanager
@@ -167,6 +239,7 @@ class ForwardOrCompute:
     def __call__(self, *args: Any, padfree_compute: Callable | None = None, **kwargs: Any) -> Any:
         if padfree_compute is not None:
             return padfree_compute(self.model)
+        check_per_row_head(self.model, args, kwargs)  # also when a wrapper calls .forward itself (peft), past hooks
         if self.previous is not None:
             return self.previous(*args, **kwargs)
         return type(self.model).forward(self.model, *args, **kwargs)
@@ -208,14 +281,19 @@ class ModelPatch:
         patch = cls(model, architecture, backend, fallback, name, previous, attention_dropout=attention_dropout)
         patch.handles.append(base.register_forward_pre_hook(patch._before_forward, with_kwargs=True))
         patch.handles.append(base.register_forward_hook(patch._after_forward, with_kwargs=True, always_call=True))
+        if base is not model and type(model).__name__.endswith(PER_ROW_HEADS):
+            patch.handles.append(model.register_forward_pre_hook(check_per_row_head, with_kwargs=True))
         setattr(model, PATCH_ATTRIBUTE, patch)
         return patch
 
-    def _before_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        """Guard the inputs and mark packed calls in :data:`PACKED_CALL` for attention to check."""
+    def _before_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Guard the inputs, mark packed calls in :data:`PACKED_CALL` for attention to check, and run packed calls
+        without a KV cache (:func:`without_cache`)."""
         self._call_tokens.append(PACKED_CALL.set(False))  # pushed first: the after-hook pops it even on error
         if check_boundaries(module, args, kwargs):
             PACKED_CALL.set(True)
+            return without_cache(module, args, kwargs)
+        return None
 
     def _after_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """Restore :data:`PACKED_CALL` as it was before this forward (runs even when the forward raised)."""

@@ -13,6 +13,12 @@ A batch of ``n`` examples of lengths ``L_1 … L_n`` (``T = sum L_i``) is one ro
     <example keys>  [n] or [n, k]    e.g. a class label, a group id — one row per example
 
 The boundaries are computed once, in the collator; nothing downstream re-derives them from ``position_ids``.
+
+What a model is called with: :meth:`PackedBatch.model_inputs` — the tokens, positions and boundaries plus the
+per-token keys the task's model reads (``token_type_ids``; ``labels`` for ``causal_lm``), which the collator records
+on the batch (:attr:`PackedBatch.model_keys`). Per-example keys (a class label ``[n]``, which a bare model would
+read as one label per row) and the keys trainers add for labelled logits (``logits_to_keep``, ``shift_labels``,
+which make it return logits for some positions only) are never among them unless named.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ import torch
 BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 #: What a patched model is called with on every packed batch: the tokens, their positions and the boundaries.
 MODEL_INPUT_KEYS = ("input_ids", "position_ids", *BOUNDARY_KEYS)
+#: Per-token keys that are model inputs whenever a batch holds them as ``[1, T]`` (for a batch that carries no record
+#: of its collator's model keys: one rebuilt from a plain ``dict``, as ``Trainer`` does when moving it to a device).
+TOKEN_MODEL_KEYS = ("token_type_ids", "labels")
 
 
 def packed_tokens(batch: Mapping) -> int | None:
@@ -84,8 +93,14 @@ class PackedBatch(dict):
     """A ``dict`` of tensors (and two ints) following the contract above.
 
     It stays a plain ``dict`` for ``Trainer`` (which rebuilds it with ``type(batch)(...)`` when moving it to a
-    device) and for pickling; the properties only read it.
+    device) and for pickling; the properties only read it. ``model_keys``, set by the collator, names the per-token
+    keys its task's model reads (an instance attribute, not a key: ``model(**batch)`` sees nothing new); it
+    survives pickling, ``copy`` and :meth:`to`.
     """
+
+    #: The per-token keys, besides :data:`MODEL_INPUT_KEYS`, that :meth:`model_inputs` hands to the model; ``None``:
+    #: not recorded (a batch built by hand or rebuilt from a plain dict), then :data:`TOKEN_MODEL_KEYS` held per token.
+    model_keys: tuple[str, ...] | None = None
 
     @property
     def num_examples(self) -> int:
@@ -100,10 +115,29 @@ class PackedBatch(dict):
         """Example lengths, int64 ``[n]``."""
         return self["cu_seq_lens_q"].diff().long()
 
+    def token_model_keys(self) -> tuple[str, ...]:
+        """The per-token keys of this batch that its model reads: those its collator recorded (``model_keys``), or,
+        without a record, ``token_type_ids`` and ``labels`` where they are per token (``input_ids``' shape)."""
+        if self.model_keys is not None:
+            return tuple(key for key in self.model_keys if key in self)
+        shape = getattr(self.get("input_ids"), "shape", None)
+        return tuple(key for key in TOKEN_MODEL_KEYS
+                     if shape is not None and getattr(self.get(key), "shape", None) == shape)
+
     def model_inputs(self, *extra: str) -> dict:
-        """``input_ids``, ``position_ids`` and the boundaries, plus the named ``extra`` keys that are present."""
-        return {key: self[key] for key in (*MODEL_INPUT_KEYS, *extra) if key in self}
+        """What the model takes for this batch, as ``model(**batch.model_inputs())``: ``input_ids``,
+        ``position_ids`` and the boundaries, the per-token keys its task's model reads (:meth:`token_model_keys`:
+        ``token_type_ids`` for sentence pairs, ``labels`` for ``causal_lm``, so that ``.loss`` is the padded
+        model's), plus the named ``extra`` keys that are present (e.g. ``"logits_to_keep", "shift_labels"``).
+
+        For a task with per-example heads (``seq_cls``, ``reranker``, ``embedding``) call ``assembly.forward(model,
+        batch)`` instead: a ``*ForSequenceClassification`` model's own forward pools one token per *row*, and a
+        patched one refuses a packed row.
+        """
+        return {key: self[key] for key in (*MODEL_INPUT_KEYS, *self.token_model_keys(), *extra) if key in self}
 
     def to(self, device: torch.device | str) -> "PackedBatch":
-        """A copy with every tensor on ``device``."""
-        return PackedBatch({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.items()})
+        """A copy with every tensor on ``device`` (and the same ``model_keys``)."""
+        moved = PackedBatch({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.items()})
+        moved.model_keys = self.model_keys
+        return moved

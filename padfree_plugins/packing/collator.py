@@ -21,8 +21,29 @@ from padfree_plugins.packing.batch import PackedBatch
 DEFAULT_TOKEN_KEYS = ("token_type_ids",)
 
 
+def _is_nested(value: Any) -> bool:
+    """Whether ``value`` is a Python list / tuple of sequences (``[[1, 2, 3]]``, ``[[1, 2], [3]]``) rather than one
+    flat sequence: a list of lists holds several texts (:func:`holds_several_texts`), never one example's tokens."""
+    if not isinstance(value, (list, tuple)) or not len(value):
+        return False
+    first = value[0]
+    return isinstance(first, (list, tuple)) or isinstance(first, (np.ndarray, torch.Tensor)) and first.ndim >= 1
+
+
+def _nested_message(key: str, index: int) -> str:
+    """The error for a list holding one list (``[[1, 2, 3]]``) where one flat list is expected."""
+    if key == "input_ids":
+        return (f"example {index}: 'input_ids' is a list holding one token list ([[...]]), where one flat list of "
+                "token ids is expected: unwrap it (input_ids[0]); a list of token lists is a listwise reranker row, "
+                "which task reranker with objective: listwise expands into its candidates")
+    return (f"example {index}: {key!r} is a list holding one list ([[...]]), where one flat list with one value per "
+            f"token of input_ids is expected: unwrap it ({key}[0]), as it came from a batch")
+
+
 def _as_int_array(value: Any, key: str, index: int) -> np.ndarray:
-    """A 1-D int64 array from a list, tuple, numpy array or tensor; a :class:`BatchError` otherwise."""
+    """A 1-D int64 array from a flat list, tuple, numpy array or tensor (a ``[1, L]`` array or tensor, as
+    ``tokenizer(text, return_tensors="pt")`` gives, is one example); a :class:`BatchError` otherwise — also for a list
+    of lists, which holds several sequences (:func:`holds_several_texts`), even when it holds just one."""
     if isinstance(value, torch.Tensor):
         array = value.detach().cpu().numpy()
     else:
@@ -31,6 +52,8 @@ def _as_int_array(value: Any, key: str, index: int) -> np.ndarray:
         except Exception as exc:  # noqa: BLE001 - ragged nested lists and the like
             raise BatchError(f"example {index}: {key!r} is not a flat sequence of integers ({exc})") from None
     if array.ndim == 2 and array.shape[0] == 1:
+        if _is_nested(value):
+            raise BatchError(_nested_message(key, index))
         array = array[0]
     if array.ndim != 1:
         raise BatchError(
@@ -127,6 +150,9 @@ class PackingCollator:
         on_overlong: ``"error"`` (default) or ``"truncate"`` examples longer than ``max_length``.
         masked_first_keys: token keys (e.g. ``"labels"``) whose first value in every example is set to
             ``ignore_index``, so that no example learns to predict its first token from the one before it.
+        model_keys: the token keys the task's model reads (e.g. ``token_type_ids``, and ``labels`` for causal LM),
+            recorded on every batch as :attr:`PackedBatch.model_keys` for :meth:`PackedBatch.model_inputs`; only
+            keys that are also ``token_keys`` are recorded (a per-example key is never a bare model's input).
         limit_source: when ``max_length`` is the model's own limit rather than the config's, what sets it (e.g.
             ``LlamaConfig.max_position_embeddings=2048``); error messages name it.
         vocab_size: token ids must be below it (``None``: unchecked); negative ids are always refused.
@@ -142,6 +168,7 @@ class PackingCollator:
     ignore_index: int = -100
     limit_source: str = ""
     vocab_size: int | None = None
+    model_keys: tuple[str, ...] = DEFAULT_TOKEN_KEYS
 
     def __post_init__(self) -> None:
         if self.on_overlong not in ("error", "truncate"):
@@ -152,6 +179,7 @@ class PackingCollator:
     def __call__(self, examples: Sequence[Mapping[str, Any]]) -> PackedBatch:
         examples = self._check_examples(examples)
         ids, full_lengths = _concat_int_lists([ex["input_ids"] for ex in examples], "input_ids")
+        self._check_masks(examples, full_lengths)
         self._check_lengths(full_lengths)
         self._check_token_ids(ids, full_lengths)
         keep = self._kept_tokens(full_lengths)
@@ -177,6 +205,7 @@ class PackingCollator:
         batch["max_length_q"] = batch["max_length_k"] = int(lengths.max())
         for key in self.example_keys:
             batch[key] = stack_example_values([ex[key] for ex in examples], repr(key))
+        batch.model_keys = tuple(key for key in self.model_keys if key in self.token_keys)
         return batch
 
     # -- checks --------------------------------------------------------------------------------------------------
@@ -193,15 +222,41 @@ class PackingCollator:
                 raise BatchError(
                     f"example {i} is missing {', '.join(map(repr, missing))}; it has {', '.join(map(repr, ex))}"
                 )
+        return examples
+
+    def _check_masks(self, examples: Sequence[Mapping[str, Any]], lengths: np.ndarray) -> None:
+        """An example's ``attention_mask``, when it has one, is its own: one value per token (1-D, or ``[1, L]`` like
+        its ``input_ids``), all ones (the collator packs unpadded examples; the packed row carries no mask)."""
+        for i, ex in enumerate(examples):
             mask = ex.get("attention_mask")
-            if isinstance(mask, torch.Tensor):
-                mask = mask.tolist()
-            if mask is not None and not bool(np.all(np.asarray(mask))):
+            if mask is None:
+                continue
+            try:
+                array = mask.detach().cpu().numpy() if isinstance(mask, torch.Tensor) else np.asarray(mask)
+            except ValueError:  # ragged nested lists
+                array = np.asarray(mask, dtype=object)
+            if array.ndim == 2 and array.shape[0] == 1:
+                if _is_nested(mask):
+                    raise BatchError(_nested_message("attention_mask", i))
+                array = array[0]
+            if array.ndim != 1 or not (np.issubdtype(array.dtype, np.number) or array.dtype == bool):
+                got = f"shape {tuple(array.shape)}" if array.dtype != object else "a ragged or non-numeric value"
+                raise BatchError(
+                    f"example {i}: 'attention_mask' must be one example's 1-D mask of 0/1 values (or [1, L]); got "
+                    f"{got}. Pass examples one by one with their own masks, or leave attention_mask out"
+                )
+            if not bool(np.all(array)):
                 raise BatchError(
                     f"example {i} is padded (its attention_mask has zeros): pass unpadded examples; "
                     "the collator packs them without any padding"
                 )
-        return examples
+            if array.size != lengths[i]:
+                raise BatchError(
+                    f"example {i}: 'attention_mask' has {array.size} values but input_ids has {int(lengths[i])} "
+                    "tokens; a mask must cover its own example's tokens exactly (was input_ids changed after "
+                    "tokenizing, or the mask taken from another example?). Fix it, or leave attention_mask out: the "
+                    "packed row needs none"
+                )
 
     def _check_lengths(self, lengths: np.ndarray) -> None:
         empty = np.flatnonzero(lengths == 0)
@@ -330,9 +385,10 @@ def packing_collator(task, architecture, model_config, config) -> PackingCollato
             f"max_length: {config.max_length} is more than the model takes ({limit} tokens, {source}); "
             f"set max_length to at most {limit}"
         )
+    token_keys = tuple(dict.fromkeys((*DEFAULT_TOKEN_KEYS, *task.token_keys)))
     return PackingCollator(
         position_start=start,
-        token_keys=tuple(dict.fromkeys((*DEFAULT_TOKEN_KEYS, *task.token_keys))),
+        token_keys=token_keys,
         example_keys=task.example_keys,
         required_keys=task.required_keys,
         max_length=config.max_length if config.max_length is not None else limit,
@@ -340,4 +396,5 @@ def packing_collator(task, architecture, model_config, config) -> PackingCollato
         masked_first_keys=task.masked_first_keys,
         limit_source="" if config.max_length is not None or limit is None else source,
         vocab_size=getattr(getattr(model_config, "get_text_config", lambda: model_config)(), "vocab_size", None),
+        model_keys=tuple(key for key in token_keys if key in task.model_keys),
     )
