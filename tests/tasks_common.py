@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from padfree_plugins.packing.padded import pad_examples
-from tests.conftest import make_examples, tiny_model
+from padfree_plugins.testing import TINY_DEFAULTS
+from tests.conftest import make_examples, tiny_config, tiny_model
 
 #: Encoder architecture plugins and the overrides their tiny configs need.
 ENCODERS = {
@@ -44,10 +45,50 @@ MORE_ENCODERS = {
                                 pos_att_type="p2c|c2p", share_att_key=False, position_buckets=-1,
                                 max_relative_positions=12, conv_kernel_size=3, conv_act="gelu"),
 }
+#: The 2025–26 encoder families that have a sequence-classification class: in every task test too
+#: (tests/test_encoders_2025.py checks their hidden states, gradients and what is special in each).
+ENCODERS_2025 = {
+    # ESM-2's own setting: rotary positions (from 0), token dropout (mask id 4), no embedding layer norm
+    "esm": dict(token_dropout=True, mask_token_id=4, position_embedding_type="rotary", emb_layer_norm_before=False),
+    # ESM-1b style: absolute positions from pad_token_id + 1, token dropout, the embedding layer norm
+    "esm/absolute": dict(token_dropout=True, mask_token_id=4, emb_layer_norm_before=True),
+    "esmc": {},
+    "jina_embeddings_v3": {},
+    "roc_bert": dict(shape_vocab_size=64, shape_embed_dim=16, pronunciation_vocab_size=64, pronunciation_embed_dim=16),
+    "layoutlm": {},
+    "xmod": dict(languages=["en_XX", "de_DE"], default_language="de_DE"),
+}
+#: The 2025–26 decoder-shaped encoder sibling: ModernBERT-decoder (local layers of 2 tokens back, a global one).
+DECODERS_2025 = {"modernbert-decoder": dict(local_attention=4, global_attn_every_n_layers=2, num_hidden_layers=3)}
+#: EmbeddingGemma 2's text backbone: sliding layers (radius 3) and a global one with its own head size and one
+#: key / value head (GQA).
+EMBEDDING_GEMMA2_TEXT = dict(head_dim=16, sliding_window=3, hidden_size_per_layer_input=8, embedding_dim=32,
+                             num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention",
+                                                               "full_attention"],
+                             global_head_dim=32, num_global_key_value_heads=1, num_key_value_heads=2)
+#: Families without a sequence-classification class in transformers: the embedding task (and hidden states) only.
+#: The text towers' position tables (32) are shorter than a packed row.
+EMBEDDING_ONLY = {
+    "embedding_gemma2_text": EMBEDDING_GEMMA2_TEXT,
+    "embedding_gemma2": dict(text_config={**TINY_DEFAULTS, **EMBEDDING_GEMMA2_TEXT}),
+    "bert-generation": {},
+    "clip_text_model": dict(max_position_embeddings=32, eos_token_id=3),
+    "siglip_text_model": dict(max_position_embeddings=32),
+    "siglip2_text_model": dict(max_position_embeddings=32),
+}
+#: Gradient tolerances (absolute, per element) where fp32 rounding exceeds 1e-4: EmbeddingGemma 2's embedding-row
+#: gradients (scale ~200–750 in the tiny config: the sqrt(hidden) embedding scale, the per-layer inputs) differ by up
+#: to ~2e-3 between transformers' own padded batch and the examples run alone, and packed by as much; in float64
+#: packed equals alone to 1e-9 (tests/test_encoders_2025.py::test_gemma_style_gradients_are_exact_in_float64).
+GRAD_ATOL = {"embedding_gemma2_text": 2e-3, "embedding_gemma2": 2e-3}
 #: Models transformers builds without sdpa (MPNet and DeBERTa-v2 compute attention themselves).
 EAGER = ("mpnet", "deberta-v2")
-TINY = {**ENCODERS, **MORE_ENCODERS}
-ARCHITECTURES = {**TINY, **DECODERS}
+#: Model types transformers' auto classes do not build (SigLIP's text towers): their class in transformers.
+MODEL_CLASSES = {"siglip_text_model": "SiglipTextModel", "siglip2_text_model": "Siglip2TextModel"}
+TINY = {**ENCODERS, **MORE_ENCODERS, **ENCODERS_2025}
+ARCHITECTURES = {**TINY, **DECODERS, **DECODERS_2025}
+#: Every architecture the embedding task is tested on.
+EMBEDDERS = {**ARCHITECTURES, **EMBEDDING_ONLY}
 PAD = 1  # tiny configs' pad_token_id; example token ids start at 5
 
 
@@ -58,8 +99,17 @@ def model_type(name: str) -> str:
 
 def model_for(name: str, head: str = "base", **overrides):
     attn_implementation = "eager" if model_type(name) in EAGER else "sdpa"
-    return tiny_model(model_type(name), head=head, attn_implementation=attn_implementation,
-                      **{**ARCHITECTURES[name], **overrides})
+    settings = {**EMBEDDERS[name], **overrides}
+    if model_type(name) in MODEL_CLASSES:  # built as tiny_model builds the others: seeded, fp32, eval mode
+        import transformers
+
+        config = tiny_config(model_type(name), **settings)
+        config._attn_implementation = attn_implementation
+        torch.manual_seed(0)
+        model = getattr(transformers, MODEL_CLASSES[model_type(name)])._from_config(
+            config, attn_implementation=attn_implementation)
+        return model.float().eval()
+    return tiny_model(model_type(name), head=head, attn_implementation=attn_implementation, **settings)
 
 
 def padded(examples, keys=("input_ids",), pad=PAD):

@@ -13,7 +13,7 @@ from sentence_transformers.sentence_transformer.modules import Pooling
 
 from padfree_plugins import BatchError, ConfigError, assemble, load_config
 from tests.conftest import make_examples
-from tests.tasks_common import ARCHITECTURES, ENCODERS, assert_grads_close, grads, model_for, padded
+from tests.tasks_common import EMBEDDERS, ENCODERS, GRAD_ATOL, assert_grads_close, grads, model_for, padded
 
 CONFIG = "configs/embedding.yaml"
 ST_MODES = {"first": "cls", "last": "lasttoken", "mean": "mean", "max": "max", "weighted_mean": "weightedmean",
@@ -97,7 +97,7 @@ LOSSES = {
 }
 
 
-CASES = [(name, "MultipleNegativesRankingLoss") for name in ARCHITECTURES] + [
+CASES = [(name, "MultipleNegativesRankingLoss") for name in EMBEDDERS] + [
     (name, loss) for name in ("bert", "qwen3") for loss in ("CoSENTLoss", "ContrastiveLoss")]
 
 
@@ -122,7 +122,7 @@ def test_losses_and_gradients_equal_padded(name, loss_name):
     torch.testing.assert_close(out.loss.detach(), want_loss.detach(), atol=1e-5, rtol=1e-5)
     for got_column, want_column in zip(out.column_embeddings, embeddings):
         torch.testing.assert_close(got_column.detach(), want_column.detach(), atol=1e-5, rtol=1e-5)
-    assert_grads_close(grads(model), want)
+    assert_grads_close(grads(model), want, atol=GRAD_ATOL.get(name, 1e-4))
 
 
 def test_config_file_and_batch_layout():

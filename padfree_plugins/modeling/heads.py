@@ -57,13 +57,20 @@ def base_model(model: Any) -> Any:
     return unwrap_model(model).base_model
 
 
+#: Inputs some families' base models take besides the tokens, passed on when the batch carries them and the base's
+#: forward has the parameter: X-MOD's ``lang_ids`` (per example ``[n]`` or per token ``[1, T]``), RoCBert's per-token
+#: ``input_shape_ids`` / ``input_pronunciation_ids``, LayoutLM's per-token ``bbox`` (``[1, T, 4]``).
+FAMILY_INPUT_KEYS = ("lang_ids", "input_shape_ids", "input_pronunciation_ids", "bbox")
+
+
 def run_base(model: Any, batch: Mapping) -> torch.Tensor:
     """The packed last hidden states ``[1, T, H]`` of ``model``'s base on a packed batch (no KV cache)."""
     base = base_model(model)
     accepted = _forward_parameters(type(base))
     inputs = {key: batch[key] for key in MODEL_INPUT_KEYS if key in batch}
-    if "token_type_ids" in batch and "token_type_ids" in accepted:
-        inputs["token_type_ids"] = batch["token_type_ids"]
+    for key in ("token_type_ids", *FAMILY_INPUT_KEYS):
+        if key in batch and key in accepted:
+            inputs[key] = batch[key]
     if "use_cache" in accepted:
         inputs["use_cache"] = False
     return base(**inputs).last_hidden_state
@@ -73,8 +80,8 @@ def run_base(model: Any, batch: Mapping) -> torch.Tensor:
 
 
 def _bert_head(model, hidden, batch):
-    """BERT and BERT-shaped (ERNIE, Nomic BERT, GTE): CLS -> the base's pooler (dense + tanh) -> dropout ->
-    classifier."""
+    """BERT and BERT-shaped (ERNIE, Nomic BERT, GTE, RoCBert, LayoutLM): CLS -> the base's pooler (dense + tanh) ->
+    dropout -> classifier."""
     pooled = model.base_model.pooler(_first(hidden, batch).unsqueeze(1))
     return model.classifier(model.dropout(pooled))
 
@@ -86,7 +93,8 @@ def _albert_head(model, hidden, batch):
 
 
 def _classification_head_module(model, hidden, batch):
-    """RoBERTa / XLM-R / ELECTRA / MPNet: ``model.classifier`` takes ``features[:, 0]`` of ``[n, 1, H]``."""
+    """RoBERTa / XLM-R / ELECTRA / MPNet / ESM-2 / ESM C / Jina-v3 / X-MOD: ``model.classifier`` takes
+    ``features[:, 0]`` of ``[n, 1, H]``."""
     return model.classifier(_first(hidden, batch).unsqueeze(1))
 
 
@@ -141,6 +149,12 @@ def _last_not_pad(model, hidden, batch):
     return rows.index_select(0, last)
 
 
+def _modernbert_decoder_head(model, hidden, batch):
+    """ModernBERT-decoder: each example's last token that is not the pad id -> head -> drop -> classifier (the padded
+    model runs them on every token and reads that one)."""
+    return model.classifier(model.drop(model.head(_last_not_pad(model, hidden, batch))))
+
+
 def _score_head(model, hidden, batch):
     """Decoders (Llama, Qwen2/3, Mistral …): each example's last token that is not the pad id -> ``score``."""
     return model.score(_last_not_pad(model, hidden, batch))
@@ -165,6 +179,13 @@ SEQUENCE_HEADS: Mapping[str, Callable] = MappingProxyType({
     "eurobert": _eurobert_head,
     "distilbert": _distilbert_head,
     "modernbert": _modernbert_head,
+    "modernbert-decoder": _modernbert_decoder_head,
+    "esm": _classification_head_module,
+    "esmc": _classification_head_module,
+    "jina_embeddings_v3": _classification_head_module,
+    "xmod": _classification_head_module,
+    "roc_bert": _bert_head,
+    "layoutlm": _bert_head,
 })
 
 
