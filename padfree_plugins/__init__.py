@@ -3,7 +3,7 @@
     from padfree_plugins import assemble
     assembly = assemble(model, "padfree.yaml")      # patches the model, builds the collator
     batch = assembly.collator(examples)             # one packed row with explicit boundaries
-    out = model(**batch.model_inputs())             # attention stays inside each example
+    out = assembly.forward(model, batch)            # attention stays inside each example
     assembly.undo()                                 # the model is as before
 
     acceleration = accelerate(trainer, "padfree.yaml")  # HF Trainer / TRL SFTTrainer, padding-free
