@@ -38,3 +38,19 @@ def test_packed_row_refuses_output_attentions():
             model(**batch.model_inputs(), output_attentions=True)
     finally:
         assembly.undo()
+
+
+def test_a_models_own_mask_function_is_kept_on_ordinary_calls():
+    """An ordinary (unpacked) call of a patched model gets sdpa's mask, the model's own mask functions included,
+    even without an attention_mask (it returned None then, dropping e.g. a chain-aware and_mask_function)."""
+    from transformers.masking_utils import and_masks, causal_mask_function, sdpa_mask
+
+    from padfree_plugins.modeling.attention import padfree_mask
+
+    chains = torch.tensor([0] * 3 + [1] * 4)
+    same_chain = and_masks(causal_mask_function, lambda b, h, q, kv: chains[q] == chains[kv])
+    want = sdpa_mask(batch_size=1, q_length=7, kv_length=7, mask_function=same_chain, attention_mask=None,
+                     allow_is_causal_skip=False, use_vmap=True)
+    got = padfree_mask(batch_size=1, q_length=7, kv_length=7, mask_function=same_chain, attention_mask=None,
+                       allow_is_causal_skip=False, use_vmap=True)
+    assert want is not None and torch.equal(got, want) and not bool(got[0, 0, 5, 1])

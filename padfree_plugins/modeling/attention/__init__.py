@@ -78,8 +78,11 @@ def record_attention_calls() -> Iterator[list[AttentionCall]]:
 
 
 def padfree_mask(*args, attention_mask=None, **kwargs):
-    """Mask function: none for unpadded input (attention handles structure itself), sdpa's mask otherwise."""
-    if attention_mask is None:
+    """Mask function. A packed row builds no mask: attention keeps the examples apart itself (structure a model
+    adds through its own mask functions is not applied there — a plugin declares it, and the probe measures it
+    against the model's own mask). Any other call gets sdpa's mask, the model's own mask functions included (an
+    ESM C chain mask; ``None`` where sdpa needs none), as before patching."""
+    if PACKED_CALL.get():
         return None
     return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
