@@ -6,6 +6,7 @@ Everything the training loop needs comes out of here as plain objects; no hook i
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ from padfree_plugins.errors import (
 )
 from padfree_plugins.modeling.patching import ModelPatch, unwrap_model
 from padfree_plugins.modeling.probe import PROBE, PROBE_PLUGIN, probed_architecture, verify
+from padfree_plugins.packing.collator import refusing_undeclared
 
 EXACT_BACKEND = "exact"
 logger = logging.getLogger("padfree_plugins")
@@ -296,6 +298,15 @@ class Assembly:
                 "pooler": type(self.pooler).__name__ if self.pooler else "-"}
 
 
+def forward_parameters(model: Any) -> tuple[str, ...]:
+    """The named parameters of ``type(model).forward`` (the inputs an example could carry for it)."""
+    try:
+        parameters = inspect.signature(type(model).forward).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    return tuple(p.name for p in parameters if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+
+
 def refuse_prompt_learning(model: Any) -> None:
     """peft prompt learning (prompt tuning, p-tuning, prefix tuning …) adds virtual tokens or cached prefixes per
     *row*; a packed row holds many examples, which would share one prompt. Refused before anything is patched."""
@@ -320,6 +331,7 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
     for note in resolved.notes:  # plugin precedence, a faster backend the config rules out …
         logger.warning("padfree-plugins: %s", note)
     parts = Parts.build(host, inner.config, config, resolved)
+    parts = dataclasses.replace(parts, collator=refusing_undeclared(parts.collator, forward_parameters(inner)))
     check_model = getattr(parts.forward, "check_model", None)
     if check_model is not None:  # the head the task reads (an LM head, a classifier …) exists
         check_model(inner)

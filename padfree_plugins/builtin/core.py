@@ -59,4 +59,4 @@ def revert_output(task, architecture, config):
 
 @hookimpl(trylast=True)
 def task_forward(task, architecture, config):
-    return ModelForward(task.model_keys)
+    return ModelForward.of(task, architecture)

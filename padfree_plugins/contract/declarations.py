@@ -41,6 +41,13 @@ class Architecture:
     ``position_start`` maps a model config to the first position id of every example (0 for most models,
     ``pad_token_id + 1`` for the RoBERTa family). ``features`` maps a config to the attention features the model
     uses, so that assembly can pick a backend that implements all of them.
+
+    ``token_keys`` and ``example_keys`` are model inputs the family takes beyond the task's keys, which the collator
+    carries (whatever the task) when the examples have them — in every example or in none — and the forward passes
+    to the model: ``token_keys`` one value per token, concatenated like ``input_ids`` (a value may have trailing
+    dimensions: LayoutLM's ``bbox``, ``[L, 4]`` per example, is packed ``[1, T, 4]``); ``example_keys`` one value
+    per example, stacked ``[n, ...]`` (X-MOD's ``lang_ids``). An example carrying a key the model's forward takes but
+    that no declaration carries is a :class:`~padfree_plugins.errors.BatchError` rather than dropped.
     """
 
     name: str
@@ -51,6 +58,8 @@ class Architecture:
     default_pooling: str = "last"
     priority: int = 0
     description: str = ""
+    token_keys: tuple[str, ...] = ()
+    example_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.model_types:

@@ -15,6 +15,13 @@ class ModelForward:
 
     model_keys: tuple[str, ...] = ()
 
+    @classmethod
+    def of(cls, task: Any, architecture: Any) -> "ModelForward":
+        """The forward for ``task`` on ``architecture``: the task's model keys and the architecture's model inputs
+        (``Architecture.token_keys`` / ``example_keys``, e.g. X-MOD's ``lang_ids``)."""
+        keys = (*task.model_keys, *getattr(architecture, "token_keys", ()), *getattr(architecture, "example_keys", ()))
+        return cls(tuple(dict.fromkeys(keys)))
+
     def inputs(self, batch: Mapping) -> dict[str, Any]:
         return {key: batch[key] for key in (*MODEL_INPUT_KEYS, *self.model_keys) if key in batch}
 

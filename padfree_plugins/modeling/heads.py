@@ -64,11 +64,13 @@ FAMILY_INPUT_KEYS = ("lang_ids", "input_shape_ids", "input_pronunciation_ids", "
 
 
 def run_base(model: Any, batch: Mapping) -> torch.Tensor:
-    """The packed last hidden states ``[1, T, H]`` of ``model``'s base on a packed batch (no KV cache)."""
+    """The packed last hidden states ``[1, T, H]`` of ``model``'s base on a packed batch (no KV cache); the base gets
+    the tokens, positions and boundaries, and those of ``token_type_ids``, :data:`FAMILY_INPUT_KEYS` and the batch's
+    recorded ``model_keys`` (an architecture's declared inputs) that the batch holds and its forward takes."""
     base = base_model(model)
     accepted = _forward_parameters(type(base))
     inputs = {key: batch[key] for key in MODEL_INPUT_KEYS if key in batch}
-    for key in ("token_type_ids", *FAMILY_INPUT_KEYS):
+    for key in ("token_type_ids", *FAMILY_INPUT_KEYS, *(getattr(batch, "model_keys", None) or ())):
         if key in batch and key in accepted:
             inputs[key] = batch[key]
     if "use_cache" in accepted:

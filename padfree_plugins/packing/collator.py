@@ -6,7 +6,8 @@ boundaries are built with numpy / torch ops. Instances are plain picklable objec
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Literal
@@ -15,10 +16,15 @@ import numpy as np
 import torch
 
 from padfree_plugins.errors import BatchError, ConfigError
-from padfree_plugins.packing.batch import PackedBatch
+from padfree_plugins.packing.batch import MODEL_INPUT_KEYS, PackedBatch
 
 #: Per-token keys carried whenever every example has them.
 DEFAULT_TOKEN_KEYS = ("token_type_ids",)
+#: Model-forward parameters an example may carry that are never refused as undeclared (:func:`refusing_undeclared`):
+#: what the collator builds or checks itself, the labels the tasks read, and call options rather than data.
+HANDLED_KEYS = (*MODEL_INPUT_KEYS, "attention_mask", "seq_idx", *DEFAULT_TOKEN_KEYS, "labels", "label",
+                "return_dict", "output_attentions", "output_hidden_states", "use_cache", "past_key_values",
+                "cache_position", "logits_to_keep", "head_mask")
 
 
 def _is_nested(value: Any) -> bool:
@@ -118,6 +124,25 @@ def stack_example_values(values: Sequence[Any], what: str, float_values: bool = 
     return torch.from_numpy(array.astype(np.int64))
 
 
+def _token_rows(value: Any, key: str, index: int, length: int) -> np.ndarray:
+    """One example's per-token model input as an array ``[L, ...]`` (trailing dimensions allowed, e.g. a box of 4
+    per token; a ``[1, L, ...]`` array or tensor is one example); a :class:`BatchError` otherwise."""
+    try:
+        array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+    except Exception as exc:  # noqa: BLE001 - ragged nested lists and the like
+        raise BatchError(f"example {index}: {key!r} is not a sequence of numbers, one per token ({exc})") from None
+    if array.ndim >= 2 and array.shape[0] == 1 and length != 1:
+        array = array[0]
+    if array.ndim == 0 or array.shape[0] != length:
+        got = "a scalar" if array.ndim == 0 else f"{array.shape[0]} values"
+        raise BatchError(f"example {index}: {key!r} has {got} but input_ids has {length} tokens; they must be the "
+                         "same length")
+    if not (np.issubdtype(array.dtype, np.number) or array.dtype == bool):
+        raise BatchError(f"example {index}: {key!r} must hold numbers, got dtype {array.dtype}")
+    return array.astype(np.int64 if np.issubdtype(array.dtype, np.integer) or array.dtype == bool else np.float32,
+                        copy=False)
+
+
 def _concat_int_lists(values: Sequence[Any], key: str) -> tuple[np.ndarray, np.ndarray]:
     """All examples' ``key`` as one flat int64 array plus the per-example lengths.
 
@@ -153,6 +178,14 @@ class PackingCollator:
         model_keys: the token keys the task's model reads (e.g. ``token_type_ids``, and ``labels`` for causal LM),
             recorded on every batch as :attr:`PackedBatch.model_keys` for :meth:`PackedBatch.model_inputs`; only
             keys that are also ``token_keys`` are recorded (a per-example key is never a bare model's input).
+        input_token_keys: per-token model inputs the architecture declares (``Architecture.token_keys``, e.g. RoCBert's
+            ``input_shape_ids``): concatenated like ``input_ids`` when present (in all examples or none), trailing
+            dimensions kept (LayoutLM's ``bbox`` ``[L, 4]`` -> ``[1, T, 4]``), and recorded in ``model_keys``.
+        input_example_keys: per-example model inputs the architecture declares (``Architecture.example_keys``, e.g.
+            X-MOD's ``lang_ids``): stacked ``[n, ...]`` when present (in all examples or none), recorded in
+            ``model_keys``.
+        refused_keys: keys an example must not carry: parameters of the model's forward that no declaration carries,
+            which the batch would drop (set by assembly, :func:`refusing_undeclared`).
         limit_source: when ``max_length`` is the model's own limit rather than the config's, what sets it (e.g.
             ``LlamaConfig.max_position_embeddings=2048``); error messages name it.
         vocab_size: token ids must be below it (``None``: unchecked); negative ids are always refused.
@@ -169,6 +202,9 @@ class PackingCollator:
     limit_source: str = ""
     vocab_size: int | None = None
     model_keys: tuple[str, ...] = DEFAULT_TOKEN_KEYS
+    input_token_keys: tuple[str, ...] = ()
+    input_example_keys: tuple[str, ...] = ()
+    refused_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.on_overlong not in ("error", "truncate"):
@@ -197,16 +233,39 @@ class PackingCollator:
             values = self._token_key(examples, key, full_lengths, keep)
             if values is not None:
                 columns[key] = values
+        for key in self.input_token_keys:
+            if key not in columns and self._present(examples, key):
+                rows = [_token_rows(ex[key], key, i, int(n)) for i, (ex, n) in enumerate(zip(examples, full_lengths))]
+                if len({row.shape[1:] for row in rows}) > 1:
+                    raise BatchError(f"{key!r} has values of shape {rows[0].shape[1:]} per token in example 0 but "
+                                     f"not in every example: give every example the same shape")
+                values = np.concatenate(rows)
+                columns[key] = values if keep is None else values[keep]
         for key in self.masked_first_keys:
             if key in columns:
                 columns[key][cu[:-1]] = self.ignore_index
-        batch = PackedBatch({key: torch.from_numpy(values.reshape(1, -1)) for key, values in columns.items()})
+        batch = PackedBatch({key: torch.from_numpy(values[None]) for key, values in columns.items()})
         batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.from_numpy(cu.astype(np.int32))
         batch["max_length_q"] = batch["max_length_k"] = int(lengths.max())
         for key in self.example_keys:
             batch[key] = stack_example_values([ex[key] for ex in examples], repr(key))
-        batch.model_keys = tuple(key for key in self.model_keys if key in self.token_keys)
+        for key in self.input_example_keys:
+            if key not in batch and self._present(examples, key):
+                batch[key] = stack_example_values([ex[key] for ex in examples], repr(key))
+        inputs = (*self.input_token_keys, *self.input_example_keys)
+        batch.model_keys = tuple(dict.fromkeys((*(key for key in self.model_keys if key in self.token_keys),
+                                                *(key for key in inputs if key in batch))))
         return batch
+
+    @staticmethod
+    def _present(examples: Sequence[Mapping[str, Any]], key: str) -> bool:
+        """Whether every example has ``key`` (not ``None``): ``False`` when none has; a :class:`BatchError` when
+        only some have."""
+        have = [ex.get(key) is not None for ex in examples]
+        if all(have) or not any(have):
+            return have[0]
+        raise BatchError(f"{key!r} is present in some examples but not in example {have.index(False)}: "
+                         "give it to every example or to none")
 
     # -- checks --------------------------------------------------------------------------------------------------
 
@@ -222,7 +281,19 @@ class PackingCollator:
                 raise BatchError(
                     f"example {i} is missing {', '.join(map(repr, missing))}; it has {', '.join(map(repr, ex))}"
                 )
+            refused = [key for key in self.refused_keys if ex.get(key) is not None]
+            if refused:
+                raise BatchError(self._refused_message(i, refused))
         return examples
+
+    @staticmethod
+    def _refused_message(index: int, keys: Sequence[str]) -> str:
+        names = ", ".join(map(repr, keys))
+        return (f"example {index} carries {names}, an input of the model's forward that no declaration carries: the "
+                "packed batch would drop it and the model run without it. Declare it in the architecture plugin — "
+                f"Architecture(token_keys=({keys[0]!r},)) for one value per token, example_keys=({keys[0]!r},) for one "
+                "per example (docs/writing-a-plugin.md, Declaration fields) — or the task's token_keys / example_keys, "
+                "or remove it from the examples")
 
     def _check_masks(self, examples: Sequence[Mapping[str, Any]], lengths: np.ndarray) -> None:
         """An example's ``attention_mask``, when it has one, is its own: one value per token (1-D, or ``[1, L]`` like
@@ -386,6 +457,7 @@ def packing_collator(task, architecture, model_config, config) -> PackingCollato
             f"set max_length to at most {limit}"
         )
     token_keys = tuple(dict.fromkeys((*DEFAULT_TOKEN_KEYS, *task.token_keys)))
+    task_keys = (*token_keys, *task.example_keys)
     return PackingCollator(
         position_start=start,
         token_keys=token_keys,
@@ -397,4 +469,30 @@ def packing_collator(task, architecture, model_config, config) -> PackingCollato
         limit_source="" if config.max_length is not None or limit is None else source,
         vocab_size=getattr(getattr(model_config, "get_text_config", lambda: model_config)(), "vocab_size", None),
         model_keys=tuple(key for key in token_keys if key in task.model_keys),
+        input_token_keys=tuple(key for key in architecture.token_keys if key not in task_keys),
+        input_example_keys=tuple(key for key in architecture.example_keys if key not in task_keys),
     )
+
+
+def _packing_of(collator: Any) -> PackingCollator | None:
+    if isinstance(collator, PackingCollator):
+        return collator
+    packing = getattr(collator, "packing", None)
+    return packing if isinstance(packing, PackingCollator) else None
+
+
+def refusing_undeclared(collator: Any, forward_parameters: Iterable[str]) -> Any:
+    """``collator`` (a :class:`PackingCollator`, or a dataclass wrapping one in ``packing``) refusing, in any example,
+    the ``forward_parameters`` of the model that it does not carry — which the batch would otherwise drop without a
+    word (``Trainer``'s ``remove_unused_columns`` keeps exactly such columns) — except :data:`HANDLED_KEYS`. Any
+    other collator is returned as it is."""
+    packing = _packing_of(collator)
+    if packing is None or not dataclasses.is_dataclass(collator):
+        return collator
+    carried = {*HANDLED_KEYS, *packing.token_keys, *packing.example_keys, *packing.required_keys,
+               *packing.model_keys, *packing.input_token_keys, *packing.input_example_keys}
+    refused = tuple(key for key in forward_parameters if key not in carried)
+    if not refused:
+        return collator
+    packing = dataclasses.replace(packing, refused_keys=tuple(dict.fromkeys((*packing.refused_keys, *refused))))
+    return packing if isinstance(collator, PackingCollator) else dataclasses.replace(collator, packing=packing)

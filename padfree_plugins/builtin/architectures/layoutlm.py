@@ -3,8 +3,9 @@ token's bounding box (``bbox``, ``[B, L, 4]``; zeros when absent). Positions sta
 
 Its self-attention modules (``LayoutLMSelfAttention``) have no ``is_causal`` attribute, and the packed attention
 reads ``getattr(module, "is_causal", True)``: the patch sets ``is_causal = False`` on each of them (removed by undo),
-so that packed LayoutLM is bidirectional like its own padded forward. Boxes travel only if the batch carries them per
-token (``[1, T, 4]``: the per-example heads pass them on then); without them both runs embed all-zero boxes.
+so that packed LayoutLM is bidirectional like its own padded forward. ``bbox`` is a declared per-token model input
+(``token_keys``): the collator packs every example's ``[L, 4]`` boxes into ``[1, T, 4]`` when the examples carry
+them, and the forward passes them on; without them both runs embed all-zero boxes.
 LayoutLMv2 / v3 (visual backbones, their own relative-position attention) are not covered.
 """
 
@@ -18,6 +19,7 @@ from padfree_plugins.contract.hookspecs import hookimpl
 from padfree_plugins.modeling.patching import ModelPatch
 
 LAYOUTLM = Architecture("layoutlm", model_types=("layoutlm",), kind="encoder", default_pooling="first",
+                        token_keys=("bbox",),
                         description="LayoutLM (v1) encoders on text (bbox zeros unless the batch carries it); "
                         "bidirectional attention declared on its layers")
 

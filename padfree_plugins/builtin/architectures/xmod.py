@@ -9,9 +9,9 @@ per-token ids on a packed row (a pre-hook on the base model; examples from ``cu_
 hooks, from where the position ids restart); per-token ids ``[1, T]`` pass unchanged, and without ``lang_ids`` every
 example uses ``default_language``, as padded. Positions start at ``pad_token_id + 1`` (RoBERTa's embeddings).
 
-``lang_ids`` reach the model when the batch carries them (the per-example heads pass them on). The task collators
-carry only the keys their task declares, so until a collator carries a per-example ``lang_ids`` a packed batch runs
-every example with ``default_language`` (a batch of one language).
+``lang_ids`` are declared a per-example model input (``example_keys``): the collator stacks every example's
+``lang_ids`` (one language id, in every example or in none) into ``[n]``, and the forward passes them to the model;
+examples without them all run with ``default_language``, as padded.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from padfree_plugins.modeling.patching import ModelPatch
 from padfree_plugins.packing.batch import token_examples
 
 XMOD = Architecture("xmod", model_types=("xmod",), kind="encoder", position_start=after_padding_idx,
-                    default_pooling="first", description="X-MOD encoders; language adapters routed per token (per-"
+                    default_pooling="first", example_keys=("lang_ids",), description="X-MOD encoders; language adapters routed per token (per-"
                     "example lang_ids, else default_language); positions from pad_token_id + 1")
 
 

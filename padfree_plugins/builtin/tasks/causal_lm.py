@@ -98,4 +98,4 @@ def collate(task, architecture, model_config, config):
 
 @hookimpl
 def task_forward(task, architecture, config):
-    return CausalLMForward(task.model_keys) if task.name == TASK else None
+    return CausalLMForward.of(task, architecture) if task.name == TASK else None
