@@ -38,6 +38,8 @@ _RECORDED_CALLS: ContextVar[list | None] = ContextVar("padfree_recorded_attentio
 IMPLEMENTATION_PREFIX = "padfree_"
 #: Keyword arguments that change attention semantics in ways no backend here implements.
 _UNSUPPORTED_KWARGS = ("position_bias", "alibi_slopes")
+#: ``sliding_window`` not passed to attention at all (``None`` passed means no window).
+_NOT_PASSED = object()
 #: The names models give attention sinks (one learned logit per head in every softmax: gpt-oss's ``s_aux``).
 _SINK_KWARGS = ("s_aux", "sinks")
 
@@ -99,7 +101,9 @@ class PadfreeAttention:
     default_causal: bool = True
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                 sliding_window=None, softcap=None, **kwargs):
+                 sliding_window=_NOT_PASSED, softcap=None, **kwargs):
+        if sliding_window is _NOT_PASSED:  # a module that keeps its window for its mask only (Qwen2-MoE)
+            sliding_window = getattr(module, "sliding_window", None)
         for name in _UNSUPPORTED_KWARGS:
             if kwargs.get(name) is not None:
                 raise NotImplementedError(
