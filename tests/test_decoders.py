@@ -95,6 +95,9 @@ DECODERS = {
                                   attention_dropout=0.0, residual_dropout=0.0)),
     "hunyuan_v1_dense": ("hunyuan_v1_dense", dict(num_key_value_heads=2, head_dim=16)),
     "apertus": ("apertus", dict(num_key_value_heads=2)),
+    "gpt_oss": ("gpt_oss", dict(num_key_value_heads=2, head_dim=16, sliding_window=4, num_local_experts=4,
+                                layer_types=["sliding_attention", "full_attention"], **MOE)),
+    "lfm2": ("lfm2", dict(num_key_value_heads=2, layer_types=["conv", "full_attention"])),
 }
 LENGTHS = [1, 13, 6, 20, 2, 6]
 #: Causal-LM classes that transformers 5.23 leaves out of ``AutoModelForCausalLM`` (it maps Mistral 4 for pretraining
@@ -103,12 +106,14 @@ CAUSAL_LM_CLASSES = {"mistral4": "Mistral4ForCausalLM"}
 
 
 def causal_lm(model_type: str, **overrides):
-    """A tiny causal LM, fp32, seeded; eager attention where transformers refuses sdpa (Gemma 2 soft-capping).
+    """A tiny causal LM, fp32, seeded; eager attention where transformers refuses sdpa (Gemma 2 soft-capping,
+    gpt-oss sinks).
 
     Gemma 2's query and key projections are scaled up so that attention scores reach the soft-cap (random
-    initial weights give scores far below it, where capping changes nothing)."""
+    initial weights give scores far below it, where capping changes nothing); gpt-oss's sinks start random, large
+    enough to take a real share of every softmax."""
     torch.manual_seed(0)
-    implementation = "eager" if model_type == "gemma2" else "sdpa"
+    implementation = "eager" if model_type in ("gemma2", "gpt_oss") else "sdpa"
     config = tiny_config(model_type, **copy.deepcopy(overrides))  # some configs edit what they get (rope_parameters)
     if model_type in CAUSAL_LM_CLASSES:
         model = getattr(transformers, CAUSAL_LM_CLASSES[model_type])._from_config(
@@ -120,6 +125,11 @@ def causal_lm(model_type: str, **overrides):
             for layer in model.model.layers:
                 layer.self_attn.q_proj.weight.mul_(6)
                 layer.self_attn.k_proj.weight.mul_(6)
+    if model_type == "gpt_oss":
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape, generator=generator) * 2)
     return model
 
 
