@@ -57,7 +57,8 @@ def test_length_laws():
         draw_lengths("uniform", 4, seed=0, low=1, high=2)
 
 
-def test_cli_prints_the_table(tmp_path):
+def test_cli_prints_the_table(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # the table fits the terminal: a narrow one would wrap its headers
     result = CliRunner().invoke(app, ["bench", "sft", "--model-size", "micro", "--batch-sizes", "2", "--laws",
                                       "lognormal", "--batches", "1", "--rounds", "1", "--warmup", "0",
                                       "--max-length", "64", "--out", str(tmp_path)])

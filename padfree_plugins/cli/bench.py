@@ -163,7 +163,7 @@ def bench_sft(
     stdout = console()
     try:
         result = run_sft_benchmark(settings, progress=None if as_json else
-                                   (lambda line: stdout.print(line, highlight=False)))
+                                   (lambda line: stdout.print(line, highlight=False, soft_wrap=True)))
     except PadfreeError as error:
         fail(error)
     finally:
