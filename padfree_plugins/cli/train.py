@@ -61,7 +61,8 @@ def train(ctx: typer.Context) -> None:
     stdout = console()
     try:
         with progress_bars(shown=sys.stderr.isatty()):
-            report = run_train(ctx.args, print_fn=lambda line: stdout.print(line, highlight=False, markup=False, soft_wrap=True))
+            report = run_train(ctx.args, print_fn=lambda line: stdout.print(line, highlight=False, markup=False,
+                                                                        soft_wrap=True))
     except (PadfreeError, OSError) as error:
         fail(error)
     if report.losses:

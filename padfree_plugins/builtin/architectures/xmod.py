@@ -27,8 +27,9 @@ from padfree_plugins.modeling.patching import ModelPatch
 from padfree_plugins.packing.batch import token_examples
 
 XMOD = Architecture("xmod", model_types=("xmod",), kind="encoder", position_start=after_padding_idx,
-                    default_pooling="first", example_keys=("lang_ids",), description="X-MOD encoders; language adapters routed per token (per-"
-                    "example lang_ids, else default_language); positions from pad_token_id + 1")
+                    default_pooling="first", example_keys=("lang_ids",),
+                    description="X-MOD encoders; language adapters routed per token (per-example lang_ids, else "
+                    "default_language); positions from pad_token_id + 1")
 
 
 @hookimpl
