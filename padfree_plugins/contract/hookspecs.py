@@ -78,7 +78,8 @@ def task_forward(task, architecture, config):
     """Return a picklable callable ``(model, batch, **loss_kwargs) -> transformers ModelOutput`` that runs a
     patched model on a packed batch for this task (e.g. per-example pooling and a classification head, since
     transformers' ``*ForSequenceClassification`` heads pool one token per *row*). ``None`` lets the next plugin
-    answer; the builtin default calls ``model(**batch.model_inputs(*task.model_keys))``."""
+    answer; the builtin default calls the model with the packing keys plus the task's ``model_keys`` and the
+    architecture's ``token_keys`` / ``example_keys`` that the batch has."""
 
 
 @hookspec(firstresult=True)
