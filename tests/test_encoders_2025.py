@@ -344,14 +344,21 @@ def test_extra_per_token_inputs_through_the_heads(name, keys):
     assert (without - want.logits).abs().max() > 1e-3
 
 
-def test_layoutlm_attention_declared_bidirectional_and_undone():
-    """LayoutLM's self-attention has no is_causal: the patch declares it bidirectional on each, undo removes it."""
+def test_layoutlm_attention_is_bidirectional_and_its_modules_untouched():
+    """LayoutLM's self-attention has no is_causal: packed attention takes the architecture's kind (an encoder), so
+    every packed call is bidirectional, and the modules are left as they are."""
+    from padfree_plugins.modeling.attention import record_attention_calls
+
     model = model_for("layoutlm")
     modules = [m for m in model.modules() if type(m).__name__ == "LayoutLMSelfAttention"]
     assert modules and not any(hasattr(m, "is_causal") for m in modules)
     assembly = assemble(model, HIDDEN)
-    assert all(m.__dict__.get("is_causal") is False for m in modules)
-    assembly.undo()
+    try:
+        with torch.no_grad(), record_attention_calls() as calls:
+            model(**assembly.collator(make_examples([3, 5])).model_inputs())
+    finally:
+        assembly.undo()
+    assert calls and not any(call.causal for call in calls)
     assert not any(hasattr(m, "is_causal") for m in modules)
     assert layoutlm.LAYOUTLM.kind == "encoder"
 
