@@ -75,6 +75,11 @@ class PadfreeConfig:
         "keep: attention-probability dropout as the model defines it (the varlen backend cannot do it, so auto then "
         "picks flash_attn, repad or exact); disable: no attention dropout, so varlen can run (hidden dropout "
         "unaffected)", default="keep")
+    mixers: Literal["auto", "exact", "kernels"] = _help(
+        "sequence-mixer backend of hybrid models (gated delta rule, KDA, Mamba scans): auto (kernels where the "
+        "family has a boundary-aware CUDA route and its packages are installed, else exact); exact (every example "
+        "alone, equal lengths batched, transformers' own code); kernels (flash-linear-attention / causal-conv1d / "
+        "mamba-ssm with the boundaries; CUDA only)", default="auto")
     max_length: int | None = _help("longest example in tokens (default: no limit)", default=None, minimum=1)
     on_overlong: Literal["error", "truncate"] = _help("what to do with an example longer than max_length",
                                                       default="error")

@@ -10,16 +10,39 @@ alone, on real tokens only:
   example's start (vectorised: one shifted multiply-add per tap, no per-example loop), so that a token ``j``
   places into its example sees zeros before its start, as at the start of a row.
 
-An architecture plugin routes a model's mixer modules here for packed calls (see ``builtin/architectures/lfm2.py``)
-and leaves padded calls and ``generate()`` to the model's own code.
+* :class:`PackedMixer` — any mixer module's own forward (a gated delta rule, a Mamba1 / Mamba2 scan, KDA) run on
+  every example alone, the examples of equal length stacked into one batch (``exact``: transformers' own code,
+  on real tokens only); or, on a GPU with the packages that take boundaries natively, the packed row through the
+  module's own forward with ``cu_seq_lens_q`` and ``seq_idx``, which transformers routes to
+  flash-linear-attention, causal-conv1d and mamba-ssm (``kernels``). ``auto`` takes ``kernels`` only where the
+  family has such a route, the tensors are on CUDA and every package is installed; otherwise ``exact``. Neither
+  ever runs a mixer across a boundary: a packed call without boundaries, or with a cache, is an error.
+
+An architecture plugin routes a model's mixer modules here for packed calls (see ``builtin/architectures/lfm2.py``
+and ``builtin/architectures/_hybrid.py``) and leaves padded calls and ``generate()`` to the model's own code.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from padfree_plugins.packing.batch import token_examples
+from padfree_plugins.errors import BackendUnavailableError, BoundaryError
+from padfree_plugins.modeling.attention import PACKED_CALL
+from padfree_plugins.modeling.patching import own_attribute, restore_attributes, without_cache
+from padfree_plugins.packing.batch import BOUNDARY_KEYS, length_groups, token_examples
+
+#: The sequence-mixer backends a config may name (``mixers:``).
+MIXER_BACKENDS = ("auto", "exact", "kernels")
+#: Keys a mixer's own forward is never handed when it runs one example (or one group of equal lengths) alone.
+ROW_KEYS = (*BOUNDARY_KEYS, "seq_idx", "position_ids", "attention_mask")
 
 
 def positions_in_examples(cu_seq_lens: torch.Tensor, total: int) -> torch.Tensor:
@@ -48,3 +71,174 @@ def boundary_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     if bias is not None:
         out = out + bias[:, None]
     return out
+
+
+@dataclass
+class PackedRow:
+    """The boundaries of the packed row a forward is running, and what mixers derive from them, once per forward."""
+
+    cu_seq_lens: torch.Tensor
+    _groups: dict = field(default_factory=dict, repr=False)
+    _seq_idx: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def total(self) -> int:
+        return int(self.cu_seq_lens[-1])
+
+    def groups(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+        """:func:`~padfree_plugins.packing.batch.length_groups` of the row, with ``order`` and ``inverse`` on
+        ``device`` (computed once per device)."""
+        if device not in self._groups:
+            order, inverse, blocks = length_groups(self.cu_seq_lens)
+            self._groups[device] = (order.to(device), inverse.to(device), blocks)
+        return self._groups[device]
+
+    def seq_idx(self, device: torch.device) -> torch.Tensor:
+        """The example of every token, int32 ``[1, T]``, as causal-conv1d and mamba-ssm take it."""
+        if self._seq_idx is None or self._seq_idx.device != device:
+            cu = self.cu_seq_lens.to(device)
+            self._seq_idx = token_examples(cu, self.total).to(torch.int32)[None]
+        return self._seq_idx
+
+
+#: The packed row of the forward being run (set by :class:`MixerPatch` on the base model), for mixers whose model
+#: hands them no boundaries (Jamba, Mamba); ``None`` outside packed forwards.
+PACKED_ROW: ContextVar[PackedRow | None] = ContextVar("padfree_packed_row", default=None)
+
+
+def run_per_example(forward: Any, hidden_states: torch.Tensor, row: PackedRow, **kwargs: Any) -> torch.Tensor:
+    """``forward`` (a mixer's own, ``[B, L, H] -> [B, L, H']``) on every example of the packed ``hidden_states``
+    ``[1, T, H]`` alone: the examples of each length stacked into one batch, no padding anywhere, the outputs put
+    back in packed order. Exact for any mixer that treats the rows of a batch independently."""
+    order, inverse, blocks = row.groups(hidden_states.device)
+    tokens = hidden_states[0].index_select(0, order)
+    outputs, start = [], 0
+    for length, count in blocks:
+        block = tokens[start:start + length * count].reshape(count, length, -1)
+        output = forward(block, **kwargs)
+        if not isinstance(output, torch.Tensor):
+            raise BoundaryError(f"a sequence mixer returned {type(output).__name__}, not a tensor: padfree_plugins "
+                                "cannot put its examples back into the packed row")
+        outputs.append(output.reshape(length * count, -1))
+        start += length * count
+    return torch.cat(outputs).index_select(0, inverse)[None]
+
+
+@cache
+def missing_packages(packages: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of ``packages`` (import names) that are not installed."""
+    return tuple(name for name in packages if importlib.util.find_spec(name) is None)
+
+
+def check_mixer_backend(requested: str, family: str, kernels: tuple[str, ...]) -> None:
+    """Refuse, when the model is patched, a ``mixers: kernels`` this family or machine cannot honour."""
+    if requested not in MIXER_BACKENDS:
+        raise BackendUnavailableError(f"unknown mixer backend {requested!r}; use one of {', '.join(MIXER_BACKENDS)}")
+    if requested != "kernels":
+        return
+    if not kernels:
+        raise BackendUnavailableError(
+            f"{family}: its sequence mixers have no boundary-aware kernel route (no installed package takes the "
+            "example boundaries for them), so mixers: kernels cannot keep examples apart; use mixers: exact or auto")
+    if not torch.cuda.is_available():
+        raise BackendUnavailableError(
+            f"mixers: kernels runs {family}'s mixers through CUDA kernels ({', '.join(kernels)}), and this machine "
+            "has no CUDA device; use mixers: exact (or auto) on a CPU")
+    if missing := missing_packages(kernels):
+        raise BackendUnavailableError(
+            f"mixers: kernels for {family} needs {', '.join(missing)} installed (pip names: "
+            f"{', '.join(PIP_NAMES.get(name, name) for name in missing)}); or use mixers: exact")
+
+
+#: Import name -> the distribution to install.
+PIP_NAMES = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d", "mamba_ssm": "mamba-ssm"}
+
+
+@dataclass
+class PackedMixer:
+    """A sequence mixer's forward: packed calls restart it at every example (see the module docstring); other calls
+    run the module's own forward. A plain object, so that the model still pickles."""
+
+    module: Any
+    original: Any
+    backend: str
+    kernels: tuple[str, ...]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        row = PACKED_ROW.get()
+        cu = kwargs.get("cu_seq_lens_q")
+        if cu is None and row is None:
+            if PACKED_CALL.get():
+                raise BoundaryError(f"{type(self.module).__name__} was called without the example boundaries during "
+                                    "a packed forward: it would run across examples")
+            return self.original(*args, **kwargs)
+        if row is None or (cu is not None and cu is not row.cu_seq_lens):
+            row = PackedRow(cu)
+        inputs = inspect.signature(self.original).bind(*args, **kwargs).arguments
+        inputs.update(inputs.pop("kwargs", {}))
+        hidden_states = inputs.pop("hidden_states", None)
+        if hidden_states is None or hidden_states.ndim != 3 or hidden_states.shape[0] != 1:
+            raise BoundaryError(f"{type(self.module).__name__} got a packed call without a [1, T, H] hidden_states")
+        if hidden_states.shape[1] != row.total:
+            raise BoundaryError(f"{type(self.module).__name__}: {hidden_states.shape[1]} tokens, but the boundaries "
+                                f"describe {row.total}")
+        for name in ("cache_params", "past_key_values"):
+            if inputs.get(name) is not None:
+                raise BoundaryError("a packed row with a cache: a sequence mixer's state would span examples; run "
+                                    "packed rows without a cache (use_cache=False)")
+        if self.uses_kernels(hidden_states.device):
+            return self.original(hidden_states, **{**inputs, "cu_seq_lens_q": row.cu_seq_lens.to(hidden_states.device),
+                                                   "seq_idx": row.seq_idx(hidden_states.device)})
+        alone = {name: value for name, value in inputs.items() if name not in ROW_KEYS}
+        return run_per_example(self.original, hidden_states, row, **alone)
+
+    def uses_kernels(self, device: torch.device) -> bool:
+        """Whether this call runs the packed row through the boundary-aware kernels (see the module docstring)."""
+        if self.backend == "exact":
+            return False
+        if self.backend == "kernels":
+            if device.type != "cuda":
+                raise BackendUnavailableError(f"mixers: kernels is CUDA-only; {type(self.module).__name__} runs on "
+                                              f"{device.type}. Use mixers: exact (or auto) there")
+            return True
+        return bool(self.kernels) and device.type == "cuda" and not missing_packages(self.kernels)
+
+
+@dataclass
+class MixerPatch:
+    """Sequence mixers' forwards replaced on their instances and the packed row published to them; in
+    ``patch.handles``: ``remove()`` restores everything."""
+
+    saved: list = field(default_factory=list)
+    hooks: list = field(default_factory=list)
+    tokens: list = field(default_factory=list, repr=False)
+
+    @classmethod
+    def install(cls, model: Any, mixers: list[Any], backend: str, kernels: tuple[str, ...]) -> MixerPatch:
+        patch = cls()
+        for module in mixers:
+            patch.saved.append((module, own_attribute(module, "forward")))
+            module.forward = PackedMixer(module, module.forward, backend, kernels)
+        for module in dict.fromkeys((model, getattr(model, "base_model", model))):  # Mamba's head keeps the boundaries
+            patch.hooks.append(module.register_forward_pre_hook(patch._publish_row, with_kwargs=True))
+            patch.hooks.append(module.register_forward_hook(patch._withdraw_row, with_kwargs=True, always_call=True))
+        return patch
+
+    def _publish_row(self, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """A forward given boundaries publishes its packed row (and runs without a cache); one given none keeps
+        the row of the forward around it (a task's computation calling the base model)."""
+        cu = kwargs.get("cu_seq_lens_q")
+        self.tokens.append(PACKED_ROW.set(PackedRow(cu) if cu is not None else PACKED_ROW.get()))
+        return without_cache(module, args, kwargs) if cu is not None else None
+
+    def _withdraw_row(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        if self.tokens:
+            PACKED_ROW.reset(self.tokens.pop())
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        for module, forward in reversed(self.saved):
+            restore_attributes(module, {"forward": forward})
+        self.saved.clear()
+        self.hooks.clear()

@@ -263,14 +263,18 @@ class ModelPatch:
 
     @classmethod
     def apply(cls, model: Any, architecture: Architecture, backend: AttentionBackend,
-              fallback: AttentionBackend | None = None, *, attention_dropout: bool = True) -> "ModelPatch":
-        """Patch ``model``; ``attention_dropout=False`` runs attention without probability dropout."""
+              fallback: AttentionBackend | None = None, *, attention_dropout: bool = True,
+              has_attention: bool = True) -> "ModelPatch":
+        """Patch ``model``; ``attention_dropout=False`` runs attention without probability dropout;
+        ``has_attention=False``: an attention-free model (Mamba), of which only the guard is installed."""
         model = unwrap_model(model)
         if getattr(model, PATCH_ATTRIBUTE, None) is not None:
             raise PadfreeError(f"{type(model).__name__} is already patched; undo the first patch before patching again")
-        previous = model.config._attn_implementation
-        name = attention.register(backend, fallback, attention_dropout, architecture.kind == "decoder")
-        model.set_attn_implementation(name)
+        previous = model.config._attn_implementation if has_attention else None
+        name = model.config._attn_implementation
+        if has_attention:
+            name = attention.register(backend, fallback, attention_dropout, architecture.kind == "decoder")
+            model.set_attn_implementation(name)
         if model.config._attn_implementation != name:
             raise UnsupportedArchitectureError(
                 f"{type(model).__name__} does not route attention through transformers' AttentionInterface, so its "

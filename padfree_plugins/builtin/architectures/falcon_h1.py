@@ -1,0 +1,13 @@
+"""Falcon-H1 (TII): every layer runs attention and a Mamba2 mixer in parallel, with µP multipliers. Each Mamba2 mixer
+(a causal conv1d, then the chunked selective scan) restarts at every example of a packed
+row (:mod:`~padfree_plugins.builtin.architectures._hybrid`)."""
+
+from padfree_plugins.builtin.architectures._hybrid import MAMBA2_KERNELS, Hybrid
+from padfree_plugins.contract.declarations import Architecture
+
+FALCON_H1 = Hybrid(
+    Architecture("falcon_h1", model_types=("falcon_h1",), kind="decoder", default_pooling="last",
+                 description="Falcon-H1: parallel attention and Mamba2"),
+    mixers=("FalconH1Mixer",), kernels=MAMBA2_KERNELS)
+
+register_architectures, patch_model = FALCON_H1.hooks()

@@ -1,0 +1,13 @@
+"""Granite 4.0-H (IBM, ``granitemoehybrid``): Mamba2 layers beside attention layers (NoPE or RoPE) and a MoE with a
+shared MLP. Each Mamba2 mixer (a causal conv1d, then the chunked selective scan) restarts at every example of a packed
+row (:mod:`~padfree_plugins.builtin.architectures._hybrid`)."""
+
+from padfree_plugins.builtin.architectures._hybrid import MAMBA2_KERNELS, Hybrid
+from padfree_plugins.contract.declarations import Architecture
+
+GRANITEMOEHYBRID = Hybrid(
+    Architecture("granitemoehybrid", model_types=("granitemoehybrid",), kind="decoder", default_pooling="last",
+                 description="Granite 4.0-H: Mamba2 beside attention, MoE"),
+    mixers=("GraniteMoeHybridMambaLayer",), kernels=MAMBA2_KERNELS)
+
+register_architectures, patch_model = GRANITEMOEHYBRID.hooks()

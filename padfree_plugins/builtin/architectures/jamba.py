@@ -1,0 +1,14 @@
+"""Jamba (AI21): Mamba1 layers beside attention layers without positional encoding, and MoE layers. The Mamba
+mixer gets no boundaries from its layer, so it reads the packed row from the forward, and every packed call runs
+it per example (``exact``; mamba-ssm's Mamba1 kernels take no boundaries);
+:mod:`~padfree_plugins.builtin.architectures._hybrid`."""
+
+from padfree_plugins.builtin.architectures._hybrid import Hybrid
+from padfree_plugins.contract.declarations import Architecture
+
+JAMBA = Hybrid(
+    Architecture("jamba", model_types=("jamba",), kind="decoder", default_pooling="last",
+                 description="Jamba: Mamba1 beside attention, MoE"),
+    mixers=("JambaMambaMixer",), boundaries_reach_mixers=False)
+
+register_architectures, patch_model = JAMBA.hooks()

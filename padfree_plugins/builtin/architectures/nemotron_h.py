@@ -1,0 +1,13 @@
+"""Nemotron-H (NVIDIA): Mamba2 layers beside attention layers without positional encoding and MLP or MoE layers. Each
+Mamba2 mixer (a causal conv1d, then the chunked selective scan) restarts at every example of a packed
+row (:mod:`~padfree_plugins.builtin.architectures._hybrid`)."""
+
+from padfree_plugins.builtin.architectures._hybrid import MAMBA2_KERNELS, Hybrid
+from padfree_plugins.contract.declarations import Architecture
+
+NEMOTRON_H = Hybrid(
+    Architecture("nemotron_h", model_types=("nemotron_h",), kind="decoder", default_pooling="last",
+                 description="Nemotron-H: Mamba2, attention (NoPE), MLP / MoE"),
+    mixers=("NemotronHMamba2Mixer",), kernels=MAMBA2_KERNELS)
+
+register_architectures, patch_model = NEMOTRON_H.hooks()

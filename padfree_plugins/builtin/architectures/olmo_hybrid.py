@@ -1,0 +1,12 @@
+"""OLMo-hybrid (Ai2): gated-DeltaNet layers beside OLMo attention layers. Each gated DeltaNet restarts at every
+example of a packed row (:mod:`~padfree_plugins.builtin.architectures._hybrid`)."""
+
+from padfree_plugins.builtin.architectures._hybrid import GATED_DELTA_KERNELS, Hybrid
+from padfree_plugins.contract.declarations import Architecture
+
+OLMO_HYBRID = Hybrid(
+    Architecture("olmo_hybrid", model_types=("olmo_hybrid",), kind="decoder", default_pooling="last",
+                 description="OLMo-hybrid: gated DeltaNet beside attention"),
+    mixers=("OlmoHybridGatedDeltaNet",), kernels=GATED_DELTA_KERNELS)
+
+register_architectures, patch_model = OLMO_HYBRID.hooks()
