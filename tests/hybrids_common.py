@@ -12,7 +12,10 @@ from tests.conftest import tiny_config
 GATED_DELTA = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
                    linear_conv_kernel_dim=4, head_dim=16, num_key_value_heads=2, num_hidden_layers=3,
                    layer_types=["linear_attention", "full_attention", "linear_attention"])
-SPARSE_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+#: Routed experts with their load-balancing loss in the loss (Kimi-Linear and Nemotron-H compute none).
+AUX_LOSS = dict(output_router_logits=True, router_aux_loss_coef=0.1)
+SPARSE_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                  **AUX_LOSS)
 MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=1,
               mamba_chunk_size=16, num_key_value_heads=2)
 
@@ -33,12 +36,12 @@ HYBRIDS = {
                        ssm_state_size=8, conv_kernel=4, expand=1, chunk_size=16, n_routed_experts=4,
                        num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32),
     "granitemoehybrid": {**MAMBA2, "layer_types": ["mamba", "attention", "mamba"], "num_hidden_layers": 3,
-                         "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 32},
+                         "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 32, **AUX_LOSS},
     "bamba": {**MAMBA2, "attn_layer_indices": [1], "num_hidden_layers": 3},
     "falcon_h1": {**MAMBA2, "mamba_d_ssm": 64, "num_hidden_layers": 2, "head_dim": 16},
     "jamba": dict(num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1, expert_layer_period=2,
                   expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
-                  mamba_expand=1, num_key_value_heads=2, use_mamba_kernels=False),
+                  mamba_expand=1, num_key_value_heads=2, **AUX_LOSS),
     "mamba": dict(state_size=8, conv_kernel=4, expand=1, num_hidden_layers=2, use_mambapy=False),
     "falcon_mamba": dict(state_size=8, conv_kernel=4, expand=1, num_hidden_layers=2, use_mambapy=False),
     "mamba2": dict(num_heads=4, head_dim=16, state_size=8, conv_kernel=4, expand=1, n_groups=2, chunk_size=16,

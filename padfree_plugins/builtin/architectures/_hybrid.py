@@ -25,6 +25,11 @@ GATED_DELTA_KERNELS = ("fla", "causal_conv1d")
 MAMBA2_KERNELS = ("mamba_ssm", "causal_conv1d")
 
 
+def checkpointing(model: Any) -> bool:
+    """Whether gradient (activation) checkpointing is on in any layer of ``model``."""
+    return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
+
+
 @dataclass(frozen=True)
 class Hybrid:
     """A hybrid family: ``mixers`` are the class names of its sequence-mixer modules; ``kernels`` the import names
@@ -54,15 +59,15 @@ class Hybrid:
                                  attention_dropout=config.attention_dropout == "keep",
                                  has_attention=self.has_attention)
         if not self.boundaries_reach_mixers:
-            patch.handles.append(model.base_model.register_forward_pre_hook(self._refuse_recompute, with_kwargs=True))
+            for module in dict.fromkeys((model, model.base_model)):  # Mamba's head keeps the boundaries
+                patch.handles.append(module.register_forward_pre_hook(self._refuse_recompute, with_kwargs=True))
         patch.handles.append(MixerPatch.install(model, modules, config.mixers, self.kernels))
         return patch
 
     def _refuse_recompute(self, module: Any, args: tuple, kwargs: dict) -> None:
         """Gradient checkpointing recomputes a layer in the backward pass, outside the packed forward: a mixer that
         gets no boundaries from its layer would then run across examples."""
-        if kwargs.get("cu_seq_lens_q") is not None and module.training and getattr(
-                module, "is_gradient_checkpointing", False):
+        if kwargs.get("cu_seq_lens_q") is not None and module.training and checkpointing(module):
             raise BoundaryError(
                 f"{self.architecture.name}: its layers hand the sequence mixers no boundaries, so gradient "
                 "checkpointing would recompute them across examples in the backward pass. Train it padding-free "
