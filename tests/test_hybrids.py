@@ -126,7 +126,7 @@ def test_gradient_checkpointing_recomputes_every_example_alone(model_type):
     """Gradient checkpointing recomputes each layer in the backward pass, outside the packed forward: the mixers
     of these families get the boundaries from the layer's own arguments, so the recomputation is exact too."""
     model = hybrid_model(model_type).train()
-    model.activation_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     examples = make_examples(LENGTHS, seed=1)
     want_loss, _, want_grads = outputs_and_grads(model, padded_batch(examples))
     assembly = assemble(model, {"task": "causal_lm"})
