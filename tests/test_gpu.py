@@ -101,3 +101,32 @@ def test_mla_with_a_narrower_value_head_on_the_flash_kernels(attention):
     worst = max((got.float() - want.float()).abs().max().item()
                 for got, want in zip(split_packed(packed, batch), reference))
     assert worst < 6e-2, f"MLA {attention}: max |diff| {worst}"
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next", "olmo_hybrid", "bamba", "granitemoehybrid",
+                                        "nemotron_h", "falcon_h1", "mamba2"])
+@pytest.mark.parametrize("mixers", ["exact", "kernels"])
+def test_hybrid_mixers_on_the_gpu_equal_each_example_alone(model_type, mixers):
+    """The kernels route (flash-linear-attention, causal-conv1d, mamba-ssm with the boundaries) and the exact route
+    on CUDA, fp32: packed logits equal each example alone. Skipped where the kernels' packages are missing."""
+    from padfree_plugins.builtin.architectures import _hybrid
+    from padfree_plugins.modeling.mixers import missing_packages
+    from tests.hybrids_common import LENGTHS, hybrid_model
+
+    kernels = _hybrid.MAMBA2_KERNELS if model_type in ("bamba", "granitemoehybrid", "nemotron_h", "falcon_h1",
+                                                       "mamba2") else _hybrid.GATED_DELTA_KERNELS
+    if mixers == "kernels" and missing_packages(kernels):
+        pytest.skip(f"needs {', '.join(missing_packages(kernels))}")
+    model = hybrid_model(model_type).to("cuda")
+    examples = make_examples(LENGTHS, seed=3)
+    with torch.no_grad():
+        reference = [model(input_ids=torch.tensor([ex["input_ids"]], device="cuda")).logits[0] for ex in examples]
+        assembly = assemble(model, {"task": "causal_lm", "mixers": mixers,
+                                    "task_options": {"labelled_logits_only": False}})
+        try:
+            batch = assembly.collator(examples).to("cuda")
+            packed = model(**batch.model_inputs()).logits
+        finally:
+            assembly.undo()
+    worst = max((got - want).abs().max().item() for got, want in zip(split_packed(packed, batch), reference))
+    assert worst < 1e-3, f"{model_type} mixers={mixers}: max |diff| {worst}"
