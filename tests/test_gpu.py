@@ -109,12 +109,12 @@ def test_mla_with_a_narrower_value_head_on_the_flash_kernels(attention):
 def test_hybrid_mixers_on_the_gpu_equal_each_example_alone(model_type, mixers):
     """The kernels route (flash-linear-attention, causal-conv1d, mamba-ssm with the boundaries) and the exact route
     on CUDA, fp32: packed logits equal each example alone. Skipped where the kernels' packages are missing."""
-    from padfree_plugins.builtin.architectures import _hybrid
+    from padfree_plugins.modeling import hybrids
     from padfree_plugins.modeling.mixers import missing_packages
     from tests.hybrids_common import LENGTHS, hybrid_model
 
-    kernels = _hybrid.MAMBA2_KERNELS if model_type in ("bamba", "granitemoehybrid", "nemotron_h", "falcon_h1",
-                                                       "mamba2") else _hybrid.GATED_DELTA_KERNELS
+    kernels = hybrids.MAMBA2_KERNELS if model_type in ("bamba", "granitemoehybrid", "nemotron_h", "falcon_h1",
+                                                       "mamba2") else hybrids.GATED_DELTA_KERNELS
     if mixers == "kernels" and missing_packages(kernels):
         pytest.skip(f"needs {', '.join(missing_packages(kernels))}")
     model = hybrid_model(model_type).to("cuda")

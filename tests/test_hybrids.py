@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from padfree_plugins import BackendUnavailableError, BoundaryError, UnsupportedArchitectureError, assemble
-from padfree_plugins.builtin.architectures import _hybrid
-from padfree_plugins.modeling import mixers
+from padfree_plugins.modeling import hybrids, mixers
 from padfree_plugins.modeling.attention import PACKED_CALL
 from padfree_plugins.testing import assert_packed_matches_alone
 from tests.conftest import make_examples
@@ -216,10 +215,10 @@ def test_a_kernels_call_on_cpu_tensors_is_an_error_not_a_mix(monkeypatch):
     ("cpu", False, False), ("cuda", False, True), ("cuda", True, False)])
 def test_auto_takes_the_kernels_only_on_cuda_with_every_package(device_type, packages_missing, expected, monkeypatch):
     monkeypatch.setattr(mixers, "missing_packages", lambda packages: packages if packages_missing else ())
-    mixer = mixers.PackedMixer(None, None, "auto", _hybrid.GATED_DELTA_KERNELS)
+    mixer = mixers.PackedMixer(None, None, "auto", hybrids.GATED_DELTA_KERNELS)
     assert mixer.uses_kernels(torch.device(device_type)) is expected
     assert not mixers.PackedMixer(None, None, "auto", ()).uses_kernels(torch.device("cuda"))
-    assert not mixers.PackedMixer(None, None, "exact", _hybrid.GATED_DELTA_KERNELS).uses_kernels(
+    assert not mixers.PackedMixer(None, None, "exact", hybrids.GATED_DELTA_KERNELS).uses_kernels(
         torch.device("cuda"))
 
 
@@ -269,7 +268,7 @@ def test_a_model_without_the_known_mixer_modules_is_refused():
     from padfree_plugins.builtin.architectures.qwen3_5 import QWEN3_5
     from padfree_plugins.config.schema import PadfreeConfig
 
-    renamed = _hybrid.Hybrid(QWEN3_5.architecture, mixers=("RenamedGatedDeltaNet",))
+    renamed = hybrids.Hybrid(QWEN3_5.architecture, mixers=("RenamedGatedDeltaNet",))
     _, patch_model = renamed.hooks()
     with pytest.raises(UnsupportedArchitectureError, match="RenamedGatedDeltaNet"):
         patch_model(hybrid_model("qwen3_5_text"), renamed.architecture, None, None, PadfreeConfig())

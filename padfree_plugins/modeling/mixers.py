@@ -19,7 +19,7 @@ alone, on real tokens only:
   ever runs a mixer across a boundary: a packed call without boundaries, or with a cache, is an error.
 
 An architecture plugin routes a model's mixer modules here for packed calls (see ``builtin/architectures/lfm2.py``
-and ``builtin/architectures/_hybrid.py``) and leaves padded calls and ``generate()`` to the model's own code.
+and ``modeling/hybrids.py``) and leaves padded calls and ``generate()`` to the model's own code.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Falcon-H1 (TII): every layer runs attention and a Mamba2 mixer in parallel, with µP multipliers. Each Mamba2 mixer
 (a causal conv1d, then the chunked selective scan) restarts at every example of a packed
-row (:mod:`~padfree_plugins.builtin.architectures._hybrid`)."""
+row (:mod:`~padfree_plugins.modeling.hybrids`)."""
 
-from padfree_plugins.builtin.architectures._hybrid import MAMBA2_KERNELS, Hybrid
 from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.modeling.hybrids import MAMBA2_KERNELS, Hybrid
 
 FALCON_H1 = Hybrid(
     Architecture("falcon_h1", model_types=("falcon_h1",), kind="decoder", default_pooling="last",

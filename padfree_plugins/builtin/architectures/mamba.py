@@ -1,10 +1,10 @@
 """Mamba and FalconMamba: attention-free, every layer a Mamba1 mixer (a causal conv1d, then the selective scan).
 The mixers get no boundaries from their layers, so they read the packed row from the forward, and every packed
 call runs them per example (``exact``; mamba-ssm's Mamba1 kernels take no boundaries);
-:mod:`~padfree_plugins.builtin.architectures._hybrid`."""
+:mod:`~padfree_plugins.modeling.hybrids`."""
 
-from padfree_plugins.builtin.architectures._hybrid import Hybrid
 from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.modeling.hybrids import Hybrid
 
 MAMBA = Hybrid(
     Architecture("mamba", model_types=("mamba", "falcon_mamba"), kind="decoder", default_pooling="last",

@@ -1,8 +1,8 @@
 """OLMo-hybrid (Ai2): gated-DeltaNet layers beside OLMo attention layers. Each gated DeltaNet restarts at every
-example of a packed row (:mod:`~padfree_plugins.builtin.architectures._hybrid`)."""
+example of a packed row (:mod:`~padfree_plugins.modeling.hybrids`)."""
 
-from padfree_plugins.builtin.architectures._hybrid import GATED_DELTA_KERNELS, Hybrid
 from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.modeling.hybrids import GATED_DELTA_KERNELS, Hybrid
 
 OLMO_HYBRID = Hybrid(
     Architecture("olmo_hybrid", model_types=("olmo_hybrid",), kind="decoder", default_pooling="last",
