@@ -15,7 +15,7 @@ from typing import Any
 
 from padfree_plugins.contract.declarations import Architecture
 from padfree_plugins.contract.hookspecs import hookimpl
-from padfree_plugins.errors import BoundaryError, UnsupportedArchitectureError
+from padfree_plugins.errors import UnsupportedArchitectureError
 from padfree_plugins.modeling.mixers import MixerPatch, check_mixer_backend
 from padfree_plugins.modeling.patching import ModelPatch
 
@@ -25,23 +25,17 @@ GATED_DELTA_KERNELS = ("fla", "causal_conv1d")
 MAMBA2_KERNELS = ("mamba_ssm", "causal_conv1d")
 
 
-def checkpointing(model: Any) -> bool:
-    """Whether gradient (activation) checkpointing is on in any layer of ``model``."""
-    return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
-
-
 @dataclass(frozen=True)
 class Hybrid:
     """A hybrid family: ``mixers`` are the class names of its sequence-mixer modules; ``kernels`` the import names
     of the packages its boundary-aware CUDA route needs (``()``: none, every packed call runs ``exact``);
-    ``boundaries_reach_mixers``: whether the model hands its mixers the forward's ``**kwargs`` (with the
-    boundaries), which gradient checkpointing's recomputation needs; ``has_attention``: ``False`` for
-    attention-free families (Mamba), whose attention implementation is left alone."""
+    ``has_attention``: ``False`` for attention-free families (Mamba), whose attention implementation is left
+    alone. Mixers that get no boundaries from their layers (Jamba's, Mamba's) read the packed row of the
+    forward, also when gradient checkpointing recomputes them."""
 
     architecture: Architecture
     mixers: tuple[str, ...]
     kernels: tuple[str, ...] = ()
-    boundaries_reach_mixers: bool = True
     has_attention: bool = True
 
     def mixer_modules(self, model: Any) -> list[Any]:
@@ -58,20 +52,8 @@ class Hybrid:
         patch = ModelPatch.apply(model, self.architecture, backend, fallback,
                                  attention_dropout=config.attention_dropout == "keep",
                                  has_attention=self.has_attention)
-        if not self.boundaries_reach_mixers:
-            for module in dict.fromkeys((model, model.base_model)):  # Mamba's head keeps the boundaries
-                patch.handles.append(module.register_forward_pre_hook(self._refuse_recompute, with_kwargs=True))
         patch.handles.append(MixerPatch.install(model, modules, config.mixers, self.kernels))
         return patch
-
-    def _refuse_recompute(self, module: Any, args: tuple, kwargs: dict) -> None:
-        """Gradient checkpointing recomputes a layer in the backward pass, outside the packed forward: a mixer that
-        gets no boundaries from its layer would then run across examples."""
-        if kwargs.get("cu_seq_lens_q") is not None and module.training and checkpointing(module):
-            raise BoundaryError(
-                f"{self.architecture.name}: its layers hand the sequence mixers no boundaries, so gradient "
-                "checkpointing would recompute them across examples in the backward pass. Train it padding-free "
-                "without gradient checkpointing (gradient_checkpointing=False)")
 
     def hooks(self) -> tuple[Any, Any]:
         """The module-level hooks of the family's plugin: ``register_architectures, patch_model = FAMILY.hooks()``."""

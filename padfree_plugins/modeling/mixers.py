@@ -28,7 +28,7 @@ import importlib.util
 import inspect
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -204,18 +204,41 @@ class PackedMixer:
         return bool(self.kernels) and device.type == "cuda" and not missing_packages(self.kernels)
 
 
+def run_in_row(row: PackedRow, function: Any, *args: Any, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)`` with ``row`` published in :data:`PACKED_ROW`."""
+    token = PACKED_ROW.set(row)
+    try:
+        return function(*args, **kwargs)
+    finally:
+        PACKED_ROW.reset(token)
+
+
+@dataclass
+class RowCheckpoint:
+    """A layer's gradient-checkpointing function for one packed forward: the layer runs with the packed row
+    published both in the forward and when the backward pass recomputes it (outside the forward), so that mixers
+    that get no boundaries from their layer (Jamba, Mamba) still restart at every example."""
+
+    checkpoint: Any
+    row: PackedRow
+
+    def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.checkpoint(partial(run_in_row, self.row, function), *args, **kwargs)
+
+
 @dataclass
 class MixerPatch:
     """Sequence mixers' forwards replaced on their instances and the packed row published to them; in
     ``patch.handles``: ``remove()`` restores everything."""
 
+    model: Any
     saved: list = field(default_factory=list)
     hooks: list = field(default_factory=list)
-    tokens: list = field(default_factory=list, repr=False)
+    calls: list = field(default_factory=list, repr=False)  # per forward: its context token, the layers it wrapped
 
     @classmethod
     def install(cls, model: Any, mixers: list[Any], backend: str, kernels: tuple[str, ...]) -> MixerPatch:
-        patch = cls()
+        patch = cls(model)
         for module in mixers:
             patch.saved.append((module, own_attribute(module, "forward")))
             module.forward = PackedMixer(module, module.forward, backend, kernels)
@@ -225,15 +248,31 @@ class MixerPatch:
         return patch
 
     def _publish_row(self, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        """A forward given boundaries publishes its packed row (and runs without a cache); one given none keeps
-        the row of the forward around it (a task's computation calling the base model)."""
+        """A forward given boundaries publishes its packed row, to its layers' recomputation too, and runs without
+        a cache; one given none keeps the row of the forward around it (a task's computation calling the base
+        model)."""
         cu = kwargs.get("cu_seq_lens_q")
-        self.tokens.append(PACKED_ROW.set(PackedRow(cu) if cu is not None else PACKED_ROW.get()))
+        row = PackedRow(cu) if cu is not None else PACKED_ROW.get()
+        wrapped = self._checkpoint_in_row(row) if row is not None else []
+        self.calls.append((PACKED_ROW.set(row), wrapped))
         return without_cache(module, args, kwargs) if cu is not None else None
 
+    def _checkpoint_in_row(self, row: PackedRow) -> list:
+        wrapped = []
+        for layer in self.model.modules():
+            function = layer.__dict__.get("_gradient_checkpointing_func")
+            if getattr(layer, "gradient_checkpointing", False) is True and function is not None and not isinstance(
+                    function, RowCheckpoint):
+                wrapped.append((layer, own_attribute(layer, "_gradient_checkpointing_func")))
+                layer._gradient_checkpointing_func = RowCheckpoint(function, row)
+        return wrapped
+
     def _withdraw_row(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
-        if self.tokens:
-            PACKED_ROW.reset(self.tokens.pop())
+        if self.calls:
+            token, wrapped = self.calls.pop()
+            PACKED_ROW.reset(token)
+            for layer, function in reversed(wrapped):
+                restore_attributes(layer, {"_gradient_checkpointing_func": function})
 
     def remove(self) -> None:
         for hook in self.hooks:

@@ -9,6 +9,6 @@ from padfree_plugins.modeling.hybrids import Hybrid
 JAMBA = Hybrid(
     Architecture("jamba", model_types=("jamba",), kind="decoder", default_pooling="last",
                  description="Jamba: Mamba1 beside attention, MoE"),
-    mixers=("JambaMambaMixer",), boundaries_reach_mixers=False)
+    mixers=("JambaMambaMixer",))
 
 register_architectures, patch_model = JAMBA.hooks()

@@ -9,6 +9,6 @@ from padfree_plugins.modeling.hybrids import Hybrid
 MAMBA = Hybrid(
     Architecture("mamba", model_types=("mamba", "falcon_mamba"), kind="decoder", default_pooling="last",
                  description="Mamba / FalconMamba (attention-free Mamba1)"),
-    mixers=("MambaMixer", "FalconMambaMixer"), boundaries_reach_mixers=False, has_attention=False)
+    mixers=("MambaMixer", "FalconMambaMixer"), has_attention=False)
 
 register_architectures, patch_model = MAMBA.hooks()
