@@ -1,12 +1,14 @@
-"""Shared by the task tests: the tiny encoder / decoder configs, padded reference batches, gradient checks."""
+"""Shared by the task tests: the tiny encoder / decoder / hybrid configs, padded reference batches, gradient checks."""
 
 from __future__ import annotations
 
 import torch
+from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
 from padfree_plugins.packing.padded import pad_examples
 from padfree_plugins.testing import TINY_DEFAULTS
 from tests.conftest import make_examples, tiny_config, tiny_model
+from tests.hybrids_common import ATTENTION_FREE, HYBRIDS
 
 #: Encoder architecture plugins and the overrides their tiny configs need.
 ENCODERS = {
@@ -85,10 +87,16 @@ GRAD_ATOL = {"embedding_gemma2_text": 2e-3, "embedding_gemma2": 2e-3}
 EAGER = ("mpnet", "deberta-v2")
 #: Model types transformers' auto classes do not build (SigLIP's text towers): their class in transformers.
 MODEL_CLASSES = {"siglip_text_model": "SiglipTextModel", "siglip2_text_model": "Siglip2TextModel"}
+#: The hybrid families (attention beside gated-DeltaNet, KDA, Mamba1 / Mamba2 layers; tests/hybrids_common.py) that
+#: transformers gives a sequence-classification class — Qwen3.5 (dense text), Qwen3-Next and Jamba in transformers
+#: 5.x: seq_cls and reranker too. Every hybrid family is an embedder (AutoModel, last-token pooling), and the
+#: generative yes / no reranker runs on all of them (their causal LMs).
+HYBRID_CLASSIFIERS = {name: overrides for name, overrides in HYBRIDS.items()
+                      if name in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES}
 TINY = {**ENCODERS, **MORE_ENCODERS, **ENCODERS_2025}
-ARCHITECTURES = {**TINY, **DECODERS, **DECODERS_2025}
+ARCHITECTURES = {**TINY, **DECODERS, **DECODERS_2025, **HYBRID_CLASSIFIERS}
 #: Every architecture the embedding task is tested on.
-EMBEDDERS = {**ARCHITECTURES, **EMBEDDING_ONLY}
+EMBEDDERS = {**ARCHITECTURES, **EMBEDDING_ONLY, **HYBRIDS}
 PAD = 1  # tiny configs' pad_token_id; example token ids start at 5
 
 
@@ -97,8 +105,21 @@ def model_type(name: str) -> str:
     return name.split("/")[0]
 
 
+#: The example a hybrid family adds to a task test's lengths: longer than a chunk of the gated delta rule and of KDA
+#: (64) and several of the tiny Mamba2 configs' scan (16), so that every task pools and back-propagates through
+#: chunked scans too (the causal-LM tests check every boundary length of tests/hybrids_common.LENGTHS).
+HYBRID_LONG_EXAMPLE = 70
+
+
+def lengths_for(name: str, lengths: list[int]) -> list[int]:
+    """A task test's example ``lengths`` for architecture ``name``: a hybrid family's one longer."""
+    return [*lengths, HYBRID_LONG_EXAMPLE] if model_type(name) in HYBRIDS else list(lengths)
+
+
 def model_for(name: str, head: str = "base", **overrides):
-    attn_implementation = "eager" if model_type(name) in EAGER else "sdpa"
+    # attention-free families (Mamba) are built without an attention implementation
+    attn_implementation = (None if model_type(name) in ATTENTION_FREE else
+                           "eager" if model_type(name) in EAGER else "sdpa")
     settings = {**EMBEDDERS[name], **overrides}
     if model_type(name) in MODEL_CLASSES:  # built as tiny_model builds the others: seeded, fp32, eval mode
         import transformers

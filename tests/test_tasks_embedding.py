@@ -1,6 +1,6 @@
 """Task embedding: every column of every row packed into one row; pooled embeddings equal sentence-transformers'
 own Pooling on the padded outputs (every mode, prompts excluded or not), and sentence-transformers' losses give
-the same values and gradients as on padded embeddings — for encoders and decoder embedders."""
+the same values and gradients as on padded embeddings — for encoders, decoder embedders and the hybrid families."""
 
 from __future__ import annotations
 
@@ -12,8 +12,19 @@ import torch.nn.functional as F
 from sentence_transformers.sentence_transformer.modules import Pooling
 
 from padfree_plugins import BatchError, ConfigError, assemble, load_config
+from padfree_plugins.testing import assert_packed_matches_alone
 from tests.conftest import make_examples
-from tests.tasks_common import EMBEDDERS, ENCODERS, GRAD_ATOL, assert_grads_close, grads, model_for, padded
+from tests.hybrids_common import HYBRIDS, LENGTHS
+from tests.tasks_common import (
+    EMBEDDERS,
+    ENCODERS,
+    GRAD_ATOL,
+    assert_grads_close,
+    grads,
+    lengths_for,
+    model_for,
+    padded,
+)
 
 CONFIG = "configs/embedding.yaml"
 ST_MODES = {"first": "cls", "last": "lasttoken", "mean": "mean", "max": "max", "weighted_mean": "weightedmean",
@@ -107,7 +118,7 @@ def test_losses_and_gradients_equal_padded(name, loss_name):
 
     model = model_for(name)
     columns, labels = LOSSES[loss_name]
-    texts = {c: make_examples([1, 7, 12, 3], seed=s) for s, c in enumerate(columns)}  # one-token texts too
+    texts = {c: make_examples(lengths_for(name, [1, 7, 12, 3]), seed=s) for s, c in enumerate(columns)}  # 1-token too
     mode = "mean" if name in ENCODERS else "last"
     loss_fn = getattr(losses, loss_name)(model=None)
     embeddings = [F.normalize(st_pool(model, texts[c], mode), dim=-1) for c in columns]
@@ -123,6 +134,16 @@ def test_losses_and_gradients_equal_padded(name, loss_name):
     for got_column, want_column in zip(out.column_embeddings, embeddings):
         torch.testing.assert_close(got_column.detach(), want_column.detach(), atol=1e-5, rtol=1e-5)
     assert_grads_close(grads(model), want, atol=GRAD_ATOL.get(name, 1e-4))
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_hybrid_hidden_states_equal_every_example_alone(name):
+    """The hybrid families' base models under task hidden_states (the states the pooler reads): every packed token's
+    last hidden state, and every parameter's gradient, equal each example run alone — no padding, the reference a
+    recurrent mixer needs — at each length a boundary can hurt (tests/hybrids_common.LENGTHS). States within 1e-5
+    absolute; gradients within 1e-4 + 1e-4 x each parameter's gradient scale."""
+    assert_packed_matches_alone(model_for(name), {"task": "hidden_states", "attention": "exact"},
+                                make_examples(LENGTHS), rtol=0)
 
 
 def test_config_file_and_batch_layout():

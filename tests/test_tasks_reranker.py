@@ -11,7 +11,18 @@ import torch.nn.functional as F
 
 from padfree_plugins import BatchError, ConfigError, UnsupportedArchitectureError, assemble
 from tests.conftest import make_examples
-from tests.tasks_common import ARCHITECTURES, DECODERS, assert_grads_close, grads, model_for, padded, pair_examples
+from tests.hybrids_common import HYBRIDS
+from tests.tasks_common import (
+    ARCHITECTURES,
+    DECODERS,
+    HYBRID_CLASSIFIERS,
+    assert_grads_close,
+    grads,
+    lengths_for,
+    model_for,
+    padded,
+    pair_examples,
+)
 
 LISTWISE = "configs/reranker_listwise.yaml"
 YES, NO = 17, 42
@@ -44,7 +55,8 @@ def grouped(examples, groups, positives):
 def test_pointwise_bce_equals_padded(name):
     model = model_for(name, head="seq_cls", num_labels=1)
     typed = (getattr(model.config, "type_vocab_size", 0) or 0) > 1  # BERT, XLM-R: pairs carry token types
-    examples = pair_examples([1, 12, 5, 5, 30]) if typed else make_examples([1, 12, 5, 5, 30])
+    lengths = lengths_for(name, [1, 12, 5, 5, 30])
+    examples = pair_examples(lengths) if typed else make_examples(lengths)
     for i, ex in enumerate(examples):
         ex["label"] = float(i % 2)
     keys = ("input_ids", "token_type_ids") if typed else ("input_ids",)
@@ -101,10 +113,15 @@ def test_listwise_batch_of_one_group_of_one():
     assert out.loss.item() == pytest.approx(0.0, abs=1e-6)  # softmax over a single candidate
 
 
-@pytest.mark.parametrize("name", list(DECODERS))
+#: The hybrid families without a sequence-classification class rerank generatively here (their causal LMs), so that
+#: each is checked in a second per-example task besides the embedding one.
+GENERATIVE = [*DECODERS, *(name for name in HYBRIDS if name not in HYBRID_CLASSIFIERS)]
+
+
+@pytest.mark.parametrize("name", GENERATIVE)
 def test_generative_yes_no_equals_padded_lm_logits(name):
     model = model_for(name, head="causal_lm")
-    examples = make_examples([1, 8, 20, 8])
+    examples = make_examples(lengths_for(name, [1, 8, 20, 8]))
     for i, ex in enumerate(examples):
         ex["label"] = float(i % 2)
     inputs = padded(examples)

@@ -1,5 +1,6 @@
 """Task seq_cls: per-example heads on a packed row equal the model's own padded forward — logits, loss (every
-problem type) and gradients — for every encoder and decoder plugin; bad inputs are clear errors."""
+problem type) and gradients — for every encoder and decoder plugin and every hybrid family with a classifier; bad
+inputs are clear errors."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from padfree_plugins import BatchError, ConfigError, UnsupportedArchitectureError, assemble
 from tests.conftest import make_examples
-from tests.tasks_common import ARCHITECTURES, assert_grads_close, grads, model_for, padded, pair_examples
+from tests.tasks_common import ARCHITECTURES, assert_grads_close, grads, lengths_for, model_for, padded, pair_examples
 
 CONFIG = "configs/seq_cls.yaml"
 PROBLEMS = {
@@ -52,7 +53,7 @@ def packed_run(model, examples, config=None):
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_logits_loss_and_gradients_equal_padded(name, problem):
     model = model_for(name, head="seq_cls", **PROBLEMS[problem])
-    examples = labelled(make_examples([1, 13, 7, 30, 7]), problem)  # a one-token example, equal lengths
+    examples = labelled(make_examples(lengths_for(name, [1, 13, 7, 30, 7])), problem)  # one token, equal lengths
     want_loss, want_logits, want_grads = padded_reference(model, examples)
     loss, logits, got_grads = packed_run(model, examples)
     torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5)
