@@ -4,6 +4,7 @@ compute the same loss. Nothing here is timed."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,3 +179,47 @@ def test_bad_tokenizer_and_model_config_are_clear_errors(tmp_path):
         result = CliRunner().invoke(app, ["bench", "sft", "--model-size", "micro", "--out", str(tmp_path), *args])
         assert result.exit_code == 2 and message in result.output, result.output
         assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_hybrid.json", "granite4h_hybrid.json"])
+def test_hybrid_configs_run_one_step_and_hf_flattening_is_a_check(name):
+    from padfree_plugins.benchmarks.measure import torch_threads
+    from padfree_plugins.cli.bench import HYBRID_CONFIGS, hybrid_config_dir
+
+    assert name in HYBRID_CONFIGS
+    settings = BenchSettings(**{**TINY, "laws": ("lognormal",), "max_length": 64},
+                             model_config=str(hybrid_config_dir() / name))
+    with torch_threads(1):
+        result = run_sft_benchmark(settings)
+    assert result.environment["hybrid (sequence mixers)"] is True
+    rows = {r.variant: r for r in result.rows}
+    assert list(rows) == ["padded", "hf_native", "hf_native+cu_seq_lens", "padfree"]
+    padfree = rows["padfree"]
+    assert padfree.timed and padfree.loss_rel_diff < 1e-6 and padfree.tokens_per_s > 0 and padfree.of_ideal > 0
+    assert padfree.memory_bytes > 0 and padfree.backend == "exact"
+    checks = [rows["hf_native"], rows["hf_native+cu_seq_lens"]]
+    assert all(not r.timed and r.tokens_per_s != r.tokens_per_s for r in checks)  # not timed: NaN
+    assert rows["hf_native"].note == "mixes examples" and rows["hf_native"].loss_rel_diff > 1e-5
+    if name.startswith("qwen3_5"):  # the gated delta rule's torch code refuses the boundaries it cannot honour
+        assert rows["hf_native+cu_seq_lens"].note.startswith("refuses: ValueError")
+    else:  # Mamba2's torch code ignores them
+        assert rows["hf_native+cu_seq_lens"].note == "mixes examples"
+
+
+def test_cli_prints_a_hybrid_table_and_bench_runs_the_shipped_hybrids(tmp_path, monkeypatch):
+    from padfree_plugins.cli import bench
+    from padfree_plugins.config.model_configs import load_model_config
+
+    monkeypatch.setenv("COLUMNS", "250")
+    config = bench.hybrid_config_dir() / "qwen3_5_hybrid.json"
+    result = CliRunner().invoke(app, ["bench", "sft", "--model-config", str(config), "--batch-sizes", "2", "--laws",
+                                      "lognormal", "--batches", "1", "--rounds", "1", "--warmup", "0",
+                                      "--max-length", "48", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "refuses" in result.output and "mixes examples" in result.output and "of ideal" in result.output
+    calls = []
+    monkeypatch.setattr(bench, "bench_sft", lambda **kwargs: calls.append(kwargs))
+    bench.bench_hybrids()
+    assert [Path(c["model_config"]).name for c in calls] == list(bench.HYBRID_CONFIGS)
+    assert all(c["laws"] == "lognormal" and c["batch_sizes"] == "16" for c in calls)
+    assert {load_model_config(c["model_config"]).model_type for c in calls} == {"qwen3_5_text", "granitemoehybrid"}

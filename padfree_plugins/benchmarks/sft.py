@@ -19,7 +19,8 @@ order that rotates each round — so that machine noise hits them alike; figures
 are taken within a round before the median.
 
 Reported per (length law, batch size, variant): real (non-pad) tokens/s, step time, memory, loss parity (largest
-relative loss difference from ``padded`` over the batches), padding share of the padded batch, and MFU.
+relative loss difference from ``padded`` over the batches), padding share of the padded batch, the speedup over
+``padded`` and its share of the ideal ``1 / (1 - padding share)`` (``of_ideal``), and MFU.
 
 MFU counts ``6 × N`` FLOPs per real token (forward + backward, attention left out), ``N`` being the parameters
 that multiply: all of them except the input embedding table (a lookup), unless it is tied to the LM head.
@@ -38,6 +39,18 @@ Threads: on CPU, ``padfree-plugins bench sft`` runs with one intra-op thread unl
 On a shared machine, OpenMP barriers across contended cores cost milliseconds per parallel region and then
 dominate every small kernel, so the comparison would measure the scheduler (and punish the variant with more,
 smaller kernels: per-example attention). The thread count and the load average are reported with the results.
+
+Hybrid models (attention beside sequence mixers: gated DeltaNet, Mamba2, Mamba1, KDA; see
+:mod:`padfree_plugins.modeling.mixers`) have no valid ``hf_native`` baseline: transformers' flattening restarts
+the positions (and hands attention the boundaries) but its mixers, on their torch code, either run straight across
+the examples of the packed row (the state of one example flows into the next) or refuse the boundaries they cannot
+honour without the CUDA packages. For them ``hf_native`` is not timed; it is a check, run once per batch
+(forward only): the loss relative difference from ``padded``, or ``refuses`` with the model's error, for two
+flavours of the collator — :data:`HF_FLATTENING` ``hf_native`` (``position_ids``, as timed for other models) and
+``hf_native+cu_seq_lens`` (``return_flash_attn_kwargs=True``, what flash-attention users pass). The timed variants
+are ``padded`` and ``padfree``; ``of_ideal`` says how close ``padfree`` comes to the ideal speedup
+``1 / (1 - padding fraction)``. ``configs/bench`` ships a tiny Qwen3.5-shaped and a tiny Granite-4.0-H-shaped
+config, which ``padfree-plugins bench`` (``make bench``) runs at bs16 on the lognormal law.
 
 Length laws: ``lognormal`` and ``mix`` (:data:`~padfree_plugins.benchmarks.lengths.SFT_LAWS`, every law in
 :mod:`padfree_plugins.benchmarks.lengths`). Your own data: ``dataset`` (a local file or ``save_to_disk``
@@ -61,10 +74,19 @@ import torch
 from padfree_plugins.benchmarks.lengths import DATASET_LAW, dataset_lengths, draw_lengths, sample_lengths
 from padfree_plugins.benchmarks.measure import saved_activation_bytes, synchronize
 from padfree_plugins.errors import PadfreeError
+from padfree_plugins.modeling.mixers import PackedMixer
 from padfree_plugins.packing.labelled_logits import keep_labelled_logits
 from padfree_plugins.packing.padded import pad_examples
 
 VARIANTS = ("padded", "hf_native", "padfree")
+#: The variants timed for a hybrid model (see the module docstring) and the HF flattening checks reported beside them.
+HYBRID_VARIANTS = ("padded", "padfree")
+#: ``DataCollatorWithFlattening`` options of each HF flattening flavour (``hf_native`` is the timed baseline of
+#: models without sequence mixers; for hybrids both are loss checks).
+HF_FLATTENING = {"hf_native": dict(return_position_ids=True),
+                 "hf_native+cu_seq_lens": dict(return_position_ids=True, return_flash_attn_kwargs=True)}
+#: A loss relative difference from ``padded`` above this is examples mixed, not float32 rounding (which is ~1e-7).
+MIXING_THRESHOLD = 1e-5
 MODEL_SIZES = {
     # smoke tests
     "micro": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -115,6 +137,9 @@ class BenchRow:
     speedup_vs_hf: float = float("nan")
     backend: str = ""
     mfu: float = float("nan")
+    of_ideal: float = float("nan")  # speedup_vs_padded over the ideal 1 / (1 - padding_fraction)
+    timed: bool = True  # False: an HF flattening check on a hybrid model (loss only; no speed, no memory)
+    note: str = ""  # for a check: "mixes examples", "matches padded" or "refuses: <the model's error>"
 
 
 @dataclass
@@ -210,17 +235,21 @@ class Runner:
 
         self.model, self.device = model, device
         self.host = PluginHost()
-        self.flatten = DataCollatorWithFlattening(return_position_ids=True)
+        self.flatten = {name: DataCollatorWithFlattening(**options) for name, options in HF_FLATTENING.items()}
         assembly = assemble(model, {"task": "causal_lm"}, host=self.host)
         self.collator, self.forward, self.backend = assembly.collator, assembly.forward, assembly.plan.backend.name
+        #: whether padfree-plugins routes sequence mixers of this model (a hybrid: HF flattening is no baseline)
+        self.hybrid = any(isinstance(vars(module).get("forward"), PackedMixer) for module in model.modules())
         assembly.undo()
         self.assembly = None
+        self.timed = HYBRID_VARIANTS if self.hybrid else VARIANTS
+        self.checks = tuple(HF_FLATTENING) if self.hybrid else ()
 
     def prepare(self, variant: str, examples: list[dict]) -> dict:
         if variant == "padded":
             inputs = pad_examples(examples, ("input_ids", "labels"))
-        elif variant == "hf_native":
-            inputs = dict(self.flatten(examples))
+        elif variant in self.flatten:
+            inputs = dict(self.flatten[variant](examples))
         else:  # as HF Trainer runs it: logits only where a label counts
             inputs = keep_labelled_logits(self.collator(examples))
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
@@ -238,6 +267,15 @@ class Runner:
         if variant == "padfree":
             return self.forward(self.model, inputs, use_cache=False).loss
         return self.model(**inputs, use_cache=False).loss
+
+    def check(self, variant: str, inputs: dict) -> tuple[float | None, str]:
+        """The loss of an untimed forward (no gradients) of ``variant``, or ``None`` and the model's error."""
+        self.enter(variant)
+        try:
+            with torch.no_grad():
+                return float(self.loss(variant, inputs)), ""
+        except Exception as error:  # noqa: BLE001 - whatever the unpatched model raises is its refusal
+            return None, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
     def close(self) -> None:
         self.enter("padded")
@@ -275,7 +313,8 @@ def run_sft_benchmark(settings: BenchSettings, progress: Callable[[str], None] |
         runner.close()
     for row in rows:
         row.mfu = flops_per_token * row.tokens_per_s / peak
-    environment = {"model": type(model).__name__, "torch": torch.__version__,
+    environment = {"model": type(model).__name__, "hybrid (sequence mixers)": runner.hybrid,
+                   "torch": torch.__version__,
                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                    "threads": torch.get_num_threads(), "padfree backend": runner.backend,
                    "MFU peak TFLOP/s": round(peak / 1e12, 3), "MFU peak source": peak_source,
@@ -293,18 +332,20 @@ def run_sft_benchmark(settings: BenchSettings, progress: Callable[[str], None] |
 def _measure(runner: Runner, settings: BenchSettings, law: str, batch_size: int, vocab: int, high: int,
              say: Callable[[str], None], lengths: list[int] | None = None) -> list[BenchRow]:
     device = runner.device
+    timed, checks = runner.timed, runner.checks
     batches = []
     for b in range(settings.batches):
         seed = settings.seed + 1000 * batch_size + b
         drawn = (sample_lengths(lengths, batch_size, seed, 1, high) if law == DATASET_LAW
                  else draw_lengths(law, batch_size, seed, settings.min_length, high))
         examples = make_examples(drawn, vocab, seed, settings.prompt_share)
-        batches.append((examples, {v: runner.prepare(v, examples) for v in VARIANTS}))
+        batches.append((examples, {v: runner.prepare(v, examples) for v in (*timed, *checks)}))
     real = [sum(len(ex["input_ids"]) for ex in examples) for examples, _ in batches]
     padded_tokens = [len(examples) * max(len(ex["input_ids"]) for ex in examples) for examples, _ in batches]
-    times = {v: [] for v in VARIANTS}  # per round: seconds spent on all batches
-    losses = {v: [] for v in VARIANTS}  # first round: the loss of every batch
-    memory = {v: 0 for v in VARIANTS}
+    times = {v: [] for v in timed}  # per round: seconds spent on all batches
+    losses: dict[str, list] = {v: [] for v in (*timed, *checks)}  # first round: the loss of every batch
+    refusals = {v: "" for v in checks}
+    memory = {v: 0 for v in timed}
     model = runner.model
 
     def step(variant: str, inputs: dict) -> tuple[float, float]:
@@ -316,7 +357,7 @@ def _measure(runner: Runner, settings: BenchSettings, law: str, batch_size: int,
         synchronize(device)
         return time.perf_counter() - start, float(loss.detach())
 
-    for variant in VARIANTS:  # warm-up, then the memory figure on untimed steps
+    for variant in timed:  # warm-up, then the memory figure on untimed steps
         runner.enter(variant)
         for _ in range(settings.warmup):
             step(variant, batches[0][1][variant])
@@ -329,9 +370,17 @@ def _measure(runner: Runner, settings: BenchSettings, law: str, batch_size: int,
                 model.zero_grad(set_to_none=True)
                 memory[variant] = max(memory[variant], saved_activation_bytes(
                     lambda: runner.loss(variant, prepared[variant])))
+    for variant in checks:  # HF flattening on a hybrid: its loss (or its refusal), not its speed
+        for _, prepared in batches:
+            loss, refusal = runner.check(variant, prepared[variant])
+            if loss is None:
+                refusals[variant] = refusal
+                break
+            losses[variant].append(loss)
     for r in range(settings.rounds):
-        order = VARIANTS[r % 3:] + VARIANTS[: r % 3]
-        spent = {v: 0.0 for v in VARIANTS}
+        shift = r % len(timed)
+        order = timed[shift:] + timed[:shift]
+        spent = {v: 0.0 for v in timed}
         for _, prepared in batches:
             for variant in order:
                 runner.enter(variant)
@@ -339,26 +388,39 @@ def _measure(runner: Runner, settings: BenchSettings, law: str, batch_size: int,
                 spent[variant] += elapsed
                 if r == 0:
                     losses[variant].append(loss)
-        for v in VARIANTS:
+        for v in timed:
             times[v].append(spent[v])
         say(f"{law} bs{batch_size} round {r + 1}/{settings.rounds}: "
-            + ", ".join(f"{v} {sum(real) / spent[v]:,.0f} tok/s" for v in VARIANTS))
+            + ", ".join(f"{v} {sum(real) / spent[v]:,.0f} tok/s" for v in timed))
     model.zero_grad(set_to_none=True)
     total_real = sum(real)
+    padding = 1 - total_real / sum(padded_tokens)
+    nan = float("nan")
+
+    def rel_diff(v: str) -> float:
+        return max(abs(a - b) / abs(b) for a, b in zip(losses[v], losses["padded"])) if losses[v] else nan
+
+    def ratio(baseline: str, v: str) -> float:
+        return statistics.median(p / t for p, t in zip(times[baseline], times[v])) if baseline in times else nan
+
     rows = []
-    for v in VARIANTS:
-        rel = max(abs(a - b) / abs(b) for a, b in zip(losses[v], losses["padded"]))
+    for v in ("padded", *checks, "padfree") if runner.hybrid else VARIANTS:
+        common = dict(law=law, batch_size=batch_size, variant=v, real_tokens=total_real, padding_fraction=padding,
+                      loss_rel_diff=rel_diff(v), backend=runner.backend if v == "padfree" else "sdpa",
+                      memory_kind="cuda peak" if device.type == "cuda" else "saved activations")
+        if v in checks:
+            rel = common["loss_rel_diff"]
+            note = (f"refuses: {refusals[v]}" if refusals[v] else
+                    "mixes examples" if rel > MIXING_THRESHOLD else "matches padded")
+            rows.append(BenchRow(**common, tokens_per_s=nan, step_ms=nan, memory_bytes=0, speedup_vs_padded=nan,
+                                 timed=False, note=note))
+            continue
+        speedup = ratio("padded", v)
         rows.append(BenchRow(
-            law=law, batch_size=batch_size, variant=v, real_tokens=total_real,
-            padding_fraction=1 - total_real / sum(padded_tokens),
-            tokens_per_s=total_real / statistics.median(times[v]),
-            step_ms=statistics.median(times[v]) / len(batches) * 1e3,
-            memory_bytes=int(memory[v]), memory_kind="cuda peak" if device.type == "cuda" else "saved activations",
-            loss_rel_diff=rel,
-            speedup_vs_padded=statistics.median(p / t for p, t in zip(times["padded"], times[v])),
-            speedup_vs_hf=statistics.median(h / t for h, t in zip(times["hf_native"], times[v])),
-            backend=runner.backend if v == "padfree" else "sdpa",
-        ))
+            **common, tokens_per_s=total_real / statistics.median(times[v]),
+            step_ms=statistics.median(times[v]) / len(batches) * 1e3, memory_bytes=int(memory[v]),
+            speedup_vs_padded=speedup, speedup_vs_hf=ratio("hf_native", v),
+            of_ideal=speedup * (1 - padding) if v != "padded" else nan))
     return rows
 
 
@@ -374,10 +436,11 @@ def plot(result: BenchResult, path: Path) -> Path:
 
     configs = list(dict.fromkeys((r.law, r.batch_size) for r in result.rows))
     by = {(r.law, r.batch_size, r.variant): r for r in result.rows}
+    variants = list(dict.fromkeys(r.variant for r in result.rows if r.timed))  # a hybrid's HF checks: no bars
     figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    width = 0.8 / len(VARIANTS)
-    for i, variant in enumerate(VARIANTS):
-        xs = [c + (i - 1) * width for c in range(len(configs))]
+    width = 0.8 / len(variants)
+    for i, variant in enumerate(variants):
+        xs = [c + (i - (len(variants) - 1) / 2) * width for c in range(len(configs))]
         axes[0].bar(xs, [by[(law, bs, variant)].tokens_per_s for law, bs in configs], width, label=variant)
         axes[1].bar(xs, [by[(law, bs, variant)].memory_bytes / 2**20 for law, bs in configs], width, label=variant)
     labels = [f"{law}, bs {bs}\n{by[(law, bs, 'padded')].padding_fraction:.0%} padding" for law, bs in configs]
@@ -386,7 +449,7 @@ def plot(result: BenchResult, path: Path) -> Path:
         ax.set_xticks(range(len(configs)), labels)
         ax.set_title(title)
         ax.set_ylim(0, ax.get_ylim()[1] * 1.2)  # head room: the legend never covers a bar
-        ax.legend(loc="upper left", ncols=len(VARIANTS))
+        ax.legend(loc="upper left", ncols=len(variants))
     s = result.settings
     device = result.environment.get("device")
     model = s.model_config or f"Llama {s.model_size}"

@@ -16,15 +16,41 @@ app = typer.Typer(help="Benchmarks: side-by-side ratios measured in one run. Wit
                        "them with their defaults (the README's main job).")
 
 
+#: The hybrid configs ``bench`` runs after the Llama SFT rows (shipped in ``configs/bench``): file -> title.
+HYBRID_CONFIGS = {"qwen3_5_hybrid.json": "Qwen3.5-shaped: 3 gated DeltaNet layers per attention layer",
+                  "granite4h_hybrid.json": "Granite-4.0-H-shaped: Mamba2 layers and one attention layer"}
+
+
+def hybrid_config_dir() -> Path:
+    """``configs/bench`` of the checkout this package runs from (or of the working directory)."""
+    shipped = Path(__file__).resolve().parents[2] / "configs" / "bench"
+    return shipped if shipped.is_dir() else Path("configs/bench")
+
+
+def bench_hybrids() -> None:
+    """``bench sft`` on every shipped hybrid config: bs16, lognormal law; padded vs padfree, HF flattening checked."""
+    for name, title in HYBRID_CONFIGS.items():
+        path = hybrid_config_dir() / name
+        console().rule(f"bench sft, hybrid: {title}")
+        if not path.is_file():
+            console().print(f"skipped: {path} is not here (run from a checkout of padfree-plugins)", highlight=False)
+            continue
+        shown = path.resolve().relative_to(Path.cwd()) if path.resolve().is_relative_to(Path.cwd()) else path
+        bench_sft(model_config=str(shown), laws="lognormal", batch_sizes="16",
+                  out=Path("out/bench-sft-hybrid") / path.stem)
+
+
 @app.callback(invoke_without_command=True)
 def bench_all(ctx: typer.Context) -> None:
-    """Run every benchmark with its defaults: collator, sft, embedding, batching."""
+    """Run every benchmark with its defaults: collator, sft, sft on the hybrid configs, embedding, batching."""
     if ctx.invoked_subcommand is not None:
         return
     for title, command in (("collator", bench_collator), ("sft (causal LM)", bench_sft),
                            ("embedding and reranker", bench_embedding), ("batching", bench_batching)):
         console().rule(f"bench {title}")
         command()
+        if command is bench_sft:
+            bench_hybrids()
 
 
 @app.command("collator")
@@ -177,15 +203,28 @@ def bench_sft(
     prompts = f", {prompt_share:.0%} of each example is prompt" if prompt_share else ""
     table = Table(title=f"SFT step (fwd + bwd), {model}, {dtype}, {result.environment['device']}{prompts}: "
                         "real tokens/s, medians of interleaved rounds")
-    for column in ("law", "batch", "padding", "variant", "tokens/s", "step ms", "vs padded", "vs HF native",
-                   f"memory MiB ({kind})", "MFU", "loss rel. diff", "attention"):
+    notes = any(r.note for r in result.rows)
+    for column in ("law", "batch", "padding", "variant", "tokens/s", "step ms", "vs padded", "of ideal",
+                   "vs HF native", f"memory MiB ({kind})", "MFU", "loss rel. diff", "attention",
+                   *(("HF flattening (not timed)",) if notes else ())):
         table.add_column(column, justify="right")
+
+    def figure(value: float, form: str, unit: str = "") -> str:
+        return "-" if value != value else format(value, form) + unit  # NaN: not measured for this row
+
     for r in result.rows:
-        table.add_row(r.law, str(r.batch_size), f"{r.padding_fraction:.0%}", r.variant, f"{r.tokens_per_s:,.0f}",
-                      f"{r.step_ms:,.1f}", f"{r.speedup_vs_padded:.2f}x",
-                      "-" if r.variant != "padfree" else f"{r.speedup_vs_hf:.2f}x", f"{r.memory_bytes / 2**20:,.1f}",
-                      f"{r.mfu:.0%}", f"{r.loss_rel_diff:.1e}", r.backend)
+        table.add_row(r.law, str(r.batch_size), f"{r.padding_fraction:.0%}", r.variant,
+                      figure(r.tokens_per_s, ",.0f"), figure(r.step_ms, ",.1f"),
+                      figure(r.speedup_vs_padded, ".2f", "x"), figure(r.of_ideal, ".0%"),
+                      "-" if r.variant != "padfree" else figure(r.speedup_vs_hf, ".2f", "x"),
+                      f"{r.memory_bytes / 2**20:,.1f}" if r.timed else "-", figure(r.mfu, ".0%"),
+                      "refuses" if r.note.startswith("refuses") else figure(r.loss_rel_diff, ".1e"),
+                      r.backend, *((r.note,) if notes else ()))
     stdout.print(table)
+    if result.environment.get("hybrid (sequence mixers)"):
+        stdout.print("hybrid model: HF flattening runs its sequence mixers across the examples of the packed row "
+                     "(or refuses to), so it is checked (loss vs padded, forward only), not timed; of ideal = "
+                     "speedup over 1 / (1 - padding).", highlight=False)
     stdout.print(f"environment: {result.environment}", highlight=False)
     stdout.print(f"wrote {paths['json']} and {paths['png']}", highlight=False)
 
