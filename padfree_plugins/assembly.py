@@ -27,6 +27,7 @@ from padfree_plugins.errors import (
 )
 from padfree_plugins.modeling.patching import ModelPatch, unwrap_model
 from padfree_plugins.modeling.probe import PROBE, PROBE_PLUGIN, probed_architecture, verify
+from padfree_plugins.modeling.unpad import UnpadPatch
 from padfree_plugins.packing.collator import refusing_undeclared
 
 EXACT_BACKEND = "exact"
@@ -340,6 +341,8 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
     if patch is None:
         raise PluginError(f"no plugin could patch {type(inner).__name__}")
     resolved.answers["patch_model"] = host.answered.get("patch_model")
+    if config.unpad != "off" and resolved.architecture.kind == "decoder":  # padded calls, packed inside the body
+        patch.handles.append(UnpadPatch.install(inner, config.unpad))
     if getattr(parts.forward, "runs_inside_model_forward", False):  # per-example heads, run as the model's forward
         patch.route_compute()
     if resolved.architecture_plugin == PROBE_PLUGIN:

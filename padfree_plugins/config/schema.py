@@ -80,6 +80,10 @@ class PadfreeConfig:
         "family has a boundary-aware CUDA route and its packages are installed, else exact); exact (every example "
         "alone, equal lengths batched, transformers' own code); kernels (flash-linear-attention / causal-conv1d / "
         "mamba-ssm with the boundaries; CUDA only)", default="auto")
+    unpad: Literal["auto", "always", "off"] = _help(
+        "ordinary padded batches given to a patched decoder (a Trainer subclass's own compute_loss, TRL, a loop of "
+        "your own): auto (training forwards run padding-free inside the model, outputs scattered back to the padded "
+        "shape); always (evaluation and no_grad forwards too); off (the model's own padded code)", default="auto")
     max_length: int | None = _help("longest example in tokens (default: no limit)", default=None, minimum=1)
     on_overlong: Literal["error", "truncate"] = _help("what to do with an example longer than max_length",
                                                       default="error")

@@ -63,7 +63,8 @@ def unwrap_model(model: Any) -> Any:
     return model
 
 
-def _bound_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
+def bound_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
+    """A call's arguments by name, ``**kwargs`` merged in (``kwargs`` as given if ``args`` do not bind)."""
     if not args:
         return kwargs
     try:
@@ -102,7 +103,7 @@ def _check_packed_boundaries(cu: Any, cu_k: Any, position_ids: torch.Tensor) -> 
 def check_boundaries(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
     """Raise :class:`BoundaryError` on a packed row that lacks its boundaries (or carries a mask or a KV cache);
     return whether the call is packed."""
-    inputs = _bound_inputs(module, args, kwargs)
+    inputs = bound_inputs(module, args, kwargs)
     position_ids = inputs.get("position_ids")
     attention_mask = inputs.get("attention_mask")
     tokens = inputs.get("input_ids")
@@ -173,7 +174,7 @@ def check_per_row_head(model: torch.nn.Module, args: tuple, kwargs: dict) -> Non
     (``*ForSequenceClassification``): it would return one result for all the examples of the row."""
     if not type(model).__name__.endswith(PER_ROW_HEADS):
         return
-    cu = _bound_inputs(model, args, kwargs).get("cu_seq_lens_q")
+    cu = bound_inputs(model, args, kwargs).get("cu_seq_lens_q")
     if cu is None:
         return
     count = f"{cu.numel() - 1} examples" if isinstance(cu, torch.Tensor) else "several examples"
