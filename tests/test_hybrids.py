@@ -87,7 +87,7 @@ def leaking_run(strength: float):
     """A mixer backend that lets one token across every boundary: each example after the first runs with
     ``strength ×`` the previous example's last token in front of it (its output for that token dropped)."""
 
-    def run(forward, hidden_states, row, **kwargs):
+    def run(forward, hidden_states, row, chunk=1, **kwargs):
         cu = row.cu_seq_lens.tolist()
         outputs = []
         for i in range(len(cu) - 1):
@@ -279,3 +279,28 @@ def test_an_unknown_mixer_backend_is_a_config_error():
 
     with pytest.raises(ConfigError, match="mixers"):
         assemble(hybrid_model("bamba"), {"task": "causal_lm", "mixers": "fast"})
+
+
+@pytest.mark.parametrize("model_type,chunk", [("qwen3_5_text", 64), ("bamba", 16)])
+def test_examples_spanning_as_many_chunks_run_as_one_batch(model_type, chunk):
+    """The exact route batches the examples that span the same number of scan chunks (right-padded to the
+    longest): fewer calls of the mixer, the same output as one call per length."""
+    model = hybrid_model(model_type)
+    module = next(m for m in model.modules() if type(m).__name__.endswith(("GatedDeltaNet", "Mixer")))
+    calls = []
+
+    def forward(hidden_states, **kwargs):
+        calls.append(tuple(hidden_states.shape[:2]))
+        return module(hidden_states)
+
+    lengths = torch.tensor(LENGTHS)
+    row = mixers.PackedRow(torch.cat([torch.zeros(1), lengths.cumsum(0)]).int())
+    hidden = torch.randn(1, int(lengths.sum()), model.config.hidden_size)
+    with torch.no_grad():
+        per_length = mixers.run_per_example(forward, hidden, row)
+        calls_per_length = len(calls)
+        calls.clear()
+        bucketed = mixers.run_per_example(forward, hidden, row, chunk)
+    assert calls_per_length == len(set(LENGTHS))
+    assert len(calls) == len({-(-n // chunk) for n in LENGTHS}) < calls_per_length
+    torch.testing.assert_close(bucketed, per_length, atol=1e-6, rtol=1e-6)

@@ -19,6 +19,8 @@ from padfree_plugins.errors import UnsupportedArchitectureError
 from padfree_plugins.modeling.mixers import MixerPatch, check_mixer_backend
 from padfree_plugins.modeling.patching import ModelPatch
 
+#: The chunk transformers' torch gated delta rule (and KDA's) pads every call to.
+GATED_DELTA_CHUNK = 64
 #: transformers' routes that take the boundaries: the gated delta rule (``cu_seqlens``) and the conv (``seq_idx``).
 GATED_DELTA_KERNELS = ("fla", "causal_conv1d")
 #: Mamba2's chunked scan and fused conv + scan (``seq_idx``).
@@ -29,6 +31,8 @@ MAMBA2_KERNELS = ("mamba_ssm", "causal_conv1d")
 class Hybrid:
     """A hybrid family: ``mixers`` are the class names of its sequence-mixer modules; ``kernels`` the import names
     of the packages its boundary-aware CUDA route needs (``()``: none, every packed call runs ``exact``);
+    ``chunk``: the chunk the mixers' torch code pads every call to — an int, or the name of the mixer attribute that
+    holds it (1: a sequential scan); examples spanning as many chunks then run as one batch.
     ``has_attention``: ``False`` for attention-free families (Mamba), whose attention implementation is left
     alone. Mixers that get no boundaries from their layers (Jamba's, Mamba's) read the packed row of the
     forward, also when gradient checkpointing recomputes them."""
@@ -37,6 +41,12 @@ class Hybrid:
     mixers: tuple[str, ...]
     kernels: tuple[str, ...] = ()
     has_attention: bool = True
+    chunk: int | str = 1
+
+    def chunk_of(self, module: Any) -> int:
+        """The chunk ``module``'s torch code pads every call to: ``chunk``, or the module's attribute it names."""
+        value = getattr(module, self.chunk, 1) if isinstance(self.chunk, str) else self.chunk
+        return value if isinstance(value, int) and value > 0 else 1
 
     def mixer_modules(self, model: Any) -> list[Any]:
         return [module for module in model.modules() if type(module).__name__ in self.mixers]
@@ -52,7 +62,7 @@ class Hybrid:
         patch = ModelPatch.apply(model, self.architecture, backend, fallback,
                                  attention_dropout=config.attention_dropout == "keep",
                                  has_attention=self.has_attention)
-        patch.handles.append(MixerPatch.install(model, modules, config.mixers, self.kernels))
+        patch.handles.append(MixerPatch.install(model, modules, config.mixers, self.kernels, self.chunk_of))
         return patch
 
     def hooks(self) -> tuple[Any, Any]:

@@ -29,6 +29,7 @@ import inspect
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import cache, partial
+from itertools import groupby
 from typing import Any
 
 import torch
@@ -106,21 +107,37 @@ class PackedRow:
 PACKED_ROW: ContextVar[PackedRow | None] = ContextVar("padfree_packed_row", default=None)
 
 
-def run_per_example(forward: Any, hidden_states: torch.Tensor, row: PackedRow, **kwargs: Any) -> torch.Tensor:
+def run_per_example(forward: Any, hidden_states: torch.Tensor, row: PackedRow, chunk: int = 1,
+                    **kwargs: Any) -> torch.Tensor:
     """``forward`` (a mixer's own, ``[B, L, H] -> [B, L, H']``) on every example of the packed ``hidden_states``
-    ``[1, T, H]`` alone: the examples of each length stacked into one batch, no padding anywhere, the outputs put
-    back in packed order. Exact for any mixer that treats the rows of a batch independently."""
+    ``[1, T, H]`` alone, the outputs put back in packed order. Exact for any causal mixer that treats the rows of a
+    batch independently.
+
+    The examples that span the same number of ``chunk``-token chunks run as one batch, each right-padded with
+    zeros to the longest of them: a causal mixer's real tokens never see what follows them, and a chunked scan
+    (the gated delta rule's 64, Mamba2's ``chunk_size``) pads every call to whole chunks anyway, so this costs no
+    more scan work than one call per example and makes far fewer calls. ``chunk=1`` batches equal lengths only
+    (a sequential scan, whose work grows with every pad).
+    """
     order, inverse, blocks = row.groups(hidden_states.device)
     tokens = hidden_states[0].index_select(0, order)
     outputs, start = [], 0
-    for length, count in blocks:
-        block = tokens[start:start + length * count].reshape(count, length, -1)
-        output = forward(block, **kwargs)
+    for _, members in groupby(blocks, key=lambda block: -(-block[0] // chunk)):
+        members = list(members)
+        width = members[-1][0]  # blocks come shortest first: the last is the longest
+        pieces = []
+        for length, count in members:
+            block = tokens[start:start + length * count].reshape(count, length, -1)
+            pieces.append(block if length == width else F.pad(block, (0, 0, 0, width - length)))
+            start += length * count
+        output = forward(torch.cat(pieces) if len(pieces) > 1 else pieces[0], **kwargs)
         if not isinstance(output, torch.Tensor):
             raise BoundaryError(f"a sequence mixer returned {type(output).__name__}, not a tensor: padfree_plugins "
                                 "cannot put its examples back into the packed row")
-        outputs.append(output.reshape(length * count, -1))
-        start += length * count
+        first = 0
+        for length, count in members:
+            outputs.append(output[first:first + count, :length].reshape(length * count, -1))
+            first += count
     return torch.cat(outputs).index_select(0, inverse)[None]
 
 
@@ -163,6 +180,7 @@ class PackedMixer:
     original: Any
     backend: str
     kernels: tuple[str, ...]
+    chunk: int = 1  # the chunk the mixer's torch code pads every call to (see run_per_example)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         row = PACKED_ROW.get()
@@ -190,7 +208,7 @@ class PackedMixer:
             return self.original(hidden_states, **{**inputs, "cu_seq_lens_q": row.cu_seq_lens.to(hidden_states.device),
                                                    "seq_idx": row.seq_idx(hidden_states.device)})
         alone = {name: value for name, value in inputs.items() if name not in ROW_KEYS}
-        return run_per_example(self.original, hidden_states, row, **alone)
+        return run_per_example(self.original, hidden_states, row, self.chunk, **alone)
 
     def uses_kernels(self, device: torch.device) -> bool:
         """Whether this call runs the packed row through the boundary-aware kernels (see the module docstring)."""
@@ -237,11 +255,13 @@ class MixerPatch:
     calls: list = field(default_factory=list, repr=False)  # per forward: its context token, the layers it wrapped
 
     @classmethod
-    def install(cls, model: Any, mixers: list[Any], backend: str, kernels: tuple[str, ...]) -> MixerPatch:
+    def install(cls, model: Any, mixers: list[Any], backend: str, kernels: tuple[str, ...],
+                chunk: Any = lambda module: 1) -> MixerPatch:
+        """``chunk(module)``: the chunk each mixer's torch code pads its calls to."""
         patch = cls(model)
         for module in mixers:
             patch.saved.append((module, own_attribute(module, "forward")))
-            module.forward = PackedMixer(module, module.forward, backend, kernels)
+            module.forward = PackedMixer(module, module.forward, backend, kernels, chunk(module))
         for module in dict.fromkeys((model, getattr(model, "base_model", model))):  # Mamba's head keeps the boundaries
             patch.hooks.append(module.register_forward_pre_hook(patch._publish_row, with_kwargs=True))
             patch.hooks.append(module.register_forward_hook(patch._withdraw_row, with_kwargs=True, always_call=True))

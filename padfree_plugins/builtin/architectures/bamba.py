@@ -8,6 +8,6 @@ from padfree_plugins.modeling.hybrids import MAMBA2_KERNELS, Hybrid
 BAMBA = Hybrid(
     Architecture("bamba", model_types=("bamba",), kind="decoder", default_pooling="last",
                  description="Bamba: Mamba2 beside attention"),
-    mixers=("BambaMixer",), kernels=MAMBA2_KERNELS)
+    mixers=("BambaMixer",), kernels=MAMBA2_KERNELS, chunk="chunk_size")
 
 register_architectures, patch_model = BAMBA.hooks()

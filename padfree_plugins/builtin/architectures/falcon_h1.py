@@ -8,6 +8,6 @@ from padfree_plugins.modeling.hybrids import MAMBA2_KERNELS, Hybrid
 FALCON_H1 = Hybrid(
     Architecture("falcon_h1", model_types=("falcon_h1",), kind="decoder", default_pooling="last",
                  description="Falcon-H1: parallel attention and Mamba2"),
-    mixers=("FalconH1Mixer",), kernels=MAMBA2_KERNELS)
+    mixers=("FalconH1Mixer",), kernels=MAMBA2_KERNELS, chunk="chunk_size")
 
 register_architectures, patch_model = FALCON_H1.hooks()

@@ -8,6 +8,6 @@ from padfree_plugins.modeling.hybrids import MAMBA2_KERNELS, Hybrid
 GRANITEMOEHYBRID = Hybrid(
     Architecture("granitemoehybrid", model_types=("granitemoehybrid",), kind="decoder", default_pooling="last",
                  description="Granite 4.0-H: Mamba2 beside attention, MoE"),
-    mixers=("GraniteMoeHybridMambaLayer",), kernels=MAMBA2_KERNELS)
+    mixers=("GraniteMoeHybridMambaLayer",), kernels=MAMBA2_KERNELS, chunk="chunk_size")
 
 register_architectures, patch_model = GRANITEMOEHYBRID.hooks()

@@ -8,6 +8,6 @@ from padfree_plugins.modeling.hybrids import MAMBA2_KERNELS, Hybrid
 MAMBA2 = Hybrid(
     Architecture("mamba2", model_types=("mamba2",), kind="decoder", default_pooling="last",
                  description="Mamba2 (attention-free)"),
-    mixers=("Mamba2Mixer",), kernels=MAMBA2_KERNELS, has_attention=False)
+    mixers=("Mamba2Mixer",), kernels=MAMBA2_KERNELS, chunk="chunk_size", has_attention=False)
 
 register_architectures, patch_model = MAMBA2.hooks()

@@ -8,6 +8,6 @@ from padfree_plugins.modeling.hybrids import MAMBA2_KERNELS, Hybrid
 NEMOTRON_H = Hybrid(
     Architecture("nemotron_h", model_types=("nemotron_h",), kind="decoder", default_pooling="last",
                  description="Nemotron-H: Mamba2, attention (NoPE), MLP / MoE"),
-    mixers=("NemotronHMamba2Mixer",), kernels=MAMBA2_KERNELS)
+    mixers=("NemotronHMamba2Mixer",), kernels=MAMBA2_KERNELS, chunk="chunk_size")
 
 register_architectures, patch_model = NEMOTRON_H.hooks()

@@ -4,11 +4,12 @@ models route per token with a shared expert. Each gated DeltaNet restarts at eve
 (:mod:`~padfree_plugins.modeling.hybrids`)."""
 
 from padfree_plugins.contract.declarations import Architecture
-from padfree_plugins.modeling.hybrids import GATED_DELTA_KERNELS, Hybrid
+from padfree_plugins.modeling.hybrids import GATED_DELTA_CHUNK, GATED_DELTA_KERNELS, Hybrid
 
 QWEN3_5 = Hybrid(
     Architecture("qwen3_5", model_types=("qwen3_5_text", "qwen3_5_moe_text"), kind="decoder", default_pooling="last",
                  description="Qwen3.5 dense and MoE text models: gated DeltaNet beside gated attention"),
-    mixers=("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"), kernels=GATED_DELTA_KERNELS)
+    mixers=("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"), kernels=GATED_DELTA_KERNELS,
+    chunk=GATED_DELTA_CHUNK)
 
 register_architectures, patch_model = QWEN3_5.hooks()
