@@ -163,11 +163,18 @@ def assert_packed_logits_equal_padded(packed, padded, batch, atol=1e-5):
 def test_packed_loss_and_gradients_equal_padded(name):
     model_type, overrides = DECODERS[name]
     model = causal_lm(model_type, **overrides).train()  # dropout is 0 in these configs; MoE routers in train mode
-    examples = make_examples(LENGTHS, seed=1)
+    assert_packed_step_equals_padded(model, make_examples(LENGTHS, seed=1), name)
+
+
+def assert_packed_step_equals_padded(model, examples, plugin, config=None, check=None):
+    """One training step packed (through ``plugin``; ``check(model)`` runs while patched) equals a right-padded
+    one: loss within 1e-5, every example's logits within 1e-5, every gradient within 1e-4."""
     want_loss, want_logits, want_grads = outputs_and_grads(model, padded_batch(examples))
-    assembly = assemble(model, {"task": "causal_lm"})
+    assembly = assemble(model, {"task": "causal_lm", **(config or {})})
     try:
-        assert assembly.plan.architecture_plugin == name
+        assert assembly.plan.architecture_plugin == plugin
+        if check is not None:
+            check(model)
         batch = assembly.collator(examples)
         got_loss, got_logits, got_grads = outputs_and_grads(model, assembly.forward.inputs(batch))
     finally:

@@ -18,7 +18,7 @@ from padfree_plugins.modeling.attention import PACKED_CALL
 from padfree_plugins.testing import assert_packed_matches_alone
 from tests.conftest import make_examples
 from tests.hybrids_common import AUX_LOSS, HYBRIDS, LENGTHS, hybrid_model
-from tests.test_decoders import assert_packed_logits_equal_padded, outputs_and_grads, padded_batch
+from tests.test_decoders import assert_packed_step_equals_padded, outputs_and_grads, padded_batch
 
 #: Model type -> the plugin that must take it.
 PLUGINS = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5", "falcon_mamba": "mamba"}
@@ -55,22 +55,12 @@ def test_packed_equals_every_example_alone(model_type):
 def test_packed_training_step_equals_padded(model_type, lengths):
     """One training step (train mode: MoE routers as in training, their load-balancing loss in the loss): loss,
     logits and every gradient equal a right-padded batch's."""
-    model = hybrid_model(model_type).train()
-    examples = make_examples(lengths, seed=1)
-    want_loss, want_logits, want_grads = outputs_and_grads(model, padded_batch(examples))
-    assembly = assemble(model, {"task": "causal_lm", "task_options": {"labelled_logits_only": False}})
-    try:
-        assert assembly.plan.architecture_plugin == plugin_of(model_type)
+    def mixers_routed(model):
         assert mixer_modules(model), "no mixer was routed"
-        batch = assembly.collator(examples)
-        got_loss, got_logits, got_grads = outputs_and_grads(model, assembly.forward.inputs(batch))
-    finally:
-        assembly.undo()
-    torch.testing.assert_close(got_loss, want_loss, atol=1e-5, rtol=1e-5)
-    assert_packed_logits_equal_padded(got_logits, want_logits, batch)
-    assert want_grads.keys() == got_grads.keys()
-    for key, want in want_grads.items():
-        torch.testing.assert_close(got_grads[key], want, atol=1e-4, rtol=1e-4, msg=lambda m: f"{key}: {m}")
+
+    assert_packed_step_equals_padded(hybrid_model(model_type).train(), make_examples(lengths, seed=1),
+                                     plugin_of(model_type), {"task_options": {"labelled_logits_only": False}},
+                                     check=mixers_routed)
 
 
 @pytest.mark.parametrize("model_type", WITH_AUX_LOSS)

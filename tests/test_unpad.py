@@ -13,7 +13,7 @@ from padfree_plugins.packing.padded import pad_examples
 from padfree_plugins.testing.faults import leak_across_boundaries
 from tests.conftest import make_examples
 from tests.hybrids_common import hybrid_model
-from tests.test_decoders import DECODERS, causal_lm
+from tests.test_decoders import DECODERS, causal_lm, outputs_and_grads
 
 LENGTHS = [5, 17, 1, 9, 17]
 #: Families whose own left-padded training step has NaN gradients in transformers 5.23 (Gemma 3n: the rows of the
@@ -27,11 +27,7 @@ def padded(examples, side):
 
 def step(model, batch):
     """Loss, logits and gradients of one training step on ``batch``."""
-    model.zero_grad(set_to_none=True)
-    output = model(**batch, use_cache=False)
-    output.loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    return output.loss.detach(), output.logits.detach(), grads
+    return outputs_and_grads(model, batch)
 
 
 @pytest.fixture
