@@ -383,7 +383,9 @@ def run_probe(model: Any, position_start: int = 0, lengths: tuple[int, ...] | No
     if mixers:
         return _refusal(model_type, f"it mixes the sequence outside attention, where the example boundaries never "
                         f"arrive ({', '.join(mixers[:4])}{' …' if len(mixers) > 4 else ''}): a packed row would "
-                        "carry state or convolution taps from one example into the next")
+                        "carry state or convolution taps from one example into the next (a hybrid family restarts "
+                        "its mixers at every example once declared with padfree_plugins.modeling.hybrids.Hybrid: "
+                        "docs/writing-a-plugin.md, 'A hybrid family')")
     structure = row_structure(model.config)
     if structure:
         return _refusal(model_type, f"its config declares {' and '.join(structure)}: a packed row loses it at "
