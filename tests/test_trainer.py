@@ -450,7 +450,7 @@ def test_unknown_trainer_subclass_is_refused_and_the_model_restored():
     trainer = CustomLoss(model=model, args=TrainingArguments(output_dir=tempfile.mkdtemp(), report_to="none"),
                          train_dataset=datasets.Dataset.from_list(rows(8)))
     with pytest.raises(PluginError, match="no plugin knows how to make CustomLoss padding-free"):
-        accelerate(trainer, {"task": "causal_lm"})
+        accelerate(trainer, {"task": "causal_lm", "plugins": {"block": ["any_trainer"]}})  # the fallback blocked
     assert patch_of(model) is None
 
 

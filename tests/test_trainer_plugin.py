@@ -66,6 +66,6 @@ def test_without_the_plugin_the_trainer_is_refused_and_left_alone():
     trainer = weighted_trainer(plugin)
     collator, model = trainer.data_collator, trainer.model
     with pytest.raises(PluginError, match="no plugin knows how to make WeightedLossTrainer padding-free"):
-        accelerate(trainer, {"task": "causal_lm"})
+        accelerate(trainer, {"task": "causal_lm", "plugins": {"block": ["any_trainer"]}})  # the fallback blocked
     assert trainer.data_collator is collator and "compute_loss" not in vars(trainer)
     assert model.config._attn_implementation == "sdpa"

@@ -12,8 +12,9 @@ What happens, in order (see docs/writing-a-plugin.md, *Lifecycle*):
    a sentence-transformers model's task);
 2. the model is assembled (:func:`~padfree_plugins.assembly.assemble`: plugins resolved, the model patched);
 3. the ``wrap_trainer`` hook: the first plugin that knows the trainer patches it (the builtin ones:
-   :mod:`.hf_trainer`, :mod:`.trl_sft`, :mod:`.trl_reward`, each on :class:`~.base.TrainerPatch`). None knowing
-   it is an error, and the model is restored.
+   :mod:`.hf_trainer`, :mod:`.trl_sft`, :mod:`.trl_reward`, each on :class:`~.base.TrainerPatch`, and last
+   :mod:`.generic` (``any_trainer``) for any other ``transformers.Trainer`` subclass, through ``unpad``). None
+   knowing it is an error, and the model is restored.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ class Acceleration:
 
 def accelerate(trainer: Any, config: PadfreeConfig | dict | str | None = None, *,
                host: PluginHost | None = None) -> Acceleration:
-    """Make ``trainer`` (HF ``Trainer``, TRL ``SFTTrainer`` / ``RewardTrainer``, or any a plugin knows) train
-    padding-free.
+    """Make ``trainer`` (HF ``Trainer``, TRL ``SFTTrainer`` / ``RewardTrainer``, any other ``Trainer`` subclass
+    through ``unpad``, or any a plugin knows) train padding-free.
 
     The trainer is changed in place; the returned :class:`Acceleration` undoes it. Bad datasets (examples too long
     for the model, labels not aligned with input_ids), unsupported architectures and unusable attention backends
@@ -81,9 +82,10 @@ def accelerate(trainer: Any, config: PadfreeConfig | dict | str | None = None, *
             raise PluginError(
                 f"no plugin knows how to make {type(trainer).__name__} padding-free. The builtin plugins take "
                 "transformers.Trainer, trl.SFTTrainer and trl.RewardTrainer (and subclasses that keep their "
-                "compute_loss and prediction_step); for another trainer install a plugin implementing wrap_trainer "
-                "(docs/writing-a-plugin.md), or use padfree_plugins.assemble() and feed its collator and forward "
-                "yourself."
+                "compute_loss and prediction_step), and any other transformers.Trainer subclass through its padded "
+                "batches, unpadded inside the model (plugin any_trainer, unless blocked); for another trainer "
+                "install a plugin implementing wrap_trainer (docs/writing-a-plugin.md), or use "
+                "padfree_plugins.assemble() and feed its collator and forward yourself."
             )
     except BaseException:
         assembly.undo()

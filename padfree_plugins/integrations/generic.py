@@ -1,0 +1,199 @@
+"""The fallback trainer plugin (``any_trainer``): any ``transformers.Trainer`` subclass no other plugin knows — one
+with its own ``compute_loss`` or ``prediction_step`` (a weighted or label-smoothed loss of your own, TRL's trainers
+beyond ``SFTTrainer`` / ``RewardTrainer``) — trains padding-free through ``unpad``
+(:mod:`padfree_plugins.modeling.unpad`).
+
+Nothing of the trainer's is replaced: its collator pads as before, its ``compute_loss`` and ``prediction_step`` run
+as written, and the model, patched at assembly, packs every padded training forward inside its body and returns
+the padded shape, so the trainer's own loss sees what it always saw. What this costs against a trainer plugin of
+its own (:mod:`.hf_trainer`): the collator still pads (the batch's padding travels to the model) and the LM head
+runs at every position; the layers, where the time goes, run on real tokens only.
+
+One thing the model cannot see on its own: a ``compute_loss`` that takes the ``labels`` out of the batch before
+calling the model (``labels = inputs.pop("labels")``, transformers' own example) and computes the loss from the
+logits. A left-padded row whose first token has a label is predicted, padded, from the pad before it, which a packed
+row does not hold; ``unpad`` runs such a call padded when the model's head gets the labels. Here the batch's
+``labels`` are shown to ``unpad`` for the calls during ``compute_loss`` / ``prediction_step`` whose head gets none
+(:class:`BatchLabels`), so such a batch runs padded too, whoever computes its loss.
+
+Refused, while the trainer is unchanged: ``unpad: off`` (this path is ``unpad``), a model ``unpad`` does not pack
+(encoders), ``batching.strategy: tokens`` (budgets are planned for packed batches, and the trainer's collator pads),
+NEFTune (the trainer's hook would scale its noise by the packed row's length), and parallelism that splits rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from padfree_plugins.assembly import Assembly
+from padfree_plugins.contract.hookspecs import hookimpl
+from padfree_plugins.errors import ConfigError, PadfreeError
+from padfree_plugins.integrations.base import library_class, own_attribute, restore_attributes
+from padfree_plugins.integrations.checks import check_parallelism
+from padfree_plugins.integrations.hf_trainer import HFTrainerPatch
+from padfree_plugins.integrations.trl_reward import RewardTrainerPatch
+from padfree_plugins.integrations.trl_sft import SFTTrainerPatch
+from padfree_plugins.modeling.patching import bound_inputs, unwrap_model
+from padfree_plugins.modeling.unpad import UnpadPatch
+
+logger = logging.getLogger("padfree_plugins")
+
+#: The trainer patches of the builtin plugins, which win for the trainers they claim whatever the order of asking.
+SPECIFIC_PATCHES = (HFTrainerPatch, SFTTrainerPatch, RewardTrainerPatch)
+
+
+def own_methods(trainer: Any) -> list[str]:
+    """``compute_loss`` / ``prediction_step`` as the trainer's class defines them, where not transformers' own:
+    ``"compute_loss (MyTrainer)"``, for the message that says why the generic path is taken."""
+    owner = library_class(trainer, "transformers", "Trainer")
+    said = []
+    for name in ("compute_loss", "prediction_step"):
+        method = getattr(type(trainer), name)
+        if owner is not None and method is not getattr(owner, name):
+            said.append(f"{name} ({method.__qualname__.rsplit('.', 1)[0]})")
+    return said
+
+
+@dataclass
+class BatchLabels:
+    """A forward pre-hook on the model with the LM head: while :meth:`scope` holds a batch's ``labels``, a call whose
+    head gets no labels is shown them (``unpad`` then runs a call padded whose labels give a pad a token to predict)."""
+
+    unpad: UnpadPatch
+    current: list = field(default_factory=list)
+    handle: Any = None
+
+    @classmethod
+    def install(cls, model: torch.nn.Module, unpad: UnpadPatch) -> BatchLabels:
+        hook = cls(unpad)
+        hook.handle = model.register_forward_pre_hook(hook, with_kwargs=True)  # after unpad's own (appended)
+        return hook
+
+    def __call__(self, module: Any, args: tuple, kwargs: dict) -> None:
+        labels = self.current[-1] if self.current else None
+        if not isinstance(labels, torch.Tensor) or not self.unpad.labels or self.unpad.labels[-1] is not None:
+            return
+        mask = bound_inputs(module, args, kwargs).get("attention_mask")
+        if isinstance(mask, torch.Tensor) and labels.shape == mask.shape:
+            self.unpad.labels[-1] = labels.to(mask.device, non_blocking=True)
+
+    @contextmanager
+    def scope(self, inputs: Any) -> Iterator[None]:
+        self.current.append(inputs.get("labels") if hasattr(inputs, "get") else None)
+        try:
+            yield
+        finally:
+            self.current.pop()
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+@dataclass
+class AnyTrainerPatch:
+    """A ``transformers.Trainer`` subclass trained padding-free through ``unpad``: its collator, ``compute_loss``
+    and ``prediction_step`` kept (run inside :class:`BatchLabels`'s scope). :meth:`undo` restores them."""
+
+    kind: ClassVar[str] = "any"
+
+    trainer: Any
+    assembly: Assembly
+    labels: BatchLabels | None = None
+    saved: dict[str, Any] = field(default_factory=dict)
+    active: bool = True
+
+    @classmethod
+    def claims(cls, trainer: Any) -> bool:
+        """A ``transformers.Trainer`` (subclass) that no builtin trainer plugin claims."""
+        if library_class(trainer, "transformers", "Trainer") is None:
+            return False
+        return not any(patch.claims(trainer) for patch in SPECIFIC_PATCHES)
+
+    @classmethod
+    def wrap(cls, trainer: Any, assembly: Assembly) -> AnyTrainerPatch | None:
+        """Installed on ``trainer``, or ``None`` when :meth:`claims` says no; refusals leave the trainer unchanged."""
+        if not cls.claims(trainer):
+            return None
+        name = type(trainer).__name__
+        check_parallelism(trainer)
+        if trainer.model is None or unwrap_model(trainer.model) is not assembly.model:
+            raise PadfreeError("the assembly was built for another model than trainer.model")
+        config = assembly.config
+        unpad = next((handle for handle in assembly.patch.handles if isinstance(handle, UnpadPatch)), None)
+        if config.unpad == "off":
+            raise ConfigError(
+                f"{name} has its own {' and '.join(own_methods(trainer)) or 'methods'}, so padfree-plugins keeps its "
+                "padded batches and packs them inside the model (unpad); the config says unpad: off. Set unpad: auto "
+                "(or always), or write a trainer plugin for it (docs/writing-a-plugin.md)")
+        if unpad is None:
+            raise PadfreeError(
+                f"{name} has its own {' and '.join(own_methods(trainer)) or 'methods'}, so padfree-plugins would keep "
+                f"its padded batches and pack them inside the model (unpad), which it does for decoders only; "
+                f"{type(assembly.model).__name__} is an {assembly.plan.architecture.kind}. Write a trainer plugin for "
+                "it (docs/writing-a-plugin.md), or train it padded")
+        if config.batching.strategy == "tokens":
+            raise ConfigError(
+                f"batching.strategy: tokens fills packed batches up to a token budget, but {name} keeps its own "
+                "collator (its own compute_loss), which pads every batch to its longest example: use "
+                "batching.strategy: examples")
+        if getattr(trainer, "neftune_noise_alpha", None) is not None:
+            raise PadfreeError(
+                f"neftune_noise_alpha with {name}: the trainer's NEFTune hook scales its noise by the length of the "
+                "row it sees, which inside an unpadded forward is the packed row of every example (far weaker noise "
+                "than padded): train without NEFTune, or with a trainer whose compute_loss is the library's")
+        patch = cls(trainer, assembly)
+        try:
+            patch.install(unpad)
+        except BaseException:
+            patch.undo()
+            raise
+        logger.warning(
+            "padfree-plugins: %s trains through the generic path (plugin any_trainer) because of its own %s: its "
+            "collator pads as before and the model packs every padded training forward inside its body (unpad: %s); "
+            "the loss is the trainer's own. A trainer plugin for it would save more (packed batches, the LM head on "
+            "labelled tokens only): docs/writing-a-plugin.md", name, " and ".join(own_methods(trainer)) or "methods",
+            config.unpad)
+        return patch
+
+    def install(self, unpad: UnpadPatch) -> None:
+        trainer = self.trainer
+        self.labels = BatchLabels.install(self.assembly.model, unpad)
+        for name in ("compute_loss", "prediction_step"):
+            self.saved[name] = own_attribute(trainer, name)
+        own_loss, own_prediction = trainer.compute_loss, trainer.prediction_step
+        labels = self.labels
+
+        def compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            with labels.scope(inputs):
+                return own_loss(model, inputs, *args, **kwargs)
+
+        def prediction_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            with labels.scope(inputs):
+                return own_prediction(model, inputs, *args, **kwargs)
+
+        trainer.compute_loss = compute_loss
+        trainer.prediction_step = prediction_step
+
+    def undo(self) -> None:
+        """Restore ``compute_loss`` and ``prediction_step`` and remove the labels hook. Safe twice."""
+        if not self.active:
+            return
+        restore_attributes(self.trainer, self.saved)
+        if self.labels is not None:
+            self.labels.remove()
+        self.active = False
+
+
+@hookimpl(trylast=True)
+def wrap_trainer(trainer, assembly, config):
+    """Any ``transformers.Trainer`` subclass no other plugin claims (its own ``compute_loss`` or
+    ``prediction_step``): its padded batches packed inside the model (``unpad``)."""
+    return AnyTrainerPatch.wrap(trainer, assembly)
