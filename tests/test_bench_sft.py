@@ -1,5 +1,6 @@
-"""Smoke test of ``padfree-plugins bench sft`` at minimal sizes: it runs, writes its outputs, and the three variants
-compute the same loss. Nothing here is timed."""
+"""Smoke test of ``padfree-plugins bench sft`` at minimal sizes: it runs, writes its outputs, and the variants
+compute the same loss; the ``unpad`` row is a padded batch packed inside the model, never a padded run. Nothing here
+is timed."""
 
 from __future__ import annotations
 
@@ -12,26 +13,60 @@ from typer.testing import CliRunner
 
 from padfree_plugins import PadfreeError
 from padfree_plugins.benchmarks.lengths import draw_lengths
-from padfree_plugins.benchmarks.sft import VARIANTS, BenchSettings, run_sft_benchmark, write_outputs
+from padfree_plugins.benchmarks.sft import VARIANTS, BenchSettings, UnpadRefused, run_sft_benchmark, write_outputs
 from padfree_plugins.cli.app import app
+from padfree_plugins.modeling import unpad
 
 TINY = dict(model_size="micro", batch_sizes=(3,), laws=("lognormal", "mix"), batches=1, rounds=1, warmup=0,
             max_length=96)
 
 
+@pytest.fixture
+def packed_calls(monkeypatch):
+    """What every call of :func:`unpad.pack_padded_call` returned: packed (``True``) or left padded (``False``)."""
+    calls = []
+    original = unpad.pack_padded_call
+
+    def counting(*args):
+        result = original(*args)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(unpad, "pack_padded_call", counting)
+    return calls
 
 
-def test_variants_agree_and_outputs_are_written(tmp_path):
+def test_variants_agree_and_outputs_are_written(tmp_path, packed_calls):
     result = run_sft_benchmark(BenchSettings(**TINY))
+    assert VARIANTS == ("padded", "hf_native", "unpad", "padfree")
     assert [(r.law, r.variant) for r in result.rows] == [(law, v) for law in TINY["laws"] for v in VARIANTS]
     for row in result.rows:
         assert row.loss_rel_diff < 1e-5, row
         assert row.tokens_per_s > 0 and row.step_ms > 0 and row.memory_bytes > 0
         assert 0 <= row.padding_fraction < 1
-    assert {r.backend for r in result.rows if r.variant == "padfree"} == {"exact"}
+    assert {r.backend for r in result.rows if r.variant in ("unpad", "padfree")} == {"exact"}
+    unpadded = [r for r in result.rows if r.variant == "unpad"]
+    assert all(r.loss_rel_diff <= 1e-6 and r.of_ideal > 0 and r.speedup_vs_padded > 0 for r in unpadded)
+    # per law: the memory step and one timed round, each one forward of the base model, packed by unpad
+    assert result.environment["unpad steps packed"] == 2 * len(TINY["laws"])
+    assert packed_calls == [True] * (2 * len(TINY["laws"]))
     paths = write_outputs(result, tmp_path)
     assert json.loads(paths["json"].read_text())["rows"][0]["variant"] == "padded"
     assert paths["png"].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_an_unpad_step_that_runs_padded_is_refused(monkeypatch):
+    """Were the padded batch not packed inside the model (unpad off, a batch it does not take), the ``unpad`` row
+    would time a padded run: the benchmark refuses instead. A batch without a pad has nothing to unpad (unpad runs
+    it as the model's own code, which is padding-free already): counted, not refused."""
+    no_pads = BenchSettings(**{**TINY, "laws": ("lognormal",), "batch_sizes": (2,), "max_length": 64})
+    result = run_sft_benchmark(no_pads)  # both examples clipped to 64 tokens
+    assert {r.padding_fraction for r in result.rows} == {0.0}
+    assert result.environment["unpad steps packed"] == 0
+    assert result.environment["unpad steps on batches without a pad (nothing to unpad)"] == 2
+    monkeypatch.setattr(unpad, "pack_padded_call", lambda *args: None)
+    with pytest.raises(UnpadRefused, match="not packed inside the model"):
+        run_sft_benchmark(BenchSettings(**{**TINY, "laws": ("lognormal",)}))
 
 
 def test_mfu_is_six_matmul_parameters_per_token_over_the_peak():
@@ -65,6 +100,7 @@ def test_cli_prints_the_table(tmp_path, monkeypatch):
                                       "--max-length", "64", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert "hf_native" in result.output and "padfree" in result.output and "vs padded" in result.output
+    assert "unpad" in result.output and "padded [B, L, V] logits" in result.output
     assert "MFU" in result.output
     assert (tmp_path / "bench_sft.png").is_file()
 
@@ -104,7 +140,7 @@ def test_dataset_lengths_and_a_model_config(tmp_path):
     result = run_sft_benchmark(settings)
     assert result.environment["model"] == "Qwen2ForCausalLM"
     assert result.environment["dataset"]["examples"] == 5
-    assert [r.law for r in result.rows] == ["dataset"] * 3
+    assert [r.law for r in result.rows] == ["dataset"] * len(VARIANTS)
     assert all(r.loss_rel_diff < 1e-5 for r in result.rows)
 
 
@@ -187,16 +223,17 @@ def test_hybrid_configs_run_one_step_and_hf_flattening_is_a_check(name):
     from padfree_plugins.cli.bench import HYBRID_CONFIGS, hybrid_config_dir
 
     assert name in HYBRID_CONFIGS
-    settings = BenchSettings(**{**TINY, "laws": ("lognormal",), "max_length": 64},
+    settings = BenchSettings(**{**TINY, "laws": ("mix",), "max_length": 64},  # lengths 64, 26, 24: padded
                              model_config=str(hybrid_config_dir() / name))
     with torch_threads(1):
         result = run_sft_benchmark(settings)
     assert result.environment["hybrid (sequence mixers)"] is True
     rows = {r.variant: r for r in result.rows}
-    assert list(rows) == ["padded", "hf_native", "hf_native+cu_seq_lens", "padfree"]
-    padfree = rows["padfree"]
-    assert padfree.timed and padfree.loss_rel_diff < 1e-6 and padfree.tokens_per_s > 0 and padfree.of_ideal > 0
-    assert padfree.memory_bytes > 0 and padfree.backend == "exact"
+    assert list(rows) == ["padded", "hf_native", "hf_native+cu_seq_lens", "unpad", "padfree"]
+    for timed in (rows["unpad"], rows["padfree"]):
+        assert timed.timed and timed.loss_rel_diff < 1e-6 and timed.tokens_per_s > 0 and timed.of_ideal > 0
+        assert timed.memory_bytes > 0 and timed.backend == "exact"
+    assert result.environment["unpad steps packed"] == 2  # the memory step and one timed round, each checked
     checks = [rows["hf_native"], rows["hf_native+cu_seq_lens"]]
     assert all(not r.timed and r.tokens_per_s != r.tokens_per_s for r in checks)  # not timed: NaN
     assert rows["hf_native"].note == "mixes examples" and rows["hf_native"].loss_rel_diff > 1e-5

@@ -1,6 +1,6 @@
 """SFT benchmark: padded vs HF native packing vs padfree-plugins, same model, same batches, one run.
 
-Three ways to run a causal-LM training step (forward + backward of the loss) on the same examples:
+Four ways to run a causal-LM training step (forward + backward of the loss) on the same examples:
 
 * ``padded``: right-padded ``[n, L_max]`` batch with ``attention_mask``, labels -100 on padding, sdpa attention;
 * ``hf_native``: ``transformers.DataCollatorWithFlattening`` (one ``[1, T]`` row, ``position_ids`` restarting per
@@ -9,12 +9,21 @@ Three ways to run a causal-LM training step (forward + backward of the loss) on 
 * ``padfree``: :func:`~padfree_plugins.assemble` with its collator, ``cu_seq_lens`` computed once, attention
   backend ``auto`` (``exact`` on CPU, ``varlen`` / ``flash_attn`` on CUDA in 16-bit), and — as ``accelerate``
   runs HF ``Trainer`` — logits only for positions whose next token has a label
-  (:func:`~padfree_plugins.builtin.tasks.causal_lm.keep_labelled_logits`). ``prompt_share`` masks the first share
-  of every example's labels (completion-only SFT) in all three variants.
+  (:func:`~padfree_plugins.builtin.tasks.causal_lm.keep_labelled_logits`);
+* ``unpad``: the ``padded`` variant's very batch (right-padded, ``attention_mask``, labels -100 on padding) given to
+  the model as :func:`~padfree_plugins.assemble` patched it for ``padfree``, called as the model's own forward —
+  what a ``Trainer`` subclass with its own ``compute_loss``, TRL or a hand-written loop does (the generic path).
+  :mod:`~padfree_plugins.modeling.unpad` packs the real tokens at the entry of the base model and scatters its
+  output back to ``[B, L, hidden]``: the layers run on real tokens only, but the LM head and the cross-entropy still
+  run on the padded ``[B, L, V]`` logits, which is why it lands between ``padded`` and ``padfree``. Every ``unpad``
+  step checks that its forward really was packed (:class:`UnpadRefused` otherwise; a batch without a pad, which
+  has nothing to unpad, is the one exception), so the row cannot be a padded run in disguise.
+
+``prompt_share`` masks the first share of every example's labels (completion-only SFT) in all variants.
 
 Batches are collated and moved to the device beforehand (collator speed is ``bench collator``'s job); each timed
 step is the model's forward + backward, gradients cleared in between, no optimizer step (so every variant sees
-the same weights and the losses can be compared). Variants are interleaved — every batch runs all three, in an
+the same weights and the losses can be compared). Variants are interleaved — every batch runs all of them, in an
 order that rotates each round — so that machine noise hits them alike; figures are medians over rounds, and ratios
 are taken within a round before the median.
 
@@ -48,7 +57,7 @@ honour without the CUDA packages. For them ``hf_native`` is not timed; it is a c
 (forward only): the loss relative difference from ``padded``, or ``refuses`` with the model's error, for two
 flavours of the collator — :data:`HF_FLATTENING` ``hf_native`` (``position_ids``, as timed for other models) and
 ``hf_native+cu_seq_lens`` (``return_flash_attn_kwargs=True``, what flash-attention users pass). The timed variants
-are ``padded`` and ``padfree``; ``of_ideal`` says how close ``padfree`` comes to the ideal speedup
+are ``padded``, ``unpad`` and ``padfree``; ``of_ideal`` says how close each comes to the ideal speedup
 ``1 / (1 - padding fraction)``. ``configs/bench`` ships a tiny Qwen3.5-shaped and a tiny Granite-4.0-H-shaped
 config, which ``padfree-plugins bench`` (``make bench``) runs at bs16 on the lognormal law.
 
@@ -78,9 +87,11 @@ from padfree_plugins.modeling.mixers import PackedMixer
 from padfree_plugins.packing.labelled_logits import keep_labelled_logits
 from padfree_plugins.packing.padded import pad_examples
 
-VARIANTS = ("padded", "hf_native", "padfree")
+VARIANTS = ("padded", "hf_native", "unpad", "padfree")
 #: The variants timed for a hybrid model (see the module docstring) and the HF flattening checks reported beside them.
-HYBRID_VARIANTS = ("padded", "padfree")
+HYBRID_VARIANTS = ("padded", "unpad", "padfree")
+#: Variants that run on the model as :func:`~padfree_plugins.assemble` patched it (the others on the unpatched one).
+PATCHED_VARIANTS = ("unpad", "padfree")
 #: ``DataCollatorWithFlattening`` options of each HF flattening flavour (``hf_native`` is the timed baseline of
 #: models without sequence mixers; for hybrids both are loss checks).
 HF_FLATTENING = {"hf_native": dict(return_position_ids=True),
@@ -224,8 +235,13 @@ def peak_flops(settings: BenchSettings, device: torch.device) -> tuple[float, st
     return matmul_flops_per_s(device, getattr(torch, settings.dtype)), f"measured {settings.dtype} matmul rate here"
 
 
+class UnpadRefused(PadfreeError):
+    """An ``unpad`` step whose padded forward was not packed inside the model: its row would time a padded run."""
+
+
 class Runner:
-    """Runs one variant's training step on prepared inputs; ``padfree`` patches the model only around its steps."""
+    """Runs one variant's training step on prepared inputs; ``padfree`` and ``unpad`` patch the model only around
+    their steps."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
         from transformers import DataCollatorWithFlattening
@@ -244,9 +260,15 @@ class Runner:
         self.assembly = None
         self.timed = HYBRID_VARIANTS if self.hybrid else VARIANTS
         self.checks = tuple(HF_FLATTENING) if self.hybrid else ()
+        #: per forward of the patched base model since the last ``unpad`` step began: whether unpad packed it
+        self.packed: list[bool] = []
+        #: ``unpad`` steps packed inside the model; those on a batch without a pad (nothing to unpad: unpad runs it
+        #: as the model's own code). Any other ``unpad`` step raises :class:`UnpadRefused`.
+        self.unpad_steps = 0
+        self.unpad_steps_without_pads = 0
 
     def prepare(self, variant: str, examples: list[dict]) -> dict:
-        if variant == "padded":
+        if variant in ("padded", "unpad"):  # unpad: the padded batch itself, as any Trainer's collator pads it
             inputs = pad_examples(examples, ("input_ids", "labels"))
         elif variant in self.flatten:
             inputs = dict(self.flatten[variant](examples))
@@ -257,16 +279,44 @@ class Runner:
     def enter(self, variant: str) -> None:
         from padfree_plugins.assembly import assemble
 
-        if variant == "padfree" and self.assembly is None:
+        if variant in PATCHED_VARIANTS and self.assembly is None:
             self.assembly = assemble(self.model, {"task": "causal_lm"}, host=self.host)
-        elif variant != "padfree" and self.assembly is not None:
+            self._watch_unpad(self.assembly)
+        elif variant not in PATCHED_VARIANTS and self.assembly is not None:
             self.assembly.undo()
             self.assembly = None
+
+    def _watch_unpad(self, assembly: Any) -> None:
+        """Record, at each forward of the base model, whether unpad packed it: a pre-hook that runs after unpad's
+        own (which is prepended and leaves the call's ``Unpadded``, or ``None``, in ``calls``); taken off with the
+        assembly."""
+        from padfree_plugins.modeling.unpad import UnpadPatch
+
+        patch = next((h for h in assembly.patch.handles if isinstance(h, UnpadPatch)), None)
+        if patch is None:
+            return
+        packed = self.packed
+
+        def seen(module: Any, args: tuple, kwargs: dict) -> None:
+            packed.append(bool(patch.calls) and patch.calls[-1] is not None)
+
+        assembly.patch.handles.append(patch.base.register_forward_pre_hook(seen, with_kwargs=True))
 
     def loss(self, variant: str, inputs: dict) -> torch.Tensor:
         if variant == "padfree":
             return self.forward(self.model, inputs, use_cache=False).loss
-        return self.model(**inputs, use_cache=False).loss
+        if variant != "unpad":
+            return self.model(**inputs, use_cache=False).loss
+        self.packed.clear()
+        loss = self.model(**inputs, use_cache=False).loss
+        if self.packed and all(self.packed):
+            self.unpad_steps += 1
+        elif not self.packed or bool((inputs["attention_mask"] == 0).any()):  # read only off the packed path
+            raise UnpadRefused(f"the unpad variant's padded forward was not packed inside the model (packed: "
+                               f"{self.packed or 'no unpad patch'}); its row would time a padded run")
+        else:  # a batch without a pad: unpad leaves it to the model's own code, the same as padding-free
+            self.unpad_steps_without_pads += 1
+        return loss
 
     def check(self, variant: str, inputs: dict) -> tuple[float | None, str]:
         """The loss of an untimed forward (no gradients) of ``variant``, or ``None`` and the model's error."""
@@ -319,6 +369,10 @@ def run_sft_benchmark(settings: BenchSettings, progress: Callable[[str], None] |
                    "threads": torch.get_num_threads(), "padfree backend": runner.backend,
                    "MFU peak TFLOP/s": round(peak / 1e12, 3), "MFU peak source": peak_source,
                    "MFU FLOPs per token": flops_per_token}
+    if "unpad" in runner.timed:  # every one was checked to be packed inside the model (UnpadRefused otherwise)
+        environment["unpad steps packed"] = runner.unpad_steps
+        if runner.unpad_steps_without_pads:
+            environment["unpad steps on batches without a pad (nothing to unpad)"] = runner.unpad_steps_without_pads
     if lengths is not None:
         environment["dataset"] = {"path": settings.dataset, "examples": len(lengths),
                                   "median length": statistics.median(lengths), "longest": max(lengths)}
@@ -339,7 +393,10 @@ def _measure(runner: Runner, settings: BenchSettings, law: str, batch_size: int,
         drawn = (sample_lengths(lengths, batch_size, seed, 1, high) if law == DATASET_LAW
                  else draw_lengths(law, batch_size, seed, settings.min_length, high))
         examples = make_examples(drawn, vocab, seed, settings.prompt_share)
-        batches.append((examples, {v: runner.prepare(v, examples) for v in (*timed, *checks)}))
+        prepared = {v: runner.prepare(v, examples) for v in (*timed, *checks) if v != "unpad"}
+        if "unpad" in timed:  # the very tensors the padded variant runs on
+            prepared["unpad"] = prepared["padded"]
+        batches.append((examples, prepared))
     real = [sum(len(ex["input_ids"]) for ex in examples) for examples, _ in batches]
     padded_tokens = [len(examples) * max(len(ex["input_ids"]) for ex in examples) for examples, _ in batches]
     times = {v: [] for v in timed}  # per round: seconds spent on all batches
@@ -404,9 +461,9 @@ def _measure(runner: Runner, settings: BenchSettings, law: str, batch_size: int,
         return statistics.median(p / t for p, t in zip(times[baseline], times[v])) if baseline in times else nan
 
     rows = []
-    for v in ("padded", *checks, "padfree") if runner.hybrid else VARIANTS:
+    for v in ("padded", *checks, *(t for t in timed if t != "padded")):  # a hybrid's HF checks after padded
         common = dict(law=law, batch_size=batch_size, variant=v, real_tokens=total_real, padding_fraction=padding,
-                      loss_rel_diff=rel_diff(v), backend=runner.backend if v == "padfree" else "sdpa",
+                      loss_rel_diff=rel_diff(v), backend=runner.backend if v in PATCHED_VARIANTS else "sdpa",
                       memory_kind="cuda peak" if device.type == "cuda" else "saved activations")
         if v in checks:
             rel = common["loss_rel_diff"]

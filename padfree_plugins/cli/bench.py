@@ -28,7 +28,8 @@ def hybrid_config_dir() -> Path:
 
 
 def bench_hybrids() -> None:
-    """``bench sft`` on every shipped hybrid config: bs16, lognormal law; padded vs padfree, HF flattening checked."""
+    """``bench sft`` on every shipped hybrid config: bs16, lognormal law; padded, unpad and padfree timed, HF
+    flattening checked."""
     for name, title in HYBRID_CONFIGS.items():
         path = hybrid_config_dir() / name
         console().rule(f"bench sft, hybrid: {title}")
@@ -171,7 +172,8 @@ def bench_sft(
     out: Annotated[Path, typer.Option(help="Directory for bench_sft.json and bench_sft.png.")] = Path("out/bench-sft"),
     as_json: JsonFlag = False,
 ) -> None:
-    """Causal-LM training step: padded vs HF native packing vs padfree-plugins, same model and batches, one run."""
+    """Causal-LM training step: padded vs HF native packing vs padfree-plugins (its collator, and unpad: the padded
+    batch packed inside the model), same model and batches, one run."""
     sizes = positive_ints(batch_sizes, "--batch-sizes")
     import torch
 
@@ -216,11 +218,16 @@ def bench_sft(
         table.add_row(r.law, str(r.batch_size), f"{r.padding_fraction:.0%}", r.variant,
                       figure(r.tokens_per_s, ",.0f"), figure(r.step_ms, ",.1f"),
                       figure(r.speedup_vs_padded, ".2f", "x"), figure(r.of_ideal, ".0%"),
-                      "-" if r.variant != "padfree" else figure(r.speedup_vs_hf, ".2f", "x"),
+                      figure(r.speedup_vs_hf, ".2f", "x") if r.variant in ("unpad", "padfree") else "-",
                       f"{r.memory_bytes / 2**20:,.1f}" if r.timed else "-", figure(r.mfu, ".0%"),
                       "refuses" if r.note.startswith("refuses") else figure(r.loss_rel_diff, ".1e"),
                       r.backend, *((r.note,) if notes else ()))
     stdout.print(table)
+    if any(r.variant == "unpad" for r in result.rows):
+        stdout.print("unpad: padded's own batch given to the patched model, as a Trainer with its own compute_loss "
+                     "(or TRL, or a hand-written loop) calls it; the layers run on real tokens only (packed inside "
+                     "the model, every step checked), but the LM head and the loss on the padded [B, L, V] logits, "
+                     "hence below padfree (logits only where a label counts).", highlight=False)
     if result.environment.get("hybrid (sequence mixers)"):
         stdout.print("hybrid model: HF flattening runs its sequence mixers across the examples of the packed row "
                      "(or refuses to), so it is checked (loss vs padded, forward only), not timed; of ideal = "
