@@ -63,3 +63,21 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def packed_calls(monkeypatch):
+    """What every call of :func:`padfree_plugins.modeling.unpad.pack_padded_call` returned: packed (``True``) or
+    left padded (``False``)."""
+    from padfree_plugins.modeling import unpad
+
+    calls = []
+    original = unpad.pack_padded_call
+
+    def counting(*args):
+        result = original(*args)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(unpad, "pack_padded_call", counting)
+    return calls

@@ -19,7 +19,6 @@ from padfree_plugins import ConfigError, PadfreeError, PluginError, accelerate, 
 from padfree_plugins.integrations import generic
 from tests.conftest import tiny_config, tiny_model
 from tests.test_trainer import STEPS, assert_same_curve, losses, rows, tokenizer
-from tests.test_unpad import packed_calls  # noqa: F401 - the fixture counting the calls unpad packed
 
 peft = pytest.importorskip("peft")
 
@@ -81,7 +80,7 @@ def forward_hooks(model) -> int:
 
 @pytest.mark.parametrize("side,lora", [("right", False), ("left", False), ("left", True)],
                          ids=["right", "left", "left-lora"])
-def test_a_trainer_with_its_own_loss_trains_the_padded_curve(side, lora, packed_calls, caplog):  # noqa: F811
+def test_a_trainer_with_its_own_loss_trains_the_padded_curve(side, lora, packed_calls, caplog):
     """Every training forward packed inside the model; the loss curve and the evaluation loss are the padded ones;
     ``undo`` gives back the trainer's own methods and the unpatched model."""
     want, want_eval = padded_curve(side=side, lora=lora)
@@ -106,7 +105,7 @@ def test_a_trainer_with_its_own_loss_trains_the_padded_curve(side, lora, packed_
     assert patch_of(trainer.model) is None and forward_hooks(trainer.model) == hooks
 
 
-def test_a_left_padded_first_token_with_a_label_runs_padded(packed_calls, monkeypatch):  # noqa: F811
+def test_a_left_padded_first_token_with_a_label_runs_padded(packed_calls, monkeypatch):
     """Left padding and examples whose first token has a label: padded, a pad's logits predict it. The batch's
     labels, which this trainer takes out before calling the model, are shown to unpad, so those calls run padded and
     the curve stays the padded one; without that it is not (the test can tell)."""
@@ -126,7 +125,7 @@ def test_a_left_padded_first_token_with_a_label_runs_padded(packed_calls, monkey
     assert max(abs(a - b) for a, b in zip(losses(unguarded), want)) > 1e-3
 
 
-def test_unpad_always_packs_evaluation_too(packed_calls):  # noqa: F811
+def test_unpad_always_packs_evaluation_too(packed_calls):
     want_eval = smoothed_trainer().evaluate()["eval_loss"]
     trainer = smoothed_trainer()
     accelerate(trainer, {"task": "causal_lm", "unpad": "always"})

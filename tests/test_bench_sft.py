@@ -21,21 +21,6 @@ TINY = dict(model_size="micro", batch_sizes=(3,), laws=("lognormal", "mix"), bat
             max_length=96)
 
 
-@pytest.fixture
-def packed_calls(monkeypatch):
-    """What every call of :func:`unpad.pack_padded_call` returned: packed (``True``) or left padded (``False``)."""
-    calls = []
-    original = unpad.pack_padded_call
-
-    def counting(*args):
-        result = original(*args)
-        calls.append(result is not None)
-        return result
-
-    monkeypatch.setattr(unpad, "pack_padded_call", counting)
-    return calls
-
-
 def test_variants_agree_and_outputs_are_written(tmp_path, packed_calls):
     result = run_sft_benchmark(BenchSettings(**TINY))
     assert VARIANTS == ("padded", "hf_native", "unpad", "padfree")

@@ -30,21 +30,6 @@ def step(model, batch):
     return outputs_and_grads(model, batch)
 
 
-@pytest.fixture
-def packed_calls(monkeypatch):
-    """The number of calls ``unpad`` packed (it counts what :func:`unpad.pack_padded_call` returned)."""
-    calls = []
-    original = unpad.pack_padded_call
-
-    def counting(*args):
-        result = original(*args)
-        calls.append(result is not None)
-        return result
-
-    monkeypatch.setattr(unpad, "pack_padded_call", counting)
-    return calls
-
-
 def assert_step_equals(model, batch, config=None, packed_calls=None, reference=None):
     """The patched step on ``batch`` equals the unpatched step on ``reference`` (default: ``batch``; the same
     examples padded on another side compare real token for real token)."""
