@@ -180,3 +180,44 @@ def test_an_encoder_is_refused_unpad_packs_decoders_only():
                                            "encoder"):
         accelerate(trainer, {"task": "seq_cls"})
     assert "compute_loss" not in vars(trainer) and patch_of(model) is None
+
+
+def test_trl_dpo_trains_the_padded_curve_through_the_generic_path(packed_calls):
+    """TRL's ``DPOTrainer`` (its own ``compute_loss``: prompt + chosen and prompt + rejected, right-padded, through
+    its fused LM head) takes the generic path: 10 steps of sigmoid DPO with a reference model give the padded curve
+    within 1e-4, every policy forward packed. (``bf16=False``: DPOConfig turns bf16 autocast on even on a CPU, and
+    under it padded and packed differ by bf16 rounding, both sides alike.)"""
+    import random
+
+    trl = pytest.importorskip("trl")
+    tok = tokenizer()
+    rng = random.Random(0)
+    words = "a tiny corpus for the tokenizer".split()
+
+    def text(most):
+        return " ".join(rng.choice(words) for _ in range(rng.randint(1, most)))
+
+    pairs = datasets.Dataset.from_list([{"prompt": text(12), "chosen": text(15), "rejected": text(15)}
+                                        for _ in range(24)])
+
+    def curve(accelerated):
+        torch.manual_seed(0)
+        model = tiny_model("llama", "causal_lm", num_key_value_heads=2, vocab_size=len(tok)).train()
+        with tempfile.TemporaryDirectory() as out:
+            args = trl.DPOConfig(output_dir=out, per_device_train_batch_size=4, max_steps=10, learning_rate=1e-3,
+                                 logging_steps=1, report_to=[], seed=0, beta=0.1, save_strategy="no", use_cpu=True,
+                                 bf16=False)
+            trainer = trl.DPOTrainer(model=model, ref_model=copy.deepcopy(model).eval(), args=args,
+                                     train_dataset=pairs, processing_class=copy.deepcopy(tok))
+            acceleration = accelerate(trainer, {"task": "causal_lm"}) if accelerated else None
+            trainer.train()
+            if acceleration is not None:
+                acceleration.undo()
+        return losses(trainer)
+
+    want = curve(False)
+    packed_calls.clear()
+    got = curve(True)
+    assert len(got) == len(want) == 10 and packed_calls and all(packed_calls)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=0)
+    assert max(want) - min(want) > 0.05, "the reference did not train: the comparison would prove little"
