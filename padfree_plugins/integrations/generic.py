@@ -14,7 +14,8 @@ calling the model (``labels = inputs.pop("labels")``, transformers' own example)
 logits. A left-padded row whose first token has a label is predicted, padded, from the pad before it, which a packed
 row does not hold; ``unpad`` runs such a call padded when the model's head gets the labels. Here the batch's
 ``labels`` are shown to ``unpad`` for the calls during ``compute_loss`` / ``prediction_step`` whose head gets none
-(:class:`BatchLabels`), so such a batch runs padded too, whoever computes its loss.
+(:meth:`~padfree_plugins.modeling.unpad.UnpadPatch.labels_for_loss`), so such a batch runs padded too, whoever
+computes its loss.
 
 Refused, while the trainer is unchanged: ``unpad: off`` (this path is ``unpad``), a model ``unpad`` does not pack
 (encoders), ``batching.strategy: tokens`` (budgets are planned for packed batches, and the trainer's collator pads),
@@ -24,12 +25,8 @@ NEFTune (the trainer's hook would scale its noise by the packed row's length), a
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
-
-import torch
 
 from padfree_plugins.assembly import Assembly
 from padfree_plugins.contract.hookspecs import hookimpl
@@ -39,7 +36,7 @@ from padfree_plugins.integrations.checks import check_parallelism
 from padfree_plugins.integrations.hf_trainer import HFTrainerPatch
 from padfree_plugins.integrations.trl_reward import RewardTrainerPatch
 from padfree_plugins.integrations.trl_sft import SFTTrainerPatch
-from padfree_plugins.modeling.patching import bound_inputs, unwrap_model
+from padfree_plugins.modeling.patching import unwrap_model
 from padfree_plugins.modeling.unpad import UnpadPatch
 
 logger = logging.getLogger("padfree_plugins")
@@ -61,52 +58,15 @@ def own_methods(trainer: Any) -> list[str]:
 
 
 @dataclass
-class BatchLabels:
-    """A forward pre-hook on the model with the LM head: while :meth:`scope` holds a batch's ``labels``, a call whose
-    head gets no labels is shown them (``unpad`` then runs a call padded whose labels give a pad a token to predict)."""
-
-    unpad: UnpadPatch
-    current: list = field(default_factory=list)
-    handle: Any = None
-
-    @classmethod
-    def install(cls, model: torch.nn.Module, unpad: UnpadPatch) -> BatchLabels:
-        hook = cls(unpad)
-        hook.handle = model.register_forward_pre_hook(hook, with_kwargs=True)  # after unpad's own (appended)
-        return hook
-
-    def __call__(self, module: Any, args: tuple, kwargs: dict) -> None:
-        labels = self.current[-1] if self.current else None
-        if not isinstance(labels, torch.Tensor) or not self.unpad.labels or self.unpad.labels[-1] is not None:
-            return
-        mask = bound_inputs(module, args, kwargs).get("attention_mask")
-        if isinstance(mask, torch.Tensor) and labels.shape == mask.shape:
-            self.unpad.labels[-1] = labels.to(mask.device, non_blocking=True)
-
-    @contextmanager
-    def scope(self, inputs: Any) -> Iterator[None]:
-        self.current.append(inputs.get("labels") if hasattr(inputs, "get") else None)
-        try:
-            yield
-        finally:
-            self.current.pop()
-
-    def remove(self) -> None:
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
-
-
-@dataclass
 class AnyTrainerPatch:
     """A ``transformers.Trainer`` subclass trained padding-free through ``unpad``: its collator, ``compute_loss``
-    and ``prediction_step`` kept (run inside :class:`BatchLabels`'s scope). :meth:`undo` restores them."""
+    and ``prediction_step`` kept (run with the batch's labels shown to ``unpad``: :meth:`UnpadPatch.labels_for_loss`).
+    :meth:`undo` restores them."""
 
     kind: ClassVar[str] = "any"
 
     trainer: Any
     assembly: Assembly
-    labels: BatchLabels | None = None
     saved: dict[str, Any] = field(default_factory=dict)
     active: bool = True
 
@@ -165,18 +125,16 @@ class AnyTrainerPatch:
 
     def install(self, unpad: UnpadPatch) -> None:
         trainer = self.trainer
-        self.labels = BatchLabels.install(self.assembly.model, unpad)
         for name in ("compute_loss", "prediction_step"):
             self.saved[name] = own_attribute(trainer, name)
         own_loss, own_prediction = trainer.compute_loss, trainer.prediction_step
-        labels = self.labels
 
         def compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-            with labels.scope(inputs):
+            with unpad.labels_for_loss(inputs.get("labels") if hasattr(inputs, "get") else None):
                 return own_loss(model, inputs, *args, **kwargs)
 
         def prediction_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-            with labels.scope(inputs):
+            with unpad.labels_for_loss(inputs.get("labels") if hasattr(inputs, "get") else None):
                 return own_prediction(model, inputs, *args, **kwargs)
 
         trainer.compute_loss = compute_loss
@@ -187,8 +145,6 @@ class AnyTrainerPatch:
         if not self.active:
             return
         restore_attributes(self.trainer, self.saved)
-        if self.labels is not None:
-            self.labels.remove()
         self.active = False
 
 

@@ -19,6 +19,8 @@ predict runs padded (collators set such labels to -100, and the check rides on t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,6 +133,7 @@ class UnpadPatch:
     hooks: list = field(default_factory=list)
     calls: list = field(default_factory=list, repr=False)  # per call: its Unpadded, or None
     labels: list = field(default_factory=list, repr=False)  # per call of the model: the labels its head got
+    loss_labels: list = field(default_factory=list, repr=False)  # see labels_for_loss
 
     @classmethod
     def install(cls, model: Any, mode: str) -> UnpadPatch:
@@ -147,6 +150,16 @@ class UnpadPatch:
             patch.hooks.append(model.register_forward_pre_hook(patch._remember_labels, with_kwargs=True))
             patch.hooks.append(model.register_forward_hook(patch._forget_labels, with_kwargs=True, always_call=True))
         return patch
+
+    @contextmanager
+    def labels_for_loss(self, labels: Any) -> Iterator[None]:
+        """Within the block, a call whose head gets no labels is checked against ``labels``: those a caller's own
+        loss reads (a ``compute_loss`` that takes them out of the batch before calling the model)."""
+        self.loss_labels.append(labels if isinstance(labels, torch.Tensor) else None)
+        try:
+            yield
+        finally:
+            self.loss_labels.pop()
 
     def _remember_labels(self, module: Any, args: tuple, kwargs: dict) -> None:
         self.labels.append(bound_inputs(module, args, kwargs).get("labels"))
@@ -166,7 +179,10 @@ class UnpadPatch:
                 "output_attentions"):
             return None
         labels = self.labels[-1] if self.labels else None
-        packed = pack_padded_call(inputs, mask, labels if isinstance(labels, torch.Tensor) else None)
+        if labels is None and self.loss_labels:
+            labels = self.loss_labels[-1]
+        labels = labels.to(mask.device, non_blocking=True) if isinstance(labels, torch.Tensor) else None
+        packed = pack_padded_call(inputs, mask, labels)
         if packed is None:
             return None
         self.calls[-1] = packed[1]
