@@ -182,6 +182,18 @@ class PackedMixer:
     kernels: tuple[str, ...]
     chunk: int = 1  # the chunk the mixer's torch code pads every call to (see run_per_example)
 
+    def _arguments(self, args: tuple, kwargs: dict) -> dict:
+        """The call's arguments by name, ``**kwargs`` merged in (the signature read once, not pickled)."""
+        signature = self.__dict__.get("_signature")
+        if signature is None:
+            signature = self.__dict__["_signature"] = inspect.signature(self.original)
+        inputs = signature.bind(*args, **kwargs).arguments
+        inputs.update(inputs.pop("kwargs", {}))
+        return inputs
+
+    def __getstate__(self) -> dict:
+        return {key: value for key, value in self.__dict__.items() if key != "_signature"}
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         row = PACKED_ROW.get()
         cu = kwargs.get("cu_seq_lens_q")
@@ -192,8 +204,7 @@ class PackedMixer:
             return self.original(*args, **kwargs)
         if row is None or (cu is not None and cu is not row.cu_seq_lens):
             row = PackedRow(cu)
-        inputs = inspect.signature(self.original).bind(*args, **kwargs).arguments
-        inputs.update(inputs.pop("kwargs", {}))
+        inputs = self._arguments(args, kwargs)
         hidden_states = inputs.pop("hidden_states", None)
         if hidden_states is None or hidden_states.ndim != 3 or hidden_states.shape[0] != 1:
             raise BoundaryError(f"{type(self.module).__name__} got a packed call without a [1, T, H] hidden_states")
@@ -253,12 +264,15 @@ class MixerPatch:
     saved: list = field(default_factory=list)
     hooks: list = field(default_factory=list)
     calls: list = field(default_factory=list, repr=False)  # per forward: its context token, the layers it wrapped
+    #: the modules that can checkpoint (transformers sets ``gradient_checkpointing`` on them), found once
+    checkpointed: list = field(default_factory=list, repr=False)
 
     @classmethod
     def install(cls, model: Any, mixers: list[Any], backend: str, kernels: tuple[str, ...],
                 chunk: Any = lambda module: 1) -> MixerPatch:
         """``chunk(module)``: the chunk each mixer's torch code pads its calls to."""
-        patch = cls(model)
+        checkpointed = [layer for layer in model.modules() if hasattr(layer, "gradient_checkpointing")]
+        patch = cls(model, checkpointed=checkpointed)
         for module in mixers:
             patch.saved.append((module, own_attribute(module, "forward")))
             module.forward = PackedMixer(module, module.forward, backend, kernels, chunk(module))
@@ -272,14 +286,16 @@ class MixerPatch:
         a cache; one given none keeps the row of the forward around it (a task's computation calling the base
         model)."""
         cu = kwargs.get("cu_seq_lens_q")
-        row = PackedRow(cu) if cu is not None else PACKED_ROW.get()
+        row = PACKED_ROW.get()
+        if cu is not None and (row is None or row.cu_seq_lens is not cu):  # the base model's call reuses the head's
+            row = PackedRow(cu)
         wrapped = self._checkpoint_in_row(row) if row is not None else []
         self.calls.append((PACKED_ROW.set(row), wrapped))
         return without_cache(module, args, kwargs) if cu is not None else None
 
     def _checkpoint_in_row(self, row: PackedRow) -> list:
         wrapped = []
-        for layer in self.model.modules():
+        for layer in self.checkpointed:
             function = layer.__dict__.get("_gradient_checkpointing_func")
             if getattr(layer, "gradient_checkpointing", False) is True and function is not None and not isinstance(
                     function, RowCheckpoint):
