@@ -55,8 +55,8 @@ class Unpadded:
                 return self._grid(value)
             return value
         if isinstance(value, tuple):
-            return type(value)(self.scatter(item) for item in value) if not hasattr(value, "_fields") else \
-                type(value)(*(self.scatter(item) for item in value))
+            items = [self.scatter(item) for item in value]
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
         if hasattr(value, "keys") and hasattr(value, "__setitem__"):  # a transformers ModelOutput (or a dict)
             for key in list(value.keys()):
                 value[key] = self.scatter(value[key])
