@@ -185,7 +185,7 @@ def test_an_encoder_is_refused_unpad_packs_decoders_only():
 
 def test_trl_dpo_trains_the_padded_curve_through_the_generic_path(packed_calls):
     """TRL's ``DPOTrainer`` (its own ``compute_loss``: prompt + chosen and prompt + rejected, right-padded, through
-    its fused LM head) takes the generic path: 10 steps of sigmoid DPO with a reference model give the padded curve
+    its fused LM head), with its own plugin blocked (``plugins: {block: [trl_dpo]}``), takes the generic path: 10 steps of sigmoid DPO with a reference model give the padded curve
     within 1e-4, every policy forward packed. (``bf16=False``: DPOConfig turns bf16 autocast on even on a CPU, and
     under it padded and packed differ by bf16 rounding, both sides alike.)"""
     import random
@@ -210,7 +210,9 @@ def test_trl_dpo_trains_the_padded_curve_through_the_generic_path(packed_calls):
                                  bf16=False)
             trainer = trl.DPOTrainer(model=model, ref_model=copy.deepcopy(model).eval(), args=args,
                                      train_dataset=pairs, processing_class=copy.deepcopy(tok))
-            acceleration = accelerate(trainer, {"task": "causal_lm"}) if accelerated else None
+            config = {"task": "causal_lm", "plugins": {"block": ["trl_dpo"]}}
+            acceleration = accelerate(trainer, config) if accelerated else None
+            assert acceleration is None or acceleration.trainer_plugin == "any_trainer"
             trainer.train()
             if acceleration is not None:
                 acceleration.undo()

@@ -34,15 +34,22 @@ from padfree_plugins.errors import ConfigError, PadfreeError
 from padfree_plugins.integrations.base import library_class, own_attribute, restore_attributes
 from padfree_plugins.integrations.checks import check_parallelism
 from padfree_plugins.integrations.hf_trainer import HFTrainerPatch
+from padfree_plugins.integrations.trl_dpo import DPOTrainerPatch
+from padfree_plugins.integrations.trl_grpo import GRPOTrainerPatch
+from padfree_plugins.integrations.trl_kto import KTOTrainerPatch
 from padfree_plugins.integrations.trl_reward import RewardTrainerPatch
+from padfree_plugins.integrations.trl_rloo import RLOOTrainerPatch
 from padfree_plugins.integrations.trl_sft import SFTTrainerPatch
 from padfree_plugins.modeling.patching import unwrap_model
 from padfree_plugins.modeling.unpad import UnpadPatch
 
 logger = logging.getLogger("padfree_plugins")
 
-#: The trainer patches of the builtin plugins, which win for the trainers they claim whatever the order of asking.
-SPECIFIC_PATCHES = (HFTrainerPatch, SFTTrainerPatch, RewardTrainerPatch)
+#: The trainer patches of the builtin plugins (by plugin name), which win for the trainers they claim whatever the
+#: order of asking, unless the config blocks them (``plugins: {block: [trl_dpo]}`` trains a DPOTrainer through here).
+SPECIFIC_PATCHES = {"hf_trainer": HFTrainerPatch, "trl_sft": SFTTrainerPatch, "trl_reward": RewardTrainerPatch,
+                    "trl_dpo": DPOTrainerPatch, "trl_grpo": GRPOTrainerPatch, "trl_rloo": RLOOTrainerPatch,
+                    "trl_kto": KTOTrainerPatch}
 
 
 def own_methods(trainer: Any) -> list[str]:
@@ -71,16 +78,16 @@ class AnyTrainerPatch:
     active: bool = True
 
     @classmethod
-    def claims(cls, trainer: Any) -> bool:
-        """A ``transformers.Trainer`` (subclass) that no builtin trainer plugin claims."""
+    def claims(cls, trainer: Any, blocked: tuple[str, ...] = ()) -> bool:
+        """A ``transformers.Trainer`` (subclass) that no builtin trainer plugin claims (but those ``blocked``)."""
         if library_class(trainer, "transformers", "Trainer") is None:
             return False
-        return not any(patch.claims(trainer) for patch in SPECIFIC_PATCHES)
+        return not any(patch.claims(trainer) for name, patch in SPECIFIC_PATCHES.items() if name not in blocked)
 
     @classmethod
     def wrap(cls, trainer: Any, assembly: Assembly) -> AnyTrainerPatch | None:
         """Installed on ``trainer``, or ``None`` when :meth:`claims` says no; refusals leave the trainer unchanged."""
-        if not cls.claims(trainer):
+        if not cls.claims(trainer, tuple(assembly.config.plugins.block)):
             return None
         name = type(trainer).__name__
         check_parallelism(trainer)

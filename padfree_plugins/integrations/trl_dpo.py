@@ -1,0 +1,29 @@
+"""The plugin for TRL ``DPOTrainer`` (and subclasses that keep its ``compute_loss``, ``_compute_loss`` and
+``prediction_step``): prompt + chosen and prompt + rejected of every pair packed into one row at each log-probability
+forward, the policy's and the reference model's (:mod:`.trl_fused`), with TRL's loss code unchanged — every loss type
+(sigmoid, IPO, hinge, robust, …, several at once with weights), ``ld_alpha``, WPO weighting, the MoE aux loss, and
+TRL's metrics.
+
+``precompute_ref_log_probs=True``: TRL computes the reference log-probabilities in the trainer's ``__init__``, before
+``accelerate()`` can patch anything, so that pass runs padded; the reference passes of an ``evaluate()`` on a new
+dataset, and every reference forward without precomputation, run packed.
+"""
+
+from __future__ import annotations
+
+from padfree_plugins.contract.hookspecs import hookimpl
+from padfree_plugins.integrations.trl_fused import FusedTrainerPatch
+
+
+class DPOTrainerPatch(FusedTrainerPatch):
+    """TRL ``DPOTrainer``: its fused log-probability forwards on the packed row."""
+
+    trainer_class = "DPOTrainer"
+    kind = "dpo"
+    kept_methods = ("compute_loss", "_compute_loss", "prediction_step", "compute_ref_log_probs")
+
+
+@hookimpl(trylast=True)
+def wrap_trainer(trainer, assembly, config):
+    """TRL ``DPOTrainer``, and subclasses that keep its loss."""
+    return DPOTrainerPatch.wrap(trainer, assembly)
