@@ -224,3 +224,46 @@ def test_trl_dpo_trains_the_padded_curve_through_the_generic_path(packed_calls):
     assert len(got) == len(want) == 10 and packed_calls and all(packed_calls)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=0)
     assert max(want) - min(want) > 0.05, "the reference did not train: the comparison would prove little"
+
+
+@pytest.mark.parametrize("lmbda", [0.0, 0.5])
+def test_trl_gkd_trains_the_padded_curve_through_the_generic_path(lmbda, packed_calls):
+    """TRL's ``GKDTrainer`` (experimental; on-policy distillation) needs the student's and the teacher's whole
+    next-token distributions at every completion position, which TRL's fused head (log-probabilities of the labels)
+    does not give, so it takes the generic path: the student's layers run packed, the LM head and the generalised JSD
+    on the padded logits. 20 steps, off-policy (``lmbda`` 0) and half on-policy (student generations), give the padded
+    run's loss and grad norm within 1e-4 relative."""
+    import random
+
+    gkd = pytest.importorskip("trl.experimental.gkd")
+    from tests.test_trl_preference import assert_same_run, words
+
+    tok = copy.deepcopy(tokenizer())
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    chats = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": question},
+                                                      {"role": "assistant", "content": answer}]}
+                                        for question, answer in zip(words(40, 5), words(40, 6))])
+
+    def run(accelerated):
+        student = tiny_model("llama", "causal_lm", num_key_value_heads=2, vocab_size=len(tok)).train()
+        teacher = tiny_model("llama", "causal_lm", num_key_value_heads=2, vocab_size=len(tok), seed=1)
+        with tempfile.TemporaryDirectory() as out:
+            args = gkd.GKDConfig(output_dir=out, per_device_train_batch_size=4, max_steps=20, learning_rate=1e-3,
+                                 logging_steps=1, report_to=[], seed=0, save_strategy="no", use_cpu=True, bf16=False,
+                                 lmbda=lmbda, max_new_tokens=8, disable_tqdm=True)
+            trainer = gkd.GKDTrainer(model=student, teacher_model=teacher, args=args, train_dataset=chats,
+                                     processing_class=tok)
+            acceleration = accelerate(trainer, {"task": "causal_lm"}) if accelerated else None
+            assert acceleration is None or acceleration.trainer_plugin == "any_trainer"
+            random.seed(0)  # GKD draws on- or off-policy per step from Python's generator
+            trainer.train()
+            if acceleration is not None:
+                acceleration.undo()
+        return trainer.state.log_history
+
+    want = run(False)
+    packed_calls.clear()
+    got = run(True)
+    assert packed_calls and all(packed_calls)
+    assert_same_run(got, want)
