@@ -203,3 +203,22 @@ def test_install_needs_trls_fused_head_and_remove_restores_it():
     assert fused_forward_of(model) is None and model.forward == head.forward
     head.remove()
     assert fused_forward_of(model) == original
+
+
+def test_the_guides_fused_trainer_plugin_runs():
+    """docs/writing-a-plugin.md's example for a TRL trainer with a fused head is a working plugin module: it claims
+    a trainer of that name from a ``trl`` module, and nothing else."""
+    import re
+    import types
+    from pathlib import Path
+
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "writing-a-plugin.md").read_text()
+    section = guide.split("## A plugin for a TRL trainer with a fused LM head", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    module = types.ModuleType("async_grpo_plugin")
+    exec(compile(block, "writing-a-plugin.md", "exec"), module.__dict__)
+    claimed = type("AsyncGRPOTrainer", (), {"__module__": "trl.experimental.async_grpo",
+                                             "compute_loss": lambda self: None, "_compute_loss": lambda self: None})
+    other = type("AsyncGRPOTrainer", (), {"__module__": "my_trainers"})
+    assert module.AsyncGRPOPatch.claims(claimed()) and not module.AsyncGRPOPatch.claims(other())
+    assert module.wrap_trainer(other(), assembly=None, config=None) is None

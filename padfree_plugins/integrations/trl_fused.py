@@ -86,7 +86,8 @@ class PackedFusedHead:
         packed = None
         mask = kwargs.get("attention_mask")
         if fused_lm_head and not args and shift_labels is None and isinstance(labels, torch.Tensor) and isinstance(
-                mask, torch.Tensor) and not any(kwargs.get(key) is not None for key in UNPACKED_INPUTS):
+                mask, torch.Tensor) and labels.shape == mask.shape and not any(
+                kwargs.get(key) is not None for key in UNPACKED_INPUTS):
             packed = unpad.pack_padded_call(kwargs, mask, labels.to(mask.device))
         if packed is None:
             return self.original(*args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
