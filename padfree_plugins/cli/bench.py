@@ -1,10 +1,11 @@
-"""``bench``: side-by-side benchmarks (sft, embedding, collator, batching), each ratio measured in one run."""
+"""``bench``: side-by-side benchmarks (sft, dpo, grpo, embedding, collator, batching), each ratio measured in one
+run."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 from rich.table import Table
@@ -43,10 +44,12 @@ def bench_hybrids() -> None:
 
 @app.callback(invoke_without_command=True)
 def bench_all(ctx: typer.Context) -> None:
-    """Run every benchmark with its defaults: collator, sft, sft on the hybrid configs, embedding, batching."""
+    """Run every benchmark with its defaults: collator, sft, sft on the hybrid configs, dpo, grpo, embedding,
+    batching."""
     if ctx.invoked_subcommand is not None:
         return
     for title, command in (("collator", bench_collator), ("sft (causal LM)", bench_sft),
+                           ("dpo (TRL DPOTrainer)", bench_dpo), ("grpo (TRL GRPOTrainer)", bench_grpo),
                            ("embedding and reranker", bench_embedding), ("batching", bench_batching)):
         console().rule(f"bench {title}")
         command()
@@ -283,3 +286,75 @@ def bench_batching(
             table.add_row(str(r.ranks), r.batching, f"{r.real_tokens:,}", f"{r.spread_mean:.3f}",
                           f"{r.seconds:.2f}", f"{r.tokens_per_s:,.0f}", mark)
         stdout.print(table)
+
+
+def preference_command(trainer: str) -> Callable[..., None]:
+    """The ``bench dpo`` / ``bench grpo`` command: TRL padded vs the generic path vs the native plugin."""
+
+    def command(
+        quick: Annotated[bool, typer.Option("--quick", help="Seconds, not minutes: the micro model, one batch, one "
+                                                            "round (a smoke run; its speeds mean little).")] = False,
+        model_size: Annotated[str, typer.Option(help="tiny (4 layers, d=256, vocab 4096), micro (2 layers, d=64), "
+                                                     "1b (TinyLlama 1.1B shape: slow on CPU).")] = "tiny",
+        dtype: Annotated[str, typer.Option(help="float32, or float64: the transformer body exact to ~1e-16, which "
+                                                "shows what of a loss difference is float32 rounding (TRL's fused "
+                                                "head computes in float32 either way).")] = "float32",
+        batch_size: Annotated[Optional[int], positive("DPO: preference pairs per batch (2 padded rows each; "
+                                                       "default 8). GRPO: completions per batch, 4 per prompt "
+                                                       "(default 16).")] = None,
+        batches: Annotated[int, positive("Distinct batches.")] = 3,
+        rounds: Annotated[int, positive("Interleaved timed rounds; figures are medians over rounds.")] = 3,
+        seed: Annotated[int, typer.Option(help="Seed of the weights, the lengths and the tokens.")] = 0,
+        threads: Annotated[int, positive("torch intra-op threads (1: on a shared machine, OpenMP barriers on "
+                                         "contended cores otherwise dominate small kernels).")] = 1,
+        out: Annotated[Optional[Path], typer.Option(
+            help="Directory for bench_dpo.json and bench_dpo.md (grpo: bench_grpo.*). Default out/bench-dpo "
+                 "(out/bench-grpo).")] = None,
+        as_json: JsonFlag = False,
+    ) -> None:
+        from padfree_plugins.benchmarks.preference import (
+            COLUMNS,
+            TARGETS,
+            PreferenceSettings,
+            cells,
+            run_preference_benchmark,
+            title,
+            write_outputs,
+        )
+
+        settings = PreferenceSettings(trainer=trainer, model_size="micro" if quick else model_size, dtype=dtype,
+                                      batch_size=batch_size, batches=1 if quick else batches,
+                                      rounds=1 if quick else rounds, seed=seed, threads=threads)
+        stdout = console()
+        try:
+            result = run_preference_benchmark(settings, progress=None if as_json else
+                                              (lambda line: stdout.print(line, highlight=False, soft_wrap=True)))
+        except PadfreeError as error:
+            fail(error)
+        paths = write_outputs(result, out or Path(f"out/bench-{trainer}"))
+        if as_json:
+            print(result.to_json())
+            return
+        table = Table(title=title(result))
+        for column in COLUMNS:
+            table.add_column(column, justify="right")
+        for row in result.rows:
+            table.add_row(*cells(row))
+        stdout.print(table)
+        stdout.print(f"targets: real tokens/s over padded >= {TARGETS['of_ideal']:.0%} of the ideal 1 / (1 - padding) "
+                     f"(speed), activation memory <= {TARGETS['memory_ratio']}x padded (memory), loss diff <= "
+                     f"{TARGETS['loss_diff']:g} relative and absolute (loss). generic: the padded batch packed inside "
+                     "the policy's body only, TRL's fused head then run on the padded hidden states (on CPU at every "
+                     "position), and DPO's reference forward padded (any_trainer patches the trainer's model only).",
+                     highlight=False)
+        stdout.print(f"environment: {result.environment}", highlight=False)
+        stdout.print(f"wrote {paths['json']} and {paths['markdown']}", highlight=False)
+
+    command.__doc__ = (f"TRL {'DPOTrainer' if trainer == 'dpo' else 'GRPOTrainer'} compute_loss + backward: padded "
+                       f"vs the generic path (plugin trl_{trainer} blocked) vs the native plugin, same batches, one "
+                       "run.")
+    return command
+
+
+bench_dpo = app.command("dpo")(preference_command("dpo"))
+bench_grpo = app.command("grpo")(preference_command("grpo"))

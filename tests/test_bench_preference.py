@@ -1,0 +1,128 @@
+"""Smoke test of ``padfree-plugins bench dpo`` / ``bench grpo`` at the micro size: they run, write their outputs, the
+three variants compute the same loss and gradient, and the accelerated rows really ran packed. Nothing here is
+timed."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from types import SimpleNamespace
+
+import pytest
+from typer.testing import CliRunner
+
+from padfree_plugins import PadfreeError
+from padfree_plugins.benchmarks.preference import (
+    GRPO_GENERATIONS,
+    VARIANTS,
+    NotPacked,
+    PreferenceSettings,
+    dpo_examples,
+    grpo_batch,
+    run_preference_benchmark,
+    write_outputs,
+)
+from padfree_plugins.cli.app import app
+from padfree_plugins.modeling import unpad
+
+MICRO = dict(model_size="micro", batches=1, rounds=1)
+#: The forwards each variant runs packed: DPO's reference too on the native path, never on the generic one.
+PACKED = {"dpo": {"padded": "none", "generic": "policy", "native": "policy + reference"},
+          "grpo": {"padded": "none", "generic": "policy", "native": "policy"}}
+
+
+@pytest.mark.parametrize("trainer", ["dpo", "grpo"])
+def test_variants_agree_and_outputs_are_written(trainer, tmp_path):
+    result = run_preference_benchmark(PreferenceSettings(trainer=trainer, batch_size=4, **MICRO))
+    rows = {r.variant: r for r in result.rows}
+    assert list(rows) == list(VARIANTS) == ["padded", "generic", "native"]
+    assert {v: r.packed for v, r in rows.items()} == PACKED[trainer]
+    assert result.environment["plugins"] == {"padded": "none", "generic": "AnyTrainerPatch (plugin any_trainer)",
+                                             "native": f"{trainer.upper()}TrainerPatch (plugin trl_{trainer})"}
+    for row in result.rows:
+        assert row.rows == (8 if trainer == "dpo" else 4)  # DPO: chosen and rejected rows of 4 pairs
+        assert 0 < row.padding_fraction < 1 and row.real_tokens > 0
+        assert row.tokens_per_s > 0 and row.step_ms > 0 and row.memory_bytes > 0
+        assert row.loss_rel_diff < 1e-5 and row.loss_abs_diff < 1e-5 and row.grad_rel_diff < 1e-5, row
+    for row in (rows["generic"], rows["native"]):
+        assert row.of_ideal > 0 and row.memory_ratio < 1  # fewer activations than padded at any padding
+        assert set(row.targets()) == {"speed", "memory", "loss"}
+    assert rows["padded"].targets() == {} and rows["padded"].loss_rel_diff == 0
+    paths = write_outputs(result, tmp_path)
+    saved = json.loads(paths["json"].read_text())
+    assert [r["variant"] for r in saved["rows"]] == list(VARIANTS) and saved["settings"]["trainer"] == trainer
+    assert "| native |" in paths["markdown"].read_text()
+
+
+def test_in_float64_the_packed_losses_are_the_padded_ones():
+    """With the body in float64 (TRL's fused head computes in float32 either way), what remains of the float32 loss
+    differences is gone: the packed paths compute padded's loss."""
+    result = run_preference_benchmark(PreferenceSettings(trainer="dpo", batch_size=3, dtype="float64", **MICRO))
+    assert [r.loss_abs_diff < 1e-12 for r in result.rows] == [True] * len(VARIANTS)
+    with pytest.raises(PadfreeError, match="--dtype must be float32 or float64"):
+        run_preference_benchmark(PreferenceSettings(dtype="bfloat16"))
+
+
+def test_an_accelerated_row_that_runs_padded_is_refused(monkeypatch):
+    """Were the batch not packed (the plugins' packing off), the generic and native rows would time padded runs: the
+    benchmark stops instead."""
+    monkeypatch.setattr(unpad, "pack_padded_call", lambda *args: None)
+    with pytest.raises(NotPacked, match="generic policy forward did not run on the packed row"):
+        run_preference_benchmark(PreferenceSettings(trainer="dpo", batch_size=2, **MICRO))
+
+
+def test_length_laws_pad_about_sixty_percent():
+    """The default batches: DPO's prompt + chosen / prompt + rejected rows, GRPO's left-padded prompts (repeated per
+    generation) beside right-padded completions, each ~60% padding."""
+
+    def dpo_padding(seed: int) -> float:
+        examples = dpo_examples(8, 4096, seed, 2048)
+        rows = [len(ex["prompt_ids"]) + len(ex[key]) for key in ("chosen_ids", "rejected_ids") for ex in examples]
+        return 1 - sum(rows) / (len(rows) * max(rows))
+
+    def grpo_padding(seed: int) -> float:
+        batch = grpo_batch(16, 4096, seed, 2048)
+        assert (batch["prompt_mask"][:, -1] == 1).all() and (batch["completion_mask"][:, 0] == 1).all()
+        assert (batch["prompt_ids"][::GRPO_GENERATIONS] == batch["prompt_ids"][1::GRPO_GENERATIONS]).all()
+        mask = [batch["prompt_mask"], batch["completion_mask"]]
+        return 1 - sum(int(m.sum()) for m in mask) / (16 * sum(m.shape[1] for m in mask))
+
+    assert 0.5 < statistics.mean(dpo_padding(seed) for seed in range(20)) < 0.7
+    assert 0.5 < statistics.mean(grpo_padding(seed) for seed in range(20)) < 0.7
+
+
+def test_cli_prints_the_table_and_writes_outputs(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")
+    result = CliRunner().invoke(app, ["bench", "dpo", "--quick", "--batch-size", "2", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "generic" in result.output and "native" in result.output and "of ideal" in result.output
+    assert "targets:" in result.output and "policy + reference" in result.output
+    assert (tmp_path / "bench_dpo.json").is_file() and (tmp_path / "bench_dpo.md").is_file()
+    result = CliRunner().invoke(app, ["bench", "grpo", "--quick", "--batch-size", "4", "--out", str(tmp_path),
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    assert [row["variant"] for row in json.loads(result.output)["rows"]] == list(VARIANTS)
+
+
+def test_cli_errors_and_help():
+    result = CliRunner().invoke(app, ["bench", "grpo", "--quick", "--batch-size", "6"])
+    assert result.exit_code == 2 and "multiple of 4" in result.output
+    result = CliRunner().invoke(app, ["bench", "dpo", "--batches", "0"])
+    assert result.exit_code == 2 and "0 is not a positive number" in result.output
+    for command in ("dpo", "grpo"):
+        result = CliRunner().invoke(app, ["bench", command, "--help"])
+        assert result.exit_code == 0 and "--quick" in result.output
+    with pytest.raises(PadfreeError, match="unknown trainer"):
+        run_preference_benchmark(PreferenceSettings(trainer="ppo"))
+
+
+def test_bench_runs_dpo_and_grpo(monkeypatch):
+    from padfree_plugins.cli import bench
+
+    calls = []
+    for name in ("bench_collator", "bench_sft", "bench_hybrids", "bench_dpo", "bench_grpo", "bench_embedding",
+                 "bench_batching"):
+        monkeypatch.setattr(bench, name, lambda name=name: calls.append(name))
+    bench.bench_all(SimpleNamespace(invoked_subcommand=None))
+    assert calls == ["bench_collator", "bench_sft", "bench_hybrids", "bench_dpo", "bench_grpo", "bench_embedding",
+                     "bench_batching"]
