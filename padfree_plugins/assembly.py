@@ -264,6 +264,8 @@ class Parts:
         collator = host.call_first("collate", returns_callable=True, model_config=model_config, **call)
         if collator is None:
             raise PluginError(f"no plugin provides a collator for task {resolved.task.name!r}")
+        if resolved.architecture.wrap_collator is not None:  # media packed beside the text (vision-language)
+            collator = resolved.architecture.wrap_collator(collator, model_config)
         mode = config.pooling or (resolved.architecture.default_pooling if resolved.task.needs_pooling else None)
         pooler = host.call_first("pool", returns_callable=True, mode=mode, **call) if mode else None
         if mode and pooler is None:

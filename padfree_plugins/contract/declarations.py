@@ -60,6 +60,10 @@ class Architecture:
     description: str = ""
     token_keys: tuple[str, ...] = ()
     example_keys: tuple[str, ...] = ()
+    #: Called at assembly with the task's collator and the model config, returns the collator batches go through
+    #: (a vision-language family's :class:`~padfree_plugins.packing.multimodal.MultimodalPacking`); its
+    #: ``model_keys`` are model inputs the forward passes when a batch has them (``pixel_values`` …).
+    wrap_collator: Callable[[Any, Any], Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.model_types:

@@ -69,6 +69,14 @@ class AsksLabelledLogits(Protocol):
     labelled_logits_only: bool
 
 
+class DerivesLabels(Protocol):
+    """Optional (``causal_lm``): ``labels_from_input_ids`` True says the collator takes the labels of examples
+    without any from their ``input_ids``; the multimodal collator then leaves image and video placeholders
+    unlabelled (:mod:`padfree_plugins.packing.multimodal`)."""
+
+    labels_from_input_ids: bool
+
+
 # -- task_forward ----------------------------------------------------------------------------------------------
 
 
@@ -165,7 +173,7 @@ def _attributes(*protocols: type) -> tuple[str, ...]:
 #: Hook -> the optional attributes the framework may read on its answer.
 OPTIONAL_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "collate": _attributes(WrapsPacking, ReadsDatasetColumns, ChecksTrainerDataset, NamesTextColumns,
-                           AsksLabelledLogits),
+                           AsksLabelledLogits, DerivesLabels),
     "task_forward": _attributes(ChecksModel, RunsInsideModelForward, UsesAssemblyPooler, ChoosesMetrics,
                                 SaysLossScaling),
 }

@@ -35,21 +35,20 @@ from padfree_plugins.integrations.base import keeps_methods, library_class
 from padfree_plugins.integrations.checks import check_parallelism
 from padfree_plugins.modeling import unpad
 from padfree_plugins.modeling.patching import own_attribute, restore_attributes, unwrap_model
-from padfree_plugins.packing.batch import BOUNDARY_KEYS
+from padfree_plugins.packing.batch import BOUNDARY_KEYS, MEDIA_KEYS
 
 logger = logging.getLogger("padfree_plugins")
 
 #: Inputs with which a fused call is left to TRL's own forward: a cache, embeddings instead of tokens, boundaries
 #: (already packed), images (vision-language models: not yet packed).
-UNPACKED_INPUTS = ("past_key_values", "inputs_embeds", "pixel_values", *BOUNDARY_KEYS)
+UNPACKED_INPUTS = ("past_key_values", "inputs_embeds", *MEDIA_KEYS, *BOUNDARY_KEYS)
 
 
 def fused_forward_of(model: Any) -> Any:
     """The forward TRL's ``add_fused_lm_head`` put on ``model`` (an instance attribute), or ``None``."""
-    forward = vars(model).get("forward")
-    function = getattr(forward, "__func__", forward)
-    code = getattr(function, "__code__", None)
-    return forward if code is not None and code.co_name == "_fused_forward" else None
+    method = vars(model).get("forward")
+    code = getattr(getattr(method, "__func__", method), "__code__", None)
+    return method if code is not None and code.co_name == "_fused_forward" else None
 
 
 def padded_per_token(value: Any, unpadded: unpad.Unpadded) -> Any:

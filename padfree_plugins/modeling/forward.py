@@ -19,7 +19,9 @@ class ModelForward:
     def of(cls, task: Any, architecture: Any) -> "ModelForward":
         """The forward for ``task`` on ``architecture``: the task's model keys and the architecture's model inputs
         (``Architecture.token_keys`` / ``example_keys``, e.g. X-MOD's ``lang_ids``)."""
-        keys = (*task.model_keys, *getattr(architecture, "token_keys", ()), *getattr(architecture, "example_keys", ()))
+        media = getattr(getattr(architecture, "wrap_collator", None), "model_keys", ())
+        keys = (*task.model_keys, *getattr(architecture, "token_keys", ()), *getattr(architecture, "example_keys", ()),
+                *media)
         return cls(tuple(dict.fromkeys(keys)))
 
     def inputs(self, batch: Mapping) -> dict[str, Any]:

@@ -100,6 +100,21 @@ def _check_packed_boundaries(cu: Any, cu_k: Any, position_ids: torch.Tensor) -> 
         )
 
 
+def text_positions(position_ids: Any) -> Any:
+    """The text-position row ``[1, T]`` of a packed multimodal row's ``position_ids`` ``[4, 1, T]`` (transformers'
+    layout for Qwen-VL mRoPE: the text positions first, which restart at every example, then the three rotary rows);
+    any other value as it is. Three rotary rows without the text row are refused: nothing would say where the
+    examples start."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.ndim != 3:
+        return position_ids
+    if position_ids.shape[0] == 4 and position_ids.shape[1] == 1:
+        return position_ids[0]
+    raise BoundaryError(
+        f"position_ids of shape {tuple(position_ids.shape)} in a packed row: a packed multimodal row carries "
+        "[4, 1, T] — the text positions (restarting at every example) first, then the three mRoPE rows — as "
+        "padfree_plugins' multimodal collator builds them")
+
+
 def check_boundaries(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
     """Raise :class:`BoundaryError` on a packed row that lacks its boundaries (or carries a mask or a KV cache);
     return whether the call is packed."""
@@ -109,8 +124,8 @@ def check_boundaries(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool
     tokens = inputs.get("input_ids")
     tokens = inputs.get("inputs_embeds") if tokens is None else tokens
     if inputs.get("cu_seq_lens_q") is not None:
-        for name in ("input_ids", "position_ids"):
-            value = inputs.get(name)
+        position_ids = text_positions(position_ids)
+        for name, value in (("input_ids", inputs.get("input_ids")), ("position_ids", position_ids)):
             if isinstance(value, torch.Tensor) and value.ndim != 2:
                 raise BoundaryError(f"{name} of shape {tuple(value.shape)}; a packed batch is one row [1, T], as the "
                                     "collator builds it: keep the batch dimension")
@@ -260,30 +275,35 @@ class ModelPatch:
     active: bool = True
     attention_dropout: bool = True
     compute_route: ForwardOrCompute | None = field(default=None, repr=False)
+    attention_config: str | None = None
     _call_tokens: list = field(default_factory=list, repr=False)
 
     @classmethod
     def apply(cls, model: Any, architecture: Architecture, backend: AttentionBackend,
               fallback: AttentionBackend | None = None, *, attention_dropout: bool = True,
-              has_attention: bool = True) -> "ModelPatch":
+              has_attention: bool = True, attention_config: str | None = None) -> "ModelPatch":
         """Patch ``model``; ``attention_dropout=False`` runs attention without probability dropout;
-        ``has_attention=False``: an attention-free model (Mamba), of which only the guard is installed."""
+        ``has_attention=False``: an attention-free model (Mamba), of which only the guard is installed;
+        ``attention_config``: the sub-config whose attention runs packed (a vision-language model's
+        ``"text_config"``: its vision tower keeps its own implementation)."""
         model = unwrap_model(model)
         if getattr(model, PATCH_ATTRIBUTE, None) is not None:
             raise PadfreeError(f"{type(model).__name__} is already patched; undo the first patch before patching again")
-        previous = model.config._attn_implementation if has_attention else None
-        name = model.config._attn_implementation
+        config = model.config if attention_config is None else getattr(model.config, attention_config)
+        previous = config._attn_implementation if has_attention else None
+        name = config._attn_implementation
         if has_attention:
             name = attention.register(backend, fallback, attention_dropout, architecture.kind == "decoder")
-            model.set_attn_implementation(name)
-        if model.config._attn_implementation != name:
+            model.set_attn_implementation(name if attention_config is None else {attention_config: name})
+        if config._attn_implementation != name:
             raise UnsupportedArchitectureError(
                 f"{type(model).__name__} does not route attention through transformers' AttentionInterface, so its "
                 "attention cannot be made padding-free by this plugin; it needs an architecture plugin of its own "
                 "(see docs/writing-a-plugin.md)"
             )
         base = getattr(model, "base_model", model)
-        patch = cls(model, architecture, backend, fallback, name, previous, attention_dropout=attention_dropout)
+        patch = cls(model, architecture, backend, fallback, name, previous, attention_dropout=attention_dropout,
+                    attention_config=attention_config)
         patch.handles.append(base.register_forward_pre_hook(patch._before_forward, with_kwargs=True))
         patch.handles.append(base.register_forward_hook(patch._after_forward, with_kwargs=True, always_call=True))
         if base is not model and type(model).__name__.endswith(PER_ROW_HEADS):
@@ -347,7 +367,9 @@ class ModelPatch:
         self.handles.clear()
         self._remove_compute_route()
         if self.previous_implementation is not None:
-            self.model.set_attn_implementation(self.previous_implementation)
+            previous = self.previous_implementation
+            self.model.set_attn_implementation(previous if self.attention_config is None else
+                                               {self.attention_config: previous})
         if getattr(self.model, PATCH_ATTRIBUTE, None) is self:
             delattr(self.model, PATCH_ATTRIBUTE)
         self.active = False

@@ -14,7 +14,9 @@ mode (``always``: evaluation and ``no_grad`` forwards too, e.g. a reference mode
 call — ``generate()``, a cached step, a batch without padding (which so costs nothing extra), a mask with holes — runs
 the model's own padded code, exactly as unpatched. A label on a left-padded row's first real token is predicted,
 padded, from the pad before it, which a packed row does not hold: a call whose labels give any pad a token to
-predict runs padded (collators set such labels to -100, and the check rides on the one transfer).
+predict runs padded (collators set such labels to -100, and the check rides on the one transfer). So does a
+vision-language call with images or video, or with 3-D (mRoPE) positions: pack such batches with the multimodal
+collator instead.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 import torch
 
 from padfree_plugins.modeling.patching import bound_inputs
-from padfree_plugins.packing.batch import BOUNDARY_KEYS
+from padfree_plugins.packing.batch import BOUNDARY_KEYS, MEDIA_KEYS
 
 #: ``unpad`` modes a config may name.
 UNPAD_MODES = ("auto", "always", "off")
@@ -174,9 +176,10 @@ class UnpadPatch:
             return None
         inputs = bound_inputs(module, args, kwargs)
         mask = inputs.get("attention_mask")
-        if not isinstance(mask, torch.Tensor) or any(
-                inputs.get(key) is not None for key in ("past_key_values", *BOUNDARY_KEYS)) or inputs.get(
-                "output_attentions"):
+        positions = inputs.get("position_ids")
+        unpackable = ("past_key_values", *BOUNDARY_KEYS, *MEDIA_KEYS)
+        if not isinstance(mask, torch.Tensor) or any(inputs.get(key) is not None for key in unpackable) or inputs.get(
+                "output_attentions") or (isinstance(positions, torch.Tensor) and positions.ndim != 2):
             return None
         labels = self.labels[-1] if self.labels else None
         if labels is None and self.loss_labels:

@@ -31,6 +31,10 @@ import torch
 BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 #: What a patched model is called with on every packed batch: the tokens, their positions and the boundaries.
 MODEL_INPUT_KEYS = ("input_ids", "position_ids", *BOUNDARY_KEYS)
+#: Inputs that carry images or video (vision-language processors' outputs): only a vision-language family's
+#: multimodal collator packs them (:mod:`padfree_plugins.packing.multimodal`); any other path refuses or runs padded.
+MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "image_sizes",
+              "pixel_attention_mask")
 #: Per-token keys that are model inputs whenever a batch holds them as ``[1, T]`` (for a batch that carries no record
 #: of its collator's model keys: one rebuilt from a plain ``dict``, as ``Trainer`` does when moving it to a device).
 TOKEN_MODEL_KEYS = ("token_type_ids", "labels")

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from padfree_plugins.errors import BatchError, ConfigError
-from padfree_plugins.packing.batch import MODEL_INPUT_KEYS, PackedBatch
+from padfree_plugins.packing.batch import MEDIA_KEYS, MODEL_INPUT_KEYS, PackedBatch
 
 #: Per-token keys carried whenever every example has them.
 DEFAULT_TOKEN_KEYS = ("token_type_ids",)
@@ -281,6 +281,13 @@ class PackingCollator:
                 raise BatchError(
                     f"example {i} is missing {', '.join(map(repr, missing))}; it has {', '.join(map(repr, ex))}"
                 )
+            media = [key for key in MEDIA_KEYS if ex.get(key) is not None]
+            if media:
+                raise BatchError(
+                    f"example {i} carries {', '.join(map(repr, media))} (images or video), but this model's plugin "
+                    "packs text only, and the packed batch would drop them. Vision-language families are packed by "
+                    "their own plugins (padfree-plugins list: qwen2_vl, qwen2_5_vl …), which concatenate every "
+                    "example's pixels beside its tokens; to add one, see docs/writing-a-plugin.md")
             refused = [key for key in self.refused_keys if ex.get(key) is not None]
             if refused:
                 raise BatchError(self._refused_message(i, refused))
@@ -486,6 +493,9 @@ def refusing_undeclared(collator: Any, forward_parameters: Iterable[str]) -> Any
     the ``forward_parameters`` of the model that it does not carry — which the batch would otherwise drop without a
     word (``Trainer``'s ``remove_unused_columns`` keeps exactly such columns) — except :data:`HANDLED_KEYS`. Any
     other collator is returned as it is."""
+    names = {field.name for field in dataclasses.fields(collator)} if dataclasses.is_dataclass(collator) else set()
+    if "collator" in names and "packing" not in names:  # a wrapper of the task's collator (the multimodal one)
+        return dataclasses.replace(collator, collator=refusing_undeclared(collator.collator, forward_parameters))
     packing = _packing_of(collator)
     if packing is None or not dataclasses.is_dataclass(collator):
         return collator

@@ -1,0 +1,135 @@
+"""Vision-language families: the language model runs the packed row of every example's text and image tokens;
+the vision tower keeps its own per-image attention.
+
+A :class:`VisionLanguage` declares a family once: its :class:`~padfree_plugins.contract.declarations.Architecture`
+— whose ``wrap_collator``, a :class:`~padfree_plugins.packing.multimodal.MultimodalPacking`, names the media its
+processor makes and how positions are computed per example — the sub-config whose attention runs packed
+(``text_config``) and the vision towers (attribute paths from the base model). Its ``patch_model`` hook gives the
+language model packed attention (the towers keep their implementation) and keeps the packed row's boundaries from
+the towers: transformers hands a vision-language forward's ``**kwargs`` to its vision tower, whose blocks would
+otherwise take the text row's ``cu_seq_lens_q`` for their own.
+
+Qwen's mRoPE positions are transformers' own ``get_rope_index``, called for each example alone
+(:class:`QwenRopeIndex`), so a packed example sees exactly the positions it sees running alone.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from padfree_plugins.contract.declarations import Architecture
+from padfree_plugins.contract.hookspecs import hookimpl
+from padfree_plugins.errors import UnsupportedArchitectureError
+from padfree_plugins.modeling.patching import ModelPatch
+from padfree_plugins.packing.batch import BOUNDARY_KEYS
+
+#: Keys of the packed row that never reach a vision tower.
+TEXT_ROW_KEYS = (*BOUNDARY_KEYS, "seq_idx")
+
+
+@dataclass
+class TowerGuard:
+    """Forward pre-hooks that drop the packed text row's boundaries from a vision tower's calls; in
+    ``patch.handles``: ``remove()`` takes them off."""
+
+    hooks: list = field(default_factory=list)
+
+    @classmethod
+    def install(cls, towers: list[torch.nn.Module]) -> TowerGuard:
+        guard = cls()
+        for tower in towers:
+            guard.hooks.append(tower.register_forward_pre_hook(drop_text_row, with_kwargs=True))
+        return guard
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks.clear()
+
+
+def drop_text_row(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    if not any(key in kwargs for key in TEXT_ROW_KEYS):
+        return None
+    return args, {key: value for key, value in kwargs.items() if key not in TEXT_ROW_KEYS}
+
+
+@dataclass(frozen=True)
+class QwenRopeIndex:
+    """Qwen-VL mRoPE positions ``[3, L]`` of one example, computed as transformers computes them for that example
+    alone: the model class's own ``get_rope_index`` on a stand-in that holds the config (it reads nothing else)."""
+
+    model_class: type
+    config: Any
+
+    def __call__(self, input_ids: torch.Tensor, token_types: torch.Tensor, grids: dict[str, Any]) -> torch.Tensor:
+        owner = SimpleNamespace(config=self.config)
+        owner.get_vision_position_ids = lambda *args, **kwargs: self.model_class.get_vision_position_ids(
+            owner, *args, **kwargs)
+        positions, _ = self.model_class.get_rope_index(owner, input_ids[None], mm_token_type_ids=token_types[None],
+                                                        **grids)
+        return positions[:, 0]
+
+
+def nested_attribute(root: Any, path: str) -> Any:
+    for name in path.split("."):
+        root = getattr(root, name, None)
+        if root is None:
+            return None
+    return root
+
+
+@dataclass(frozen=True)
+class QwenPositions:
+    """``positions`` of a Qwen-VL family's :class:`~padfree_plugins.packing.multimodal.MultimodalPacking`: the
+    :class:`QwenRopeIndex` of the model class at ``model_class`` (a dotted path, imported when assembling)."""
+
+    model_class: str
+
+    def __call__(self, model_config: Any) -> QwenRopeIndex:
+        module, _, name = self.model_class.rpartition(".")
+        return QwenRopeIndex(getattr(importlib.import_module(module), name), model_config)
+
+
+@dataclass(frozen=True)
+class VisionLanguage:
+    """A vision-language family (see the module docstring): ``architecture`` (whose ``wrap_collator`` packs the
+    media), the vision ``towers`` (attribute paths from the base model) and the sub-config whose attention runs
+    packed."""
+
+    architecture: Architecture
+    towers: tuple[str, ...] = ("visual",)
+    text_config: str = "text_config"
+
+    def patch(self, model: Any, backend: Any, fallback: Any, config: Any) -> ModelPatch:
+        base = getattr(model, "base_model", model)
+        towers = [nested_attribute(base, path) for path in self.towers]
+        if not towers or any(tower is None for tower in towers):
+            raise UnsupportedArchitectureError(
+                f"{type(model).__name__} has no vision tower at {', '.join(self.towers)} where the "
+                f"{self.architecture.name} plugin looks for it: this transformers version changed the model; "
+                "padfree-plugins refuses rather than let the tower see the packed text row")
+        patch = ModelPatch.apply(model, self.architecture, backend, fallback,
+                                 attention_dropout=config.attention_dropout == "keep",
+                                 attention_config=self.text_config)
+        patch.handles.append(TowerGuard.install(towers))
+        return patch
+
+    def hooks(self) -> tuple[Any, Any]:
+        """The module-level hooks of the family's plugin: ``register_architectures, patch_model = FAMILY.hooks()``."""
+
+        @hookimpl
+        def register_architectures():
+            return [self.architecture]
+
+        @hookimpl
+        def patch_model(model, architecture, backend, fallback, config):
+            if architecture.name != self.architecture.name:
+                return None
+            return self.patch(model, backend, fallback, config)
+
+        return register_architectures, patch_model

@@ -1,0 +1,195 @@
+"""Image-text (and video-text) examples packed into one row, each example's media kept with its own tokens.
+
+A vision-language processor (``AutoProcessor``) makes, per example, the text with one placeholder token per visual
+token (``<|image_pad|>`` repeated), the pixels of its images as rows (``pixel_values``: ``[patches, dim]``) and each
+image's grid (``image_grid_thw``: ``[images, 3]``). :class:`MultimodalCollator` consumes these as made:
+
+* the text goes through the task's collator (labels, boundaries, text positions restarting per example); the
+  placeholder tokens get no label when labels are taken from ``input_ids``;
+* every media key is concatenated in example order — the model fills the placeholders of the packed row in that
+  order, so each example's tokens get its own pixels; examples without media contribute nothing;
+* each example is checked before anything is packed: its placeholders match its media (grid ``t·h·w / merge²``
+  tokens per item, ``t·h·w`` pixel rows), a grid comes with its pixels, and nothing is truncated;
+* positions: with a per-example position function (Qwen's mRoPE), ``position_ids`` becomes ``[4, 1, T]`` — the text
+  row first (transformers' layout, which says where examples start), then the three rotary rows of every example
+  computed as if it ran alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from padfree_plugins.errors import BatchError
+from padfree_plugins.packing.collator import as_examples
+
+#: The per-token modality of a processor's output (0 text, 1 image, 2 video), consumed for the positions.
+TOKEN_TYPES_KEY = "mm_token_type_ids"
+
+
+@dataclass(frozen=True)
+class Media:
+    """One kind of media a processor makes: ``pixels`` (rows concatenated across examples), ``grid`` (one row per
+    item), ``extra`` per-item values (a video's ``second_per_grid_ts``), the config attribute naming its placeholder
+    token, and its modality number in ``mm_token_type_ids``."""
+
+    name: str
+    pixels: str
+    grid: str
+    token_id: str
+    modality: int
+    extra: tuple[str, ...] = ()
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return (self.pixels, self.grid, *self.extra)
+
+
+def _tensor(value: Any, key: str, index: int) -> torch.Tensor:
+    try:
+        return value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+    except (TypeError, ValueError) as error:
+        raise BatchError(f"example {index}: {key!r} is not an array ({type(value).__name__}): {error}") from None
+
+
+@dataclass
+class MultimodalCollator:
+    """The task's ``collator`` with media packed beside it (see the module docstring). ``token_ids``: each media's
+    placeholder token id; ``merge``: visual tokens per grid cell are ``1 / merge²``; ``positions(input_ids,
+    token_types, grids) -> [3, L]`` per example, or ``None``."""
+
+    collator: Any
+    media: tuple[Media, ...]
+    token_ids: Mapping[str, int]
+    merge: int = 1
+    positions: Callable[..., torch.Tensor] | None = None
+
+    @property
+    def packing(self) -> Any:
+        return getattr(self.collator, "packing", self.collator)
+
+    def __getattr__(self, name: str) -> Any:
+        """What trainers read from the task's collator (``labelled_logits_only``, ``max_length`` …)."""
+        if name == "collator":  # not yet set (unpickling)
+            raise AttributeError(name)
+        return getattr(self.collator, name)
+
+    @property
+    def media_keys(self) -> tuple[str, ...]:
+        return tuple(key for media in self.media for key in media.keys)
+
+    def __call__(self, examples: Sequence[Mapping[str, Any]]) -> Any:
+        examples = as_examples(examples)
+        consumed = (*self.media_keys, TOKEN_TYPES_KEY)
+        items = [self._media_of(example, index) for index, example in enumerate(examples)]
+        texts = [{key: value for key, value in example.items() if key not in consumed} for example in examples]
+        if self._labels_from_input_ids() and any(found for found, _ in items):
+            texts = [self._unlabelled_placeholders(text) for text in texts]
+        batch = self.collator(texts)
+        lengths = batch["cu_seq_lens_q"].diff().tolist()
+        for index, (example, length) in enumerate(zip(texts, lengths)):
+            if length != len(example["input_ids"]) and items[index][0]:
+                raise BatchError(f"example {index} holds {len(example['input_ids'])} tokens with images or video, "
+                                 f"more than the collator keeps ({length}): truncating it would cut placeholders "
+                                 "from their pixels. Raise max_length or drop the example")
+        for media in self.media:
+            for key in media.keys:
+                values = [found[key] for found, _ in items if key in found]
+                if values:
+                    batch[key] = torch.cat(values)
+        if self.positions is not None:
+            batch["position_ids"] = self._positions(batch, examples, items, lengths)
+        keys = tuple(key for key in self.media_keys if key in batch)
+        if getattr(batch, "model_keys", None) is not None:
+            batch.model_keys = tuple(dict.fromkeys((*batch.model_keys, *keys)))
+        return batch
+
+    def _labels_from_input_ids(self) -> bool:
+        return bool(getattr(self.collator, "labels_from_input_ids", False))
+
+    def _unlabelled_placeholders(self, example: dict) -> dict:
+        """Labels taken from ``input_ids`` with every placeholder token ``-100`` (a visual token predicts nothing)."""
+        if "labels" in example:
+            return example
+        ids = np.asarray(example["input_ids"]).reshape(-1)
+        labels = np.where(np.isin(ids, list(self.token_ids.values())), -100, ids)
+        return {**example, "labels": labels.tolist()}
+
+    def _media_of(self, example: Mapping[str, Any], index: int) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """An example's media tensors (by key) and its placeholder count per media, checked against each other."""
+        ids = np.asarray(example["input_ids"]).reshape(-1)
+        found: dict[str, torch.Tensor] = {}
+        counts: dict[str, int] = {}
+        for media in self.media:
+            placeholders = int((ids == self.token_ids[media.name]).sum())
+            counts[media.name] = placeholders
+            pixels, grid = example.get(media.pixels), example.get(media.grid)
+            if pixels is None and grid is None:
+                if placeholders:
+                    raise BatchError(f"example {index} has {placeholders} {media.name} tokens but no {media.pixels!r}: "
+                                     f"pass the processor's {media.pixels} and {media.grid} with the text")
+                continue
+            if grid is None:
+                raise BatchError(f"example {index} has {media.pixels!r} but no {media.grid!r}: without each "
+                                 f"{media.name}'s grid its pixels cannot be split into {media.name}s; pass the "
+                                 "processor's output whole")
+            if pixels is None:
+                raise BatchError(f"example {index} has {media.grid!r} but no {media.pixels!r}")
+            grid = _tensor(grid, media.grid, index).long().reshape(-1, 3)
+            pixels = _tensor(pixels, media.pixels, index)
+            cells = int(grid.prod(-1).sum())
+            if pixels.shape[0] != cells:
+                raise BatchError(f"example {index}: {media.pixels!r} has {pixels.shape[0]} rows but its "
+                                 f"{media.grid} {grid.tolist()} makes {cells}")
+            expected = cells // (self.merge ** 2)
+            if placeholders != expected:
+                raise BatchError(f"example {index} has {placeholders} {media.name} tokens but its {len(grid)} "
+                                 f"{media.name}(s) make {expected} (grid {grid.tolist()}, merge {self.merge}): the "
+                                 "text and the pixels do not belong together; pass the processor's output as made")
+            found[media.pixels], found[media.grid] = pixels, grid
+            for key in media.extra:
+                if example.get(key) is not None:
+                    found[key] = _tensor(example[key], key, index).reshape(-1)
+        return found, counts
+
+    def _positions(self, batch: Mapping[str, Any], examples: Sequence[Mapping[str, Any]],
+                   items: list, lengths: list[int]) -> torch.Tensor:
+        """``[4, 1, T]``: the text positions, then each example's rotary rows computed for it alone."""
+        rows = []
+        for example, (found, _), length in zip(examples, items, lengths):
+            ids = torch.as_tensor(np.asarray(example["input_ids"]).reshape(-1)[:length], dtype=torch.long)
+            types = torch.zeros_like(ids)
+            for media in self.media:
+                types[ids == self.token_ids[media.name]] = media.modality
+            grids = {media.grid: found.get(media.grid) for media in self.media}
+            grids.update({key: found[key] for media in self.media for key in media.extra if key in found})
+            rows.append(self.positions(ids, types, grids))
+        text = batch["position_ids"].reshape(1, 1, -1)
+        return torch.cat([text, torch.cat(rows, dim=1)[:, None].to(text.dtype)])
+
+
+@dataclass(frozen=True)
+class MultimodalPacking:
+    """What a vision-language family declares as its ``Architecture.wrap_collator``: called at assembly with the
+    task's collator and the model config, it returns the :class:`MultimodalCollator`. ``merge_size``: the config
+    attribute path of the spatial merge; ``positions(model_config)``: the per-example position function."""
+
+    media: tuple[Media, ...]
+    merge_size: str = "vision_config.spatial_merge_size"
+    positions: Callable[[Any], Any] | None = None
+
+    @property
+    def model_keys(self) -> tuple[str, ...]:
+        return tuple(key for media in self.media for key in media.keys)
+
+    def __call__(self, collator: Any, model_config: Any) -> MultimodalCollator:
+        merge: Any = model_config
+        for name in self.merge_size.split("."):
+            merge = getattr(merge, name, None)
+        token_ids = {media.name: getattr(model_config, media.token_id) for media in self.media}
+        positions = self.positions(model_config) if self.positions is not None else None
+        return MultimodalCollator(collator, self.media, token_ids, int(merge or 1), positions)
