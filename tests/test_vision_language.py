@@ -206,3 +206,25 @@ def test_images_for_a_text_only_family_are_refused():
         assembly.collator([{"input_ids": [5, 6, 7], "pixel_values": torch.zeros(4, 8),
                             "image_grid_thw": torch.tensor([[1, 2, 2]])}])
     assembly.undo()
+
+
+def test_image_tokens_split_or_out_of_order_are_refused(family):
+    """Every image's tokens one run of its own length, in the order of its pixels: a run split by a text token, or
+    two images whose grids come in the other order than their tokens, is an error (the model would fill the
+    placeholders with the wrong pixels)."""
+    name, processor, model = family
+    assembly = assemble(copy.deepcopy(model), {"task": "causal_lm"})
+    two = image_text_example(processor, "a <image> b <image> c",
+                             [synthetic_image(28, 56, 0), synthetic_image(84, 84, 1)])
+    ids = list(two["input_ids"])
+    first = ids.index(model.config.image_token_id)
+    split = {**two, "input_ids": ids[:first + 1] + [ids[0]] + ids[first + 1:]}
+    with pytest.raises(BatchError, match=r"its image tokens run \[1, \d+, \d+\] but its images make"):
+        assembly.collator([split])
+    grids = two["image_grid_thw"]
+    rows = int(grids[0].prod())
+    reordered = {**two, "image_grid_thw": grids.flip(0),
+                 "pixel_values": torch.cat([two["pixel_values"][rows:], two["pixel_values"][:rows]])}
+    with pytest.raises(BatchError, match="in the order of its pixels"):
+        assembly.collator([reordered])
+    assembly.undo()

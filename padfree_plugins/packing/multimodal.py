@@ -43,6 +43,9 @@ class Media:
     token_id: str
     modality: int
     extra: tuple[str, ...] = ()
+    #: Each item's placeholders are one run of tokens in the text (``False`` where a processor interleaves other
+    #: tokens, as Qwen3-VL's timestamps between a video's frames).
+    one_run_per_item: bool = True
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -150,11 +153,25 @@ class MultimodalCollator:
                 raise BatchError(f"example {index} has {placeholders} {media.name} tokens but its {len(grid)} "
                                  f"{media.name}(s) make {expected} (grid {grid.tolist()}, merge {self.merge}): the "
                                  "text and the pixels do not belong together; pass the processor's output as made")
+            if media.one_run_per_item:
+                self._check_runs(ids, media, grid, index)
             found[media.pixels], found[media.grid] = pixels, grid
             for key in media.extra:
                 if example.get(key) is not None:
                     found[key] = _tensor(example[key], key, index).reshape(-1)
         return found, counts
+
+    def _check_runs(self, ids: np.ndarray, media: Media, grid: torch.Tensor, index: int) -> None:
+        """Each item's placeholders one run of its own length, in the order of the grids: the model fills them in
+        that order, so a split or reordered run would give an image another's pixels."""
+        placeholder = np.concatenate([[False], ids == self.token_ids[media.name], [False]])
+        edges = np.flatnonzero(placeholder[1:] != placeholder[:-1])
+        runs = (edges[1::2] - edges[::2]).tolist()
+        expected = (grid.prod(-1) // (self.merge ** 2)).tolist()
+        if runs != expected:
+            raise BatchError(f"example {index}: its {media.name} tokens run {runs} but its {media.name}s make "
+                             f"{expected} in that order (grid {grid.tolist()}): every {media.name}'s tokens must be "
+                             "one run of its own length, in the order of its pixels, as the processor makes them")
 
     def _positions(self, batch: Mapping[str, Any], examples: Sequence[Mapping[str, Any]],
                    items: list, lengths: list[int]) -> torch.Tensor:
