@@ -18,7 +18,7 @@ image's grid (``image_grid_thw``: ``[images, 3]``). :class:`MultimodalCollator` 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,23 +33,39 @@ TOKEN_TYPES_KEY = "mm_token_type_ids"
 
 @dataclass(frozen=True)
 class Media:
-    """One kind of media a processor makes: ``pixels`` (rows concatenated across examples), ``grid`` (one row per
-    item), ``extra`` per-item values (a video's ``second_per_grid_ts``), the config attribute naming its placeholder
-    token, and its modality number in ``mm_token_type_ids``."""
+    """One kind of media a processor makes, and how its placeholders are counted.
+
+    ``pixels``: its pixel rows, concatenated across examples (an image, a sub-image tile, a grid cell: whatever the
+    processor makes one row of); ``token_id``: the config attribute naming its placeholder token; ``modality``: its
+    number in ``mm_token_type_ids``. Then one of:
+
+    * ``grid`` (Qwen-VL): one ``[t, h, w]`` row per item; an item has ``t·h·w`` pixel rows and ``t·h·w / merge²``
+      placeholders;
+    * ``tokens_per_row`` (Gemma 3, Idefics3 / SmolVLM): every pixel row is ``tokens_per_row`` placeholders (an int,
+      or a config attribute path), one run each;
+    * neither (LLaVA-OneVision's any-resolution images): the model checks the count itself.
+
+    ``per_row``: other keys with one entry per pixel row, concatenated like the pixels (``pixel_attention_mask``);
+    ``extra``: per-item values (``second_per_grid_ts``, ``image_sizes``); ``batch_dim``: the model takes the
+    pixels (and ``per_row`` keys) with a leading batch dimension, ``[1, rows, …]``.
+    """
 
     name: str
     pixels: str
-    grid: str
+    grid: str | None
     token_id: str
     modality: int
     extra: tuple[str, ...] = ()
     #: Each item's placeholders are one run of tokens in the text (``False`` where a processor interleaves other
     #: tokens, as Qwen3-VL's timestamps between a video's frames).
     one_run_per_item: bool = True
+    tokens_per_row: int | str | None = None
+    per_row: tuple[str, ...] = ()
+    batch_dim: bool = False
 
     @property
     def keys(self) -> tuple[str, ...]:
-        return (self.pixels, self.grid, *self.extra)
+        return tuple(key for key in (self.pixels, self.grid, *self.per_row, *self.extra) if key is not None)
 
 
 def _tensor(value: Any, key: str, index: int) -> torch.Tensor:
@@ -70,6 +86,8 @@ class MultimodalCollator:
     token_ids: Mapping[str, int]
     merge: int = 1
     positions: Callable[..., torch.Tensor] | None = None
+    #: Placeholders per pixel row of each ``tokens_per_row`` media, resolved from the config.
+    row_tokens: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def packing(self) -> Any:
@@ -104,6 +122,8 @@ class MultimodalCollator:
                 values = [found[key] for found, _ in items if key in found]
                 if values:
                     batch[key] = torch.cat(values)
+                    if media.batch_dim and key in (media.pixels, *media.per_row):
+                        batch[key] = batch[key][None]
         if self.positions is not None:
             batch["position_ids"] = self._positions(batch, examples, items, lengths)
         keys = tuple(key for key in self.media_keys if key in batch)
@@ -130,48 +150,75 @@ class MultimodalCollator:
         for media in self.media:
             placeholders = int((ids == self.token_ids[media.name]).sum())
             counts[media.name] = placeholders
-            pixels, grid = example.get(media.pixels), example.get(media.grid)
+            pixels = example.get(media.pixels)
+            grid = example.get(media.grid) if media.grid is not None else None
             if pixels is None and grid is None:
                 if placeholders:
-                    raise BatchError(f"example {index} has {placeholders} {media.name} tokens but no {media.pixels!r}: "
-                                     f"pass the processor's {media.pixels} and {media.grid} with the text")
+                    needs = " and ".join(repr(key) for key in (media.pixels, media.grid) if key is not None)
+                    raise BatchError(f"example {index} has {placeholders} {media.name} tokens but no "
+                                     f"{media.pixels!r}: pass the processor's {needs} with the text")
                 continue
-            if grid is None:
-                raise BatchError(f"example {index} has {media.pixels!r} but no {media.grid!r}: without each "
-                                 f"{media.name}'s grid its pixels cannot be split into {media.name}s; pass the "
-                                 "processor's output whole")
             if pixels is None:
                 raise BatchError(f"example {index} has {media.grid!r} but no {media.pixels!r}")
-            grid = _tensor(grid, media.grid, index).long().reshape(-1, 3)
             pixels = _tensor(pixels, media.pixels, index)
-            cells = int(grid.prod(-1).sum())
-            if pixels.shape[0] != cells:
-                raise BatchError(f"example {index}: {media.pixels!r} has {pixels.shape[0]} rows but its "
-                                 f"{media.grid} {grid.tolist()} makes {cells}")
-            expected = cells // (self.merge ** 2)
-            if placeholders != expected:
-                raise BatchError(f"example {index} has {placeholders} {media.name} tokens but its {len(grid)} "
-                                 f"{media.name}(s) make {expected} (grid {grid.tolist()}, merge {self.merge}): the "
-                                 "text and the pixels do not belong together; pass the processor's output as made")
-            if media.one_run_per_item:
-                self._check_runs(ids, media, grid, index)
-            found[media.pixels], found[media.grid] = pixels, grid
+            if media.grid is not None:
+                if grid is None:
+                    raise BatchError(f"example {index} has {media.pixels!r} but no {media.grid!r}: without each "
+                                     f"{media.name}'s grid its pixels cannot be split into {media.name}s; pass the "
+                                     "processor's output whole")
+                grid = _tensor(grid, media.grid, index).long().reshape(-1, 3)
+                found[media.grid] = grid
+                self._check_grid(ids, media, pixels, grid, placeholders, index)
+            elif media.tokens_per_row is not None:
+                self._check_rows(ids, media, pixels, placeholders, index)
+            found[media.pixels] = pixels
+            for key in media.per_row:
+                if example.get(key) is not None:
+                    found[key] = _tensor(example[key], key, index)
+                    if found[key].shape[0] != pixels.shape[0]:
+                        raise BatchError(f"example {index}: {key!r} has {found[key].shape[0]} rows for "
+                                         f"{pixels.shape[0]} rows of {media.pixels!r}")
             for key in media.extra:
                 if example.get(key) is not None:
-                    found[key] = _tensor(example[key], key, index).reshape(-1)
+                    value = _tensor(example[key], key, index)
+                    found[key] = value.reshape(-1) if value.ndim <= 1 else value
         return found, counts
 
-    def _check_runs(self, ids: np.ndarray, media: Media, grid: torch.Tensor, index: int) -> None:
-        """Each item's placeholders one run of its own length, in the order of the grids: the model fills them in
+    def _check_grid(self, ids: np.ndarray, media: Media, pixels: torch.Tensor, grid: torch.Tensor,
+                    placeholders: int, index: int) -> None:
+        cells = int(grid.prod(-1).sum())
+        if pixels.shape[0] != cells:
+            raise BatchError(f"example {index}: {media.pixels!r} has {pixels.shape[0]} rows but its "
+                             f"{media.grid} {grid.tolist()} makes {cells}")
+        expected = cells // (self.merge ** 2)
+        if placeholders != expected:
+            raise BatchError(f"example {index} has {placeholders} {media.name} tokens but its {len(grid)} "
+                             f"{media.name}(s) make {expected} (grid {grid.tolist()}, merge {self.merge}): the "
+                             "text and the pixels do not belong together; pass the processor's output as made")
+        if media.one_run_per_item:
+            self._check_runs(ids, media, (grid.prod(-1) // (self.merge ** 2)).tolist(), index,
+                             f"(grid {grid.tolist()})")
+
+    def _check_rows(self, ids: np.ndarray, media: Media, pixels: torch.Tensor, placeholders: int,
+                    index: int) -> None:
+        per_row = self.row_tokens[media.name]
+        if placeholders != pixels.shape[0] * per_row:
+            raise BatchError(f"example {index} has {placeholders} {media.name} tokens but {pixels.shape[0]} rows of "
+                             f"{media.pixels!r} at {per_row} tokens each make {pixels.shape[0] * per_row}: the text "
+                             "and the pixels do not belong together; pass the processor's output as made")
+        if media.one_run_per_item:
+            self._check_runs(ids, media, [per_row] * pixels.shape[0], index, f"({per_row} per pixel row)")
+
+    def _check_runs(self, ids: np.ndarray, media: Media, expected: list[int], index: int, why: str) -> None:
+        """Each item's placeholders one run of its own length, in the order of its pixels: the model fills them in
         that order, so a split or reordered run would give an image another's pixels."""
         placeholder = np.concatenate([[False], ids == self.token_ids[media.name], [False]])
         edges = np.flatnonzero(placeholder[1:] != placeholder[:-1])
         runs = (edges[1::2] - edges[::2]).tolist()
-        expected = (grid.prod(-1) // (self.merge ** 2)).tolist()
         if runs != expected:
             raise BatchError(f"example {index}: its {media.name} tokens run {runs} but its {media.name}s make "
-                             f"{expected} in that order (grid {grid.tolist()}): every {media.name}'s tokens must be "
-                             "one run of its own length, in the order of its pixels, as the processor makes them")
+                             f"{expected} in that order {why}: every {media.name}'s tokens must be one run of its "
+                             "own length, in the order of its pixels, as the processor makes them")
 
     def _positions(self, batch: Mapping[str, Any], examples: Sequence[Mapping[str, Any]],
                    items: list, lengths: list[int]) -> torch.Tensor:
@@ -182,7 +229,7 @@ class MultimodalCollator:
             types = torch.zeros_like(ids)
             for media in self.media:
                 types[ids == self.token_ids[media.name]] = media.modality
-            grids = {media.grid: found.get(media.grid) for media in self.media}
+            grids = {media.grid: found.get(media.grid) for media in self.media if media.grid is not None}
             grids.update({key: found[key] for media in self.media for key in media.extra if key in found})
             rows.append(self.positions(ids, types, grids))
         text = batch["position_ids"].reshape(1, 1, -1)
@@ -204,9 +251,17 @@ class MultimodalPacking:
         return tuple(key for media in self.media for key in media.keys)
 
     def __call__(self, collator: Any, model_config: Any) -> MultimodalCollator:
-        merge: Any = model_config
-        for name in self.merge_size.split("."):
-            merge = getattr(merge, name, None)
-        token_ids = {media.name: getattr(model_config, media.token_id) for media in self.media}
+        token_ids = {media.name: config_value(model_config, media.token_id) for media in self.media}
+        row_tokens = {media.name: media.tokens_per_row if isinstance(media.tokens_per_row, int) else
+                      config_value(model_config, media.tokens_per_row)
+                      for media in self.media if media.tokens_per_row is not None}
         positions = self.positions(model_config) if self.positions is not None else None
-        return MultimodalCollator(collator, self.media, token_ids, int(merge or 1), positions)
+        merge = int(config_value(model_config, self.merge_size) or 1)
+        return MultimodalCollator(collator, self.media, token_ids, merge, positions, row_tokens)
+
+
+def config_value(config: Any, path: str) -> Any:
+    """``config``'s attribute at a dotted ``path`` (``"vision_config.spatial_merge_size"``), ``None`` if absent."""
+    for name in path.split("."):
+        config = getattr(config, name, None)
+    return config
