@@ -104,16 +104,21 @@ def tiny_vision_language_config(model_type: str, processor: Any, **text_override
     tokenizer = processor.tokenizer
     ids = dict(zip(("vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id"),
                    tokenizer.convert_tokens_to_ids(list(QWEN_VL_TOKENS))))
-    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, pad_token_id=tokenizer.pad_token_id,
-                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **text_overrides)
+    text = {**dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                   rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, pad_token_id=tokenizer.pad_token_id,
+                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id), **text_overrides}
+    if "rope_scaling" not in text_overrides and text["hidden_size"] // text["num_attention_heads"] != 16:
+        half = text["hidden_size"] // text["num_attention_heads"] // 2  # mRoPE sections: a quarter, 3/8, 3/8
+        text["rope_scaling"] = {"type": "mrope", "mrope_section": [half // 4, half * 3 // 8, half - half // 4 -
+                                                                   half * 3 // 8]}
     vision = dict(depth=2, hidden_size=32, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
                   in_channels=3)
-    if model_type == "qwen2_5_vl":
-        vision.update(intermediate_size=64, out_hidden_size=64, window_size=56, fullatt_block_indexes=[1])
+    if model_type == "qwen2_5_vl":  # the tower's output is the language model's width
+        vision.update(intermediate_size=64, out_hidden_size=text["hidden_size"], window_size=56,
+                      fullatt_block_indexes=[1])
     else:
-        vision.update(embed_dim=32, mlp_ratio=2, hidden_size=64)
+        vision.update(embed_dim=32, mlp_ratio=2, hidden_size=text["hidden_size"])
     return AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **ids)
 
 
