@@ -103,8 +103,8 @@ def image_text_batch(processor: Any, model: Any, settings: VLMSettings, index: i
             example.update(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"])
             places = sorted(torch.randint(0, len(ids) + 1, (count,), generator=generator).tolist())
             for where, grid in reversed(list(zip(places, pixels["image_grid_thw"]))):  # the text keeps their order
-                ids[where:where] = [config.vision_start_token_id, *[config.image_token_id] * (int(grid.prod()) // merge),
-                                    config.vision_end_token_id]
+                tokens = [config.image_token_id] * (int(grid.prod()) // merge)
+                ids[where:where] = [config.vision_start_token_id, *tokens, config.vision_end_token_id]
         example["input_ids"] = ids
         examples.append(example)
     return examples
