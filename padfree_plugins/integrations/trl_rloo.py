@@ -9,19 +9,15 @@ sampling and metrics unchanged.
 from __future__ import annotations
 
 from padfree_plugins.contract.hookspecs import hookimpl
-from padfree_plugins.integrations.trl_fused import FusedTrainerPatch, refuse_vllm_without_cuda
+from padfree_plugins.integrations.trl_grpo import GRPOTrainerPatch
 
 
-class RLOOTrainerPatch(FusedTrainerPatch):
-    """TRL ``RLOOTrainer``: its fused log-probability forwards on the packed row."""
+class RLOOTrainerPatch(GRPOTrainerPatch):
+    """TRL ``RLOOTrainer``: its fused log-probability forwards on the packed row (as GRPO's: the same methods
+    kept, vLLM refused without CUDA)."""
 
     trainer_class = "RLOOTrainer"
     kind = "rloo"
-    kept_methods = ("compute_loss", "_compute_loss", "_get_per_token_logps_and_entropies")
-
-    def check(self) -> None:
-        refuse_vllm_without_cuda(self.trainer)
-        super().check()
 
 
 @hookimpl(trylast=True)

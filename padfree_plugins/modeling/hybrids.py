@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from padfree_plugins.contract.declarations import Architecture
-from padfree_plugins.contract.hookspecs import hookimpl
 from padfree_plugins.errors import UnsupportedArchitectureError
+from padfree_plugins.modeling.families import DeclaredFamily
 from padfree_plugins.modeling.mixers import MixerPatch, check_mixer_backend
 from padfree_plugins.modeling.patching import ModelPatch
 
@@ -28,7 +28,7 @@ MAMBA2_KERNELS = ("mamba_ssm", "causal_conv1d")
 
 
 @dataclass(frozen=True)
-class Hybrid:
+class Hybrid(DeclaredFamily):
     """A hybrid family: ``mixers`` are the class names of its sequence-mixer modules; ``kernels`` the import names
     of the packages its boundary-aware CUDA route needs (``()``: none, every packed call runs ``exact``);
     ``chunk``: the chunk the mixers' torch code pads every call to — an int, or the name of the mixer attribute that
@@ -65,17 +65,3 @@ class Hybrid:
         patch.handles.append(MixerPatch.install(model, modules, config.mixers, self.kernels, self.chunk_of))
         return patch
 
-    def hooks(self) -> tuple[Any, Any]:
-        """The module-level hooks of the family's plugin: ``register_architectures, patch_model = FAMILY.hooks()``."""
-
-        @hookimpl
-        def register_architectures():
-            return [self.architecture]
-
-        @hookimpl
-        def patch_model(model, architecture, backend, fallback, config):
-            if architecture.name != self.architecture.name:
-                return None
-            return self.patch(model, backend, fallback, config)
-
-        return register_architectures, patch_model

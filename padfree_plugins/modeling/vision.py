@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from padfree_plugins.contract.declarations import Architecture
-from padfree_plugins.contract.hookspecs import hookimpl
 from padfree_plugins.errors import UnsupportedArchitectureError
+from padfree_plugins.modeling.families import DeclaredFamily
 from padfree_plugins.modeling.patching import ModelPatch
 from padfree_plugins.packing.batch import BOUNDARY_KEYS
 
@@ -96,7 +96,7 @@ class QwenPositions:
 
 
 @dataclass(frozen=True)
-class VisionLanguage:
+class VisionLanguage(DeclaredFamily):
     """A vision-language family (see the module docstring): ``architecture`` (whose ``wrap_collator`` packs the
     media), the vision ``towers`` (attribute paths from the base model) and the sub-config whose attention runs
     packed."""
@@ -119,17 +119,3 @@ class VisionLanguage:
         patch.handles.append(TowerGuard.install(towers))
         return patch
 
-    def hooks(self) -> tuple[Any, Any]:
-        """The module-level hooks of the family's plugin: ``register_architectures, patch_model = FAMILY.hooks()``."""
-
-        @hookimpl
-        def register_architectures():
-            return [self.architecture]
-
-        @hookimpl
-        def patch_model(model, architecture, backend, fallback, config):
-            if architecture.name != self.architecture.name:
-                return None
-            return self.patch(model, backend, fallback, config)
-
-        return register_architectures, patch_model
