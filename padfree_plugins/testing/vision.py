@@ -9,6 +9,10 @@ Families: Qwen2-VL and Qwen2.5-VL (14-pixel patches), Qwen3-VL and Qwen3-VL-MoE 
 features from vision blocks 0 and 1), Qwen3.5 and Qwen3.5-MoE (16-pixel patches; the language model a gated-DeltaNet
 layer then a gated-attention layer). The Qwen3 families' processor (``Qwen3VLProcessor``) writes a video frame by
 frame, each frame's tokens after its timestamp (:func:`synthetic_video_example` does the same).
+
+Also Idefics3 and SmolVLM (:data:`TILED`: each image split into sub-image tiles and a global image) and
+LLaVA-OneVision (:data:`ANY_RESOLUTION`: any-resolution images in patches, their tokens depending on their size),
+images only; their text marks an image with ``<image>``, their own image token.
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ def image_text_processor(model_type: str, min_pixels: int | None = None, max_pix
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.processing_utils import ProcessorMixin
 
+    if model_type in (*TILED, *ANY_RESOLUTION):
+        return _tiled_processor(model_type) if model_type in TILED else _any_resolution_processor()
     if model_type not in FAMILIES:
         raise ValueError(f"no tiny processor for {model_type!r}; these helpers build {', '.join(FAMILIES)}")
     base = _processor_class(model_type)
@@ -96,7 +102,11 @@ def _processor_class(model_type: str) -> type:
 def tiny_vision_language_config(model_type: str, processor: Any, **text_overrides: Any) -> Any:
     """A tiny config of ``model_type`` whose special token ids are ``processor``'s: 2 text layers (d=64, GQA),
     a 2-block vision tower (d=32, patches of :func:`patch_size` merged 2×2). The Qwen3 families' see
-    :func:`_qwen3_config`."""
+    :func:`_qwen3_config`; Idefics3 / SmolVLM :func:`_tiled_config`; LLaVA-OneVision :func:`_any_resolution_config`."""
+    if model_type in TILED:
+        return _tiled_config(model_type, processor, **text_overrides)
+    if model_type in ANY_RESOLUTION:
+        return _any_resolution_config(processor, **text_overrides)
     if model_type in TIMESTAMPED_VIDEO:
         return _qwen3_config(model_type, processor, **text_overrides)
     from transformers import AutoConfig
@@ -183,7 +193,11 @@ def synthetic_image(height: int, width: int, seed: int = 0) -> Any:
 
 def image_text_example(processor: Any, text: str, images: list | None = None) -> dict[str, Any]:
     """One example as the processor makes it, unbatched: ``input_ids`` (a list), ``pixel_values`` ``[patches, dim]``
-    and ``image_grid_thw`` ``[images, 3]`` when there are images. ``text`` marks each image with ``<image>``."""
+    and ``image_grid_thw`` ``[images, 3]`` when there are images. ``text`` marks each image with ``<image>``.
+    Idefics3 / SmolVLM and LLaVA-OneVision: see :func:`_own_token_example`."""
+    own = _own_token_example(processor, text, images)
+    if own is not None:
+        return own
     marked = text.replace(IMAGE_MARK, "<|vision_start|><|image_pad|><|vision_end|>")
     if text.count(IMAGE_MARK) != len(images or []):
         raise ValueError(f"{text.count(IMAGE_MARK)} {IMAGE_MARK} marks for {len(images or [])} images")
@@ -227,4 +241,138 @@ def synthetic_video_example(processor: Any, model_config: Any, text: str, frames
     example = {"input_ids": input_ids, "pixel_values_videos": pixels, "video_grid_thw": grid}
     if not timestamped:
         example["second_per_grid_ts"] = torch.tensor([seconds_per_patch])
+    return example
+
+
+#: Idefics3 and SmolVLM: an image's longest side resized to two tiles of :data:`TILE` pixels, cut into (at most 2 × 2)
+#: tiles, then the whole image as one more tile (the global image); a tile is 4 × 4 patches of 14 pixels,
+#: pixel-shuffled 2 × 2 into :data:`TILE_TOKENS` tokens.
+TILED = ("idefics3", "smolvlm")
+#: LLaVA-OneVision: any-resolution images in patches of :data:`ANY_RESOLUTION_PATCH` pixels (2 × 2 patches of 14
+#: pixels: 4 tokens each) on the grids of :data:`ANY_RESOLUTION_PINPOINTS`; an image of more than
+#: ``anyres_max_4`` patches' features is interpolated down (the large images of the tests are).
+ANY_RESOLUTION = ("llava_onevision",)
+TILE = 56
+TILE_TOKENS = ((TILE // 14) ** 2) // 2 ** 2
+#: Idefics3 / SmolVLM special tokens: a tile is ``<fake_token_around_image><row_i_col_j>`` + ``<image>`` × its
+#: tokens; the global image ``<fake_token_around_image><global-img>`` + ``<image>`` × its tokens +
+#: ``<fake_token_around_image>``.
+TILED_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
+                *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)))
+ANY_RESOLUTION_TOKENS = ("<image>", "<video>")
+ANY_RESOLUTION_PATCH = 28
+ANY_RESOLUTION_PINPOINTS = ((28, 28), (28, 56), (56, 28), (56, 56), (28, 84), (84, 28), (56, 84), (84, 56), (84, 84))
+ANY_RESOLUTION_ASPECT = "anyres_max_4"
+
+
+def _tiled_processor(model_type: str) -> Any:
+    """Idefics3's processor, or SmolVLM's (its video processor, which needs torchvision, and ``num2words`` for video
+    prompts left out), with the PIL image processor: tiles of :data:`TILE` pixels, :data:`TILE_TOKENS` each."""
+    import copy
+
+    from transformers import Idefics3Processor, SmolVLMProcessor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+    from transformers.processing_utils import ProcessorMixin
+
+    tokenizer = copy.deepcopy(_tokenizer(TILED_TOKENS))
+    sizes = dict(size={"longest_edge": 2 * TILE}, max_image_size={"longest_edge": TILE})
+    if model_type == "idefics3":
+        return Idefics3Processor(Idefics3ImageProcessorPil(**sizes), tokenizer, image_seq_len=TILE_TOKENS)
+
+    class ImageTextProcessor(SmolVLMProcessor):  # SmolVLM's processor for images
+        def __init__(self, image_processor=None, tokenizer=None, image_seq_len=169, chat_template=None, **kwargs):
+            self.fake_image_token, self.image_token = "<fake_token_around_image>", "<image>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.end_of_utterance_token, self.global_image_token = "<end_of_utterance>", "<global-img>"
+            self.image_seq_len, self.video_token = image_seq_len, "<video>"
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    return ImageTextProcessor(SmolVLMImageProcessorPil(**sizes), tokenizer, image_seq_len=TILE_TOKENS)
+
+
+def _any_resolution_processor() -> Any:
+    """LLaVA-OneVision's processor (its video processor, which needs torchvision, left out) with the PIL image
+    processor: patches of :data:`ANY_RESOLUTION_PATCH` pixels on :data:`ANY_RESOLUTION_PINPOINTS`."""
+    import copy
+
+    from transformers import LlavaOnevisionProcessor
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil,
+    )
+    from transformers.processing_utils import ProcessorMixin
+
+    class ImageTextProcessor(LlavaOnevisionProcessor):  # LLaVA-OneVision's processor for images
+        def __init__(self, image_processor=None, tokenizer=None, num_image_tokens=None,
+                     vision_feature_select_strategy=None, chat_template=None, vision_aspect_ratio="anyres_max_9",
+                     **kwargs):
+            self.num_image_tokens = num_image_tokens
+            self.vision_feature_select_strategy = vision_feature_select_strategy
+            self.image_token, self.video_token = ANY_RESOLUTION_TOKENS
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            self.vision_aspect_ratio = vision_aspect_ratio
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    images = LlavaOnevisionImageProcessorPil(size={"height": ANY_RESOLUTION_PATCH, "width": ANY_RESOLUTION_PATCH},
+                                             image_grid_pinpoints=[list(pin) for pin in ANY_RESOLUTION_PINPOINTS])
+    return ImageTextProcessor(images, copy.deepcopy(_tokenizer(ANY_RESOLUTION_TOKENS)),
+                              num_image_tokens=(ANY_RESOLUTION_PATCH // 14) ** 2, vision_feature_select_strategy="full",
+                              vision_aspect_ratio=ANY_RESOLUTION_ASPECT)
+
+
+def _text_config(tokenizer: Any, **text_overrides: Any) -> dict[str, Any]:
+    return dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, **text_overrides)
+
+
+def _tiled_config(model_type: str, processor: Any, **text_overrides: Any) -> Any:
+    """Idefics3 / SmolVLM: a Llama language model (2 layers, d=64, GQA), a 2-layer SigLIP tower (d=32) on tiles of
+    :data:`TILE` pixels in 14-pixel patches, pixel-shuffled 2 × 2 (``scale_factor``)."""
+    from transformers import AutoConfig
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=TILE,
+                  patch_size=14)
+    return AutoConfig.for_model(model_type, text_config=_text_config(processor.tokenizer, **text_overrides),
+                                vision_config=vision, scale_factor=2, image_token_id=processor.image_token_id)
+
+
+def _any_resolution_config(processor: Any, **text_overrides: Any) -> Any:
+    """LLaVA-OneVision: a Qwen2 language model (2 layers, d=64, GQA), a 2-layer SigLIP tower (d=32, no head) on
+    patches of :data:`ANY_RESOLUTION_PATCH` pixels in 14-pixel patches, all its features taken (``full``)."""
+    from transformers import AutoConfig
+
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=ANY_RESOLUTION_PATCH, patch_size=14, vision_use_head=False)
+    return AutoConfig.for_model(
+        "llava_onevision", text_config={"model_type": "qwen2", **_text_config(processor.tokenizer, **text_overrides)},
+        vision_config=vision, image_token_index=processor.image_token_id, video_token_index=processor.video_token_id,
+        image_grid_pinpoints=[list(pin) for pin in ANY_RESOLUTION_PINPOINTS], vision_feature_select_strategy="full",
+        vision_feature_layer=-1, vision_aspect_ratio=ANY_RESOLUTION_ASPECT)
+
+
+def _own_token_example(processor: Any, text: str, images: list | None) -> dict[str, Any] | None:
+    """An example of a family whose text marks images with its own ``<image>`` token, as its processor makes it for
+    this one example (``None`` for another processor): ``input_ids`` (a list), and with images
+
+    * Idefics3 / SmolVLM: ``pixel_values`` ``[1, tiles, 3, S, S]`` and ``pixel_attention_mask`` ``[1, tiles, S, S]``;
+    * LLaVA-OneVision: ``pixel_values`` ``[images, patches, 3, S, S]``, ``image_sizes`` ``[images, 2]`` and
+      ``batch_num_images`` ``[1]`` — the images given as this example's (several images: each unpatched, as
+      OneVision takes a multi-image example; the processor given them flat patches each instead).
+    """
+    from transformers import Idefics3Processor, LlavaOnevisionProcessor, SmolVLMProcessor
+
+    if isinstance(processor, (Idefics3Processor, SmolVLMProcessor)):
+        keys = ("pixel_values", "pixel_attention_mask")
+    elif isinstance(processor, LlavaOnevisionProcessor):
+        keys = ("pixel_values", "image_sizes", "batch_num_images")
+    else:
+        return None
+    if text.count(IMAGE_MARK) != len(images or []):
+        raise ValueError(f"{text.count(IMAGE_MARK)} {IMAGE_MARK} marks for {len(images or [])} images")
+    output = processor(text=[text], images=[list(images)] if images else None, return_tensors="pt")
+    example = {"input_ids": output["input_ids"][0].tolist()}
+    example.update({key: output[key] for key in keys if key in output})
     return example
