@@ -7,11 +7,13 @@ party's) subclasses :class:`TrainerPatch`, says which trainers it :meth:`~Traine
 undone by :meth:`TrainerPatch.undo`:
 
 * refuses, while the trainer is unchanged, what cannot train padding-free (:mod:`.checks`): parallelism that
-  splits rows, a custom collator, bad examples, a token budget the trainer cannot keep;
+  splits rows, a custom collator (unless the plugin :meth:`~TrainerPatch.runs_trainer_collator` per example, as
+  TRL's vision-language one), bad examples, a token budget the trainer cannot keep;
 * **data_collator** becomes :meth:`~TrainerPatch.make_collator`'s (by default the assembly's packing collator as a
   :class:`TrainerCollator`);
 * **batches stay whole**: accelerate's ``dispatch_batches``, left unset, is turned off (:class:`WholeBatches`);
-* **column removal**: the signature columns gain the task's keys (:func:`signature_columns`);
+* **column removal**: the signature columns gain the task's keys and a vision-language family's media
+  (:func:`signature_columns`);
 * **compute_loss** / **prediction_step** are the subclass's;
 * **include_num_input_tokens_seen**: every packed token counts (there is no padding);
 * **NEFTune**: the padded batch's noise (:class:`~padfree_plugins.modeling.neftune.PackedNeftune`);
@@ -121,10 +123,12 @@ def signature_columns(trainer: Any, assembly: Assembly, extra: tuple[str, ...] =
     """The trainer's signature columns plus every key the task's collator reads (and ``extra``).
 
     A collator whose keys depend on the dataset (e.g. the embedding task's ``<column>_input_ids``) says which
-    dataset columns it reads through a ``dataset_columns(names)`` method.
+    dataset columns it reads through a ``dataset_columns(names)`` method; a vision-language family's collator names
+    its pixels and grids in ``media_keys`` (kept whatever the model's forward signature says).
     """
     task = assembly.plan.task
-    keys = ["input_ids", *task.required_keys, *task.token_keys, *task.example_keys, *extra]
+    media = getattr(assembly.collator, "media_keys", None) or ()
+    keys = ["input_ids", *task.required_keys, *task.token_keys, *task.example_keys, *media, *extra]
     reads = getattr(assembly.collator, "dataset_columns", None)
     if reads is not None:
         for _, dataset in trainer_datasets(trainer):
@@ -168,6 +172,12 @@ class TrainerPatch:
         """Whether this patch knows ``trainer`` (its class, and that it keeps the methods the patch replaces)."""
         raise NotImplementedError
 
+    @classmethod
+    def runs_trainer_collator(cls, trainer: Any) -> bool:
+        """Whether :meth:`make_collator` runs the trainer's own collator (on each example alone) rather than replace
+        it: then it is not refused as a collator that builds features (default: no)."""
+        return False
+
     def make_collator(self) -> Any:
         """The trainer's new ``data_collator`` (default: the assembly's collator, as a :class:`TrainerCollator`)."""
         return TrainerCollator(self.assembly.collator)
@@ -195,7 +205,8 @@ class TrainerPatch:
         check_parallelism(trainer)
         if trainer.model is None or unwrap_model(trainer.model) is not assembly.model:
             raise PadfreeError("the assembly was built for another model than trainer.model")
-        check_collator(trainer.data_collator)
+        if not cls.runs_trainer_collator(trainer):
+            check_collator(trainer.data_collator)
         patch = cls(trainer, assembly)
         collator = patch.make_collator()
         check_datasets(trainer, collator.collator if isinstance(collator, TrainerCollator) else collator)

@@ -10,17 +10,25 @@ TRL refuses a custom collator when its own ``padding_free=True`` is set and requ
 padding-free training without packing. Neither applies here: build the SFTTrainer normally (its own collator, any
 ``max_length`` — it truncates during dataset preparation), then accelerate it; the collator is swapped after
 construction.
+
+**Vision datasets** (``images`` / ``image`` columns; TRL refuses its own ``padding_free`` for them): TRL's
+``DataCollatorForVisionLanguageModeling`` renders, tokenizes and processes the images at collate time, so it is kept
+and run on each example alone (:class:`ExampleByExample`) — exactly the processor's output and TRL's labels (its
+completion / assistant masks applied) — and those examples are packed by the vision-language family's multimodal
+collator (each example's pixels beside its tokens, its mRoPE positions its own).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from padfree_plugins.contract.hookspecs import hookimpl
-from padfree_plugins.integrations.base import keeps_methods, library_class
+from padfree_plugins.errors import PadfreeError
+from padfree_plugins.integrations.base import TrainerCollator, keeps_methods, library_class
 from padfree_plugins.integrations.checks import check_token_budget, note_trl_eval_packing
 from padfree_plugins.integrations.hf_trainer import HFTrainerPatch, uses_own_loss
 
@@ -75,6 +83,43 @@ def record_sft_metrics(trainer: Any, outputs: Any, inputs: Mapping) -> None:
         metrics[mode]["aux_loss"].append(gather(aux_loss.detach()).mean().item())
 
 
+def vision_collator(trainer: Any) -> Any | None:
+    """The trainer's collator when it is TRL's own ``DataCollatorForVisionLanguageModeling`` (that class, not a
+    subclass: one that changed what it builds is refused like any custom collator), else ``None``."""
+    kind = type(trainer.data_collator)
+    if kind.__name__ == "DataCollatorForVisionLanguageModeling" and kind.__module__.startswith("trl."):
+        return trainer.data_collator
+    return None
+
+
+@dataclass
+class ExampleByExample:
+    """TRL's vision-language collator (``processing``) run on each row alone, then packed by ``collator`` (the
+    assembly's multimodal collator): a batch of one is exactly what the processor and TRL make for that example;
+    its padding (``pad_to_multiple_of``), if any, is stripped by its ``attention_mask`` from every per-token value."""
+
+    processing: Any
+    collator: Any
+
+    @property
+    def media_keys(self) -> tuple[str, ...] | None:
+        return getattr(self.collator, "media_keys", None)
+
+    def __call__(self, rows: Sequence[Mapping[str, Any]]) -> Any:
+        return self.collator([self.example(row) for row in rows])
+
+    def example(self, row: Mapping[str, Any]) -> dict[str, Any]:
+        output = self.processing([dict(row)])  # a copy: TRL's collator rewrites an ``image`` column in its rows
+        keep = output["attention_mask"][0].bool()
+        media = self.media_keys or ()
+        example = {}
+        for key, value in output.items():
+            per_token = key not in media and isinstance(value, torch.Tensor) and value.shape[:2] == (1, keep.numel())
+            if key != "attention_mask":
+                example[key] = value[0][keep] if per_token else value
+        return example
+
+
 class SFTTrainerPatch(HFTrainerPatch):
     """TRL ``SFTTrainer`` trained padding-free: HF ``Trainer``'s patch with TRL's loss, metrics and model flags."""
 
@@ -84,9 +129,25 @@ class SFTTrainerPatch(HFTrainerPatch):
     def claims(cls, trainer: Any) -> bool:
         return keeps_methods(trainer, library_class(trainer, "trl", "SFTTrainer"))
 
+    @classmethod
+    def runs_trainer_collator(cls, trainer: Any) -> bool:
+        return vision_collator(trainer) is not None
+
+    def make_collator(self) -> TrainerCollator:
+        processing = vision_collator(self.trainer)
+        if processing is None:
+            return super().make_collator()
+        return TrainerCollator(ExampleByExample(processing, self.assembly.collator))
+
     def check(self) -> None:
         check_token_budget(self.trainer, self.assembly.config)
         note_trl_eval_packing(self.trainer)
+        if vision_collator(self.trainer) is not None and getattr(self.assembly.collator, "media_keys", None) is None:
+            raise PadfreeError(
+                f"the SFTTrainer's dataset holds images (TRL's vision-language collator), but the "
+                f"{self.assembly.plan.architecture.name} plugin packs text only: the packed batch would lose the "
+                "pixels. Vision-language families are packed by their own plugins (padfree-plugins list: qwen2_vl, "
+                "qwen2_5_vl …); to add one, see docs/writing-a-plugin.md")
 
     def labelled_logits(self) -> bool:
         return False  # TRL's fused LM head builds no logits for unlabelled positions anyway

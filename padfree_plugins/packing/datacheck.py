@@ -3,9 +3,12 @@
 The collator refuses bad examples anyway, but only when a batch reaches it, possibly hours into a run. This
 check finds the same problems up front: empty examples, examples longer than the collator accepts (the model's
 ``max_position_embeddings`` or the config's ``max_length``), and per-token keys (``labels``) whose length differs
-from ``input_ids`` — for the embedding task, in every ``<column>_input_ids`` column. It reads lengths only: a
+from ``input_ids`` — for the embedding task, in every ``<column>_input_ids`` column — and images or video (the
+:data:`~padfree_plugins.packing.batch.MEDIA_KEYS` columns) for a model whose plugin packs text only: a trainer's
+column removal would drop them silently, their placeholder tokens left in the text. It reads lengths only: a
 vectorised pass over Arrow columns for a ``datasets.Dataset``, a Python pass for an in-memory list; streaming
-datasets and on-the-fly transforms are left to the collator.
+datasets, on-the-fly transforms and rows without ``input_ids`` (TRL's vision rows: messages and images, processed
+at collate time) are left to the collator.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from padfree_plugins.errors import BatchError
+from padfree_plugins.packing.batch import MEDIA_KEYS
 
 #: Plain Python datasets longer than this are left to the collator (a Python pass would take too long).
 MAX_PYTHON_ROWS = 200_000
@@ -86,11 +90,46 @@ def check_dataset(dataset: Any, collator: Any, name: str = "train") -> int | Non
 
     Returns the number of rows checked, or ``None`` when the dataset cannot be checked up front.
     """
+    _check_media(dataset, collator, name)
     checked = None
     for ids_key, prefix in _text_columns(dataset, collator):
         rows = _check_texts(dataset, _packing(collator), ids_key, prefix, name)
         checked = rows if rows is not None else checked
     return checked
+
+
+def _media_columns(dataset: Any) -> list[str]:
+    """The :data:`MEDIA_KEYS` columns of ``dataset`` that hold a value in some row (``[]`` when not read cheaply)."""
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover - datasets is a dependency of the train extra
+        datasets = None
+    if datasets is not None and isinstance(dataset, datasets.Dataset):
+        keys = [key for key in MEDIA_KEYS if key in dataset.column_names]
+        if not keys or dataset.format.get("type") == "custom":
+            return []
+        tables = dataset.select_columns(keys).with_format("arrow").iter(batch_size=50_000)
+        found = {key for table in tables for key in keys if table.column(key).null_count < table.num_rows}
+        return [key for key in keys if key in found]
+    if isinstance(dataset, Sequence) and 0 < len(dataset) <= MAX_PYTHON_ROWS and isinstance(dataset[0], Mapping):
+        rows = [dataset[i] for i in range(len(dataset))]
+        return [key for key in MEDIA_KEYS if any(row.get(key) is not None for row in rows)]
+    return []
+
+
+def _check_media(dataset: Any, collator: Any, name: str) -> None:
+    """Images or video for a collator that packs text only (one without a vision-language family's
+    ``media_keys``): the trainer would drop the columns (``remove_unused_columns``) or the collator refuse them."""
+    if getattr(collator, "media_keys", None) is not None:
+        return  # a vision-language family's collator packs them, checking each example against its tokens
+    found = _media_columns(dataset)
+    if found:
+        raise BatchError(
+            f"the {name} dataset holds {', '.join(map(repr, found))} (images or video), but this model's plugin packs "
+            "text only: the trainer would drop these columns or the packed batch lose them, and the model train on "
+            "the image tokens without their pixels. Vision-language families are packed by their own plugins "
+            "(padfree-plugins list: qwen2_vl, qwen2_5_vl …); for a text-only model, remove the media columns (and "
+            "the image tokens) from the dataset")
 
 
 def _check_texts(dataset: Any, packing: Any, ids_key: str, prefix: str, name: str) -> int | None:
