@@ -7,6 +7,11 @@ TRL's metrics.
 ``precompute_ref_log_probs=True``: TRL computes the reference log-probabilities in the trainer's ``__init__``, before
 ``accelerate()`` can patch anything, so that pass runs padded; the reference passes of an ``evaluate()`` on a new
 dataset, and every reference forward without precomputation, run packed.
+
+Image-text preference data (TRL's ``DataCollatorForVisionPreference``) for the Qwen-VL families, whose assemblies
+pack images by their grids: every fused call is split into its rows, each row's images with it, and packed by the
+family's multimodal collator (:func:`~padfree_plugins.integrations.trl_fused.pack_media_call`). Other
+vision-language families are refused at ``accelerate()``.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ class DPOTrainerPatch(FusedTrainerPatch):
     trainer_class = "DPOTrainer"
     kind = "dpo"
     kept_methods = ("compute_loss", "_compute_loss", "prediction_step", "compute_ref_log_probs")
+    packs_media = True
 
 
 @hookimpl(trylast=True)
