@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from padfree_plugins.contract.declarations import FEATURES, AttentionBackend
 from padfree_plugins.contract.hookspecs import hookimpl
-from padfree_plugins.modeling.attention import backends
+from padfree_plugins.modeling.attention import BLOCKS_FEATURE, backends
 
-#: What the exact kernels implement: every feature, attention sinks included.
-EXACT_FEATURES = frozenset(FEATURES) | {"sinks"}
+#: What the exact kernels implement: every feature, attention sinks and bidirectional blocks (Gemma 3's images)
+#: included. The varlen kernels take causal or not only: they implement no blocks, and ``auto`` never picks them for
+#: a model that uses blocks.
+EXACT_FEATURES = frozenset(FEATURES) | {"sinks", BLOCKS_FEATURE}
 
 
 @hookimpl

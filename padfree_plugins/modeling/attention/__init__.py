@@ -42,6 +42,11 @@ _UNSUPPORTED_KWARGS = ("position_bias", "alibi_slopes")
 _NOT_PASSED = object()
 #: The names models give attention sinks (one learned logit per head in every softmax: gpt-oss's ``s_aux``).
 _SINK_KWARGS = ("s_aux", "sinks")
+#: The keyword that carries a packed row's bidirectional blocks into attention (``[1, T]``, transformers'
+#: ``block_sequence_ids``: an image's tokens one block ``>= 0``, numbered across the row, ``-1`` elsewhere; Gemma 3).
+BLOCKS_KWARG = "block_sequence_ids"
+#: The backend feature that implements them (passed to its ``varlen`` as ``blocks=``; opt-in, as ``sinks``).
+BLOCKS_FEATURE = "bidirectional_blocks"
 
 
 def implementation_name(backend: AttentionBackend, fallback: AttentionBackend | None = None,
@@ -160,6 +165,15 @@ class PadfreeAttention:
                     "does not implement: use attention: auto (which picks one that does) or exact"
                 )
             extra["sinks"] = sinks
+        blocks = kwargs.get(BLOCKS_KWARG)
+        if blocks is not None:
+            if BLOCKS_FEATURE not in backend.features:
+                raise NotImplementedError(
+                    f"{type(module).__name__} is given bidirectional blocks (an image's tokens attend to each other "
+                    f"both ways), which the {backend.name!r} attention backend does not implement: use attention: "
+                    "auto (which picks one that does) or exact"
+                )
+            extra["blocks"] = blocks.reshape(-1)
         out = backend.varlen(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_q, max_k, causal=causal,
                              scale=scaling, window=sliding_window, softcap=softcap, dropout=dropout, **extra)
         return out.unsqueeze(0), None

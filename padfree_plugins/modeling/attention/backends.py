@@ -11,6 +11,11 @@ Every backend has the signature of :func:`exact_varlen` and returns ``[T, H_q, D
 * ``sinks`` (only for backends that declare the ``sinks`` feature, passed only when set): one learned logit per
   query head that joins every softmax and takes its share of the probability, attending to nothing (gpt-oss's
   ``s_aux``). A backend that does not declare it is never given it.
+* ``blocks`` (only for backends that declare the ``bidirectional_blocks`` feature, passed only when set): int
+  ``[T]``, transformers' ``block_sequence_ids`` of the packed row — the tokens of one block (an image's, ``>= 0``,
+  numbered so that no two examples share one) see each other both ways beyond ``causal``; ``-1``: in no block.
+  A window still limits how far back a token sees, never a block's later tokens (Gemma 3's sliding layers).
+  Self-attention only (an example has as many keys as queries).
 """
 
 from __future__ import annotations
@@ -47,14 +52,33 @@ def segment_mask(
     return allowed
 
 
+def block_mask(blocks: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
+    """Boolean ``[B, 1, L, L]`` mask (True = attend) of self-attention over rows of ``blocks`` (``[B, L]``, see the
+    module docstring): ``causal`` or in the same block, then within ``window`` — transformers' Gemma 3 masks,
+    ``(causal | blockwise) & sliding_window_overlay`` (the window looks back only when causal)."""
+    position = torch.arange(blocks.shape[-1], device=blocks.device)
+    distance = position[:, None] - position[None, :]
+    same = (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0)
+    allowed = (same | (distance >= 0)) if causal else torch.ones_like(same)
+    if window is not None:
+        allowed = allowed & ((distance < window) if causal else (distance.abs() < window))
+    return allowed[:, None]
+
+
 def attend(q, k, v, *, causal, scale=None, window=None, softcap=None, dropout=0.0, mask=None, sinks=None,
-           return_weights=False):
+           return_weights=False, blocks=None):
     """Exact attention of ``[B, H, Lq, D]`` queries over ``[B, H_kv, Lk, D]`` keys (``H_kv`` divides ``H``).
 
     ``mask`` (optional, boolean, True = attend, broadcastable to ``[B, H, Lq, Lk]``) is combined with the
     causal / window structure. ``sinks`` (``[H]``): a per-head logit in every softmax that attends to nothing.
     ``return_weights``: also return the attention probabilities ``[B, H, Lq, Lk]`` (``output_attentions``).
+    ``blocks`` (``[B, L]``, self-attention): bidirectional blocks, which replace the causal / window structure by
+    :func:`block_mask`.
     """
+    if blocks is not None:
+        structure = block_mask(blocks, causal, window)
+        mask = structure if mask is None else mask & structure
+        causal, window = False, None
     grouped = k.shape[-3] != q.shape[-3]
     explicit = mask is not None or softcap is not None or sinks is not None or return_weights
     structure = segment_mask(q.shape[-2], k.shape[-2], causal, window, q.device, always=explicit and causal)
@@ -109,6 +133,7 @@ def exact_varlen(
     softcap: float | None = None,
     dropout: float = 0.0,
     sinks: torch.Tensor | None = None,
+    blocks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention on any device: one ``scaled_dot_product_attention`` per example.
 
@@ -120,7 +145,10 @@ def exact_varlen(
     if cu_seq_lens_k is cu_seq_lens_q or (cu_seq_lens_k.shape == cu_seq_lens_q.shape
                                           and torch.equal(cu_seq_lens_k, cu_seq_lens_q)):
         return _self_attention_by_length(query, key, value, cu_seq_lens_q, causal=causal, scale=scale,
-                                         window=window, softcap=softcap, dropout=dropout, sinks=sinks)
+                                         window=window, softcap=softcap, dropout=dropout, sinks=sinks,
+                                         blocks=blocks)
+    if blocks is not None:
+        raise ValueError("bidirectional blocks are for self-attention only (cu_seq_lens_k == cu_seq_lens_q)")
     q_all, k_all, v_all = (t.transpose(0, 1) for t in (query, key, value))  # [H, T, D]
     bounds_q = cu_seq_lens_q.tolist()
     bounds_k = bounds_q if cu_seq_lens_k is cu_seq_lens_q else cu_seq_lens_k.tolist()
@@ -140,7 +168,7 @@ def exact_varlen(
     return torch.cat(pieces, dim=1).transpose(0, 1)  # [T, H, D]
 
 
-def _self_attention_by_length(query, key, value, cu_seq_lens, **options) -> torch.Tensor:
+def _self_attention_by_length(query, key, value, cu_seq_lens, blocks=None, **options) -> torch.Tensor:
     """:func:`exact_varlen` when queries and keys share their boundaries (self-attention, the usual case).
 
     The tokens are reordered once so that examples of equal length sit together (one ``index_select`` per
@@ -153,10 +181,11 @@ def _self_attention_by_length(query, key, value, cu_seq_lens, **options) -> torc
     sizes = [n * m for n, m in groups]
     q_groups, k_groups, v_groups = (torch.split(PermuteRows.apply(t, perm, inverse), sizes)
                                     for t in (query, key, value))
+    b_groups = torch.split(blocks.index_select(0, perm), sizes) if blocks is not None else [None] * len(groups)
     outputs = []
-    for (n, m), q, k, v in zip(groups, q_groups, k_groups, v_groups):
+    for (n, m), q, k, v, b in zip(groups, q_groups, k_groups, v_groups, b_groups):
         q, k, v = (t.view(m, n, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))  # [m, H, n, D]
-        out = attend(q, k, v, **options)
+        out = attend(q, k, v, blocks=None if b is None else b.view(m, n), **options)
         outputs.append(out.transpose(1, 2).reshape(m * n, out.shape[1], out.shape[-1]))  # [m * n, H, D]
     return PermuteRows.apply(torch.cat(outputs), inverse, perm)  # [T, H, D]
 
@@ -188,7 +217,7 @@ def padded_slots(cu_seq_lens: torch.Tensor, total: int, longest: int) -> tuple[t
 
 
 def repad_varlen(query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, *,
-                 causal, scale=None, window=None, softcap=None, dropout=0.0, sinks=None) -> torch.Tensor:
+                 causal, scale=None, window=None, softcap=None, dropout=0.0, sinks=None, blocks=None) -> torch.Tensor:
     """Exact attention with one masked ``scaled_dot_product_attention`` call: queries, keys and values are
     scattered into a right-padded ``[n, L_max, H, D]`` view for attention alone (every other layer stays packed),
     padded keys are masked out, and the output is gathered back to ``[T, H, D]``.
@@ -219,8 +248,12 @@ def repad_varlen(query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q, 
     padding_query = torch.arange(max_length_q, device=query.device)[None, :] >= lengths_q[:, None]  # [n, Lq]
     # a padding query may see every key: its row is never read, and a fully masked row would be NaN in backward
     mask = (real_key[:, None, :] | padding_query[:, :, None])[:, None]  # [n, 1, Lq, Lk]
+    if blocks is not None:  # padding in no block; self-attention: the keys are the queries' tokens
+        if max_length_k != max_length_q or key.shape[0] != query.shape[0]:
+            raise ValueError("bidirectional blocks are for self-attention only (cu_seq_lens_k == cu_seq_lens_q)")
+        blocks = blocks.new_full((n * max_length_q,), -1).index_copy(0, slots_q, blocks).view(n, max_length_q)
     out = attend(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, dropout=dropout, mask=mask,
-                 sinks=sinks)
+                 sinks=sinks, blocks=blocks)
     return out.transpose(1, 2).reshape(n * max_length_q, *out.shape[1:2], out.shape[-1]).index_select(0, slots_q)
 
 
