@@ -244,6 +244,81 @@ def synthetic_video_example(processor: Any, model_config: Any, text: str, frames
     return example
 
 
+# -- Gemma 3 (image-text): a fixed number of soft tokens per image, bidirectional among themselves ----------------
+
+#: Gemma 3's image tokens: the text marks an image with ``<start_of_image>``, which ``Gemma3Processor`` expands to
+#: ``\n\n<start_of_image>`` + ``<image_soft_token>`` × ``mm_tokens_per_image`` + ``<end_of_image>\n\n`` and marks the
+#: soft tokens 1 in ``token_type_ids`` (what makes them attend to each other bidirectionally).
+GEMMA3_TOKENS = ("<start_of_image>", "<image_soft_token>", "<end_of_image>")
+#: The tiny Gemma 3's images: 56 × 56 pixels in 14-pixel patches (4 × 4), average-pooled to ``2 × 2`` soft tokens.
+GEMMA3_IMAGE_SIZE, GEMMA3_PATCH_SIZE, GEMMA3_TOKENS_PER_IMAGE = 56, 14, 4
+
+
+def gemma3_processor() -> Any:
+    """``Gemma3Processor`` from a local image processor (the PIL one: the default needs torchvision; every image
+    resized to :data:`GEMMA3_IMAGE_SIZE`) and a tokenizer trained here, whose ``boi_token`` / ``image_token`` /
+    ``eoi_token`` are Gemma's (:data:`GEMMA3_TOKENS`)."""
+    import copy
+
+    from transformers import Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer = copy.deepcopy(_tokenizer(GEMMA3_TOKENS))
+    tokenizer._set_model_specific_special_tokens(special_tokens=dict(zip(("boi_token", "image_token", "eoi_token"),
+                                                                          GEMMA3_TOKENS)))
+    images = Gemma3ImageProcessorPil(size={"height": GEMMA3_IMAGE_SIZE, "width": GEMMA3_IMAGE_SIZE})
+    return Gemma3Processor(image_processor=images, tokenizer=tokenizer, image_seq_length=GEMMA3_TOKENS_PER_IMAGE)
+
+
+def tiny_gemma3_config(processor: Any, **text_overrides: Any) -> Any:
+    """A tiny ``Gemma3Config`` whose image token ids are ``processor``'s: 2 text layers (d=64, GQA, head 16) — a
+    sliding-window layer (window 6, shorter than most examples) then a global one — and a 2-block SigLIP tower
+    (d=32) over :data:`GEMMA3_IMAGE_SIZE` images, :data:`GEMMA3_TOKENS_PER_IMAGE` tokens per image."""
+    from transformers import Gemma3Config
+
+    tokenizer = processor.tokenizer
+    boi, image, eoi = tokenizer.convert_tokens_to_ids(list(GEMMA3_TOKENS))
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                sliding_window=6, layer_types=["sliding_attention", "full_attention"], max_position_embeddings=4096,
+                pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id)
+    text.update(text_overrides)
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=GEMMA3_IMAGE_SIZE, patch_size=GEMMA3_PATCH_SIZE)
+    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA3_TOKENS_PER_IMAGE,
+                        boi_token_index=boi, eoi_token_index=eoi, image_token_index=image)
+
+
+def tiny_gemma3_model(processor: Any, seed: int = 0, **text_overrides: Any) -> Any:
+    """A randomly initialised tiny ``Gemma3ForConditionalGeneration``, fp32, eval mode, seeded. Its multi-modal
+    projection, which transformers initialises to zeros (every image would embed as zeros), is drawn at random."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    config = tiny_gemma3_config(processor, **text_overrides)
+    model = AutoModelForImageTextToText.from_config(config, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.5)
+    return model
+
+
+def gemma3_example(processor: Any, text: str, images: list | None = None, **processor_kwargs: Any) -> dict[str, Any]:
+    """One example as ``Gemma3Processor`` makes it, unbatched: ``input_ids`` and ``token_type_ids`` (lists), and
+    ``pixel_values`` ``[rows, 3, size, size]`` when there are images (a row per image, and per crop with
+    ``do_pan_and_scan=True, pan_and_scan_min_crop_size=32`` among ``processor_kwargs``). ``text`` marks each image
+    with ``<image>``."""
+    if text.count(IMAGE_MARK) != len(images or []):
+        raise ValueError(f"{text.count(IMAGE_MARK)} {IMAGE_MARK} marks for {len(images or [])} images")
+    marked = text.replace(IMAGE_MARK, processor.boi_token)
+    output = processor(text=[marked], images=[images] if images else None, return_tensors="pt", **processor_kwargs)
+    example = {key: output[key][0].tolist() for key in ("input_ids", "token_type_ids")}
+    if "pixel_values" in output:
+        example["pixel_values"] = output["pixel_values"]
+    return example
+
+
 #: Idefics3 and SmolVLM: an image's longest side resized to two tiles of :data:`TILE` pixels, cut into (at most 2 × 2)
 #: tiles, then the whole image as one more tile (the global image); a tile is 4 × 4 patches of 14 pixels,
 #: pixel-shuffled 2 × 2 into :data:`TILE_TOKENS` tokens.
