@@ -15,8 +15,9 @@ Kind = Literal["decoder", "encoder"]
 #: Attention features a model may use; backends declare which of them they implement (all of these by default).
 FEATURES = ("causal", "bidirectional", "gqa", "sliding_window", "softcap", "dropout")
 #: Features a backend implements only when it says so: ``sinks`` (a learned per-head logit in every softmax,
-#: gpt-oss), given to its ``varlen`` function as ``sinks=``.
-OPT_IN_FEATURES = ("sinks",)
+#: gpt-oss), given to its ``varlen`` function as ``sinks=``; ``bidirectional_blocks`` (tokens of one block, a
+#: Gemma 3 image, attend to each other both ways inside a causal example: ``block_sequence_ids``).
+OPT_IN_FEATURES = ("sinks", "bidirectional_blocks")
 
 
 def position_start_zero(model_config: Any) -> int:

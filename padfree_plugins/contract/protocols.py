@@ -69,6 +69,14 @@ class AsksLabelledLogits(Protocol):
     labelled_logits_only: bool
 
 
+class PacksMedia(Protocol):
+    """Optional (vision-language families): ``media_keys`` names the dataset columns of images and video the
+    collator packs (``pixel_values``, ``image_grid_thw`` …), which trainers keep through column removal; a collator
+    without it packs text only (:mod:`padfree_plugins.packing.multimodal`)."""
+
+    media_keys: tuple[str, ...]
+
+
 class DerivesLabels(Protocol):
     """Optional (``causal_lm``): ``labels_from_input_ids`` True says the collator takes the labels of examples
     without any from their ``input_ids``; the multimodal collator then leaves image and video placeholders
@@ -173,7 +181,7 @@ def _attributes(*protocols: type) -> tuple[str, ...]:
 #: Hook -> the optional attributes the framework may read on its answer.
 OPTIONAL_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "collate": _attributes(WrapsPacking, ReadsDatasetColumns, ChecksTrainerDataset, NamesTextColumns,
-                           AsksLabelledLogits, DerivesLabels),
+                           AsksLabelledLogits, DerivesLabels, PacksMedia),
     "task_forward": _attributes(ChecksModel, RunsInsideModelForward, UsesAssemblyPooler, ChoosesMetrics,
                                 SaysLossScaling),
 }

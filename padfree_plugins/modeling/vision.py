@@ -29,7 +29,7 @@ from padfree_plugins.modeling.patching import ModelPatch
 from padfree_plugins.packing.batch import BOUNDARY_KEYS
 
 #: Keys of the packed row that never reach a vision tower.
-TEXT_ROW_KEYS = (*BOUNDARY_KEYS, "seq_idx")
+TEXT_ROW_KEYS = (*BOUNDARY_KEYS, "seq_idx", "block_sequence_ids")
 
 
 @dataclass
