@@ -101,7 +101,7 @@ def test_cli_prints_the_table_and_writes_outputs(tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["bench", "grpo", "--quick", "--batch-size", "4", "--out", str(tmp_path),
                                       "--json"])
     assert result.exit_code == 0, result.output
-    assert [row["variant"] for row in json.loads(result.output)["rows"]] == list(VARIANTS)
+    assert [row["variant"] for row in json.loads(result.stdout)["rows"]] == list(VARIANTS)  # stderr: progress bars
 
 
 def test_cli_errors_and_help():
