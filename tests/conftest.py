@@ -71,13 +71,19 @@ def packed_calls(monkeypatch):
     left padded (``False``)."""
     from padfree_plugins.modeling import unpad
 
+    return counted_packings(monkeypatch, unpad, "pack_padded_call")
+
+
+def counted_packings(monkeypatch, module, name: str) -> list[bool]:
+    """``module.name`` (a function answering a packed call or ``None``) recorded: ``True`` for each call it packed,
+    ``False`` for each it left padded."""
     calls = []
-    original = unpad.pack_padded_call
+    original = getattr(module, name)
 
     def counting(*args):
         result = original(*args)
         calls.append(result is not None)
         return result
 
-    monkeypatch.setattr(unpad, "pack_padded_call", counting)
+    monkeypatch.setattr(module, name, counting)
     return calls

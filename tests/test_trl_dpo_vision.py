@@ -20,6 +20,7 @@ from padfree_plugins import PadfreeError, accelerate, patch_of
 from padfree_plugins.integrations import trl_fused
 from padfree_plugins.packing.multimodal import MultimodalCollator
 from padfree_plugins.testing.vision import synthetic_image
+from tests.conftest import counted_packings
 from tests.test_trl_preference import assert_same_run, differences
 from tests.test_vision_trainers import images, model, processor, words
 
@@ -56,16 +57,7 @@ def trainer_for(train: datasets.Dataset, **settings):
 @pytest.fixture
 def media_calls(monkeypatch):
     """What every :func:`trl_fused.pack_media_call` returned: packed (``True``) or left padded (``False``)."""
-    calls = []
-    original = trl_fused.pack_media_call
-
-    def counting(*args):
-        result = original(*args)
-        calls.append(result is not None)
-        return result
-
-    monkeypatch.setattr(trl_fused, "pack_media_call", counting)
-    return calls
+    return counted_packings(monkeypatch, trl_fused, "pack_media_call")
 
 
 # -- one fused call ----------------------------------------------------------------------------------------------------

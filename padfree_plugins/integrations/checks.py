@@ -150,3 +150,16 @@ def note_trl_eval_packing(trainer: Any) -> None:
                   "row attend to each other; padfree-plugins evaluates each example on its own, so eval_loss and the "
                   "eval metrics differ slightly from TRL's. Set packing=True as well (TRL then keeps the boundaries "
                   "too) or eval_packing=False to compare like with like.", stacklevel=3)
+
+
+def refuse_own_batches_options(trainer: Any, config: Any, name: str, batches: str, noise: str) -> None:
+    """Refuse what a trainer that keeps its own padded batches cannot do packed: a token budget (``batches``
+    says whose batches they are) and NEFTune (``noise`` says where the trainer's hook would see the packed row)."""
+    if config.batching.strategy == "tokens":
+        raise ConfigError(
+            f"batching.strategy: tokens fills packed batches up to a token budget, but {name} keeps {batches}: use "
+            "batching.strategy: examples")
+    if getattr(trainer, "neftune_noise_alpha", None) is not None:
+        raise PadfreeError(
+            f"neftune_noise_alpha with {name}: the trainer's NEFTune hook scales its noise by the length of the "
+            f"row it sees, which {noise}")

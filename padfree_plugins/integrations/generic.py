@@ -32,7 +32,7 @@ from padfree_plugins.assembly import Assembly
 from padfree_plugins.contract.hookspecs import hookimpl
 from padfree_plugins.errors import ConfigError, PadfreeError
 from padfree_plugins.integrations.base import library_class, own_attribute, restore_attributes
-from padfree_plugins.integrations.checks import check_parallelism
+from padfree_plugins.integrations.checks import check_parallelism, refuse_own_batches_options
 from padfree_plugins.integrations.hf_trainer import HFTrainerPatch
 from padfree_plugins.integrations.trl_dpo import DPOTrainerPatch
 from padfree_plugins.integrations.trl_grpo import GRPOTrainerPatch
@@ -106,16 +106,11 @@ class AnyTrainerPatch:
                 f"its padded batches and pack them inside the model (unpad), which it does for decoders only; "
                 f"{type(assembly.model).__name__} is an {assembly.plan.architecture.kind}. Write a trainer plugin for "
                 "it (docs/writing-a-plugin.md), or train it padded")
-        if config.batching.strategy == "tokens":
-            raise ConfigError(
-                f"batching.strategy: tokens fills packed batches up to a token budget, but {name} keeps its own "
-                "collator (its own compute_loss), which pads every batch to its longest example: use "
-                "batching.strategy: examples")
-        if getattr(trainer, "neftune_noise_alpha", None) is not None:
-            raise PadfreeError(
-                f"neftune_noise_alpha with {name}: the trainer's NEFTune hook scales its noise by the length of the "
-                "row it sees, which inside an unpadded forward is the packed row of every example (far weaker noise "
-                "than padded): train without NEFTune, or with a trainer whose compute_loss is the library's")
+        refuse_own_batches_options(
+            trainer, config, name,
+            batches="its own collator (its own compute_loss), which pads every batch to its longest example",
+            noise="inside an unpadded forward is the packed row of every example (far weaker noise than padded): "
+                  "train without NEFTune, or with a trainer whose compute_loss is the library's")
         patch = cls(trainer, assembly)
         try:
             patch.install(unpad)

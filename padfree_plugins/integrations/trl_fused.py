@@ -41,7 +41,7 @@ import torch
 from padfree_plugins.assembly import Assembly, assemble
 from padfree_plugins.errors import ConfigError, PadfreeError
 from padfree_plugins.integrations.base import keeps_methods, library_class
-from padfree_plugins.integrations.checks import check_parallelism
+from padfree_plugins.integrations.checks import check_parallelism, refuse_own_batches_options
 from padfree_plugins.modeling import unpad
 from padfree_plugins.modeling.patching import own_attribute, restore_attributes, unwrap_model
 from padfree_plugins.packing.batch import BOUNDARY_KEYS, MEDIA_KEYS, MODEL_INPUT_KEYS
@@ -264,16 +264,10 @@ class FusedTrainerPatch:
             raise PadfreeError(
                 f"{name} on images: padfree-plugins does not pack vision-language batches yet (their image tokens "
                 "and positions need the multimodal collator); train this one padded, without accelerate()")
-        if config.batching.strategy == "tokens":
-            raise ConfigError(
-                f"batching.strategy: tokens fills packed batches up to a token budget, but {name} keeps TRL's own "
-                "batches (its collator, its generation), which padfree-plugins packs at every forward: use "
-                "batching.strategy: examples")
-        if getattr(trainer, "neftune_noise_alpha", None) is not None:
-            raise PadfreeError(
-                f"neftune_noise_alpha with {name}: the trainer's NEFTune hook scales its noise by the length of the "
-                "row it sees, which packed is the row of every sequence (far weaker noise than padded): train "
-                "without NEFTune")
+        refuse_own_batches_options(
+            trainer, config, name,
+            batches="TRL's own batches (its collator, its generation), which padfree-plugins packs at every forward",
+            noise="packed is the row of every sequence (far weaker noise than padded): train without NEFTune")
         if self.assembly.plan.architecture.kind != "decoder":
             raise PadfreeError(f"{name} trains a causal language model; {type(self.assembly.model).__name__} is an "
                                f"{self.assembly.plan.architecture.kind}")
