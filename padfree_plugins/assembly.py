@@ -21,14 +21,17 @@ from padfree_plugins.contract.host import PluginHost
 from padfree_plugins.errors import (
     BackendUnavailableError,
     ConfigError,
+    PadfreeError,
     PluginError,
     UnsupportedArchitectureError,
     did_you_mean,
 )
+from padfree_plugins.modeling.mixers import note_unused_mixer_backend
 from padfree_plugins.modeling.patching import ModelPatch, unwrap_model
+from padfree_plugins.modeling.pooling import unknown_mode_hint
 from padfree_plugins.modeling.probe import PROBE, PROBE_PLUGIN, probed_architecture, verify
 from padfree_plugins.modeling.unpad import UnpadPatch
-from padfree_plugins.packing.collator import refusing_undeclared
+from padfree_plugins.packing.collator import refusing_undeclared, within_embeddings
 
 EXACT_BACKEND = "exact"
 logger = logging.getLogger("padfree_plugins")
@@ -117,7 +120,8 @@ def resolve_architecture(host: PluginHost, model_config: Any, config: PadfreeCon
         if config.architecture not in by_name:
             raise ConfigError(
                 f"architecture {config.architecture!r} is not provided by any plugin."
-                f"{did_you_mean(config.architecture, by_name)} Available: {', '.join(sorted(by_name))}; or "
+                f"{did_you_mean(config.architecture, by_name)}{host.filter_note(config.architecture)} "
+                f"Available: {', '.join(sorted(by_name))}; or "
                 f"'{PROBE}' (accepts a model type no plugin declares after an equivalence check on the model itself)"
                 f", or 'auto' (from the model type). {ADD_AN_ARCHITECTURE}"
             )
@@ -136,7 +140,8 @@ def resolve_architecture(host: PluginHost, model_config: Any, config: PadfreeCon
         # 'mpnet', 'hubert' and 'bert') says nothing about whether the architecture is alike.
         supported = ", ".join(sorted(claims)) or "none (is padfree-plugins installed? run pip install -e .)"
         raise UnsupportedArchitectureError(
-            f"model type {model_type!r} is not supported by any installed plugin. Supported model types: "
+            f"model type {model_type!r} is not supported by any installed plugin.{host.filter_note(model_type)} "
+            "Supported model types: "
             f"{supported}. To try it anyway, set architecture: {PROBE} in the acceleration config: assembly then "
             "accepts it only after a packed-vs-per-example equivalence check on the model itself. "
             f"{ADD_AN_ARCHITECTURE}"
@@ -154,7 +159,7 @@ def resolve_backend(host: PluginHost, requested: str, device_type: str,
         if requested not in backends:
             raise ConfigError(
                 f"attention backend {requested!r} is not provided by any plugin.{did_you_mean(requested, backends)} "
-                f"Available: auto, {', '.join(sorted(backends))}."
+                f"Available: auto, {', '.join(sorted(backends))}.{host.filter_note('backends')}"
             )
         backend = backends[requested]
         reason = backend.cannot_run(device_type, None, features)
@@ -175,7 +180,8 @@ def resolve_backend(host: PluginHost, requested: str, device_type: str,
             return backend, None
         return backend, next((b for b in usable if not b.dtypes), backends.get(EXACT_BACKEND))
     reasons = "; ".join(f"{b.name}: {b.cannot_run(device_type, None, features)}" for b in ranked)
-    raise BackendUnavailableError(f"no attention backend can run this model on {device_type}: {reasons}")
+    raise BackendUnavailableError(f"no attention backend can run this model on {device_type}: "
+                                  f"{reasons or 'no backend is loaded'}.{host.filter_note('backends')}")
 
 
 #: How error messages name the device types of :attr:`AttentionBackend.devices`.
@@ -203,6 +209,7 @@ def plan(model_config: Any, config: PadfreeConfig | dict | str | None = None, *,
     host = host or PluginHost(block=config.plugins.block)
     resolved = _resolve(model_config, config, host, device_type)
     Parts.build(host, model_config, config, resolved)  # records who answered in resolved.answers
+    host.trace_not_called("patch_model", "a plan patches no model; assemble() asks it")
     return resolved
 
 
@@ -212,13 +219,13 @@ def _resolve(model_config: Any, config: PadfreeConfig, host: PluginHost, device_
     the log."""
     host.require(config.plugins.require)
     if not host.loaded():
-        raise PluginError("no plugin is loaded: is padfree-plugins installed (pip install -e .)?")
+        raise PluginError(f"no plugin is loaded: is padfree-plugins installed (pip install -e .)?{host.filter_note()}")
     architecture, architecture_plugin = resolve_architecture(host, model_config, config, model)
     tasks = host.tasks()
     if config.task not in tasks:
         raise ConfigError(
             f"task {config.task!r} is not provided by any plugin.{did_you_mean(config.task, tasks)} "
-            f"Available: {', '.join(sorted(tasks))}."
+            f"Available: {', '.join(sorted(tasks)) or 'none'}.{host.filter_note(config.task)}"
         )
     task, task_plugin = tasks[config.task]
     if task.options is not None:
@@ -263,13 +270,15 @@ class Parts:
         call = dict(task=resolved.task, architecture=resolved.architecture, config=config)
         collator = host.call_first("collate", returns_callable=True, model_config=model_config, **call)
         if collator is None:
-            raise PluginError(f"no plugin provides a collator for task {resolved.task.name!r}")
+            raise PluginError(f"no plugin provides a collator for task {resolved.task.name!r}."
+                              f"{host.filter_note('core')}")
         if resolved.architecture.wrap_collator is not None:  # media packed beside the text (vision-language)
             collator = resolved.architecture.wrap_collator(collator, model_config)
         mode = config.pooling or (resolved.architecture.default_pooling if resolved.task.needs_pooling else None)
         pooler = host.call_first("pool", returns_callable=True, mode=mode, **call) if mode else None
         if mode and pooler is None:
-            raise ConfigError(f"no plugin provides pooling mode {mode!r} for {resolved.architecture.name}")
+            raise ConfigError(f"no plugin provides pooling mode {mode!r} for {resolved.architecture.name}."
+                              f"{unknown_mode_hint(mode)}{host.filter_note('core')}")
         forward = host.call_first("task_forward", returns_callable=True, **call)
         if getattr(forward, "uses_assembly_pooler", False):  # the pool hook's pooler, a plugin's mode included
             forward = dataclasses.replace(forward, pooler=pooler)
@@ -323,10 +332,27 @@ def refuse_prompt_learning(model: Any) -> None:
             )
 
 
+def refuse_data_parallel(model: Any) -> None:
+    """``torch.nn.DataParallel`` splits every batch by rows across GPUs; a packed batch is one row. Refused (at any
+    depth of ``module`` / ``_orig_mod`` wrappers) before anything is patched."""
+    wrapper, seen = model, set()
+    while isinstance(wrapper, torch.nn.Module) and id(wrapper) not in seen:
+        seen.add(id(wrapper))
+        if isinstance(wrapper, torch.nn.DataParallel):
+            raise PadfreeError(
+                f"{type(wrapper).__name__}: torch.nn.DataParallel splits a batch by rows across GPUs, and a "
+                "padding-free batch is one row. Assemble the model itself (model.module) and launch one process "
+                "per GPU with `accelerate launch` or `torchrun` (DistributedDataParallel), or use one GPU"
+            )
+        wrapper = next((inner for inner in (getattr(wrapper, "_orig_mod", None), getattr(wrapper, "module", None))
+                        if isinstance(inner, torch.nn.Module)), None)
+
+
 def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
              host: PluginHost | None = None) -> Assembly:
     """Make ``model`` padding-free for ``config`` and return everything needed to feed it."""
     config = load_config(config)
+    refuse_data_parallel(model)
     refuse_prompt_learning(model)
     host = host or PluginHost(block=config.plugins.block)
     inner = unwrap_model(model)
@@ -334,15 +360,17 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
     for note in resolved.notes:  # plugin precedence, a faster backend the config rules out …
         logger.warning("padfree-plugins: %s", note)
     parts = Parts.build(host, inner.config, config, resolved)
-    parts = dataclasses.replace(parts, collator=refusing_undeclared(parts.collator, forward_parameters(inner)))
+    collator = within_embeddings(refusing_undeclared(parts.collator, forward_parameters(inner)), inner)
+    parts = dataclasses.replace(parts, collator=collator)
     check_model = getattr(parts.forward, "check_model", None)
     if check_model is not None:  # the head the task reads (an LM head, a classifier …) exists
         check_model(inner)
     patch = host.call_first("patch_model", model=inner, architecture=resolved.architecture,
                             backend=resolved.backend, fallback=resolved.fallback, config=config)
     if patch is None:
-        raise PluginError(f"no plugin could patch {type(inner).__name__}")
+        raise PluginError(f"no plugin could patch {type(inner).__name__}.{host.filter_note('core')}")
     resolved.answers["patch_model"] = host.answered.get("patch_model")
+    note_unused_mixer_backend(config.mixers, resolved.architecture.name, patch)
     if config.unpad != "off" and resolved.architecture.kind == "decoder":  # padded calls, packed inside the body
         patch.handles.append(UnpadPatch.install(inner, config.unpad))
     if getattr(parts.forward, "runs_inside_model_forward", False):  # per-example heads, run as the model's forward

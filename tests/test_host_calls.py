@@ -109,3 +109,39 @@ def test_an_answer_the_host_recorded_trains_the_same_batch():
         assert model(**batch.model_inputs()).logits.shape[1] == 8
     finally:
         assembly.undo()
+
+
+def test_trace_of_a_plan_says_that_patch_model_is_not_called():
+    """``check`` plans without a model: its trace still has a patch_model line, saying why the hook is not asked."""
+    lines: list[str] = []
+    plan(tiny_model("llama", "causal_lm").config, {"task": "causal_lm"}, host=PluginHost(environ=NO_ENV,
+                                                                                        trace=lines.append))
+    assert "padfree-plugins hook collate: causal_lm -> CausalLMCollator" in lines
+    assert lines[-1] == "padfree-plugins hook patch_model: not called (a plan patches no model; assemble() asks it)"
+
+
+def test_trace_logs_a_hook_answered_through_wrappers():
+    class Wrapper:
+        @hookimpl(wrapper=True)
+        def patch_model(self, model, architecture, backend, fallback, config):
+            return (yield)
+
+    lines: list[str] = []
+    host = PluginHost({"wrapper": Wrapper()}, environ=NO_ENV, trace=lines.append)
+    assemble(tiny_model("llama", "causal_lm"), {"task": "causal_lm"}, host=host).undo()
+    assert "padfree-plugins hook patch_model: (hook wrappers) -> ModelPatch" in lines
+
+
+def test_the_guides_trace_sample_is_what_assembly_prints():
+    """docs/writing-a-plugin.md's PADFREE_PLUGINS_TRACE sample: its lines (``…`` for lines left out) in order."""
+    from pathlib import Path
+
+    guide = (Path(__file__).parents[1] / "docs" / "writing-a-plugin.md").read_text()
+    block = guide.split("`PADFREE_PLUGINS_TRACE=1` prints", 1)[1].split("```", 2)[1]
+    sample = [line for line in block.splitlines() if line.strip() and line != "…"]
+    assert any("hook patch_model:" in line for line in sample)
+    lines: list[str] = []
+    host = PluginHost(environ=NO_ENV, trace=lines.append)
+    assemble(tiny_model("llama", "causal_lm"), {"task": "causal_lm"}, host=host).undo()
+    positions = [lines.index(line) if line in lines else -1 for line in sample]
+    assert -1 not in positions and positions == sorted(positions), (sample, lines)

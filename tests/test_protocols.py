@@ -13,9 +13,12 @@ from padfree_plugins.contract import protocols
 ROOT = Path(__file__).resolve().parents[1]
 #: ``getattr(<something>collator|forward|packing, "name"`` in the framework's own code.
 OPTIONAL_READ = re.compile(r"getattr\(([\w.]*(?:collator|forward|packing))\s*,\s*\"(\w+)\"")
-#: Read on the trainer's own collator (transformers' ``DataCollatorForLanguageModeling``), not on a hook's answer.
+#: Read on the trainer's own collator (transformers' ``DataCollatorForLanguageModeling``) or on the trainer plugins'
+#: own wrappers (``TrainerCollator.labelled_logits``, ``ExampleByExample.processing``), not on a hook's answer.
 TRAINER_COLLATOR_READS = {("padfree_plugins/integrations/checks.py", "mlm"),
-                          ("padfree_plugins/integrations/checks.py", "tokenizer")}
+                          ("padfree_plugins/integrations/checks.py", "tokenizer"),
+                          ("padfree_plugins/integrations/checks.py", "processing"),
+                          ("padfree_plugins/integrations/base.py", "labelled_logits")}
 
 
 def test_every_optional_attribute_read_is_declared():

@@ -62,3 +62,28 @@ def test_example_batch_for_a_model():
     assert [ex["label"] for ex in examples] == [0, 1, 2, 0]
     assert max(i for ex in examples for i in ex["input_ids"]) < 300
     assert example_batch(None, [3]) == random_examples([3])
+
+
+def listed_model_types() -> dict[str, str]:
+    """Every model type an installed plugin declares (what ``padfree-plugins list`` shows) -> its plugin."""
+    from padfree_plugins.contract.host import PluginHost
+
+    return {model_type: plugin for model_type, (_, plugin) in PluginHost().architectures().items()}
+
+
+@pytest.mark.parametrize(("model_type", "plugin"), sorted(listed_model_types().items()))
+def test_every_listed_family_has_a_tiny_model(model_type, plugin):
+    """Every family builds on CPU (the hybrids' CUDA kernels are optional: their torch paths build and run)."""
+    try:
+        model = tiny_model(model_type)
+    except Exception as error:  # noqa: BLE001 - the failure names the family and what to add
+        pytest.fail(f"tiny_model({model_type!r}) (plugin {plugin}) fails: {type(error).__name__}: {error}. Give the "
+                    "family a tiny config in padfree_plugins.testing.models.TINY_FAMILIES", pytrace=False)
+    assert not model.training and all(p.dtype == torch.float32 for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) < 1_500_000, "not tiny: shrink it in TINY_FAMILIES"
+
+
+def test_family_settings_give_way_to_overrides():
+    assert tiny_config("qwen3_moe").num_experts == 4
+    assert tiny_config("qwen3_moe", num_experts=8).num_experts == 8
+    assert type(tiny_model("siglip_text_model")).__name__ == "SiglipTextModel"  # no AutoModel for it

@@ -7,6 +7,7 @@ import json
 import math
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from transformers import HfArgumentParser, Trainer, TrainingArguments
@@ -14,7 +15,7 @@ from typer.testing import CliRunner
 
 from padfree_plugins import AccelerationArguments, ConfigError
 from padfree_plugins.cli import app
-from padfree_plugins.recipes.train import parse_arguments, run_train
+from padfree_plugins.recipes.train import _loss_curve_callback, parse_arguments, run_train
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "padfree.yaml"
 
@@ -89,6 +90,23 @@ def test_a_long_run_logs_about_fifty_times():
     report = run_train(["--max_steps", "120", "--max_examples", "32", "--per_device_train_batch_size", "4",
                         "--eval_fraction", "0"], print_fn=None)
     assert [step for step, _ in report.losses] == list(range(3, 121, 3))  # ceil(120 / 50) = every 3 steps
+
+
+def test_the_help_states_the_logging_cadence_the_run_has(monkeypatch):
+    """HF Trainer logs at every multiple of logging_steps: a run of N steps logs N // logging_steps times."""
+    monkeypatch.setenv("COLUMNS", "200")
+    text = " ".join(invoke("--help").output.split())
+    assert "every step up to 50 steps; a longer one every ceil(steps / 50) steps, at most 500 apart: 25 to 50 times " \
+           "up to 25,000 steps (108 steps: every 3rd, 36 times)" in text
+    curve = _loss_curve_callback(None, log_often=True)
+    logged = {}
+    for steps in [*range(1, 25_001), 30_000]:
+        state = SimpleNamespace(max_steps=steps, logging_steps=500)  # TrainingArguments' default logging_steps
+        curve.on_train_begin(None, state, None)
+        logged[steps] = steps // state.logging_steps
+    assert all(logged[steps] == steps for steps in range(1, 51))
+    assert min(logged[steps] for steps in range(51, 25_001)) == 25 and max(logged.values()) == 60
+    assert logged[108] == 36  # every 3rd step
 
 
 def test_no_progress_bar_in_a_pipe_and_the_loss_curve_still_prints(tmp_path):

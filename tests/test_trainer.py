@@ -22,6 +22,7 @@ from padfree_plugins.data.tokenizer import train_tokenizer
 from padfree_plugins.integrations.base import TrainerCollator
 from padfree_plugins.modeling.neftune import PackedNeftune
 from padfree_plugins.packing.collator import split_packed_row
+from padfree_plugins.packing.labelled_logits import HELD_KEY
 from tests.conftest import tiny_config
 from tests.hybrids_common import HYBRIDS, hybrid_model
 from tests.test_decoders import DECODERS, causal_lm
@@ -524,20 +525,20 @@ def test_hf_trainer_projects_only_labelled_positions_with_the_same_loss_and_grad
     trainer, acceleration = make_trainer("hf", packed=True)
     assert trainer.data_collator.labelled_logits
     batch = trainer._prepare_inputs(trainer.data_collator(rows(8)))
+    held = batch[HELD_KEY]
     model = trainer.model
     head_rows = []
     hook = model.lm_head.register_forward_hook(lambda module, args, out: head_rows.append(args[0].shape[-2]))
     results = {}
     try:
-        for name, inputs in (("labelled", batch), ("all", {k: v for k, v in batch.items()
-                                                           if k not in ("logits_to_keep", "shift_labels")})):
+        for name, inputs in (("labelled", batch), ("all", {k: v for k, v in batch.items() if k != HELD_KEY})):
             model.zero_grad(set_to_none=True)
-            loss = trainer.compute_loss(model, inputs, num_items_in_batch=batch["shift_labels"].ne(-100).sum())
+            loss = trainer.compute_loss(model, inputs, num_items_in_batch=held["shift_labels"].ne(-100).sum())
             loss.backward()
             results[name] = (loss.detach(), [p.grad.clone() for p in model.parameters()])
     finally:
         hook.remove()
-    labelled = int(batch["logits_to_keep"].numel())
+    labelled = int(held["logits_to_keep"].numel())
     assert head_rows == [labelled, batch["input_ids"].shape[-1]] and labelled < batch["input_ids"].shape[-1] * 0.9
     torch.testing.assert_close(results["labelled"][0], results["all"][0], atol=1e-6, rtol=1e-6)
     for got, want in zip(results["labelled"][1], results["all"][1]):
@@ -553,7 +554,7 @@ def test_labelled_logits_stay_off_where_every_logit_is_needed(case):
         options = {"labelled_logits_only": False} if case == "option off" else {}
         accelerate(trainer, {"task": "causal_lm", "task_options": options})
     assert not trainer.data_collator.labelled_logits
-    assert "logits_to_keep" not in trainer.data_collator(rows(3))
+    assert not {"logits_to_keep", HELD_KEY} & set(trainer.data_collator(rows(3)))
 
 
 def test_labelled_logits_option_is_checked():
@@ -573,8 +574,8 @@ def test_loss_only_evaluation_keeps_labelled_logits_and_the_padded_loss():
         hook.remove()
     sizes = [5, 5, 3]  # per_device_eval_batch_size 5 over 13 examples, in order
     starts = [0, 5, 10]
-    want_rows = [int(trainer.data_collator(trainer.eval_dataset.select(range(a, a + n)).to_list())["logits_to_keep"]
-                     .numel()) for a, n in zip(starts, sizes)]
+    want_rows = [int(trainer.data_collator(trainer.eval_dataset.select(range(a, a + n)).to_list())[HELD_KEY]
+                     ["logits_to_keep"].numel()) for a, n in zip(starts, sizes)]
     assert rows_seen == want_rows  # the LM head projected only the labelled positions
     assert got == pytest.approx(reference.evaluate()["eval_loss"], abs=1e-5)
 

@@ -247,7 +247,9 @@ def test_a_qwen3_5_model_without_the_known_mixers_is_refused_unpatched():
     from padfree_plugins.config.schema import PadfreeConfig
 
     name, processor, model = make_family("qwen3_5")
-    renamed = dataclasses.replace(QWEN3_5_VL, mixers=("RenamedGatedDeltaNet",))
+    towers, mixers = QWEN3_5_VL.traits
+    renamed_mixers = dataclasses.replace(mixers, mixers=("RenamedGatedDeltaNet",))
+    renamed = dataclasses.replace(QWEN3_5_VL, traits=(towers, renamed_mixers))
     _, patch_model = renamed.hooks()
     with pytest.raises(UnsupportedArchitectureError, match="RenamedGatedDeltaNet"):
         patch_model(model, renamed.architecture, None, None, PadfreeConfig())

@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from padfree_plugins.batching.planning import plan_epoch
 from padfree_plugins.config.schema import BatchingConfig, PadfreeConfig, load_config
 from padfree_plugins.errors import BatchError, ConfigError
+from padfree_plugins.packing.batch import INDEX_KEY
 from padfree_plugins.packing.collator import holds_several_texts
 
 #: Per-token keys a split example is cut along (besides the collator's own token keys).
@@ -221,6 +222,55 @@ def _split_grouped_rows(dataset: Any, items: Items, input_key: str = "input_ids"
         return split if is_list(kind) and is_list(kind.value_type) else split[:0]
     return np.asarray([i for i in split.tolist() if isinstance(row := dataset[i], Mapping)
                        and holds_several_texts(row.get(input_key))], dtype=np.int64)
+
+
+# -- dataset indices in the rows (for the collator's errors) -----------------------------------------------------------
+
+
+class IndexedRows(Dataset):
+    """A map-style dataset whose rows (dicts) carry their index in it (:data:`INDEX_KEY`)."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> Any:
+        row = self.dataset[i]
+        return {**row, INDEX_KEY: int(i)} if isinstance(row, Mapping) else row
+
+
+def indexed_rows(dataset: Any) -> Any:
+    """``dataset`` for a ``DataLoader`` whose collator names bad examples by their dataset index: every row it
+    fetches carries its index under :data:`INDEX_KEY` (the packing collator reads it and packs nothing of it). A
+    ``datasets.Dataset`` stays one (:class:`~padfree_plugins.batching.indexed_dataset.IndexedDataset`, the same tables);
+    another map-style dataset is wrapped (:class:`IndexedRows`); an iterable one, which has no indices, is returned as
+    it is (its errors name positions in the batch)."""
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover - datasets is a dependency of the train extra
+        datasets = None
+    if datasets is not None and isinstance(dataset, datasets.Dataset):
+        from padfree_plugins.batching.indexed_dataset import IndexedDataset
+
+        return dataset if isinstance(dataset, IndexedDataset) else IndexedDataset.of(dataset)
+    if (isinstance(dataset, (torch.utils.data.IterableDataset, IndexedRows, ChunkedDataset))
+            or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__")
+            or datasets is not None and isinstance(dataset, datasets.IterableDataset)):
+        return dataset
+    return IndexedRows(dataset)
+
+
+@dataclass
+class IndexingDataloaders:
+    """A trainer's ``_get_dataloader`` (every dataloader ``Trainer`` builds: training, evaluation, prediction) given
+    :func:`indexed_rows` of its dataset, for a collator that names bad examples by dataset index."""
+
+    get_dataloader: Any
+
+    def __call__(self, dataset: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.get_dataloader(indexed_rows(dataset), *args, **kwargs)
 
 
 # -- the sampler -----------------------------------------------------------------------------------------------------
@@ -431,6 +481,8 @@ def trainer_train_dataloader(trainer: Any, config: PadfreeConfig | BatchingConfi
         # as Trainer's own get_train_dataloader does
         lengths = example_lengths(dataset, length_column=batching_config(config).length_column)
         dataset = trainer._remove_unused_columns(dataset, description="training")
+    if isinstance(trainer.__dict__.get("_get_dataloader"), IndexingDataloaders):  # rows named as the trainer's are
+        dataset = indexed_rows(dataset)
     seed = args.data_seed if args.data_seed is not None else args.seed
     loader = token_budget_dataloader(dataset, collator or trainer.data_collator, config, lengths=lengths,
                                      num_replicas=trainer.accelerator.num_processes, seed=seed, **kwargs)

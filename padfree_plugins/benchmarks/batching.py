@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,13 +74,17 @@ def plans(law: str, ranks: int, examples: int, max_tokens: int, seed: int = 0):
             (f"tokens ({max_tokens})", sampler.plan()))
 
 
-def run_balance(laws=LAWS, ranks=(2, 8), examples: int = 20000, max_tokens: int = 4096) -> list[BalanceResult]:
-    """Balance figures for every law and rank count, both batchings."""
+def run_balance(laws=LAWS, ranks=(2, 8), examples: int = 20000, max_tokens: int = 4096,
+                progress: Callable[[str], None] | None = None) -> list[BalanceResult]:
+    """Balance figures for every law and rank count, both batchings; ``progress`` gets a line each."""
+    say = progress or (lambda _: None)
     results = []
     for law in laws:
         for n in ranks:
             lengths, *both = plans(law, n, examples, max_tokens)
             results += [_balance(law, n, label, lengths, plan) for label, plan in both]
+            say(f"balance {law}, {n} ranks: " + ", ".join(f"{r.batching} spread {r.spread_mean:.3f}"
+                                                         for r in results[-len(both):]))
     return results
 
 
@@ -120,8 +125,11 @@ def _step_seconds(model, collator, rows: list[dict]) -> float:
 
 
 def run_throughput(law: str = "lognormal", ranks=(2, 8), steps: int = 8, max_tokens: int = 2048,
-                   examples: int = 4000, seed: int = 0) -> list[ThroughputResult]:
-    """Real tokens/s of a simulated synchronous data-parallel run, example-count vs token-budget batches."""
+                   examples: int = 4000, seed: int = 0,
+                   progress: Callable[[str], None] | None = None) -> list[ThroughputResult]:
+    """Real tokens/s of a simulated synchronous data-parallel run, example-count vs token-budget batches;
+    ``progress`` gets a line a step."""
+    say = progress or (lambda _: None)
     model, assembly = _tiny_llama()
     vocab = model.config.vocab_size
     try:
@@ -139,6 +147,8 @@ def run_throughput(law: str = "lognormal", ranks=(2, 8), steps: int = 8, max_tok
                         micro = plan[step * n : (step + 1) * n]
                         timed[label] += max(_step_seconds(model, assembly.collator, [rows[i] for i in b])
                                             for b in micro)
+                    say(f"throughput {n} ranks, step {step + 1}/{steps}: "
+                        + ", ".join(f"{label} {seconds:.2f} s" for label, seconds in timed.items()))
                 for label, plan in both:
                     tokens = np.asarray([lengths[b].sum() for b in plan[: steps * n]]).reshape(steps, n)
                     results.append(ThroughputResult(law, n, label, steps, int(tokens.sum()),

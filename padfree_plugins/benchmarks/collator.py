@@ -7,6 +7,7 @@ seq_idx); the benchmark checks that, then times both, interleaved, and reports t
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,8 +50,10 @@ def _check_same(ours: dict, theirs: dict) -> None:
         raise AssertionError("collators disagree on max_length_q")
 
 
-def run_collator_benchmark(batch_size: int = 16, batches: int = 200, rounds: int = 3) -> CollatorResult:
-    """Median-of-rounds time per batch for both collators on identical batches."""
+def run_collator_benchmark(batch_size: int = 16, batches: int = 200, rounds: int = 3,
+                           progress: Callable[[str], None] | None = None) -> CollatorResult:
+    """Median-of-rounds time per batch for both collators on identical batches; ``progress`` gets a line a round."""
+    say = progress or (lambda _: None)
     from transformers import DataCollatorWithFlattening
 
     data = make_batches(batch_size, batches)
@@ -58,11 +61,13 @@ def run_collator_benchmark(batch_size: int = 16, batches: int = 200, rounds: int
     hf = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
     _check_same(ours(data[0]), hf(data[0]))
     times = {"ours": [], "hf": []}
-    for _ in range(rounds):
+    for r in range(rounds):
         for name, collator in (("ours", ours), ("hf", hf)):
             start = time.perf_counter()
             for rows in data:
                 collator(rows)
             times[name].append((time.perf_counter() - start) / batches * 1e3)
+        say(f"bs{batch_size} round {r + 1}/{rounds}: ours {times['ours'][-1]:.3f} ms, HF {times['hf'][-1]:.3f} ms "
+            "per batch")
     median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
     return CollatorResult(batch_size, batches, median["ours"], median["hf"])

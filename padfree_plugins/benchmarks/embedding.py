@@ -260,8 +260,12 @@ def _measure(device: str, step: Callable[[], torch.Tensor], model: torch.nn.Modu
 
 
 def run_workload(workload: Workload, *, device: str = "cpu", dtype: str = "float32", batches: int = 3,
-                 rounds: int = 3, attention: str = "auto", seed: int = 0) -> EmbeddingBenchResult:
-    """Time both sides on the same batches, interleaved round by round; check loss and output parity."""
+                 rounds: int = 3, attention: str = "auto", seed: int = 0,
+                 progress: Callable[[str], None] | None = None) -> EmbeddingBenchResult:
+    """Time both sides on the same batches, interleaved round by round; check loss and output parity.
+    ``progress`` gets a line at the checks and after each round."""
+    name = f"{workload.task} {workload.model} bs{workload.batch_size}"
+    say = progress or (lambda _: None)
     if device == "cuda" and not torch.cuda.is_available():
         raise PadfreeError("--device cuda was asked for but torch sees no CUDA device "
                            f"(torch {torch.__version__}, cuda {torch.version.cuda}); run on a GPU machine")
@@ -283,6 +287,7 @@ def run_workload(workload: Workload, *, device: str = "cpu", dtype: str = "float
         loss = contrastive_loss(*out.column_embeddings) if workload.task == "embedding" else out.loss
         return loss, padfree_output(workload, out, len(batch.padded["input_ids"]))
 
+    say(f"{name}: model built; parity and memory checks")
     host = PluginHost()
     assembly = assemble(model, config, host=host)
     backend = assembly.plan.backend.name
@@ -325,6 +330,9 @@ def run_workload(workload: Workload, *, device: str = "cpu", dtype: str = "float
         for i in range(1, len(data)):
             for side in ((padded_time, padded_s), (padfree_time, padfree_s))[:: 1 if (r + i) % 2 else -1]:
                 side[1][i] = min(side[1][i], side[0](i))
+        so_far = sum(b.real_tokens for b in data[1:])
+        say(f"{name} round {r + 1}/{rounds}: padded {so_far / sum(padded_s[1:]):,.0f} tok/s, padfree "
+            f"{so_far / sum(padfree_s[1:]):,.0f} tok/s (fastest rounds so far)")
     real = sum(b.real_tokens for b in data[1:])
     slots = sum(b.padded_tokens for b in data[1:])
     return EmbeddingBenchResult(
@@ -340,7 +348,8 @@ def run_workload(workload: Workload, *, device: str = "cpu", dtype: str = "float
 
 def run_embedding_benchmark(workloads: tuple[Workload, ...] | None = None, *, device: str = "cpu",
                             dtype: str | None = None, batches: int = 3, rounds: int = 3, attention: str = "auto",
-                            threads: int | None = None) -> list[EmbeddingBenchResult]:
+                            threads: int | None = None,
+                            progress: Callable[[str], None] | None = None) -> list[EmbeddingBenchResult]:
     """Every workload (default: :data:`DEFAULT_WORKLOADS` for the device), one after the other.
 
     ``threads`` sets torch's intra-op threads for the run (on a machine shared with other jobs, 1 keeps
@@ -353,8 +362,8 @@ def run_embedding_benchmark(workloads: tuple[Workload, ...] | None = None, *, de
         raise PadfreeError("--device cuda was asked for but torch sees no CUDA device "
                            f"(torch {torch.__version__}, cuda {torch.version.cuda}); run on a GPU machine")
     with torch_threads(threads):
-        return [run_workload(w, device=device, dtype=dtype, batches=batches, rounds=rounds, attention=attention)
-                for w in (workloads or DEFAULT_WORKLOADS[device])]
+        return [run_workload(w, device=device, dtype=dtype, batches=batches, rounds=rounds, attention=attention,
+                             progress=progress) for w in (workloads or DEFAULT_WORKLOADS[device])]
 
 
 def with_dataset_lengths(workloads: tuple[Workload, ...], lengths: list[int]) -> tuple[Workload, ...]:

@@ -369,6 +369,7 @@ def run_preference_benchmark(settings: PreferenceSettings,
             model.to(getattr(torch, settings.dtype))
         reference.save_pretrained(Path(scratch) / "reference")
         variants = []
+        say(f"{settings.trainer}: building the trainers ({', '.join(VARIANTS)})")
         try:
             for name in VARIANTS:
                 trainer = build_trainer(settings, policy, reference, str(Path(scratch) / "reference"),
@@ -416,6 +417,7 @@ def _measure(settings: PreferenceSettings, variants: list[Variant], config: Any,
     real = [int(mask.sum()) for mask in masks]
     padding = 1 - sum(real) / sum(mask.numel() for mask in masks)
     for variant in variants:  # the untimed steps: warm-up, memory, loss, gradient, packing
+        say(f"{settings.trainer} {variant.name}: untimed steps (warm-up, memory, loss and gradient checks)")
         reference = getattr(variant.trainer, "ref_model", None) if settings.trainer == "dpo" else None
         for inputs, tokens in zip(batches, real):
             variant.checked_step(inputs, tokens, reference)

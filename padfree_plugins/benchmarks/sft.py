@@ -344,6 +344,7 @@ def run_sft_benchmark(settings: BenchSettings, progress: Callable[[str], None] |
     if settings.dtype not in ("float32", "bfloat16", "float16"):
         raise PadfreeError(f"--dtype must be float32, bfloat16 or float16, not {settings.dtype!r}")
     say = progress or (lambda _: None)
+    say(f"building the model ({settings.model_config or settings.model_size}) on {settings.device}")
     model = build_model(settings)
     vocab = model.config.vocab_size
     high = min(settings.max_length, model.config.max_position_embeddings)
@@ -414,6 +415,7 @@ def _measure(runner: Runner, settings: BenchSettings, law: str, batch_size: int,
         synchronize(device)
         return time.perf_counter() - start, float(loss.detach())
 
+    say(f"{law} bs{batch_size}: untimed steps (warm-up, memory{', HF flattening checks' if checks else ''})")
     for variant in timed:  # warm-up, then the memory figure on untimed steps
         runner.enter(variant)
         for _ in range(settings.warmup):

@@ -21,6 +21,7 @@ import copy
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,20 +135,24 @@ def step_loss(model: Any, batch: dict, assembly: Any = None) -> torch.Tensor:
     return output.loss
 
 
-def run_vlm_benchmark(settings: VLMSettings) -> VLMResult:
+def run_vlm_benchmark(settings: VLMSettings, progress: Callable[[str], None] | None = None) -> VLMResult:
+    """Padded vs padding-free steps on the same batches; ``progress`` gets a line a stage and a round."""
+    say = progress or (lambda _: None)
     with torch_threads(settings.threads):
         processor = image_text_processor(settings.model_type, min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 96)
         reference = tiny_vision_language_model(settings.model_type, processor, **settings.text).train()
         padfree_model = copy.deepcopy(reference)
         assembly = assemble(padfree_model, {"task": "causal_lm"})
         try:
-            return _measure(settings, processor, reference, padfree_model, assembly)
+            return _measure(settings, processor, reference, padfree_model, assembly, say)
         finally:
             assembly.undo()
 
 
-def _measure(settings: VLMSettings, processor: Any, reference: Any, padfree_model: Any, assembly: Any) -> VLMResult:
+def _measure(settings: VLMSettings, processor: Any, reference: Any, padfree_model: Any, assembly: Any,
+             say: Callable[[str], None]) -> VLMResult:
     config = reference.config
+    say(f"model built; {settings.batches} batches of {settings.batch_size} image-text examples")
     pad = processor.tokenizer.pad_token_id
     batches = [image_text_batch(processor, reference, settings, index) for index in range(settings.batches)]
     inputs = {"padded": [padded_batch(examples, config, pad) for examples in batches],
@@ -160,6 +165,7 @@ def _measure(settings: VLMSettings, processor: Any, reference: Any, padfree_mode
     losses = {variant: [] for variant in VARIANTS}
     memory = {variant: [] for variant in VARIANTS}
     for variant in VARIANTS:  # untimed: warm-up, loss and memory
+        say(f"{variant}: untimed steps (warm-up, loss, memory)")
         for batch in inputs[variant]:
             models[variant].zero_grad()
             loss_value = []
@@ -175,6 +181,8 @@ def _measure(settings: VLMSettings, processor: Any, reference: Any, padfree_mode
                 models[variant].zero_grad()
                 runs[variant](batch).backward()
             times[variant].append(time.perf_counter() - start)
+        say(f"round {round_index + 1}/{settings.rounds}: "
+            + ", ".join(f"{variant} {real / times[variant][-1]:,.0f} tok/s" for variant in VARIANTS))
     padding = 1 - real / slots
     result = VLMResult(settings, padding, 1 / (1 - padding),
                        sum(int(b["image_grid_thw"].shape[0]) if "image_grid_thw" in b else 0

@@ -10,11 +10,12 @@ from typing import Annotated, Callable, Optional
 import typer
 from rich.table import Table
 
-from padfree_plugins.cli.common import JsonFlag, console, fail, positive, positive_ints
+from padfree_plugins.cli.common import JsonFlag, console, fail, positive, positive_ints, progress_lines
 from padfree_plugins.errors import PadfreeError
 
 app = typer.Typer(help="Benchmarks: side-by-side ratios measured in one run. Without a subcommand: all of "
-                       "them with their defaults (the README's main job).")
+                       "them with their defaults (the README's main job). Progress goes to stderr, a line a step "
+                       "([bench sft] ...; none with --json); the results to stdout.")
 
 
 #: The hybrid configs ``bench`` runs after the Llama SFT rows (shipped in ``configs/bench``): file -> title.
@@ -69,7 +70,8 @@ def bench_collator(
 
     sizes = positive_ints(batch_sizes, "--batch-sizes")
     try:
-        results = [run_collator_benchmark(bs, batches) for bs in sizes]
+        results = [run_collator_benchmark(bs, batches, progress=progress_lines("bench collator", not as_json))
+                   for bs in sizes]
     except PadfreeError as error:
         fail(error)
     if as_json:
@@ -119,7 +121,8 @@ def bench_embedding(
             lengths = dataset_lengths(dataset, split=dataset_split, tokenizer=tokenizer, texts="each")
             workloads = with_dataset_lengths(workloads or DEFAULT_WORKLOADS.get(device, ()), lengths)
         results = run_embedding_benchmark(workloads, device=device, dtype=dtype, batches=batches, rounds=rounds,
-                                          attention=attention, threads=threads)
+                                          attention=attention, threads=threads,
+                                          progress=progress_lines("bench embedding", not as_json))
     except PadfreeError as error:
         fail(error)
     if as_json:
@@ -194,8 +197,7 @@ def bench_sft(
                              dataset_split=dataset_split, tokenizer=tokenizer, prompt_share=prompt_share)
     stdout = console()
     try:
-        result = run_sft_benchmark(settings, progress=None if as_json else
-                                   (lambda line: stdout.print(line, highlight=False, soft_wrap=True)))
+        result = run_sft_benchmark(settings, progress=progress_lines("bench sft", not as_json))
     except PadfreeError as error:
         fail(error)
     finally:
@@ -256,9 +258,11 @@ def bench_batching(
     from padfree_plugins.benchmarks.batching import gain, run_balance, run_throughput
 
     rank_counts = positive_ints(ranks, "--ranks")
+    say = progress_lines("bench batching", not as_json)
     try:
-        balance = run_balance(tuple(laws.split(",")), rank_counts, examples, max_tokens)
-        timed = run_throughput(time_law, rank_counts, time_steps, time_max_tokens) if time_steps > 0 else []
+        balance = run_balance(tuple(laws.split(",")), rank_counts, examples, max_tokens, progress=say)
+        timed = (run_throughput(time_law, rank_counts, time_steps, time_max_tokens, progress=say) if time_steps > 0
+                 else [])
     except (PadfreeError, ValueError) as error:
         fail(error)
     if as_json:
@@ -328,8 +332,7 @@ def preference_command(trainer: str) -> Callable[..., None]:
                                       rounds=1 if quick else rounds, seed=seed, threads=threads)
         stdout = console()
         try:
-            result = run_preference_benchmark(settings, progress=None if as_json else
-                                              (lambda line: stdout.print(line, highlight=False, soft_wrap=True)))
+            result = run_preference_benchmark(settings, progress=progress_lines(f"bench {trainer}", not as_json))
         except PadfreeError as error:
             fail(error)
         paths = write_outputs(result, out or Path(f"out/bench-{trainer}"))
@@ -382,7 +385,7 @@ def bench_vlm(
     if quick:
         settings = dataclasses.replace(settings, **QUICK)
     try:
-        result = run_vlm_benchmark(settings)
+        result = run_vlm_benchmark(settings, progress=progress_lines("bench vlm", not as_json))
     except PadfreeError as error:
         fail(error)
     paths = write_outputs(result, out or Path("out/bench-vlm"))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any, NoReturn, Optional
+from typing import Annotated, Any, Callable, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -20,6 +20,15 @@ def console(stderr: bool = False) -> Console:
     if terminal.is_terminal or os.environ.get("COLUMNS", "").isdigit():
         return terminal
     return Console(stderr=stderr, width=160)
+
+
+def progress_lines(prefix: str, shown: bool = True) -> Callable[[str], None] | None:
+    """Where a long command reports progress: one ``[prefix] …`` line each, on stderr, so that stdout holds the
+    results alone; ``None`` (no progress) unless ``shown`` (``--json``: the output is JSON alone)."""
+    if not shown:
+        return None
+    err = console(stderr=True)
+    return lambda line: err.print(f"[{prefix}] {line}", highlight=False, markup=False, soft_wrap=True)
 
 
 def fail(error: Exception | str) -> NoReturn:

@@ -58,6 +58,11 @@ class BatchingConfig:
         if self.strategy == "tokens" and self.max_tokens_per_batch is None:
             raise ConfigError("batching.max_tokens_per_batch is not set: strategy: tokens needs the number of tokens "
                               "one rank processes per micro-batch (e.g. 4 x the longest example)")
+        if self.strategy == "examples" and self.max_tokens_per_batch is not None:
+            raise ConfigError(f"batching.max_tokens_per_batch: {self.max_tokens_per_batch} is set, but strategy is "
+                              "examples (the default), which keeps the trainer's fixed number of examples per batch "
+                              "and ignores a token budget: add strategy: tokens to the batching section to use it, "
+                              "or remove max_tokens_per_batch")
 
 
 @dataclass

@@ -35,6 +35,11 @@ DECLARATION_HOOKS = {
     "register_attention_backends": AttentionBackend,
 }
 
+#: The environment switches: comma-separated plugin names never to load, or the only ones to load.
+BLOCK_ENV, ALLOW_ENV = "PADFREE_PLUGINS_BLOCK", "PADFREE_PLUGINS_ALLOW"
+#: The switches that name the only plugins to load (the others name plugins not to load).
+ALLOW_SWITCHES = (ALLOW_ENV, "the allow list")
+
 Source = Literal["builtin", "entry point", "registered"]
 Status = Literal["ok", "error", "blocked"]
 
@@ -51,11 +56,17 @@ class PluginRecord:
     error: str | None = None
     hooks: tuple[str, ...] = ()
     architectures: tuple[str, ...] = ()
+    #: The transformers ``config.model_type`` values its architectures declare (``xlm-roberta`` for ``roberta``).
+    model_types: tuple[str, ...] = ()
     tasks: tuple[str, ...] = ()
     backends: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+
+#: How many filtered-out plugin names :meth:`PluginHost.filter_note` lists before "and N more".
+FILTERED_SHOWN = 12
 
 
 def _dist_name(ep: importlib.metadata.EntryPoint) -> str:
@@ -81,6 +92,11 @@ class _HashablePlugin(types.SimpleNamespace):
     @classmethod
     def of(cls, plugin: object) -> _HashablePlugin:
         return cls(**{name: getattr(plugin, name) for name in dir(plugin) if not name.startswith("__")})
+
+
+def _answer_name(result: object) -> str:
+    """How the trace shows a hook's answer: its type's name (``None`` for no answer)."""
+    return "None" if result is None else type(result).__name__
 
 
 def _stderr_line(line: str) -> None:
@@ -109,9 +125,10 @@ class PluginHost:
         self.trace = trace or (_stderr_line if environ.get("PADFREE_PLUGINS_TRACE", "") not in ("", "0") else None)
         #: Assembly hook name -> the plugin whose answer was used in its latest call (``None``: nobody answered).
         self.answered: dict[str, str | None] = {}
-        self.block = set(block) | _split_env(environ.get("PADFREE_PLUGINS_BLOCK"))
-        env_allow = _split_env(environ.get("PADFREE_PLUGINS_ALLOW"))
-        self.allow = None if allow is None and not env_allow else set(allow or ()) | env_allow
+        self.env_block = _split_env(environ.get(BLOCK_ENV))
+        self.env_allow = _split_env(environ.get(ALLOW_ENV))
+        self.block = set(block) | self.env_block
+        self.allow = None if allow is None and not self.env_allow else set(allow or ()) | self.env_allow
         self.pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
         self.pm.add_hookspecs(hookspecs)
         self.records: dict[str, PluginRecord] = {}
@@ -159,6 +176,11 @@ class PluginHost:
         """Register a plugin object (a module or any object with hook functions) under ``name``."""
         if name in self.records and self.records[name].status == "ok":
             raise PluginError(f"a plugin named {name!r} is already registered ({self.records[name].module})")
+        if isinstance(plugin, (str, bytes, os.PathLike)):  # a name has no hooks: it would load as a plugin of none
+            raise PluginError(
+                f"plugin {name!r} is given as {plugin!r}, a name, not the plugin: pass the module (or object) holding "
+                f"its hooks (import {plugin}, then {{{name!r}: {plugin}}}), or install it with an entry point in the "
+                f"{ENTRY_POINT_GROUP!r} group, which the host loads by itself (docs/writing-a-plugin.md)")
         module = getattr(plugin, "__name__", type(plugin).__name__)
         record = PluginRecord(name, source, version, module)
         self.records[name] = record
@@ -167,11 +189,53 @@ class PluginHost:
         self._architectures = self._tasks = self._backends = None
 
     def _allowed(self, record: PluginRecord) -> bool:
-        if record.name in self.block or (self.allow is not None and record.name not in self.allow):
+        switch = self.blocked_by(record.name)
+        if switch is not None:
             record.status = "blocked"
-            record.error = "blocked by PADFREE_PLUGINS_BLOCK / ALLOW or the config"
+            record.error = f"not named in {switch}" if switch in ALLOW_SWITCHES else f"blocked by {switch}"
             return False
         return True
+
+    def blocked_by(self, name: str) -> str | None:
+        """The switch that keeps plugin ``name`` from loading (``PADFREE_PLUGINS_BLOCK``, ``plugins.block``,
+        ``PADFREE_PLUGINS_ALLOW`` or ``the allow list``), or ``None``."""
+        if name in self.env_block:
+            return BLOCK_ENV
+        if name in self.block:
+            return "plugins.block"
+        if self.allow is not None and name not in self.allow:
+            return ALLOW_ENV if self.env_allow else "the allow list"
+        return None
+
+    def filtered(self) -> dict[str, list[str]]:
+        """Switch -> the installed plugins it kept from loading (empty when no switch blocked anything)."""
+        found: dict[str, list[str]] = {}
+        for record in self.records.values():
+            switch = self.blocked_by(record.name) if record.status == "blocked" else None
+            if switch is not None:
+                found.setdefault(switch, []).append(record.name)
+        return found
+
+    def filter_note(self, *wanted: str) -> str:
+        """``" PADFREE_PLUGINS_ALLOW=a,b keeps 80 plugins from loading: …"``: what the block / allow switches
+        filtered out, for an error about a missing task, architecture, backend or hook (``""`` when nothing was).
+        Plugins named like ``wanted`` (the missing task, model type …) are listed first."""
+        given = {BLOCK_ENV: f"{BLOCK_ENV}={','.join(sorted(self.env_block))}",
+                 ALLOW_ENV: f"{ALLOW_ENV}={','.join(sorted(self.env_allow))}",
+                 "plugins.block": f"plugins.block [{', '.join(sorted(self.block - self.env_block))}]"}
+        sentences = []
+        for switch, names in self.filtered().items():
+            names = sorted(names, key=lambda n: (n not in wanted, n))
+            shown = ", ".join(names[:FILTERED_SHOWN]) + (f" and {len(names) - FILTERED_SHOWN} more"
+                                                         if len(names) > FILTERED_SHOWN else "")
+            fix = "name the plugin you need in it" if switch in ALLOW_SWITCHES else "remove the plugin you need from it"
+            plural = len(names) > 1
+            sentences.append(f"{given.get(switch, switch)} keeps {len(names)} installed plugin{'s' * plural} from "
+                             f"loading: {shown} (padfree-plugins list shows {'them' if plural else 'it'} as "
+                             f"blocked); {fix}.")
+        for name in sorted(self.env_allow - set(self.records)):
+            sentences.append(f"{ALLOW_ENV} names {name!r}, which is not installed.{did_you_mean(name, self.records)}")
+        return "".join(f" {sentence}" for sentence in sentences)
 
     def _fail(self, record: PluginRecord, message: str) -> None:
         record.status, record.error = "error", message
@@ -209,6 +273,8 @@ class PluginHost:
                 return
             declared[hook_name] = items
         record.architectures = tuple(a.name for a in declared.get("register_architectures", ()))
+        record.model_types = tuple(dict.fromkeys(t for a in declared.get("register_architectures", ())
+                                                 for t in a.model_types))
         record.tasks = tuple(t.name for t in declared.get("register_tasks", ()))
         record.backends = tuple(b.name for b in declared.get("register_attention_backends", ()))
         self._declared[record.name] = declared
@@ -307,7 +373,9 @@ class PluginHost:
         implementations = caller.get_hookimpls()
         if any(impl.hookwrapper or impl.wrapper for impl in implementations):
             self.answered[hook_name] = "(hook wrappers)"
-            return caller(**kwargs)  # wrappers wrap every other implementation: one call of them all
+            result = caller(**kwargs)  # wrappers wrap every other implementation: one call of them all
+            self._trace(f"{hook_name}: (hook wrappers) -> {_answer_name(result)}")
+            return result
         asked = list(dict.fromkeys(impl.plugin_name for impl in reversed(implementations)))
         for name in asked:
             try:
@@ -320,7 +388,7 @@ class PluginHost:
                     f"model does not need it, block it: plugins.block: [{name}] in the config, or "
                     f"PADFREE_PLUGINS_BLOCK={name}"
                 ) from error
-            self._trace(f"{hook_name}: {name} -> {'None' if result is None else type(result).__name__}")
+            self._trace(f"{hook_name}: {name} -> {_answer_name(result)}")
             if result is not None:
                 if returns_callable and not callable(result):
                     raise PluginError(f"plugin {name!r} answered its {hook_name} hook with a "
@@ -329,6 +397,10 @@ class PluginHost:
                 return result
         self.answered[hook_name] = None
         return None
+
+    def trace_not_called(self, hook_name: str, why: str) -> None:
+        """Log (when tracing) that an assembly hook is not called, and why (``plan()`` has no model to patch)."""
+        self._trace(f"{hook_name}: not called ({why})")
 
     def _trace(self, line: str) -> None:
         if self.trace is not None:

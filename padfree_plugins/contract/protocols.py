@@ -29,7 +29,7 @@ class Collator(Protocol):
 class WrapsPacking(Protocol):
     """Optional: a task collator built around the core packing collator exposes it as ``packing`` (or, a trainer's
     wrapper, as ``collator``); the dataset checks before training and token-budget batching read its
-    ``max_length``, ``on_overlong`` and ``token_keys`` (mixin:
+    ``max_length``, ``on_overlong``, ``token_keys`` and ``vocab_size`` (token ids must be below it; mixin:
     :class:`~padfree_plugins.packing.collator.WrapsPackingCollator`)."""
 
     packing: Any
@@ -37,6 +37,7 @@ class WrapsPacking(Protocol):
     max_length: int | None
     on_overlong: str
     token_keys: tuple[str, ...]
+    vocab_size: int | None
 
 
 class ReadsDatasetColumns(Protocol):
@@ -63,8 +64,9 @@ class NamesTextColumns(Protocol):
 
 
 class AsksLabelledLogits(Protocol):
-    """Optional (``causal_lm``): ``labelled_logits_only`` True asks trainers to add ``logits_to_keep`` /
-    ``shift_labels`` to each batch (:mod:`padfree_plugins.packing.labelled_logits`)."""
+    """Optional (``causal_lm``): ``labelled_logits_only`` True asks trainers to compute ``logits_to_keep`` /
+    ``shift_labels`` for each batch and pass them in their own loss call only; every other forward of the batch
+    returns all positions (:mod:`padfree_plugins.packing.labelled_logits`)."""
 
     labelled_logits_only: bool
 

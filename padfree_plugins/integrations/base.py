@@ -15,6 +15,9 @@ undone by :meth:`TrainerPatch.undo`:
 * **column removal**: the signature columns gain the task's keys and a vision-language family's media
   (:func:`signature_columns`);
 * **compute_loss** / **prediction_step** are the subclass's;
+* **training_step** (the trainer class's own, a subclass's included) gets each batch without the positions held for
+  labelled logits (:mod:`~padfree_plugins.packing.labelled_logits`), so that a forward of its own sees every
+  position, as padded; the plugin's loss of that batch reads them (:meth:`~TrainerPatch.labelled_logits_of`);
 * **include_num_input_tokens_seen**: every packed token counts (there is no padding);
 * **NEFTune**: the padded batch's noise (:class:`~padfree_plugins.modeling.neftune.PackedNeftune`);
 * **get_train_dataloader**, with ``batching.strategy: tokens`` only: token-budget micro-batches.
@@ -33,7 +36,7 @@ from typing import Any, ClassVar
 import torch
 
 from padfree_plugins.assembly import Assembly
-from padfree_plugins.batching.sampler import trainer_train_dataloader, uses_token_budget
+from padfree_plugins.batching.sampler import IndexingDataloaders, trainer_train_dataloader, uses_token_budget
 from padfree_plugins.errors import PadfreeError
 from padfree_plugins.integrations.checks import (
     check_collator,
@@ -43,9 +46,9 @@ from padfree_plugins.integrations.checks import (
 )
 from padfree_plugins.modeling.neftune import PackedNeftune
 from padfree_plugins.modeling.patching import own_attribute, restore_attributes, unwrap_model
-from padfree_plugins.packing.batch import packed_tokens
-from padfree_plugins.packing.collator import split_packed_rows
-from padfree_plugins.packing.labelled_logits import keep_labelled_logits
+from padfree_plugins.packing.batch import INDEX_KEY, packed_tokens
+from padfree_plugins.packing.collator import collate_naming_examples, split_packed_rows
+from padfree_plugins.packing.labelled_logits import hold_labelled_logits, take_labelled_logits
 
 __all__ = ["TrainerCollator", "TrainerPatch", "WholeBatches", "library_class", "keeps_methods", "own_attribute",
            "restore_attributes", "signature_columns"]
@@ -76,8 +79,9 @@ class TrainerCollator:
     """The assembly's collator as a trainer's ``data_collator`` (picklable, for DataLoader workers).
 
     Rows that hold several examples (TRL's ``packing=True``: a ``seq_lengths`` column) are split into them first;
-    ``labelled_logits`` adds :func:`~padfree_plugins.packing.labelled_logits.keep_labelled_logits`'s keys to each
-    batch; ``unlabelled_token`` (the pad id of a replaced ``DataCollatorForLanguageModeling``) gets no loss, as there.
+    ``labelled_logits`` holds each batch's labelled positions for the plugin's own loss
+    (:func:`~padfree_plugins.packing.labelled_logits.hold_labelled_logits`: no model input);
+    ``unlabelled_token`` (the pad id of a replaced ``DataCollatorForLanguageModeling``) gets no loss, as there.
     """
 
     collator: Any
@@ -85,10 +89,10 @@ class TrainerCollator:
     unlabelled_token: int | None = None
 
     def __call__(self, rows: list[Mapping[str, Any]]) -> Any:
-        batch = self.collator(split_packed_rows(rows))
+        batch = collate_naming_examples(self.collator, split_packed_rows(rows))  # errors name dataset indices
         if self.unlabelled_token is not None and "labels" in batch:
             batch["labels"] = batch["labels"].masked_fill(batch["input_ids"] == self.unlabelled_token, -100)
-        return keep_labelled_logits(batch) if self.labelled_logits else batch
+        return hold_labelled_logits(batch) if self.labelled_logits else batch
 
 
 @dataclass
@@ -163,6 +167,10 @@ class TrainerPatch:
     saved: dict[str, Any] = field(default_factory=dict)
     neftune: PackedNeftune | None = None
     whole_batches: WholeBatches | None = None
+    #: The trainer's ``training_step`` as it was (the class's, or an instance attribute), when batches hold labelled
+    #: logits; and, while it runs, the batch's labels tensor and what was held for it (:meth:`labelled_logits_of`).
+    own_training_step: Any = None
+    in_step: tuple[Any, dict[str, Any]] | None = None
     active: bool = True
 
     # -- what a subclass says ----------------------------------------------------------------------------------
@@ -229,10 +237,19 @@ class TrainerPatch:
             self.saved[name] = own_attribute(trainer, name)
         trainer.data_collator = collator
         trainer._set_signature_columns_if_needed()
-        trainer._signature_columns = signature_columns(trainer, self.assembly, self.extra_columns)
+        indexed = isinstance(collator, TrainerCollator)  # its rows carry their dataset index, for its errors
+        trainer._signature_columns = signature_columns(trainer, self.assembly,
+                                                       (*self.extra_columns, *((INDEX_KEY,) if indexed else ())))
+        if indexed:
+            self.saved["_get_dataloader"] = own_attribute(trainer, "_get_dataloader")
+            trainer._get_dataloader = IndexingDataloaders(trainer._get_dataloader)
         trainer.compute_loss = self.compute_loss
         trainer.prediction_step = self.prediction_step
         trainer._track_num_input_tokens = self.track_num_input_tokens
+        if getattr(collator, "labelled_logits", False):
+            self.saved["training_step"] = own_attribute(trainer, "training_step")
+            self.own_training_step = trainer.training_step
+            trainer.training_step = self.training_step
         if uses_token_budget(self.assembly.config):
             self.saved["get_train_dataloader"] = own_attribute(trainer, "get_train_dataloader")
             trainer.get_train_dataloader = self.train_dataloader
@@ -264,6 +281,27 @@ class TrainerPatch:
             return type(trainer)._track_num_input_tokens(trainer, inputs)
         tokens = torch.as_tensor(inputs[name].numel(), device=trainer.args.device, dtype=torch.int64)
         trainer.state.num_input_tokens_seen += trainer.accelerator.gather(tokens).sum().item()
+
+    def training_step(self, model: Any, inputs: Mapping, *args: Any, **kwargs: Any) -> Any:
+        """The trainer's own ``training_step`` on ``inputs`` without the held labelled logits: ``model(**inputs)``
+        there returns every position's logits, as padded. :meth:`labelled_logits_of` hands them to the plugin's loss
+        of this very batch (one that carries its labels tensor)."""
+        inputs, held = take_labelled_logits(inputs)
+        outer, self.in_step = self.in_step, (None if held is None else (inputs.get("labels"), held))
+        try:
+            return self.own_training_step(model, inputs, *args, **kwargs)
+        finally:
+            self.in_step = outer
+
+    def labelled_logits_of(self, inputs: Mapping) -> tuple[Mapping, dict[str, Any] | None]:
+        """``inputs`` without the held labelled logits, and those held for it: its own (a batch straight from the
+        collator) or, inside :meth:`training_step`, the step's batch's when ``inputs`` carries that batch's labels
+        tensor itself (``_prepare_inputs`` keeps tensors already on the device; a batch with other labels gets none,
+        and so every position's logits)."""
+        inputs, held = take_labelled_logits(inputs)
+        if held is None and self.in_step is not None and inputs.get("labels") is self.in_step[0]:
+            held = self.in_step[1]
+        return inputs, held
 
     def train_dataloader(self) -> Any:
         """``batching.strategy: tokens``: micro-batches filled up to a token budget

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from padfree_plugins.batching.sampler import check_whole_micro_batches
-from padfree_plugins.errors import ConfigError, PadfreeError
+from padfree_plugins.errors import BatchError, ConfigError, PadfreeError
 from padfree_plugins.packing.datacheck import check_dataset
 
 
@@ -113,9 +113,60 @@ def check_datasets(trainer: Any, collator: Any) -> None:
     ``check_trainer_dataset``)."""
     layout_check = getattr(collator, "check_trainer_dataset", None)
     for what, dataset in trainer_datasets(trainer):
+        check_tokenized(dataset, collator, what)
         check_dataset(dataset, collator, what)
         if layout_check is not None:
             layout_check(dataset)
+
+
+def _text_columns(dataset: Any) -> tuple[list[str], list[str]]:
+    """(every column, the columns of strings) of a ``datasets.Dataset`` (from its features) or a list of rows (from
+    the first); ``([], [])`` for a dataset that says neither."""
+    features = getattr(dataset, "features", None)
+    if isinstance(features, Mapping):
+        texts = [name for name, feature in features.items()
+                 if getattr(feature, "dtype", None) in ("string", "large_string")]
+        return list(features), texts
+    if isinstance(dataset, Sequence) and len(dataset) and isinstance(dataset[0], Mapping):
+        return list(dataset[0]), [name for name, value in dataset[0].items() if isinstance(value, str)]
+    return [], []
+
+
+def _how_to_tokenize(texts: list[str], collator: Any) -> str:
+    """How to tokenize the text columns ``texts`` for ``collator``: a ``dataset.map`` call, or TRL's SFTTrainer."""
+    removed = ", ".join(f'"{column}"' for column in texts)
+    if getattr(collator, "columns", None) is not None:  # the embedding task: one <column>_input_ids per text
+        return (f'tokenize it first: dataset = dataset.map(lambda row: {{f"{{c}}_input_ids": '
+                f'tokenizer(row[c])["input_ids"] for c in ({removed}{"," if len(texts) == 1 else ""})}}, '
+                f"remove_columns=[{removed}])")
+    if {"prompt", "completion"} <= set(texts):
+        return ("tokenize it first (input_ids of prompt + completion, labels -100 on the prompt tokens), or train "
+                "with TRL's SFTTrainer, which tokenizes prompt + completion rows itself")
+    return (f'tokenize it first: dataset = dataset.map(lambda row: tokenizer(row["{texts[0]}"]), '
+            f'remove_columns=["{texts[0]}"])')
+
+
+def check_tokenized(dataset: Any, collator: Any, name: str = "train") -> None:
+    """Refuse a dataset of text where the collator reads token ids: strings in an ``input_ids`` column, or text
+    columns without any token-id column (the trainer would drop them, then find no column the model takes). A
+    collator that processes raw rows itself (``processing``: TRL's vision-language rows) is left alone."""
+    if getattr(collator, "processing", None) is not None:
+        return
+    columns, texts = _text_columns(dataset)
+    if not texts:
+        return
+    id_columns = tuple(getattr(collator, "id_columns", None) or ())
+
+    def holds_ids(column: str) -> bool:
+        return column == "input_ids" or column.endswith("_input_ids") or column in id_columns
+
+    as_ids = [column for column in texts if holds_ids(column)]
+    if as_ids:
+        raise BatchError(f"the {name} dataset's {as_ids[0]!r} column holds text (strings), not token ids: "
+                         f"{_how_to_tokenize(as_ids, collator)}")
+    if not any(holds_ids(column) for column in columns):
+        raise BatchError(f"the {name} dataset has text ({', '.join(map(repr, texts))}), not input_ids: "
+                         f"{_how_to_tokenize(texts, collator)}")
 
 
 def check_token_budget(trainer: Any, config: Any) -> None:

@@ -6,8 +6,11 @@
   ``num_items_in_batch`` when the trainer counts it (gradient accumulation) and applies
   ``average_tokens_across_devices`` exactly as the trainer would. Label smoothing and a ``compute_loss_func``
   compute the loss from the logits, as the trainer does.
-* **labelled logits only** (``causal_lm``): batches carry ``logits_to_keep`` / ``shift_labels``, so the LM head
-  runs only where a label counts.
+* **labelled logits only** (``causal_lm``): the loss call gets ``logits_to_keep`` / ``shift_labels``, so the LM head
+  runs only where a label counts. The collator holds them aside (:mod:`~padfree_plugins.packing.labelled_logits`)
+  and only :meth:`~HFTrainerPatch.compute_loss` passes them to the model, when it returns the loss alone and the
+  loss is the model's: any other forward on the batch (a subclass's ``training_step``, a caller of
+  ``compute_loss(..., return_outputs=True)``, evaluation's logits) gets every position's logits, as padded.
 * **prediction_step** (``evaluate`` / ``predict``): per-token outputs come back packed ``[1, T, ...]`` and are
   re-padded to ``[n, L_max, ...]`` (labels with -100) so that ``compute_metrics`` sees the shapes it always saw; a
   task forward with ``for_metrics`` chooses what it gets itself (one entry per dataset row).
@@ -35,7 +38,11 @@ from padfree_plugins.integrations.base import (
 )
 from padfree_plugins.integrations.checks import check_token_budget, language_modeling_pad_id
 from padfree_plugins.modeling.patching import unwrap_model
-from padfree_plugins.packing.labelled_logits import drop_labelled_logits
+from padfree_plugins.packing.labelled_logits import (
+    drop_labelled_logits,
+    take_labelled_logits,
+    with_labelled_logits,
+)
 
 
 def uses_own_loss(trainer: Any) -> bool:
@@ -74,9 +81,9 @@ class HFTrainerPatch(TrainerPatch):
     # -- what a trainer built on Trainer changes (TRL's SFTTrainer: see trl_sft) --------------------------------
 
     def labelled_logits(self) -> bool:
-        """Whether batches carry ``logits_to_keep`` / ``shift_labels``: the task's collator asks for it, the loss is
-        the model's (label smoothing and a ``compute_loss_func`` read every position's logits), and the model's
-        forward takes ``logits_to_keep``."""
+        """Whether batches hold ``logits_to_keep`` / ``shift_labels`` for the loss: the task's collator asks for it,
+        the loss is the model's (label smoothing and a ``compute_loss_func`` read every position's logits), and the
+        model's forward takes ``logits_to_keep``."""
         if not getattr(self.assembly.collator, "labelled_logits_only", False) or uses_own_loss(self.trainer):
             return False
         return "logits_to_keep" in inspect.signature(type(self.assembly.model).forward).parameters
@@ -140,9 +147,12 @@ class HFTrainerPatch(TrainerPatch):
     def compute_loss(self, model: Any, inputs: Mapping, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
         """The loss of a packed batch, through ``assembly.forward`` (the trainer's ``compute_loss``)."""
+        inputs, held = self.labelled_logits_of(inputs)
         own_loss = uses_own_loss(self.trainer) and "labels" in inputs
         if own_loss or return_outputs:  # the logits of every position are wanted
             inputs = drop_labelled_logits(inputs)
+        elif held is not None and "labels" in inputs:
+            inputs = with_labelled_logits(inputs, held)
         kwargs = self.model_kwargs(fused=not own_loss)
         if num_items_in_batch is not None and self.passes_num_items():
             kwargs["num_items_in_batch"] = num_items_in_batch
@@ -187,8 +197,9 @@ class HFTrainerPatch(TrainerPatch):
         if prediction_loss_only and not (has_labels or loss_without_labels):
             return (None, None, None)
         with torch.no_grad(), trainer.compute_loss_context_manager():
-            if prediction_loss_only and has_labels:
+            if prediction_loss_only and has_labels:  # the loss alone: the labelled logits held for it, if any
                 return (self.compute_loss(model, inputs, num_items_in_batch=num_items).detach().mean(), None, None)
+            inputs, _ = take_labelled_logits(inputs)
             if has_labels and self.evaluates_through_loss():
                 loss, outputs = self.eval_loss_and_outputs(model, inputs, num_items)
             else:

@@ -31,6 +31,7 @@ from padfree_plugins.errors import PadfreeError
 from padfree_plugins.integrations.base import TrainerCollator, keeps_methods, library_class
 from padfree_plugins.integrations.checks import check_token_budget, note_trl_eval_packing
 from padfree_plugins.integrations.hf_trainer import HFTrainerPatch, uses_own_loss
+from padfree_plugins.packing.batch import INDEX_KEY
 
 
 def sft_loss(trainer: Any, outputs: Any, num_items_in_batch: Any) -> torch.Tensor:
@@ -117,6 +118,8 @@ class ExampleByExample:
             per_token = key not in media and isinstance(value, torch.Tensor) and value.shape[:2] == (1, keep.numel())
             if key != "attention_mask":
                 example[key] = value[0][keep] if per_token else value
+        if INDEX_KEY in row:  # the row's dataset index, which the collator's errors name
+            example[INDEX_KEY] = row[INDEX_KEY]
         return example
 
 

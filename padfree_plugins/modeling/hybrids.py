@@ -3,8 +3,9 @@ sequence-mixer layers — a gated delta rule, KDA, a Mamba1 / Mamba2 scan — th
 
 A :class:`Hybrid` declares a family once: its :class:`~padfree_plugins.contract.declarations.Architecture`, the
 class names of its mixer modules, and the CUDA packages through which transformers runs those mixers with the
-example boundaries (none where no package takes them). Its hooks patch the attention as usual and route every
-mixer through :class:`~padfree_plugins.modeling.mixers.PackedMixer` (``mixers:`` in the config picks the
+example boundaries (none where no package takes them) — the :class:`SequenceMixers` trait, which a
+:class:`~padfree_plugins.modeling.families.Family` combines with others. Its hooks patch the attention as usual and
+route every mixer through :class:`~padfree_plugins.modeling.mixers.PackedMixer` (``mixers:`` in the config picks the
 backend; see :mod:`padfree_plugins.modeling.mixers`).
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 
 from padfree_plugins.contract.declarations import Architecture
 from padfree_plugins.errors import UnsupportedArchitectureError
-from padfree_plugins.modeling.families import DeclaredFamily
+from padfree_plugins.modeling.families import DeclaredFamily, Trait
 from padfree_plugins.modeling.mixers import MixerPatch, check_mixer_backend
 from padfree_plugins.modeling.patching import ModelPatch
 
@@ -28,16 +29,15 @@ MAMBA2_KERNELS = ("mamba_ssm", "causal_conv1d")
 
 
 @dataclass(frozen=True)
-class Hybrid(DeclaredFamily):
-    """A hybrid family: ``mixers`` are the class names of its sequence-mixer modules; ``kernels`` the import names
-    of the packages its boundary-aware CUDA route needs (``()``: none, every packed call runs ``exact``);
-    ``chunk``: the chunk the mixers' torch code pads every call to — an int, or the name of the mixer attribute that
-    holds it (1: a sequential scan); examples spanning as many chunks then run as one batch.
+class SequenceMixers(Trait):
+    """The trait of a family with sequence mixers: ``mixers`` are the class names of its sequence-mixer modules;
+    ``kernels`` the import names of the packages its boundary-aware CUDA route needs (``()``: none, every packed
+    call runs ``exact``); ``chunk``: the chunk the mixers' torch code pads every call to — an int, or the name of the
+    mixer attribute that holds it (1: a sequential scan); examples spanning as many chunks then run as one batch.
     ``has_attention``: ``False`` for attention-free families (Mamba), whose attention implementation is left
     alone. Mixers that get no boundaries from their layers (Jamba's, Mamba's) read the packed row of the
     forward, also when gradient checkpointing recomputes them."""
 
-    architecture: Architecture
     mixers: tuple[str, ...]
     kernels: tuple[str, ...] = ()
     has_attention: bool = True
@@ -51,17 +51,39 @@ class Hybrid(DeclaredFamily):
     def mixer_modules(self, model: Any) -> list[Any]:
         return [module for module in model.modules() if type(module).__name__ in self.mixers]
 
-    def patch(self, model: Any, backend: Any, fallback: Any, config: Any) -> ModelPatch:
-        check_mixer_backend(config.mixers, self.architecture.name, self.kernels)
-        modules = self.mixer_modules(model)
-        if not modules:
+    def attention_options(self) -> dict[str, Any]:
+        return {} if self.has_attention else {"has_attention": False}
+
+    def check(self, model: Any, architecture: Architecture, config: Any) -> None:
+        check_mixer_backend(config.mixers, architecture.name, self.kernels)
+        if not self.mixer_modules(model):
             raise UnsupportedArchitectureError(
-                f"{type(model).__name__} has none of the sequence-mixer modules the {self.architecture.name} plugin "
+                f"{type(model).__name__} has none of the sequence-mixer modules the {architecture.name} plugin "
                 f"knows ({', '.join(self.mixers)}): this transformers version changed them; padfree-plugins "
                 "refuses rather than run an unknown mixer across examples")
-        patch = ModelPatch.apply(model, self.architecture, backend, fallback,
-                                 attention_dropout=config.attention_dropout == "keep",
-                                 has_attention=self.has_attention)
-        patch.handles.append(MixerPatch.install(model, modules, config.mixers, self.kernels, self.chunk_of))
-        return patch
 
+    def install(self, model: Any, patch: ModelPatch, config: Any) -> MixerPatch:
+        return MixerPatch.install(model, self.mixer_modules(model), config.mixers, self.kernels, self.chunk_of)
+
+
+@dataclass(frozen=True)
+class Hybrid(DeclaredFamily):
+    """A hybrid family: its ``architecture`` and one :class:`SequenceMixers` trait, whose fields it takes
+    (``mixers``, ``kernels``, ``has_attention``, ``chunk``). A family with more traits (a hybrid vision-language
+    model) lists them in a :class:`~padfree_plugins.modeling.families.Family`."""
+
+    architecture: Architecture
+    mixers: tuple[str, ...]
+    kernels: tuple[str, ...] = ()
+    has_attention: bool = True
+    chunk: int | str = 1
+
+    @property
+    def traits(self) -> tuple[Trait, ...]:
+        return (SequenceMixers(self.mixers, self.kernels, self.has_attention, self.chunk),)
+
+    def chunk_of(self, module: Any) -> int:
+        return self.traits[0].chunk_of(module)
+
+    def mixer_modules(self, model: Any) -> list[Any]:
+        return self.traits[0].mixer_modules(model)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import warnings
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import cache, partial
@@ -165,6 +166,17 @@ def check_mixer_backend(requested: str, family: str, kernels: tuple[str, ...]) -
         raise BackendUnavailableError(
             f"mixers: kernels for {family} needs {', '.join(missing)} installed (pip names: "
             f"{', '.join(PIP_NAMES.get(name, name) for name in missing)}); or use mixers: exact")
+
+
+def note_unused_mixer_backend(requested: str, family: str, patch: Any) -> None:
+    """Warn that a ``mixers:`` other than ``auto`` does nothing where the model's patch routes no sequence mixer
+    through :class:`MixerPatch` (a model of attention alone, such as Llama, or a family that keeps its mixers apart
+    its own way)."""
+    if requested == "auto" or any(isinstance(handle, MixerPatch) for handle in getattr(patch, "handles", ())):
+        return
+    warnings.warn(f"mixers: {requested} has no effect on {family}: its plugin runs no sequence mixer through a mixer "
+                  "backend (only the hybrid families' gated delta rule, KDA and Mamba mixers); remove mixers from the "
+                  "config", stacklevel=3)
 
 
 #: Import name -> the distribution to install.

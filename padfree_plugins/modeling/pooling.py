@@ -188,6 +188,21 @@ POOLING_MODES = {**POOLERS, "weighted_mean": WeightedMeanPooler,
                  "mean_sqrt_len": partial(MeanPooler, sqrt_len=True)}  # sentence-transformers' mean_sqrt_len_tokens
 
 
+#: Other names of the builtin modes (sentence-transformers' ``pooling_mode_*_tokens``, common spellings): suggested
+#: for an unknown mode, never accepted in its place.
+POOLING_ALIASES = {"avg": "mean", "average": "mean", "mean_tokens": "mean", "max_tokens": "max", "cls_token": "cls",
+                   "last_token": "last", "lasttoken": "last", "eos": "last", "weightedmean": "weighted_mean",
+                   "mean_sqrt_len_tokens": "mean_sqrt_len"}
+
+
+def unknown_mode_hint(mode: str) -> str:
+    """``" Did you mean 'mean'? Builtin modes: …"`` for a pooling mode nothing provides: its builtin name when it
+    is another name of one (``avg``) or a likely typo, then the builtin modes."""
+    alias = POOLING_ALIASES.get(mode.lower())
+    hint = f" Did you mean {alias!r}?" if alias else did_you_mean(mode, POOLING_MODES)
+    return f"{hint} Builtin modes: {', '.join(POOLING_MODES)} (and any a plugin provides)."
+
+
 def make_pooler(mode: str, *, include_prompt: bool = True):
     """The builtin pooler for ``mode``; a :class:`ConfigError` naming the modes otherwise.
 
@@ -196,10 +211,7 @@ def make_pooler(mode: str, *, include_prompt: bool = True):
     try:
         pooler = POOLING_MODES[mode]
     except KeyError:
-        raise ConfigError(
-            f"unknown pooling mode {mode!r}.{did_you_mean(mode, POOLING_MODES)} "
-            f"Builtin modes: {', '.join(POOLING_MODES)}"
-        ) from None
+        raise ConfigError(f"unknown pooling mode {mode!r}.{unknown_mode_hint(mode)}") from None
     if include_prompt or pooler is LastTokenPooler:
         return pooler()
     return pooler(include_prompt=False)

@@ -4,7 +4,8 @@ the vision tower keeps its own per-image attention.
 A :class:`VisionLanguage` declares a family once: its :class:`~padfree_plugins.contract.declarations.Architecture`
 — whose ``wrap_collator``, a :class:`~padfree_plugins.packing.multimodal.MultimodalPacking`, names the media its
 processor makes and how positions are computed per example — the sub-config whose attention runs packed
-(``text_config``) and the vision towers (attribute paths from the base model). Its ``patch_model`` hook gives the
+(``text_config``) and the vision towers (attribute paths from the base model): the :class:`VisionTowers` trait,
+which a :class:`~padfree_plugins.modeling.families.Family` combines with others. Its ``patch_model`` hook gives the
 language model packed attention (the towers keep their implementation) and keeps the packed row's boundaries from
 the towers: transformers hands a vision-language forward's ``**kwargs`` to its vision tower, whose blocks would
 otherwise take the text row's ``cu_seq_lens_q`` for their own.
@@ -24,7 +25,7 @@ import torch
 
 from padfree_plugins.contract.declarations import Architecture
 from padfree_plugins.errors import UnsupportedArchitectureError
-from padfree_plugins.modeling.families import DeclaredFamily
+from padfree_plugins.modeling.families import DeclaredFamily, Trait
 from padfree_plugins.modeling.patching import ModelPatch
 from padfree_plugins.packing.batch import BOUNDARY_KEYS
 
@@ -96,26 +97,43 @@ class QwenPositions:
 
 
 @dataclass(frozen=True)
+class VisionTowers(Trait):
+    """The trait of a vision-language family: the vision ``towers`` (attribute paths from the base model) keep
+    their own attention and never see the packed text row's boundaries; only the sub-config ``text_config`` gets
+    packed attention."""
+
+    towers: tuple[str, ...] = ("visual",)
+    text_config: str = "text_config"
+
+    def tower_modules(self, model: Any) -> list[Any]:
+        base = getattr(model, "base_model", model)
+        return [nested_attribute(base, path) for path in self.towers]
+
+    def attention_options(self) -> dict[str, Any]:
+        return {"attention_config": self.text_config}
+
+    def check(self, model: Any, architecture: Architecture, config: Any) -> None:
+        towers = self.tower_modules(model)
+        if not towers or any(tower is None for tower in towers):
+            raise UnsupportedArchitectureError(
+                f"{type(model).__name__} has no vision tower at {', '.join(self.towers)} where the "
+                f"{architecture.name} plugin looks for it: this transformers version changed the model; "
+                "padfree-plugins refuses rather than let the tower see the packed text row")
+
+    def install(self, model: Any, patch: ModelPatch, config: Any) -> TowerGuard:
+        return TowerGuard.install(self.tower_modules(model))
+
+
+@dataclass(frozen=True)
 class VisionLanguage(DeclaredFamily):
     """A vision-language family (see the module docstring): ``architecture`` (whose ``wrap_collator`` packs the
-    media), the vision ``towers`` (attribute paths from the base model) and the sub-config whose attention runs
-    packed."""
+    media) and one :class:`VisionTowers` trait, whose fields it takes (``towers``, ``text_config``). A family with
+    more traits (a hybrid language model) lists them in a :class:`~padfree_plugins.modeling.families.Family`."""
 
     architecture: Architecture
     towers: tuple[str, ...] = ("visual",)
     text_config: str = "text_config"
 
-    def patch(self, model: Any, backend: Any, fallback: Any, config: Any) -> ModelPatch:
-        base = getattr(model, "base_model", model)
-        towers = [nested_attribute(base, path) for path in self.towers]
-        if not towers or any(tower is None for tower in towers):
-            raise UnsupportedArchitectureError(
-                f"{type(model).__name__} has no vision tower at {', '.join(self.towers)} where the "
-                f"{self.architecture.name} plugin looks for it: this transformers version changed the model; "
-                "padfree-plugins refuses rather than let the tower see the packed text row")
-        patch = ModelPatch.apply(model, self.architecture, backend, fallback,
-                                 attention_dropout=config.attention_dropout == "keep",
-                                 attention_config=self.text_config)
-        patch.handles.append(TowerGuard.install(towers))
-        return patch
-
+    @property
+    def traits(self) -> tuple[Trait, ...]:
+        return (VisionTowers(self.towers, self.text_config),)

@@ -35,6 +35,9 @@ MODEL_INPUT_KEYS = ("input_ids", "position_ids", *BOUNDARY_KEYS)
 #: multimodal collator packs them (:mod:`padfree_plugins.packing.multimodal`); any other path refuses or runs padded.
 MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "image_sizes",
               "pixel_attention_mask")
+#: The row key under which a row fetched by a trainer's dataloader carries its index in the dataset, so that the
+#: collator's errors name the example by it (:func:`padfree_plugins.batching.sampler.indexed_rows`); never packed.
+INDEX_KEY = "padfree_dataset_index"
 #: Per-token keys that are model inputs whenever a batch holds them as ``[1, T]`` (for a batch that carries no record
 #: of its collator's model keys: one rebuilt from a plain ``dict``, as ``Trainer`` does when moving it to a device).
 TOKEN_MODEL_KEYS = ("token_type_ids", "labels")

@@ -7,7 +7,8 @@ boundaries are built with numpy / torch ops. Instances are plain picklable objec
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Literal
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 
 from padfree_plugins.errors import BatchError, ConfigError
-from padfree_plugins.packing.batch import MEDIA_KEYS, MODEL_INPUT_KEYS, PackedBatch
+from padfree_plugins.packing.batch import INDEX_KEY, MEDIA_KEYS, MODEL_INPUT_KEYS, PackedBatch
 
 #: Per-token keys carried whenever every example has them.
 DEFAULT_TOKEN_KEYS = ("token_type_ids",)
@@ -25,6 +26,63 @@ DEFAULT_TOKEN_KEYS = ("token_type_ids",)
 HANDLED_KEYS = (*MODEL_INPUT_KEYS, "attention_mask", "seq_idx", *DEFAULT_TOKEN_KEYS, "labels", "label",
                 "return_dict", "output_attentions", "output_hidden_states", "use_cache", "past_key_values",
                 "cache_position", "logits_to_keep", "head_mask")
+
+
+#: How a collator's error names an example (or a row) by its position in the list the collator was given.
+POSITION_NAME = re.compile(r"\b(example|row) (\d+)\b(?! of )")
+
+
+def dataset_indices(examples: Sequence[Any]) -> list[int] | None:
+    """The dataset index every example carries (:data:`~padfree_plugins.packing.batch.INDEX_KEY`, set by a trainer's
+    dataloader), or ``None`` when some example carries none."""
+    indices = [ex.get(INDEX_KEY) if isinstance(ex, Mapping) else None for ex in examples]
+    return None if any(index is None for index in indices) else [int(index) for index in indices]
+
+
+def by_dataset_index(message: str, indices: Sequence[int] | None) -> str:
+    """``message`` with every example (or row) it names by position in the batch named by its dataset index
+    (``example 57 of the dataset``); without ``indices``, the positions kept and said to be positions
+    (``… (example 3: its position in this batch)``)."""
+    if indices is None:
+        named = list(dict.fromkeys(match.group(0) for match in POSITION_NAME.finditer(message)))
+        if not named:
+            return message
+        what = "its position" if len(named) == 1 else "positions"
+        return f"{message} ({', '.join(named)}: {what} in this batch)"
+
+    def name(match: re.Match) -> str:
+        word, position = match.group(1), int(match.group(2))
+        if position >= len(indices):  # not one of the rows given (a text of a row): a position, said so
+            return f"{word} {position} of this batch"
+        return f"{word} {indices[position]} of the dataset"
+
+    return POSITION_NAME.sub(name, message)
+
+
+def collate_naming_examples(collate: Callable[[Sequence[Any]], Any], examples: Sequence[Any]) -> Any:
+    """``collate(examples)``; a :class:`BatchError` it raises names its examples by dataset index, or as positions in
+    this batch (:func:`by_dataset_index`). An error already named so by a collator inside passes unchanged."""
+    try:
+        return collate(examples)
+    except BatchError as error:
+        if getattr(error, "names_examples", False):
+            raise
+        named = BatchError(by_dataset_index(str(error), dataset_indices(examples)))
+        named.names_examples = True
+        raise named.with_traceback(error.__traceback__) from None
+
+
+def outside_vocabulary_message(example: str, token: int, vocab_size: int | None) -> str:
+    """The error for a token id the model's input embeddings do not have (``example`` names the example)."""
+    limit = f"ids 0 to {vocab_size - 1}" if vocab_size is not None else "ids from 0"
+    return (f"{example} has token id {token}, outside the model's vocabulary ({limit}): was it tokenized with "
+            "another tokenizer, or were tokens added without resizing the embeddings (resize_token_embeddings)?")
+
+
+def padded_message(example: str) -> str:
+    """The error for an example whose ``attention_mask`` has zeros (``example`` names the example)."""
+    return (f"{example} is padded (its attention_mask has zeros): pass unpadded examples; the collator packs them "
+            "without any padding")
 
 
 def _is_nested(value: Any) -> bool:
@@ -213,6 +271,11 @@ class PackingCollator:
             raise ValueError(f"max_length must be a positive integer or None, not {self.max_length!r}")
 
     def __call__(self, examples: Sequence[Mapping[str, Any]]) -> PackedBatch:
+        """The packed batch of ``examples``; a :class:`BatchError` names a bad example by its dataset index when the
+        examples carry it (a trainer's rows), else by its position in this batch."""
+        return collate_naming_examples(self._pack, as_examples(examples))
+
+    def _pack(self, examples: Sequence[Mapping[str, Any]]) -> PackedBatch:
         examples = self._check_examples(examples)
         ids, full_lengths = _concat_int_lists([ex["input_ids"] for ex in examples], "input_ids")
         self._check_masks(examples, full_lengths)
@@ -279,7 +342,8 @@ class PackingCollator:
             missing = [key for key in (*self.required_keys, *self.example_keys) if key not in ex]
             if missing:
                 raise BatchError(
-                    f"example {i} is missing {', '.join(map(repr, missing))}; it has {', '.join(map(repr, ex))}"
+                    f"example {i} is missing {', '.join(map(repr, missing))}; it has "
+                    f"{', '.join(repr(key) for key in ex if key != INDEX_KEY)}"
                 )
             media = [key for key in MEDIA_KEYS if ex.get(key) is not None]
             if media:
@@ -324,10 +388,7 @@ class PackingCollator:
                     f"{got}. Pass examples one by one with their own masks, or leave attention_mask out"
                 )
             if not bool(np.all(array)):
-                raise BatchError(
-                    f"example {i} is padded (its attention_mask has zeros): pass unpadded examples; "
-                    "the collator packs them without any padding"
-                )
+                raise BatchError(padded_message(f"example {i}"))
             if array.size != lengths[i]:
                 raise BatchError(
                     f"example {i}: 'attention_mask' has {array.size} values but input_ids has {int(lengths[i])} "
@@ -356,9 +417,7 @@ class PackingCollator:
             return
         bad = low if low < 0 else high
         example = int(np.searchsorted(np.cumsum(lengths), int(np.flatnonzero(ids == bad)[0]), side="right"))
-        limit = f"ids 0 to {self.vocab_size - 1}" if self.vocab_size is not None else "ids from 0"
-        raise BatchError(f"example {example} has token id {bad}, outside the model's vocabulary ({limit}): was it "
-                         "tokenized with another tokenizer, or were tokens added without resizing the embeddings?")
+        raise BatchError(outside_vocabulary_message(f"example {example}", bad, self.vocab_size))
 
     def overlong_message(self, index: int, length: int, where: str = "") -> str:
         """The error for an example longer than ``max_length`` (also used by the dataset check)."""
@@ -488,21 +547,56 @@ def _packing_of(collator: Any) -> PackingCollator | None:
     return packing if isinstance(packing, PackingCollator) else None
 
 
+def _with_packing(collator: Any, change: Callable[[PackingCollator], PackingCollator]) -> Any:
+    """``collator`` with its :class:`PackingCollator` (itself, or in ``packing`` of a dataclass, or in ``collator`` of a
+    dataclass wrapping the task's collator, as the multimodal one) replaced by ``change(packing)``; any other
+    collator, or one that ``change`` leaves as it is, is returned as it is."""
+    names = {field.name for field in dataclasses.fields(collator)} if dataclasses.is_dataclass(collator) else set()
+    if "collator" in names and "packing" not in names:  # a wrapper of the task's collator (the multimodal one)
+        inner = _with_packing(collator.collator, change)
+        return collator if inner is collator.collator else dataclasses.replace(collator, collator=inner)
+    packing = _packing_of(collator)
+    if packing is None or not dataclasses.is_dataclass(collator):
+        return collator
+    changed = change(packing)
+    if changed is packing:
+        return collator
+    return changed if isinstance(collator, PackingCollator) else dataclasses.replace(collator, packing=changed)
+
+
 def refusing_undeclared(collator: Any, forward_parameters: Iterable[str]) -> Any:
     """``collator`` (a :class:`PackingCollator`, or a dataclass wrapping one in ``packing``) refusing, in any example,
     the ``forward_parameters`` of the model that it does not carry — which the batch would otherwise drop without a
     word (``Trainer``'s ``remove_unused_columns`` keeps exactly such columns) — except :data:`HANDLED_KEYS`. Any
     other collator is returned as it is."""
-    names = {field.name for field in dataclasses.fields(collator)} if dataclasses.is_dataclass(collator) else set()
-    if "collator" in names and "packing" not in names:  # a wrapper of the task's collator (the multimodal one)
-        return dataclasses.replace(collator, collator=refusing_undeclared(collator.collator, forward_parameters))
-    packing = _packing_of(collator)
-    if packing is None or not dataclasses.is_dataclass(collator):
+    def refusing(packing: PackingCollator) -> PackingCollator:
+        carried = {*HANDLED_KEYS, *packing.token_keys, *packing.example_keys, *packing.required_keys,
+                   *packing.model_keys, *packing.input_token_keys, *packing.input_example_keys}
+        refused = tuple(key for key in forward_parameters if key not in carried)
+        if not refused:
+            return packing
+        return dataclasses.replace(packing, refused_keys=tuple(dict.fromkeys((*packing.refused_keys, *refused))))
+
+    return _with_packing(collator, refusing)
+
+
+def embedding_rows(model: Any) -> int | None:
+    """How many token ids the model's input embeddings take (``get_input_embeddings().num_embeddings``, which may
+    differ from ``config.vocab_size``), or ``None`` when it does not say."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        embeddings = get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        return None
+    rows = getattr(embeddings, "num_embeddings", None)
+    return int(rows) if isinstance(rows, int) and rows > 0 else None
+
+
+def within_embeddings(collator: Any, model: Any) -> Any:
+    """``collator`` refusing token ids the model's input embeddings do not have (:func:`embedding_rows`, in place of
+    the config's ``vocab_size``); as it is when the model does not say how many it has."""
+    rows = embedding_rows(model)
+    if rows is None:
         return collator
-    carried = {*HANDLED_KEYS, *packing.token_keys, *packing.example_keys, *packing.required_keys,
-               *packing.model_keys, *packing.input_token_keys, *packing.input_example_keys}
-    refused = tuple(key for key in forward_parameters if key not in carried)
-    if not refused:
-        return collator
-    packing = dataclasses.replace(packing, refused_keys=tuple(dict.fromkeys((*packing.refused_keys, *refused))))
-    return packing if isinstance(collator, PackingCollator) else dataclasses.replace(collator, packing=packing)
+    return _with_packing(collator, lambda packing: packing if packing.vocab_size == rows else
+                         dataclasses.replace(packing, vocab_size=rows))

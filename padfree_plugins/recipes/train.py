@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from padfree_plugins.config.model_configs import load_model_config, local_directory
@@ -38,8 +39,23 @@ EMBEDDED_FLAGS = [
 ]
 #: TrainingArguments defaults of the command (overridable): quiet, countable, nothing reported anywhere.
 COMMON_FLAGS = ["--report_to", "none", "--disable_tqdm", "true", "--include_num_input_tokens_seen", "true"]
-#: Without --logging_steps, a run logs every step up to this many steps, and about this many times if longer.
+#: Without --logging_steps, a run logs every step up to this many steps; a longer one every ceil(steps / this)
+#: steps (at most logging_steps, 500 by default), so between half this many and this many times up to 25,000 steps.
 LOGGED_STEPS = 50
+#: TrainingArguments flags ``--help`` lists after the command's own, in this order (``--help-all``: every flag).
+COMMON_TRAINING_FLAGS = (
+    "output_dir", "num_train_epochs", "max_steps", "per_device_train_batch_size", "per_device_eval_batch_size",
+    "gradient_accumulation_steps", "learning_rate", "lr_scheduler_type", "warmup_steps", "bf16", "logging_steps",
+    "save_strategy", "seed", "report_to",
+)
+TRAINING_ARGUMENTS_DOCS = "https://huggingface.co/docs/transformers/main_classes/trainer#transformers.TrainingArguments"
+#: TrainingArguments counts that must be at least 1 (torch's DataLoader would fail deep inside on 0).
+POSITIVE_TRAINING_ARGUMENTS = ("per_device_train_batch_size", "per_device_eval_batch_size",
+                               "gradient_accumulation_steps")
+#: Ids at or above this are refused when the vocabulary would be sized from the data (no tokenizer, no model):
+#: the largest vocabulary of common tokenizers (Gemma 3's 262,144 ids); a stray larger id would only make the model
+#: huge (400,000 ids: a 52M-parameter "tiny" Llama).
+MAX_DATA_VOCAB = 262_144
 #: Words of torch's optimizer errors -> the TrainingArguments field they are about.
 OPTIMIZER_ARGUMENTS = {"learning rate": "learning_rate", "epsilon": "adam_epsilon", "index 0": "adam_beta1",
                        "index 1": "adam_beta2", "weight_decay": "weight_decay"}
@@ -123,12 +139,44 @@ def argument_parser() -> Any:
                     f"TrainingArguments', except these of the command: {' '.join(COMMON_FLAGS)}, --output_dir a "
                     "temporary directory (nothing saved); without --model_name_or_path, --model_config and "
                     f"--dataset (the embedded default), also {' '.join(EMBEDDED_FLAGS)}. Without --logging_steps, "
-                    f"a run logs every step up to {LOGGED_STEPS} steps, about {LOGGED_STEPS} times if longer (at most "
-                    "500 steps apart).")
+                    f"a run logs every step up to {LOGGED_STEPS} steps; a longer one every ceil(steps / "
+                    f"{LOGGED_STEPS}) steps, at most 500 apart: {LOGGED_STEPS // 2} to {LOGGED_STEPS} times up to "
+                    "25,000 steps (108 steps: every 3rd, 36 times).")
     for action in parser._actions:
         if isinstance(action, argparse._StoreFalseAction):  # HfArgumentParser gives --no_X the help of --X
             action.help = f"turn --{action.dest} off (the same as --{action.dest} false)"
+    parser.add_argument("--help-all", action=_FullHelp, nargs=0, default=argparse.SUPPRESS,
+                        help="show every TrainingArguments flag too, and exit")
+    parser.format_help = lambda: short_help(parser)  # --help: the command's flags and the common ones
     return parser
+
+
+class _FullHelp(argparse.Action):
+    """``--help-all``: argparse's help of every flag, TrainingArguments' included."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sys.stdout.write(argparse.ArgumentParser.format_help(parser))
+        parser.exit()
+
+
+def short_help(parser: argparse.ArgumentParser) -> str:
+    """``--help``: the command's own flags (:class:`TrainScriptArguments`, ``--acceleration_config``), then the
+    :data:`COMMON_TRAINING_FLAGS`, then where every other TrainingArguments flag is documented."""
+    own = {f.name for cls in (TrainScriptArguments, AccelerationArguments) for f in fields(cls)}
+    own_actions = [a for a in parser._actions if a.dest in own or a.dest in ("help", "help_all")]
+    common = sorted((a for a in parser._actions if a.dest in COMMON_TRAINING_FLAGS),
+                    key=lambda a: COMMON_TRAINING_FLAGS.index(a.dest))
+    others = {a.dest for a in parser._actions} - own - set(COMMON_TRAINING_FLAGS) - {"help", "help_all"}
+    formatter = parser._get_formatter()
+    formatter.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups)
+    formatter.add_text(parser.description)
+    for title, actions in (("options", own_actions), ("common transformers.TrainingArguments options", common)):
+        formatter.start_section(title)
+        formatter.add_arguments(actions)
+        formatter.end_section()
+    formatter.add_text(f"Every other transformers.TrainingArguments flag is accepted too ({len(others)} more; "
+                       "--help-all lists them), documented at:")
+    return f"{formatter.format_help()}  {TRAINING_ARGUMENTS_DOCS}\n"  # one line: a link cut in two opens nothing
 
 
 def parse_arguments(argv: Sequence[str]) -> tuple[TrainScriptArguments, Any, AccelerationArguments, bool]:
@@ -155,6 +203,12 @@ def parse_arguments(argv: Sequence[str]) -> tuple[TrainScriptArguments, Any, Acc
         raise ConfigError(f"invalid training arguments: {error}") from error
     if not 0 <= script.eval_fraction < 1:
         raise ConfigError(f"--eval_fraction must be in [0, 1), got {script.eval_fraction}")
+    if script.truncate_to is not None and script.truncate_to < 1:
+        raise ConfigError(f"--truncate_to must be at least 1 (tokens kept per example), got {script.truncate_to}; "
+                          "leave it out to keep examples whole")
+    for name in POSITIVE_TRAINING_ARGUMENTS:
+        if getattr(training, name) < 1:
+            raise ConfigError(f"--{name} must be at least 1, got {getattr(training, name)}")
     return script, training, acceleration, embedded
 
 
@@ -175,16 +229,34 @@ def tiny_llama_config(vocab_size: int, tokenizer: Any = None) -> Any:
                        tie_word_embeddings=True, **special)
 
 
-def _largest_token(rows: Any) -> int:
+def _largest_token(rows: Any) -> tuple[int, int]:
+    """The largest token id of the rows' ``input_ids`` and the first row that holds it (``(0, 0)`` for none)."""
     import pyarrow.compute as pc
 
-    column = rows.with_format("arrow")[:]["input_ids"]
-    largest = pc.max(pc.list_flatten(column)).as_py()
-    return int(largest) if largest is not None else 0
+    column = rows.with_format("arrow")[:]["input_ids"].combine_chunks()
+    ids = pc.list_flatten(column)
+    largest = pc.max(ids).as_py()
+    if largest is None:
+        return 0, 0
+    return int(largest), int(pc.list_parent_indices(column)[pc.index(ids, largest).as_py()].as_py())
 
 
-def check_token_ids(data: Any, vocab_size: int) -> None:
-    """Every token id in ``[0, vocab_size)`` (labels: or -100); one outside fails only mid-training (IndexError)."""
+def data_vocabulary(rows: Any) -> int:
+    """The vocabulary of a model built for pretokenized rows without a tokenizer: the largest id + 1, refused when
+    no common tokenizer has that many ids (:data:`MAX_DATA_VOCAB`)."""
+    largest, row = _largest_token(rows)
+    if largest >= MAX_DATA_VOCAB:
+        raise ConfigError(
+            f"example {row} of the dataset holds token id {largest}: without a tokenizer or a model, the model's "
+            f"vocabulary is sized from the largest id, {largest + 1:,} tokens here, more than any common tokenizer's "
+            f"({MAX_DATA_VOCAB:,}). Check the data for a stray id, or give --tokenizer_name_or_path (its "
+            "vocabulary then bounds the ids) or --model_config (a config with its vocab_size)")
+    return largest + 1
+
+
+def check_token_ids(data: Any, vocab_size: int, vocabulary: str = "the model's vocabulary", hint: str = "") -> None:
+    """Every token id in ``[0, vocab_size)`` (labels: or -100); one outside fails only mid-training (IndexError).
+    ``vocabulary`` names whose ids these are, ``hint`` ends the message."""
     import pyarrow.compute as pc
 
     keys = [key for key in ("input_ids", "labels") if key in data.column_names]
@@ -199,8 +271,8 @@ def check_token_ids(data: Any, vocab_size: int) -> None:
             first = pc.index(bad, True).as_py()
             if first >= 0:
                 row = offset + pc.list_parent_indices(column)[first].as_py()
-                raise ConfigError(f"example {row} of the dataset: {key} holds {ids[first].as_py()}, outside the "
-                                  f"model's vocabulary [0, {vocab_size}){' (or -100)' if key == 'labels' else ''}")
+                raise ConfigError(f"example {row} of the dataset: {key} holds {ids[first].as_py()}, outside "
+                                  f"{vocabulary} [0, {vocab_size}){' (or -100)' if key == 'labels' else ''}{hint}")
         offset += table.num_rows
 
 
@@ -237,8 +309,8 @@ def _loss_curve_callback(print_fn: Callable[[str], None] | None, log_often: bool
 
     class LossCurve(TrainerCallback):
         """Collects the training loss at every logging step (and prints one line per log). With ``log_often``, a
-        run logs every step up to :data:`LOGGED_STEPS` steps, about that many times if longer (at most
-        ``logging_steps`` apart)."""
+        run logs every step up to :data:`LOGGED_STEPS` steps; a longer one every ``ceil(max_steps / LOGGED_STEPS)``
+        steps (at most ``logging_steps`` apart), so ``LOGGED_STEPS // 2`` to ``LOGGED_STEPS`` times."""
 
         def __init__(self) -> None:
             self.losses: list[tuple[int, float]] = []
@@ -268,6 +340,13 @@ def run_train(argv: Sequence[str] = (), print_fn: Callable[[str], None] | None =
 
     script, training, acceleration_args, embedded = parse_arguments(argv)
     config = acceleration_args.config or PadfreeConfig()
+    if config.task != "causal_lm":
+        raise ConfigError(
+            f"--acceleration_config {acceleration_args.acceleration_config} sets task: {config.task}, but "
+            "padfree-plugins train fine-tunes causal LMs only (task: causal_lm). For other tasks build the trainer "
+            "in Python (HF Trainer, or sentence-transformers' trainers for embeddings) and call "
+            f"padfree_plugins.accelerate(trainer, {acceleration_args.acceleration_config!r}): see the README, "
+            "section Embeddings, rerankers, classifiers")
     say = print_fn or (lambda _: None)
     if script.model_name_or_path and script.model_config:
         raise ConfigError("give either --model_name_or_path or --model_config, not both")
@@ -291,7 +370,15 @@ def run_train(argv: Sequence[str] = (), print_fn: Callable[[str], None] | None =
         tokenizer = train_tokenizer(_texts(rows), script.vocab_size)
     else:
         tokenizer = None  # already tokenized: nothing to encode
-    vocab = len(tokenizer) if tokenizer is not None else _largest_token(rows) + 1
+    if tokenizer is not None and pretokenized:  # ids of another tokenizer would train on the wrong tokens
+        check_token_ids(rows, len(tokenizer), "the tokenizer's vocabulary",
+                        "; were these rows tokenized with another tokenizer?")
+    if tokenizer is not None:
+        vocab = len(tokenizer)
+    elif given_config is None:
+        vocab = data_vocabulary(rows)
+    else:
+        vocab = _largest_token(rows)[0] + 1  # checked against the config's vocab_size below
     if given_config is not None:
         model_config = given_config
         if not script.model_name_or_path and vocab > model_config.get_text_config().vocab_size:
@@ -323,6 +410,8 @@ def run_train(argv: Sequence[str] = (), print_fn: Callable[[str], None] | None =
     described = acceleration.describe()
     setup = {"model": f"{type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
                       f"parameters{', embedded default' if embedded else ''})",
+             **({"vocabulary": f"{vocab} token ids, sized from the largest id in the dataset (no tokenizer)"}
+                if tokenizer is None and given_config is None else {}),
              "examples": f"{len(data)} train, {len(evaluation) if evaluation is not None else 0} eval",
              "acceleration config": acceleration_args.acceleration_config or "defaults (no --acceleration_config)",
              "architecture": setup["architecture"], "attention backend": setup["attention backend"],

@@ -30,7 +30,8 @@ from padfree_plugins.contract.declarations import Architecture
 from padfree_plugins.errors import BoundaryError, UnsupportedArchitectureError
 from padfree_plugins.modeling.attention import BLOCKS_FEATURE, BLOCKS_KWARG
 from padfree_plugins.modeling.patching import ModelPatch, bound_inputs
-from padfree_plugins.modeling.vision import VisionLanguage
+from padfree_plugins.modeling.families import Family, Trait
+from padfree_plugins.modeling.vision import VisionTowers
 from padfree_plugins.packing.multimodal import Media, MultimodalPacking
 
 #: What Gemma3Processor makes: every pixel row (an image, or a pan-and-scan crop of one) is ``mm_tokens_per_image``
@@ -86,27 +87,27 @@ class ImageBlocks:
 
 
 @dataclass(frozen=True)
-class Gemma3VisionLanguage(VisionLanguage):
-    """:class:`~padfree_plugins.modeling.vision.VisionLanguage` with the images' blocks handed to attention."""
+class BidirectionalImages(Trait):
+    """The trait of Gemma 3's images: each image's tokens attend to each other both ways, their blocks handed to
+    attention by an :class:`ImageBlocks` pre-hook on the base model."""
 
-    def patch(self, model: Any, backend: Any, fallback: Any, config: Any) -> ModelPatch:
+    def check(self, model: Any, architecture: Any, config: Any) -> None:
         if getattr(model.config.get_text_config(), "use_bidirectional_attention", False):
             raise UnsupportedArchitectureError(
                 "Gemma 3 image-text with use_bidirectional_attention: transformers' own masks for it stay causal "
                 "outside images while its attention modules say bidirectional; padfree-plugins refuses rather than "
                 "pick one. Use the text-only model (gemma3_text) for a bidirectional encoder"
             )
-        patch = super().patch(model, backend, fallback, config)
+
+    def install(self, model: Any, patch: ModelPatch, config: Any) -> Any:
         base = getattr(patch.model, "base_model", patch.model)
-        hook = ImageBlocks(int(patch.model.config.image_token_id))
-        patch.handles.append(base.register_forward_pre_hook(hook, with_kwargs=True))
-        return patch
+        return base.register_forward_pre_hook(ImageBlocks(int(patch.model.config.image_token_id)), with_kwargs=True)
 
 
-GEMMA3_VL = Gemma3VisionLanguage(
+GEMMA3_VL = Family(
     Architecture("gemma3_vl", model_types=("gemma3",), kind="decoder", features=gemma3_vl_features,
                  default_pooling="last", token_keys=("token_type_ids",), wrap_collator=MultimodalPacking(GEMMA3_MEDIA),
                  description="Gemma 3 image-text models (each image's tokens bidirectional among themselves, per "
                  "example; sliding-window and global layers)"),
-    towers=("vision_tower",))
+    traits=(VisionTowers(("vision_tower",)), BidirectionalImages()))
 register_architectures, patch_model = GEMMA3_VL.hooks()

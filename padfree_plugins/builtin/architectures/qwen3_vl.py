@@ -14,7 +14,8 @@ import torch
 
 from padfree_plugins.contract.declarations import Architecture
 from padfree_plugins.errors import BatchError
-from padfree_plugins.modeling.vision import QwenPositions, VisionLanguage
+from padfree_plugins.modeling.families import Family, Trait
+from padfree_plugins.modeling.vision import QwenPositions, VisionTowers
 from padfree_plugins.packing.multimodal import Media, MultimodalPacking
 
 #: What Qwen3VLProcessor makes (Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE): images, and videos frame by frame —
@@ -66,16 +67,15 @@ class PositionsByModelType:
         return FrameRopeIndex(rope_index, int(model_config.vision_config.spatial_merge_size))
 
 
-def family(name: str, model_classes: dict[str, str], description: str, declaration: type = VisionLanguage,
-           **declared: Any) -> VisionLanguage:
+def family(name: str, model_classes: dict[str, str], description: str, *traits: Trait) -> Family:
     """A Qwen3 vision-language family: ``model_classes`` maps each model type to its base model class in
     ``transformers.models`` (``"qwen3_vl.modeling_qwen3_vl.Qwen3VLModel"``), whose ``get_rope_index`` computes the
-    positions; ``declaration(architecture, **declared)`` declares it."""
+    positions; its traits the vision towers (at ``visual``) and ``traits`` (a hybrid language model's mixers)."""
     positions = PositionsByModelType(tuple((model_type, f"transformers.models.{path}")
                                            for model_type, path in model_classes.items()))
     packing = MultimodalPacking(QWEN3_VL_MEDIA, positions=positions)
-    return declaration(Architecture(name, model_types=tuple(model_classes), kind="decoder", default_pooling="last",
-                                    description=description, wrap_collator=packing), **declared)
+    return Family(Architecture(name, model_types=tuple(model_classes), kind="decoder", default_pooling="last",
+                               description=description, wrap_collator=packing), traits=(VisionTowers(), *traits))
 
 
 QWEN3_VL = family("qwen3_vl", {"qwen3_vl": "qwen3_vl.modeling_qwen3_vl.Qwen3VLModel"},

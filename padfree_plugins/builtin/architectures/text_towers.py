@@ -28,8 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
 from padfree_plugins.builtin.architectures._own_attention import MethodPatch
 from padfree_plugins.builtin.architectures._packed_rows import is_packed_row
 from padfree_plugins.contract.declarations import Architecture
@@ -85,6 +83,8 @@ def attend_with_boundaries(module, hidden_states, attention_mask=None, **kwargs)
     hidden_shape = (*input_shape, -1, module.head_dim)
     queries, keys, values = (proj(hidden_states).view(hidden_shape).transpose(1, 2)
                              for proj in (module.q_proj, module.k_proj, module.v_proj))
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     attention = ALL_ATTENTION_FUNCTIONS[module.config._attn_implementation]
     output, weights = attention(module, queries, keys, values, attention_mask, is_causal=module.is_causal,
                                 scaling=module.scale, dropout=0.0 if not module.training else module.dropout,

@@ -11,12 +11,12 @@ before it). This module adds what a causal-LM dataset needs on top:
 * **the model's limit** (for every task, by :func:`padfree_plugins.packing.collator.packing_collator`): an example
   longer than ``max_position_embeddings`` (minus the architecture's first position) is an error that says what to
   do, instead of an index error or silent extrapolation mid-training;
-* **labelled logits only** (:func:`~padfree_plugins.packing.labelled_logits.keep_labelled_logits`, task option
-  ``labelled_logits_only``, on by default):
-  for training through HF ``Trainer`` the batch also names the positions whose next token carries a label, so the
-  model projects only those onto the vocabulary (transformers' ``logits_to_keep``) and the loss reads their
-  labels (``shift_labels``). Same loss and gradients; prompt / user-turn tokens of completion-only SFT, and the
-  last token of every example, no longer cost an LM-head row and a softmax over the vocabulary.
+* **labelled logits only** (:mod:`~padfree_plugins.packing.labelled_logits`, task option ``labelled_logits_only``,
+  on by default): for training through HF ``Trainer`` the batch also holds the positions whose next token carries a
+  label, and the plugin's own loss call has the model project only those onto the vocabulary (transformers'
+  ``logits_to_keep``) and read their labels (``shift_labels``). Same loss and gradients; prompt / user-turn tokens
+  of completion-only SFT, and the last token of every example, no longer cost an LM-head row and a softmax over the
+  vocabulary. Every other forward on the batch (a ``training_step`` of the user's) gets every position's logits.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ class CausalLMCollator(WrapsPackingCollator):
 
     packing: PackingCollator
     labels_from_input_ids: bool = True
-    #: Whether trainers should add :func:`~padfree_plugins.packing.labelled_logits.keep_labelled_logits`'s keys (the
-    #: collator itself never does).
+    #: Whether trainers should hold labelled positions for their loss
+    #: (:func:`~padfree_plugins.packing.labelled_logits.hold_labelled_logits`; the collator itself never does).
     labelled_logits_only: bool = True
 
     def __call__(self, examples: Sequence[Mapping[str, Any]]) -> PackedBatch:

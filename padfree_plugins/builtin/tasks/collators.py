@@ -21,7 +21,7 @@ import torch
 
 from padfree_plugins.errors import BatchError
 from padfree_plugins.modeling.pooling import PROMPT_LENGTH_KEY
-from padfree_plugins.packing.batch import PackedBatch
+from padfree_plugins.packing.batch import INDEX_KEY, PackedBatch
 from padfree_plugins.packing.collator import (
     PackingCollator,
     WrapsPackingCollator,
@@ -217,7 +217,7 @@ def expand_group_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
                 raise BatchError(f"row {r} has {len(candidates)} candidates in input_ids but {len(values)} {name}: "
                                  "give one per candidate")
         for j, ids in enumerate(candidates):
-            example = {"input_ids": ids, GROUP_KEY: r}
+            example = {"input_ids": ids, GROUP_KEY: r, **({INDEX_KEY: row[INDEX_KEY]} if INDEX_KEY in row else {})}
             if row.get("token_type_ids") is not None:
                 example["token_type_ids"] = row["token_type_ids"][j]
             if key is not None:
@@ -298,7 +298,7 @@ class ColumnsCollator(WrapsPackingCollator):
                     raise BatchError(f"row {i} has no {ids_key!r} (columns: {', '.join(map(repr, columns))}); "
                                      "every row needs every column")
                 self._check_text_length(i, ids_key, row[ids_key])
-                text = {"input_ids": row[ids_key]}
+                text = {"input_ids": row[ids_key], **({INDEX_KEY: row[INDEX_KEY]} if INDEX_KEY in row else {})}
                 token_types = row.get(column_key(column, "token_type_ids"))
                 if token_types is not None:
                     text["token_type_ids"] = token_types

@@ -128,13 +128,32 @@ class EmbeddingForward:
     def loss_of(self, per_column: tuple[torch.Tensor, ...], labels: torch.Tensor | None) -> torch.Tensor | None:
         """The loss of the columns' embeddings; ``None`` for a loss that needs labels on rows without any (the
         embeddings of an unlabelled set: a trainer then says the loss is missing, instead of the loss's own
-        ``'NoneType' object has no attribute 'numel'``)."""
+        ``'NoneType' object has no attribute 'numel'``). A loss that fails on one column (rows of plain
+        ``input_ids``) is told which columns the task needs."""
         try:
             return self.loss.compute_loss_from_embeddings(list(per_column), labels)
         except (AttributeError, TypeError):
             if labels is None:
                 return None
+            if len(per_column) == 1:
+                raise one_column_error(self.loss) from None
             raise
+        except (ValueError, IndexError, AssertionError):
+            if len(per_column) == 1:
+                raise one_column_error(self.loss) from None
+            raise
+
+
+def one_column_error(loss: Any) -> BatchError:
+    """What to give a loss that compares texts (pairs, triplets) when each row holds one text."""
+    return BatchError(
+        f"{type(loss).__name__} compares the texts of a row (anchor with positive, …), but each row holds one "
+        "text: plain 'input_ids' is one column. The embedding task reads one '<column>_input_ids' per text of a "
+        "row, in order: anchor_input_ids, positive_input_ids (and negative_input_ids …), e.g. from "
+        "sentence-transformers' anchor / positive text columns: dataset = dataset.map(lambda row: "
+        "{f'{c}_input_ids': tokenizer(row[c])['input_ids'] for c in ('anchor', 'positive')}). Only the "
+        "Batch*TripletLoss losses take one text per row, with a class label"
+    )
 
 
 def _options(config) -> dict[str, Any]:

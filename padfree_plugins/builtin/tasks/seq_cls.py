@@ -25,6 +25,7 @@ from padfree_plugins.builtin.tasks.collators import ExampleCollator, packing_for
 from padfree_plugins.config.task_options import read_options
 from padfree_plugins.contract.declarations import Task
 from padfree_plugins.contract.hookspecs import hookimpl
+from padfree_plugins.errors import BatchError
 from padfree_plugins.modeling.heads import call_model, check_sequence_head, sequence_logits
 
 TASK = "seq_cls"
@@ -51,8 +52,23 @@ class SequenceClassificationForward:
         if labels is not None and own_loss is not None:
             loss, logits = own_loss(model, logits, labels)
         elif labels is not None:
+            check_label_shape(model.config, labels)
             loss = model.loss_function(logits=logits, labels=labels, pooled_logits=logits, config=model.config)
         return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+def check_label_shape(model_config: Any, labels: torch.Tensor) -> None:
+    """One float per example on a model of several classes: transformers would take them for multi-label targets
+    (``problem_type`` multi_label_classification, one float per class) and fail on the shapes. Read from the
+    labels' dtype and shape only: no host sync."""
+    num_labels = model_config.num_labels
+    if num_labels > 1 and labels.is_floating_point() and labels.ndim == 1:
+        raise BatchError(
+            f"the labels are floats, one per example, but the model has num_labels={num_labels}: classification "
+            f"needs integer class labels (0 to {num_labels - 1}; cast the column, e.g. dataset = "
+            "dataset.cast_column('label', datasets.Value('int64'))), multi-label classification one float per "
+            "class, and regression (one score per example) a model loaded with num_labels=1"
+        )
 
 
 def deberta_v2_loss(model: Any, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

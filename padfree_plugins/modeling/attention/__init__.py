@@ -18,9 +18,6 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from padfree_plugins.contract.declarations import AttentionBackend
 from padfree_plugins.errors import BoundaryError
@@ -91,6 +88,8 @@ def padfree_mask(*args, attention_mask=None, **kwargs):
     ESM C chain mask; ``None`` where sdpa needs none), as before patching."""
     if PACKED_CALL.get():
         return None
+    from transformers.masking_utils import sdpa_mask
+
     return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
@@ -187,6 +186,8 @@ class PadfreeAttention:
                   causal, sinks, output_attentions):
         """Inputs without boundaries: behave as the sdpa implementation, plus windows, soft-capping, sinks, and the
         attention weights when ``output_attentions`` asks for them (as the eager implementation returns them)."""
+        from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
         plain = softcap is None and sinks is None and not output_attentions
         if plain and (attention_mask is not None or sliding_window is None):
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
@@ -211,6 +212,9 @@ def register(backend: AttentionBackend, fallback: AttentionBackend | None = None
     """
     if fallback is not None and fallback.name == backend.name:
         fallback = None
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
     name = implementation_name(backend, fallback, attention_dropout, default_causal)
     AttentionInterface.register(name, PadfreeAttention(backend, fallback, attention_dropout, default_causal))
     AttentionMaskInterface.register(name, padfree_mask)
