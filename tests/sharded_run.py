@@ -1,0 +1,252 @@
+"""Worker of tests/test_sharded.py: the plain loop of examples/accelerate_loop.py with the model sharded.
+
+    OMP_NUM_THREADS=1 [DS_ACCELERATOR=cpu] python -m torch.distributed.run --nproc_per_node 2 \
+        tests/sharded_run.py ENGINE OUT
+
+``ENGINE`` is ``fsdp2`` (``torch.distributed.fsdp.fully_shard`` per decoder layer and on the root), ``zero2`` or
+``zero3`` (``deepspeed.initialize``, fp32, the reference's AdamW as a client optimizer). The model, data, token
+budget and plan are those of ``reference_run`` in tests/test_distributed.py: rank ``r`` trains micro-batch
+``s*N + r`` of step ``s``, and every rank's loss is its token losses summed over the *global* token count, times
+``N`` (the engines average gradients over ranks; docs/scaling.md "The loss across ranks"). Rank 0 writes
+``{"losses", "tokens", "state", "sharding"}`` to ``OUT`` (torch.save): the step losses summed over ranks, the token
+count of every rank, the full weights gathered after training, and what proves the model was really sharded.
+Every check that fails exits non-zero with a message: a run that silently trained unsharded proves nothing.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+
+from padfree_plugins import assemble, load_config
+from padfree_plugins.batching.distributed import global_token_count, num_label_tokens
+from padfree_plugins.batching.sampler import token_budget_dataloader
+from tests.test_distributed import LOOP_ARGS, load_example
+
+ENGINES = ("fsdp2", "zero2", "zero3")
+
+
+def setup(engine: str, model: torch.nn.Module, optimizer_of, world: int):
+    """``(model, optimizer, backward, step)`` of ``engine`` around the assembled ``model``."""
+    if engine == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        optimizer = optimizer_of(model.parameters())  # over the DTensor shards, as FSDP2 wants
+
+        def step():
+            optimizer.step()
+            optimizer.zero_grad()
+
+        return model, optimizer, lambda loss: loss.backward(), step
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": 1,  # one packed row; bookkeeping only
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world,
+        # Persistence threshold 0: every parameter is partitioned (by default ones under 1e5 elements, all of this
+        # tiny model's, stay whole on every rank and ZeRO-3 would shard nothing).
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0} if engine == "zero3"
+        else {"stage": 2},
+        "zero_allow_untested_optimizer": True,  # torch AdamW, the reference's own optimizer
+        "gradient_clipping": 0.0,
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    engine_, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer_of(model.parameters()),
+                                                    config=config)
+    return engine_, optimizer, engine_.backward, engine_.step
+
+
+def sharding_evidence(engine: str, model: torch.nn.Module, optimizer) -> dict:
+    """What shows the model is sharded as ``engine`` shards it; exits with an error when it is not."""
+    if engine == "fsdp2":
+        from torch.distributed.tensor import DTensor
+
+        plain = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+        if plain:
+            sys.exit(f"fsdp2: parameters are not DTensor (not sharded): {plain[:5]}")
+        return {"dtensor_parameters": sum(1 for _ in model.parameters()),
+                "local_numel": sum(p.to_local().numel() for p in model.parameters()),
+                "numel": sum(p.numel() for p in model.parameters())}
+    stage = model.zero_optimization_stage()
+    if stage != (3 if engine == "zero3" else 2):
+        sys.exit(f"{engine}: DeepSpeed runs ZeRO stage {stage}")
+    if engine == "zero3":
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        params = list(model.module.parameters())
+        whole = [n for n, p in model.module.named_parameters()
+                 if not hasattr(p, "ds_id") or p.ds_status != ZeroParamStatus.NOT_AVAILABLE or p.numel() != 0]
+        if whole:
+            sys.exit(f"zero3: parameters not partitioned (no ds_id, or gathered outside a forward): {whole[:5]}")
+        return {"partitioned_parameters": len(params), "local_numel": sum(p.ds_tensor.numel() for p in params),
+                "numel": sum(p.ds_numel for p in params)}
+    local = sum(t.numel() for t in optimizer.single_partition_of_fp32_groups)
+    numel = sum(p.numel() for p in model.module.parameters())
+    if local >= numel:
+        sys.exit(f"zero2: the optimizer holds {local} of {numel} fp32 elements on one rank: not partitioned")
+    return {"local_numel": local, "numel": numel}
+
+
+def full_state(engine: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full weights on every rank (collective: every rank must call it)."""
+    if engine == "fsdp2":
+        return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
+    module = model.module
+    if engine == "zero3":
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return {name: p.detach().clone() for name, p in module.named_parameters()}
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def main(engine: str, out: str) -> None:
+    if engine not in ENGINES:
+        sys.exit(f"engine must be one of {ENGINES}, not {engine!r}")
+    accelerator = Accelerator(cpu=True)  # the gloo process group, and reduce() for the token count
+    if accelerator.num_processes < 2:
+        sys.exit("launch with torchrun --nproc_per_node 2 (or more): one process shards nothing")
+    result = train(engine, accelerator)
+    if accelerator.is_main_process:
+        partial = Path(f"{out}.partial")
+        torch.save(result, partial)
+        os.replace(partial, out)  # the result appears whole (run_group watches for it)
+    # The group is destroyed once train() has returned and the sharded model is gone: destroying it while FSDP's
+    # or DeepSpeed's state still holds it aborts gloo at exit (as DDP's reducer does, examples/accelerate_loop.py).
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def train(engine: str, accelerator: Accelerator) -> dict:
+    """Train under ``engine``; the losses, token counts, full weights and sharding evidence (every rank)."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    loop = load_example()
+    args = loop.parse_args(LOOP_ARGS)
+    config = load_config(args.config)
+    config.batching.max_tokens_per_batch = args.max_tokens
+    model = loop.tiny_llama()  # same seed as the reference
+    assembly = assemble(model, config)  # patch first, then shard
+    dataset = loop.synthetic_dataset(args.examples, args.median_length, model.config.vocab_size)
+    loader = token_budget_dataloader(dataset, assembly.collator, config, num_replicas=world, rank=rank)
+    model, optimizer, backward, step = setup(engine, model, lambda p: torch.optim.AdamW(p, lr=args.lr), world)
+
+    losses, tokens = [], []
+    model.train()
+    for epoch in range(args.epochs):
+        loader.batch_sampler.set_epoch(epoch)  # a plain DataLoader: the sampler reshuffles
+        for batch in loader:
+            total = global_token_count(accelerator, num_label_tokens(batch))
+            loss = assembly.forward(model, batch, num_items_in_batch=total).loss
+            backward(loss * world)
+            step()
+            losses.append(accelerator.reduce(loss.detach(), reduction="sum").item())
+            tokens.append(accelerator.gather(torch.tensor([batch.num_tokens])).tolist())
+    evidence = sharding_evidence(engine, model, optimizer)
+    return {"engine": engine, "processes": world, "losses": losses, "tokens": tokens,
+            "state": full_state(engine, model), "sharding": evidence}
+
+
+# -- HF Trainer under DeepSpeed ZeRO-3 -----------------------------------------------------------------------------
+
+#: padfree.yaml of the Trainer runs: the plan of the plain loop (budget 192, shuffle seed 0).
+TRAINER_CONFIG = {"batching": {"strategy": "tokens", "max_tokens_per_batch": 192, "seed": 0}}
+ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+         "gradient_clipping": "auto", "fp16": {"enabled": False}, "bf16": {"enabled": False}}
+
+
+def trainer_run(model_dir: str, output_dir: str, *, deepspeed: dict | None = None, gradient_accumulation_steps: int = 1,
+                ranks: int | None = None):
+    """An HF ``Trainer`` on the tiny Llama saved in ``model_dir``, made padding-free by ``accelerate(trainer, …)``;
+    returns ``(trainer, partitioned_at_assembly)``. The arguments come first, so that under ZeRO-3 the model loads
+    partitioned (``zero.Init``), as a user's would. ``ranks``: in one process, train on the global batches of that
+    many ranks (the reference: the plan of ``ranks`` replicas, ``ranks`` micro-batches accumulated per step)."""
+    import datasets
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+
+    from padfree_plugins import accelerate
+
+    args = TrainingArguments(output_dir=output_dir, num_train_epochs=1, learning_rate=1e-3, lr_scheduler_type="constant",
+                             gradient_accumulation_steps=gradient_accumulation_steps, logging_steps=1,
+                             save_strategy="no", report_to="none", seed=0, disable_tqdm=True, use_cpu=True,
+                             deepspeed=deepspeed)
+    if deepspeed is not None:
+        # zero.Init in from_pretrained sizes its batch check by DeepSpeed's own view of the group, which accelerate
+        # leaves unset on CPU (MULTI_CPU until the Trainer prepares): set up the group and hand it to DeepSpeed.
+        import deepspeed as ds
+
+        args.world_size  # noqa: B018 (the process group is set up when first needed)
+        ds.init_distributed(dist_backend="gloo")
+    model = LlamaForCausalLM.from_pretrained(model_dir)
+    partitioned = all(hasattr(p, "ds_id") for p in model.parameters())
+    loop = load_example()
+    loop_args = loop.parse_args(LOOP_ARGS)
+    rows = loop.synthetic_dataset(loop_args.examples, loop_args.median_length, model.config.vocab_size)
+    trainer = Trainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows))
+    accelerate(trainer, TRAINER_CONFIG)
+    if ranks is not None:  # the plan of `ranks` replicas in one process (accelerate's own would plan for 1)
+        loader = token_budget_dataloader(trainer.train_dataset, trainer.data_collator, TRAINER_CONFIG,
+                                         num_replicas=ranks)
+        trainer.get_train_dataloader = lambda: trainer.accelerator.prepare(loader)
+    return trainer, partitioned
+
+
+def trainer_losses(trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def trainer_main(model_dir: str, out: str) -> None:
+    """``Trainer`` with ``TrainingArguments(deepspeed=ZeRO-3)`` on 2 processes; rank 0 writes the result."""
+    import tempfile
+
+    import deepspeed
+    from accelerate.utils import DistributedType
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    trainer, partitioned = trainer_run(model_dir, tempfile.mkdtemp(), deepspeed=ZERO3)
+    trainer.train()
+    if trainer.accelerator.distributed_type != DistributedType.DEEPSPEED:
+        sys.exit(f"trainer: accelerate runs {trainer.accelerator.distributed_type}, not DeepSpeed")
+    if not isinstance(trainer.model_wrapped, deepspeed.DeepSpeedEngine):
+        sys.exit(f"trainer: model_wrapped is {type(trainer.model_wrapped).__name__}, not a DeepSpeedEngine")
+    params = list(trainer.model.parameters())
+    whole = [n for n, p in trainer.model.named_parameters()
+             if not hasattr(p, "ds_id") or p.ds_status != ZeroParamStatus.NOT_AVAILABLE or p.numel() != 0]
+    if whole:
+        sys.exit(f"trainer: parameters not partitioned by ZeRO-3: {whole[:5]}")
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        state = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    if trainer.accelerator.is_main_process:
+        partial = Path(f"{out}.partial")
+        torch.save({"engine": "trainer-zero3", "processes": trainer.accelerator.num_processes,
+                    "losses": trainer_losses(trainer), "state": state, "partitioned_at_assembly": partitioned,
+                    "sharding": {"local_numel": sum(p.ds_tensor.numel() for p in params),
+                                 "numel": sum(p.ds_numel for p in params)}}, partial)
+        os.replace(partial, out)
+    trainer.accelerator.wait_for_everyone()  # no rank leaves while the other still talks to it
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "trainer-zero3":
+        trainer_main(*sys.argv[2:4])
+        # The results are on disk and every rank is past its last collective: leave without the interpreter's
+        # teardown, where a thread of the process group can abort the process (as tests/ddp_per_example_run.py).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    main(*sys.argv[1:3])
