@@ -103,8 +103,10 @@ def kill_launch(process: subprocess.Popen, token: str) -> None:
     process.wait()
 
 
-def reference_run(ranks: int = 2) -> tuple[list[float], list[list[int]]]:
-    """Single process, same model, data and plan: each step's global batch packed into one row, mean loss."""
+def reference_training(ranks: int = 2, per_rank_mean: bool = False) -> dict:
+    """One process on the same global batches: losses, token counts per rank, final weights. ``per_rank_mean``:
+    what a broken normalisation trains instead (each rank's micro-batch divided by its own token count, the ranks'
+    gradients averaged), to show that the comparison tells the two apart."""
     loop = load_example()
     args = loop.parse_args(LOOP_ARGS)
     config = load_config(args.config)
@@ -117,19 +119,29 @@ def reference_run(ranks: int = 2) -> tuple[list[float], list[list[int]]]:
     model.train()
     losses, tokens = [], []
     for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
-        plan = sampler.plan()
+        plan = sampler.plan(epoch)
         for step in range(len(plan) // ranks):
             micro = plan[step * ranks : (step + 1) * ranks]
-            batch = assembly.collator([dataset[i] for b in micro for i in b])
-            loss = assembly.forward(model, batch).loss
+            if per_rank_mean:
+                loss = sum(assembly.forward(model, assembly.collator([dataset[i] for i in b])).loss
+                           for b in micro) / ranks
+            else:
+                batch = assembly.collator([dataset[i] for b in micro for i in b])
+                loss = assembly.forward(model, batch).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.item())
             tokens.append([int(sampler.lengths[b].sum()) for b in micro])
     assembly.undo()
-    return losses, tokens
+    return {"losses": losses, "tokens": tokens,
+            "state": {name: p.detach().clone() for name, p in model.named_parameters()}}
+
+
+def reference_run(ranks: int = 2) -> tuple[list[float], list[list[int]]]:
+    """Single process, same model, data and plan: each step's global batch packed into one row, mean loss."""
+    run = reference_training(ranks)
+    return run["losses"], run["tokens"]
 
 
 def test_ddp_two_processes_equals_single_process(tmp_path):

@@ -18,9 +18,7 @@ import time
 import pytest
 import torch
 
-from padfree_plugins import assemble, load_config
-from padfree_plugins.batching.sampler import token_budget_sampler
-from tests.test_distributed import LOOP_ARGS, ROOT, free_port, load_example, run_group
+from tests.test_distributed import ROOT, free_port, load_example, reference_training, run_group
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed: "
@@ -30,38 +28,8 @@ TOLERANCE = 1e-5
 
 @functools.lru_cache(maxsize=2)
 def reference(ranks: int = 2, per_rank_mean: bool = False) -> dict:
-    """One process on the same global batches: losses, token counts per rank, final weights. ``per_rank_mean``:
-    what a broken normalisation trains instead (each rank's micro-batch divided by its own token count, the ranks'
-    gradients averaged), to show that the comparison tells the two apart."""
-    loop = load_example()
-    args = loop.parse_args(LOOP_ARGS)
-    config = load_config(args.config)
-    config.batching.max_tokens_per_batch = args.max_tokens
-    model = loop.tiny_llama()
-    assembly = assemble(model, config)
-    dataset = loop.synthetic_dataset(args.examples, args.median_length, model.config.vocab_size)
-    sampler = token_budget_sampler(dataset, config, num_replicas=ranks)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    model.train()
-    losses, tokens = [], []
-    for epoch in range(args.epochs):
-        plan = sampler.plan(epoch)
-        for step in range(len(plan) // ranks):
-            micro = plan[step * ranks : (step + 1) * ranks]
-            if per_rank_mean:
-                loss = sum(assembly.forward(model, assembly.collator([dataset[i] for i in b])).loss
-                           for b in micro) / ranks
-            else:
-                batch = assembly.collator([dataset[i] for b in micro for i in b])
-                loss = assembly.forward(model, batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-            tokens.append([int(sampler.lengths[b].sum()) for b in micro])
-    assembly.undo()
-    return {"losses": losses, "tokens": tokens,
-            "state": {name: p.detach().clone() for name, p in model.named_parameters()}}
+    """:func:`tests.test_distributed.reference_training`, once per argument pair."""
+    return reference_training(ranks, per_rank_mean)
 
 
 def launch_sharded(tmp_path, engine: str, timeout: float = 240) -> dict:
