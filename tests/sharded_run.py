@@ -170,20 +170,21 @@ ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold":
 
 
 def trainer_run(model_dir: str, output_dir: str, *, deepspeed: dict | None = None, gradient_accumulation_steps: int = 1,
-                ranks: int | None = None):
+                ranks: int | None = None, **arguments):
     """An HF ``Trainer`` on the tiny Llama saved in ``model_dir``, made padding-free by ``accelerate(trainer, …)``;
     returns ``(trainer, partitioned_at_assembly)``. The arguments come first, so that under ZeRO-3 the model loads
     partitioned (``zero.Init``), as a user's would. ``ranks``: in one process, train on the global batches of that
-    many ranks (the reference: the plan of ``ranks`` replicas, ``ranks`` micro-batches accumulated per step)."""
+    many ranks (the reference: the plan of ``ranks`` replicas, ``ranks`` micro-batches accumulated per step).
+    ``arguments``: ``TrainingArguments`` overriding these defaults."""
     import datasets
     from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
     from padfree_plugins import accelerate
 
-    args = TrainingArguments(output_dir=output_dir, num_train_epochs=1, learning_rate=1e-3, lr_scheduler_type="constant",
-                             gradient_accumulation_steps=gradient_accumulation_steps, logging_steps=1,
-                             save_strategy="no", report_to="none", seed=0, disable_tqdm=True, use_cpu=True,
-                             deepspeed=deepspeed)
+    defaults = dict(num_train_epochs=1, learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1,
+                    save_strategy="no", report_to="none", seed=0, disable_tqdm=True, use_cpu=True)
+    args = TrainingArguments(output_dir=output_dir, gradient_accumulation_steps=gradient_accumulation_steps,
+                             deepspeed=deepspeed, **{**defaults, **arguments})
     if deepspeed is not None:
         # zero.Init in from_pretrained sizes its batch check by DeepSpeed's own view of the group, which accelerate
         # leaves unset on CPU (MULTI_CPU until the Trainer prepares): set up the group and hand it to DeepSpeed.

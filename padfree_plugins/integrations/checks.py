@@ -2,7 +2,8 @@
 warns) while the trainer is unchanged, with what to do instead (a model ``accelerate`` already assembled is
 restored).
 
-* parallelism that splits a packed row: ``torch.nn.DataParallel``, context / sequence parallelism;
+* parallelism that splits a packed row: ``torch.nn.DataParallel``, accelerate's context / sequence parallelism;
+  under padfree's own sequence parallelism (``sequence_parallel.size > 1``) what it does not train yet;
 * a ``model_init`` (its new models would not be padding-free);
 * a data collator that may build features or labels (only those in :data:`REPLACEABLE_COLLATORS` are replaced);
   transformers' ``DataCollatorForLanguageModeling`` with a ``labels`` column in the train or an eval set;
@@ -23,8 +24,11 @@ from padfree_plugins.errors import BatchError, ConfigError, PadfreeError
 from padfree_plugins.packing.datacheck import check_dataset
 
 
-def check_parallelism(trainer: Any) -> None:
-    """Refuse parallelism that splits a batch's rows or a row's tokens: a packed batch is one row."""
+def check_parallelism(trainer: Any, config: Any = None, not_sequence_parallel: str | None = None) -> None:
+    """Refuse parallelism that splits a batch's rows or a row's tokens without its boundaries (a packed batch is one
+    row), and, under padfree's own sequence parallelism (``config.sequence_parallel.size > 1``), what it does not
+    train (:func:`check_sequence_parallel`; ``not_sequence_parallel``: why the trainer's plugin does not train
+    sequence-parallel, ``None`` when it does)."""
     if getattr(trainer.args, "n_gpu", 1) > 1:
         raise PadfreeError(
             "the trainer would use torch.nn.DataParallel (several GPUs in one process), which splits a batch by "
@@ -32,12 +36,89 @@ def check_parallelism(trainer: Any) -> None:
             "GPU), or make one GPU visible with CUDA_VISIBLE_DEVICES."
         )
     parallelism = getattr(trainer.accelerator, "parallelism_config", None)
-    if parallelism is not None and (parallelism.cp_enabled or parallelism.sp_enabled):
+    if parallelism is not None and parallelism.sp_enabled:
         raise PadfreeError(
-            "context / sequence parallelism (parallelism_config cp_size or sp_size > 1) splits every row along "
-            "the sequence across ranks, cutting a packed row's examples from their boundaries; train with "
-            "cp_size=sp_size=1 (a padding-free batch needs far less memory) or without padfree-plugins"
+            "accelerate's sequence parallelism (parallelism_config sp_size > 1): its sp_backend=deepspeed (ALST) "
+            "shards [batch, length] tensors and cannot carry a packed row's boundaries (cu_seq_lens). Set sp_size=1 "
+            "and use padfree.yaml sequence_parallel: {size: N} instead (Ulysses over packed rows; works with DDP, "
+            "FSDP2 and ZeRO)"
         )
+    if parallelism is not None and parallelism.cp_enabled:
+        raise PadfreeError(
+            "context parallelism (parallelism_config cp_size > 1): torch context parallel is broken with packed "
+            "sequences upstream (it shards rows without their boundaries; TRL refuses it too). Set cp_size=1; for "
+            "rows too long for one device use padfree.yaml sequence_parallel: {size: N} (Ulysses over packed rows)"
+        )
+    check_model_parallelism(parallelism)
+    check_fsdp_enabled(trainer)
+    check_sequence_parallel(trainer, config, not_sequence_parallel)
+
+
+def check_fsdp_enabled(trainer: Any) -> None:
+    """Refuse ``TrainingArguments(fsdp=…)`` that accelerate did not turn on: accelerate 1.15 never enables FSDP for
+    CPU processes (``DistributedType.MULTI_CPU``), and the run would silently train DDP, the whole model on every
+    rank."""
+    if getattr(trainer.args, "fsdp", None) and getattr(trainer, "is_fsdp_enabled", True) is False:
+        state = getattr(getattr(trainer.accelerator, "state", None), "distributed_type", None)
+        raise PadfreeError(
+            f"TrainingArguments fsdp={trainer.args.fsdp!r} is set, but accelerate did not turn FSDP on ({state}; "
+            "accelerate 1.15 never does for CPU processes): the run would silently train DDP with the whole model "
+            "on every rank. On CPU drop the fsdp options, or shard with torch's fully_shard in a plain loop "
+            "(docs/scaling.md, tests/sharded_run.py)")
+
+
+def check_model_parallelism(parallelism: Any) -> None:
+    """Refuse accelerate's tensor parallelism (``tp_size > 1``) and hybrid sharding (HSDP: ``dp_replicate_size``
+    and ``dp_shard_size`` both > 1): neither is verified with packed rows here, and neither runs on CPU (accelerate
+    1.15 takes no FSDP there), so they are refused rather than left to train unchecked."""
+    if parallelism is None:
+        return
+    if getattr(parallelism, "tp_enabled", False):
+        raise PadfreeError(
+            f"tensor parallelism (parallelism_config tp_size={parallelism.tp_size}) is not verified with packed rows "
+            "in padfree-plugins (the heads and hidden units each rank holds, the per-example heads and losses over "
+            "them): set tp_size=1 and shard the model with FSDP2 (dp_shard_size) or DeepSpeed ZeRO-3, which are "
+            "tested to train exactly as one process"
+        )
+    if getattr(parallelism, "dp_replicate_enabled", False) and getattr(parallelism, "dp_shard_enabled", False):
+        raise PadfreeError(
+            f"hybrid sharding (HSDP: parallelism_config dp_replicate_size={parallelism.dp_replicate_size} x "
+            f"dp_shard_size={parallelism.dp_shard_size}) is not verified with packed rows in padfree-plugins: shard "
+            "over every process (dp_replicate_size=1, FSDP2) or replicate only (DDP), both tested to train exactly "
+            "as one process"
+        )
+
+
+def sequence_parallel_size(config: Any) -> int:
+    """``sequence_parallel.size`` of a padfree config (1 without one)."""
+    return int(getattr(getattr(config, "sequence_parallel", None), "size", 1) or 1)
+
+
+def check_sequence_parallel(trainer: Any, config: Any, not_sequence_parallel: str | None = None) -> None:
+    """Under ``sequence_parallel.size > 1`` (each rank computes a slice of its group's row, joined from every rank's
+    micro-batch), refuse a trainer whose plugin does not train that way (``not_sequence_parallel`` says why), a
+    per-rank token count, evaluation that returns per-token logits, and NEFTune."""
+    size = sequence_parallel_size(config)
+    if size <= 1:
+        return
+    where, name = f"sequence_parallel.size: {size}", type(trainer).__name__
+    if not_sequence_parallel is not None:
+        raise ConfigError(f"{name} is not yet supported under sequence parallelism ({where}): "
+                          f"{not_sequence_parallel}. Train it with sequence_parallel.size: 1 (HF Trainer and TRL "
+                          "SFTTrainer train sequence-parallel)")
+    if not getattr(trainer.args, "average_tokens_across_devices", True):
+        raise ConfigError(f"{where} with average_tokens_across_devices=False: each rank's loss would be divided by "
+                          "its own micro-batch's label count, but its slice of the group's row holds labels of every "
+                          "rank's micro-batch. Set average_tokens_across_devices=True (the default)")
+    if getattr(trainer, "compute_metrics", None) is not None:
+        raise ConfigError(f"{where} with compute_metrics: evaluation would hand it per-token logits of this rank's "
+                          "slice of the group's row, not of its own examples. Evaluate the loss alone (no "
+                          "compute_metrics: trainer.evaluate() reports eval_loss, exact under sequence "
+                          "parallelism), or compute the metrics with sequence_parallel.size: 1")
+    if getattr(trainer, "neftune_noise_alpha", None) is not None:
+        raise ConfigError(f"{where} with neftune_noise_alpha: NEFTune scales its noise per example of the batch it "
+                          "is given, and each rank embeds a slice of the group's row. Train without NEFTune, or "
+                          "with sequence_parallel.size: 1")
 
 
 def check_model_given(trainer: Any) -> None:

@@ -240,6 +240,13 @@ def sequence_logits(model: Any, batch: Mapping) -> torch.Tensor:
 # -- generative scoring (yes / no token logits of a causal LM) --------------------------------------------------
 
 
+def _sharded(parameter: torch.Tensor) -> bool:
+    """Whether ``parameter`` is a shard outside its module's forward: an FSDP2 ``DTensor`` or a ZeRO-3 parameter."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(parameter, DTensor) or hasattr(parameter, "ds_id")
+
+
 def token_logits(model: Any, batch: Mapping, token_ids: Sequence[int]) -> torch.Tensor:
     """The logits of ``token_ids`` (python ints) at every example's last token: ``[n, k]``.
 
@@ -247,13 +254,21 @@ def token_logits(model: Any, batch: Mapping, token_ids: Sequence[int]) -> torch.
     tensor copied from the host in every step, which would wait for the device); the output scaling a model applies
     to its logits (Cohere ``logit_scale``, Granite ``logits_scaling``, Gemma ``final_logit_softcapping``) is applied
     the same way.
+
+    A sharded head (its weight an FSDP2 ``DTensor`` shard, or a DeepSpeed ZeRO-3 partition) is whole only inside its
+    own forward: then the head module runs on the ``n`` pooled rows (its hooks gather the weight, and reduce its
+    gradient) and the ``k`` columns are kept — ``n × vocabulary`` logits, still no per-token ones.
     """
     inner = unwrap_model(model)
     head = check_lm_head(inner, "reranker (scorer yes_no)")
     last = _last(run_base(inner, batch), batch)
-    bias = getattr(head, "bias", None)
-    bias = None if bias is None else torch.stack([bias[i] for i in token_ids])
-    logits = F.linear(last, torch.stack([head.weight[i] for i in token_ids]), bias)
+    if _sharded(head.weight):
+        every = head(last)
+        logits = torch.stack([every[:, i] for i in token_ids], dim=1)
+    else:
+        bias = getattr(head, "bias", None)
+        bias = None if bias is None else torch.stack([bias[i] for i in token_ids])
+        logits = F.linear(last, torch.stack([head.weight[i] for i in token_ids]), bias)
     text_config = inner.config.get_text_config()
     if getattr(text_config, "logit_scale", None) is not None:
         logits = logits * text_config.logit_scale

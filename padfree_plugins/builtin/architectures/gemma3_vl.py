@@ -16,6 +16,9 @@ tokens — transformers' ``(causal | blockwise) & sliding window``.
 The images are found from the ``token_type_ids`` the model is given, as transformers finds them; without them, from
 the image placeholders (``image_token_id``) — the ``token_type_ids`` the processor would have made (transformers
 would run such images causally, which Gemma 3 is not trained for).
+
+A text-only packed micro-batch of a run of several processes runs the tower on one zero image
+(:func:`gemma3_idle_image`; see :class:`~padfree_plugins.modeling.vision.IdleTower`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,12 @@ from padfree_plugins.packing.multimodal import Media, MultimodalPacking
 #: What Gemma3Processor makes: every pixel row (an image, or a pan-and-scan crop of one) is ``mm_tokens_per_image``
 #: placeholders in one run (between ``<start_of_image>`` and ``<end_of_image>``).
 GEMMA3_MEDIA = (Media("image", "pixel_values", None, "image_token_id", 1, tokens_per_row="mm_tokens_per_image"),)
+
+
+def gemma3_idle_image(model_config: Any) -> dict[str, torch.Tensor]:
+    """The idle image of Gemma 3's tower: one image of zero pixels at the tower's ``image_size``."""
+    vision = model_config.vision_config
+    return {"pixel_values": torch.zeros(1, vision.num_channels, vision.image_size, vision.image_size)}
 
 
 def gemma3_vl_features(model_config: Any) -> frozenset[str]:
@@ -109,5 +118,5 @@ GEMMA3_VL = Family(
                  default_pooling="last", token_keys=("token_type_ids",), wrap_collator=MultimodalPacking(GEMMA3_MEDIA),
                  description="Gemma 3 image-text models (each image's tokens bidirectional among themselves, per "
                  "example; sliding-window and global layers)"),
-    traits=(VisionTowers(("vision_tower",)), BidirectionalImages()))
+    traits=(VisionTowers(("vision_tower",), idle_image=gemma3_idle_image), BidirectionalImages()))
 register_architectures, patch_model = GEMMA3_VL.hooks()

@@ -16,6 +16,9 @@ of tiles with zeros). A packed row has no padding tiles: the processor's padding
 of an example taken from a batched call are dropped here as the model would drop them; a real tile whose pixels are
 all zero (a black image with ``do_normalize=False``) is refused, since the model would drop it too and its tokens
 would get no features. A black image normalised as usual (to -1) is no padding.
+
+A text-only packed micro-batch of a run of several processes runs the tower on one idle tile (:func:`tiled_idle_image`:
+ones, which the model does not drop; see :class:`~padfree_plugins.modeling.vision.IdleTower`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,15 @@ def image_seq_len(model_config: Any) -> int:
     ``(image_size // patch_size)²`` patches, pixel-shuffled by ``scale_factor`` on each side."""
     vision = model_config.vision_config
     return int(((vision.image_size // vision.patch_size) ** 2) / (model_config.scale_factor ** 2))
+
+
+def tiled_idle_image(model_config: Any) -> dict[str, torch.Tensor]:
+    """The idle image of a tiled tower: one tile of the tower's ``image_size``, every pixel one (an all-zero tile
+    would be dropped as padding) and every pixel in its mask, as ``[1, 1, 3, S, S]``."""
+    vision = model_config.vision_config
+    size = vision.image_size
+    return {"pixel_values": torch.ones(1, 1, vision.num_channels, size, size),
+            "pixel_attention_mask": torch.ones(1, 1, size, size, dtype=torch.bool)}
 
 
 def as_tensor(value: Any, key: str, index: int) -> torch.Tensor:
@@ -125,7 +137,7 @@ def family(name: str, description: str) -> VisionLanguage:
     each tile's own features, needs nothing), the language model at ``model.text_model`` (``text_config``)."""
     return VisionLanguage(Architecture(name, model_types=(name,), kind="decoder", default_pooling="last",
                                        description=description, wrap_collator=TiledPacking()),
-                          towers=("vision_model",))
+                          towers=("vision_model",), idle_image=tiled_idle_image)
 
 
 IDEFICS3 = family("idefics3", "Idefics3 image-text models (sub-image tiles, per-tile SigLIP vision tower)")

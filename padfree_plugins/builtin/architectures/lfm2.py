@@ -12,7 +12,7 @@ without the boundaries, or with a cache, is an error, never a silent mix.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from padfree_plugins.contract.declarations import Architecture
 from padfree_plugins.contract.hookspecs import hookimpl
@@ -43,6 +43,8 @@ class PackedShortConv:
 
     module: Any
     original: Any
+    #: Runs along the sequence: under sequence parallelism it gets the whole row (modeling.sequence_parallel).
+    packed_sequence_mixer: ClassVar[bool] = True
 
     def __call__(self, hidden_states, past_key_values=None, attention_mask=None, **kwargs):
         cu_seq_lens = kwargs.get("cu_seq_lens_q")
@@ -58,13 +60,29 @@ class PackedShortConv:
         module = self.module
         gates = module.in_proj(hidden_states).transpose(-1, -2)
         b, c, x = gates.chunk(3, dim=-2)
-        mixed = boundary_causal_conv1d(b * x, module.conv.weight.squeeze(1), module.conv.bias, cu_seq_lens)
+        mixed = module.conv(b * x, cu_seq_lens=cu_seq_lens)  # its forward: a sharded weight is whole there
         return module.out_proj((c * mixed.to(c.dtype)).transpose(-1, -2).contiguous())
 
 
 @dataclass
+class BoundaryConv:
+    """A short conv's ``conv`` forward: given ``cu_seq_lens``, the convolution restarted at every example; else the
+    module's own. The weight is read inside the conv's own forward, where FSDP2 and DeepSpeed ZeRO-3 have gathered
+    it (outside, a sharded weight is a shard or a placeholder) and from where they reduce its gradient."""
+
+    module: Any
+    original: Any
+
+    def __call__(self, x, cu_seq_lens=None):
+        if cu_seq_lens is None:
+            return self.original(x)
+        return boundary_causal_conv1d(x, self.module.weight.squeeze(1), self.module.bias, cu_seq_lens)
+
+
+@dataclass
 class ShortConvPatch:
-    """The short convs' forwards replaced on their instances; in ``patch.handles``: ``remove()`` restores them."""
+    """The short convs' forwards, and their ``conv`` modules', replaced on their instances; in ``patch.handles``:
+    ``remove()`` restores them."""
 
     saved: list = field(default_factory=list)
 
@@ -73,7 +91,9 @@ class ShortConvPatch:
         patch = cls()
         for module in short_convs(model):
             patch.saved.append((module, own_attribute(module, "forward")))
+            patch.saved.append((module.conv, own_attribute(module.conv, "forward")))
             module.forward = PackedShortConv(module, module.forward)
+            module.conv.forward = BoundaryConv(module.conv, module.conv.forward)
         return patch
 
     def remove(self) -> None:

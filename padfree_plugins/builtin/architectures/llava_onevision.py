@@ -17,6 +17,9 @@ Each example is checked before anything is packed: its images' placeholders — 
 ``LlavaOnevisionProcessor``'s own formula on the image size, or the base patch and a newline for a multi-image
 example — are one run per image (runs of adjacent images may merge), in the order of its pixels; the model checks
 only the packed total. Videos (``pixel_values_videos``) are not packed: the collator refuses them.
+
+A text-only packed micro-batch of a run of several processes runs the tower on one idle image
+(:func:`any_resolution_idle_image`; see :class:`~padfree_plugins.modeling.vision.IdleTower`).
 """
 
 from __future__ import annotations
@@ -92,6 +95,17 @@ class AnyResolution:
         tokens = LlavaOnevisionProcessor._get_number_of_features(owner, height, width, self.image_size,
                                                                  self.image_size)
         return tokens + self.base_tokens - self.side * self.side
+
+
+def any_resolution_idle_image(model_config: Any) -> dict[str, torch.Tensor]:
+    """The idle image of LLaVA-OneVision's tower: one image of zero pixels, a patch square (the tower's
+    ``image_size``), patched as the model patches it — its base patch and grid patches, so the projector and the
+    ``image_newline`` take part as for any image."""
+    size = int(model_config.vision_config.image_size)
+    patches = AnyResolution.of(model_config).patches(size, size, True)
+    channels = model_config.vision_config.num_channels
+    return {"pixel_values": torch.zeros(patches, channels, size, size), "image_sizes": torch.tensor([[size, size]]),
+            "batch_num_images": torch.tensor([1])}
 
 
 @dataclass
@@ -182,5 +196,5 @@ LLAVA_ONEVISION = VisionLanguage(
     Architecture("llava_onevision", model_types=("llava_onevision",), kind="decoder", features=window_features,
                  default_pooling="last", wrap_collator=AnyResolutionPacking(),
                  description="LLaVA-OneVision image-text models (any-resolution patches, per-patch vision tower)"),
-    towers=("vision_tower",))
+    towers=("vision_tower",), idle_image=any_resolution_idle_image)
 register_architectures, patch_model = LLAVA_ONEVISION.hooks()
