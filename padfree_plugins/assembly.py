@@ -30,6 +30,7 @@ from padfree_plugins.modeling.mixers import note_unused_mixer_backend
 from padfree_plugins.modeling.patching import ModelPatch, unwrap_model
 from padfree_plugins.modeling.pooling import unknown_mode_hint
 from padfree_plugins.modeling.probe import PROBE, PROBE_PLUGIN, probed_architecture, verify
+from padfree_plugins.modeling.sequence_parallel import SequenceParallelForward, SequenceParallelPatch, sequence_group
 from padfree_plugins.modeling.unpad import UnpadPatch
 from padfree_plugins.packing.collator import refusing_undeclared, within_embeddings
 
@@ -348,6 +349,32 @@ def refuse_data_parallel(model: Any) -> None:
                         if isinstance(inner, torch.nn.Module)), None)
 
 
+def refuse_sequence_parallel(model: Any, config: PadfreeConfig, resolved: Plan, collator: Any) -> None:
+    """What sequence parallelism (``sequence_parallel.size > 1``) does not train, refused before anything is
+    patched: tasks other than causal LM, encoders, vision-language inputs, heads the group cannot split."""
+    size = config.sequence_parallel.size
+    where = f"sequence_parallel.size: {size}"
+    if resolved.task.name != "causal_lm":
+        raise ConfigError(f"{where} trains causal language models (task: causal_lm); task {resolved.task.name!r} "
+                          "pools or scores whole examples, which a row split across ranks does not hold: set "
+                          "sequence_parallel.size: 1")
+    if resolved.architecture.kind != "decoder":
+        raise ConfigError(f"{where}: {resolved.architecture.name} is an encoder; sequence parallelism is for "
+                          "decoders (causal LM)")
+    if getattr(collator, "media_keys", None):
+        raise ConfigError(f"{where}: {resolved.architecture.name} is a vision-language family; sequence "
+                          "parallelism over rows with images is not supported yet (train it with size 1)")
+    text_config = model.config.get_text_config()
+    heads = getattr(text_config, "num_attention_heads", None)
+    if isinstance(heads, int) and heads % size:
+        divisors = [n for n in range(2, heads + 1) if heads % n == 0]
+        raise ConfigError(f"{where}: {type(model).__name__} has {heads} attention heads, which {size} ranks cannot "
+                          f"split (Ulysses gives each rank heads/size of them); use one of {divisors}")
+    if config.unpad == "always":
+        raise ConfigError(f"{where} with unpad: always: padded calls are not split across ranks; use unpad: auto "
+                          "(padded calls then run the model's own code on each rank) or off")
+
+
 def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
              host: PluginHost | None = None) -> Assembly:
     """Make ``model`` padding-free for ``config`` and return everything needed to feed it."""
@@ -365,13 +392,18 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
     check_model = getattr(parts.forward, "check_model", None)
     if check_model is not None:  # the head the task reads (an LM head, a classifier …) exists
         check_model(inner)
+    sequence = None
+    if config.sequence_parallel.size > 1:
+        refuse_sequence_parallel(inner, config, resolved, parts.collator)
+        sequence = sequence_group(config.sequence_parallel.size)
     patch = host.call_first("patch_model", model=inner, architecture=resolved.architecture,
                             backend=resolved.backend, fallback=resolved.fallback, config=config)
     if patch is None:
         raise PluginError(f"no plugin could patch {type(inner).__name__}.{host.filter_note('core')}")
     resolved.answers["patch_model"] = host.answered.get("patch_model")
     note_unused_mixer_backend(config.mixers, resolved.architecture.name, patch)
-    if config.unpad != "off" and resolved.architecture.kind == "decoder":  # padded calls, packed inside the body
+    if sequence is None and config.unpad != "off" and resolved.architecture.kind == "decoder":
+        # padded calls, packed inside the body (not under sequence parallelism: they run the model's own code)
         patch.handles.append(UnpadPatch.install(inner, config.unpad))
     if getattr(parts.forward, "runs_inside_model_forward", False):  # per-example heads, run as the model's forward
         patch.route_compute()
@@ -381,4 +413,8 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
         except BaseException:
             patch.undo()
             raise
+    if sequence is not None:  # each rank computes its slice of the group's row
+        patch.handles.append(SequenceParallelPatch.install(patch, sequence))
+        pad = getattr(inner.config.get_text_config(), "pad_token_id", None)
+        parts = dataclasses.replace(parts, forward=SequenceParallelForward(parts.forward, sequence, pad or 0))
     return Assembly(inner, config, resolved, patch, parts.collator, parts.pooler, parts.reverter, parts.forward)

@@ -66,6 +66,16 @@ class BatchingConfig:
 
 
 @dataclass
+class SequenceParallelConfig:
+    """Sequence parallelism (Ulysses): the ranks of a group train one packed row, each computing a slice of it."""
+
+    size: int = _help(
+        "ranks that share one packed row (1: off). Each group of size consecutive ranks joins its micro-batches into "
+        "one row; every rank computes 1/size of its tokens, attention and sequence mixers see the whole row through "
+        "all-to-all. Must divide the number of processes and the attention heads", default=1, minimum=1)
+
+
+@dataclass
 class PadfreeConfig:
     """Everything ``padfree.yaml`` can say. Defaults give padding-free causal-LM training with the fastest
     attention backend available on the machine."""
@@ -99,6 +109,9 @@ class PadfreeConfig:
     plugins: PluginsConfig = _help("plugins this config requires or blocks", default_factory=PluginsConfig)
     batching: BatchingConfig = _help("how training batches are formed (token budget, balance across ranks)",
                                      default_factory=BatchingConfig)
+    sequence_parallel: SequenceParallelConfig = _help(
+        "sequence parallelism over packed rows (long examples split across ranks)",
+        default_factory=SequenceParallelConfig)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, *, source: str = "config") -> "PadfreeConfig":

@@ -149,6 +149,15 @@ def detach(value: Any) -> Any:
     return value
 
 
+def same_labels(labels: Any, step_labels: Any) -> bool:
+    """Whether ``labels`` are the training step's ``step_labels``: that tensor, or an equal copy of it (compared only
+    when not the tensor itself, so no device sync where ``_prepare_inputs`` kept the step's tensor)."""
+    if labels is step_labels:
+        return labels is not None
+    return (isinstance(labels, torch.Tensor) and isinstance(step_labels, torch.Tensor)
+            and labels.shape == step_labels.shape and torch.equal(labels, step_labels.to(labels.device)))
+
+
 @dataclass
 class TrainerPatch:
     """What :meth:`wrap` changed on a trainer, and how to change it back (:meth:`undo`).
@@ -161,6 +170,9 @@ class TrainerPatch:
     kind: ClassVar[str] = "trainer"
     #: Dataset columns the collator reads besides the task's keys (TRL's ``seq_lengths``, which it splits rows by).
     extra_columns: ClassVar[tuple[str, ...]] = ("seq_lengths",)
+    #: Whether the patch trains under ``sequence_parallel.size > 1`` (its loss through ``assembly.forward``, which
+    #: slices the group's row, normalised by the label count of every rank); refused otherwise.
+    sequence_parallel: ClassVar[bool] = False
 
     trainer: Any
     assembly: Assembly
@@ -210,7 +222,8 @@ class TrainerPatch:
         """``cls(trainer, assembly)`` installed, or ``None`` when :meth:`claims` says no (``wrap_trainer``'s answer)."""
         if not cls.claims(trainer):
             return None
-        check_parallelism(trainer)
+        check_parallelism(trainer, assembly.config, None if cls.sequence_parallel else
+                          f"its trainer plugin ({cls.__name__}) does not train sequence-parallel")
         if trainer.model is None or unwrap_model(trainer.model) is not assembly.model:
             raise PadfreeError("the assembly was built for another model than trainer.model")
         if not cls.runs_trainer_collator(trainer):
@@ -296,10 +309,11 @@ class TrainerPatch:
     def labelled_logits_of(self, inputs: Mapping) -> tuple[Mapping, dict[str, Any] | None]:
         """``inputs`` without the held labelled logits, and those held for it: its own (a batch straight from the
         collator) or, inside :meth:`training_step`, the step's batch's when ``inputs`` carries that batch's labels
-        tensor itself (``_prepare_inputs`` keeps tensors already on the device; a batch with other labels gets none,
-        and so every position's logits)."""
+        (the tensor itself: ``_prepare_inputs`` keeps tensors already on the device; or an equal copy: on CPU under
+        several processes it copies them to ``cpu:0``; the held positions depend on the labels alone). A batch with
+        other labels gets none, and so every position's logits."""
         inputs, held = take_labelled_logits(inputs)
-        if held is None and self.in_step is not None and inputs.get("labels") is self.in_step[0]:
+        if held is None and self.in_step is not None and same_labels(inputs.get("labels"), self.in_step[0]):
             held = self.in_step[1]
         return inputs, held
 

@@ -90,7 +90,9 @@ class AnyTrainerPatch:
         if not cls.claims(trainer, tuple(assembly.config.plugins.block)):
             return None
         name = type(trainer).__name__
-        check_parallelism(trainer)
+        check_parallelism(trainer, assembly.config,
+                          f"its own {' and '.join(own_methods(trainer)) or 'methods'} run on padded batches (plugin "
+                          "any_trainer), which padfree-plugins does not split across ranks")
         if trainer.model is None or unwrap_model(trainer.model) is not assembly.model:
             raise PadfreeError("the assembly was built for another model than trainer.model")
         config = assembly.config

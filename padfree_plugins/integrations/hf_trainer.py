@@ -14,6 +14,12 @@
 * **prediction_step** (``evaluate`` / ``predict``): per-token outputs come back packed ``[1, T, ...]`` and are
   re-padded to ``[n, L_max, ...]`` (labels with -100) so that ``compute_metrics`` sees the shapes it always saw; a
   task forward with ``for_metrics`` chooses what it gets itself (one entry per dataset row).
+* **sequence parallelism** (``sequence_parallel.size: N``): each rank's own micro-batch goes to
+  ``assembly.forward``, which computes this rank's slice of the group's row; ``num_items_in_batch`` counted over
+  every rank (``average_tokens_across_devices``) and the loss times the number of processes make the training, and
+  the logged loss (the mean over ranks), those of one process on the global batch. Evaluation computes the loss
+  alone (exact); per-token outputs (``predict``, ``compute_metrics``) are refused, as is a loss the trainer computes
+  from the logits (label smoothing, ``compute_loss_func``).
 
 :class:`HFTrainerPatch` is also the base of TRL's ``SFTTrainer`` plugin (:mod:`.trl_sft`), which changes only
 what its methods below say they are for.
@@ -36,7 +42,7 @@ from padfree_plugins.integrations.base import (
     keeps_methods,
     library_class,
 )
-from padfree_plugins.integrations.checks import check_token_budget, language_modeling_pad_id
+from padfree_plugins.integrations.checks import check_token_budget, language_modeling_pad_id, sequence_parallel_size
 from padfree_plugins.modeling.patching import unwrap_model
 from padfree_plugins.packing.labelled_logits import (
     drop_labelled_logits,
@@ -57,6 +63,7 @@ class HFTrainerPatch(TrainerPatch):
     """``transformers.Trainer`` trained padding-free."""
 
     kind = "hf"
+    sequence_parallel = True
 
     @classmethod
     def claims(cls, trainer: Any) -> bool:
@@ -69,6 +76,21 @@ class HFTrainerPatch(TrainerPatch):
 
     def check(self) -> None:
         check_token_budget(self.trainer, self.assembly.config)
+        self.check_sequence_parallel()
+
+    def splits_rows(self) -> bool:
+        """Whether each rank computes a slice of its group's row (``sequence_parallel.size > 1``)."""
+        return sequence_parallel_size(self.assembly.config) > 1
+
+    def check_sequence_parallel(self) -> None:
+        """Under sequence parallelism: refuse a loss the trainer computes from the logits, which are this rank's
+        slice of the group's row while its labels are its own micro-batch's."""
+        if self.splits_rows() and uses_own_loss(self.trainer):
+            raise PadfreeError(
+                f"sequence_parallel.size: {sequence_parallel_size(self.assembly.config)} with label smoothing or a "
+                "compute_loss_func: the trainer computes that loss from the logits, which under sequence parallelism "
+                "are this rank's slice of its group's row, not its own micro-batch. Use the model's loss (no "
+                "label_smoothing_factor, no compute_loss_func) or sequence_parallel.size: 1")
 
     def install(self, collator: Any) -> None:
         super().install(collator)
@@ -188,6 +210,12 @@ class HFTrainerPatch(TrainerPatch):
         batch carries reach ``compute_metrics``.
         """
         trainer = self.trainer
+        if not prediction_loss_only and self.splits_rows():
+            raise PadfreeError(
+                f"sequence_parallel.size: {sequence_parallel_size(self.assembly.config)}: prediction / evaluation "
+                "with logits (trainer.predict, prediction_loss_only=False) would return this rank's slice of its "
+                "group's row, not its own examples' outputs. Evaluate the loss alone (trainer.evaluate() without "
+                "compute_metrics), or predict with sequence_parallel.size: 1")
         batch_as_given = inputs
         inputs = trainer._prepare_inputs(inputs)
         has_labels = bool(trainer.label_names) and all(inputs.get(k) is not None for k in trainer.label_names)

@@ -276,7 +276,9 @@ class FusedTrainerPatch:
     def wrap(cls, trainer: Any, assembly: Assembly) -> FusedTrainerPatch | None:
         if not cls.claims(trainer):
             return None
-        check_parallelism(trainer)
+        check_parallelism(trainer, assembly.config,
+                          "its log-probabilities run through TRL's fused LM head on padded rows, which padfree-plugins "
+                          "packs per call but does not split across ranks yet")
         if trainer.model is None or unwrap_model(trainer.model) is not assembly.model:
             raise PadfreeError("the assembly was built for another model than trainer.model")
         patch = cls(trainer, assembly)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from padfree_plugins.contract.hookspecs import hookimpl
 from padfree_plugins.errors import BatchError, ConfigError
 from padfree_plugins.integrations.base import TrainerPatch, keeps_methods, library_class
+from padfree_plugins.integrations.checks import check_sequence_parallel
 from padfree_plugins.packing.collator import as_examples
 
 #: The token-id columns of a tokenized preference dataset, in the order TRL's collator stacks them.
@@ -125,7 +126,12 @@ class RewardTrainerPatch(TrainerPatch):
 @hookimpl(trylast=True)
 def trainer_config(trainer, config):
     """A RewardTrainer trains a sequence classifier: the task is ``seq_cls``."""
-    if not RewardTrainerPatch.claims(trainer) or config.task == "seq_cls":
+    if not RewardTrainerPatch.claims(trainer):
+        return None
+    # refused before the model is assembled (as seq_cls, which sequence parallelism refuses for any trainer)
+    check_sequence_parallel(trainer, config, "it scores whole texts (a sequence-classification head on each text's "
+                            "last token), which a row split across ranks does not hold")
+    if config.task == "seq_cls":
         return None
     if config.task != "causal_lm":  # the default: a config that never named a task
         raise ConfigError(f"task: {config.task} in the config, but a RewardTrainer trains a sequence classifier: "

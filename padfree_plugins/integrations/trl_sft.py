@@ -169,6 +169,14 @@ class SFTTrainerPatch(HFTrainerPatch):
 
     def loss_of(self, outputs: Any, inputs: Mapping, num_items_in_batch: Any) -> torch.Tensor:
         record_sft_metrics(self.trainer, outputs, inputs)
+        if num_items_in_batch is None and self.splits_rows():
+            # evaluation (TRL counts no items there), or a model without loss kwargs: a slice's own count would
+            # weigh the group's slices unequally; the group's count times its size is the mean over the group's row
+            # (as SequenceParallelForward does without a count), and the trainer's mean over ranks that row's loss
+            group = self.assembly.forward.group
+            count = outputs.label_mask.sum()
+            torch.distributed.all_reduce(count, group=group.group)
+            return sft_loss(self.trainer, outputs, count) * group.size
         return sft_loss(self.trainer, outputs, num_items_in_batch)
 
     def own_loss_and_outputs(self, model: Any, inputs: Mapping, kwargs: dict[str, Any],

@@ -31,7 +31,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import cache, partial
 from itertools import groupby
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -193,6 +193,8 @@ class PackedMixer:
     backend: str
     kernels: tuple[str, ...]
     chunk: int = 1  # the chunk the mixer's torch code pads every call to (see run_per_example)
+    #: Runs along the sequence: under sequence parallelism it gets the whole row (modeling.sequence_parallel).
+    packed_sequence_mixer: ClassVar[bool] = True
 
     def _arguments(self, args: tuple, kwargs: dict) -> dict:
         """The call's arguments by name, ``**kwargs`` merged in (the signature read once, not pickled)."""

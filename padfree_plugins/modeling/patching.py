@@ -78,10 +78,12 @@ def bound_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
     return arguments
 
 
-def _check_packed_boundaries(cu: Any, cu_k: Any, position_ids: torch.Tensor) -> None:
+def _check_packed_boundaries(cu: Any, cu_k: Any, position_ids: torch.Tensor, sequence: Any = None) -> None:
     """Boundaries built by hand must be what the collator builds: a 1-D integer tensor ``0, L1, …, T`` whose
     examples are where ``position_ids`` restart. The values are checked only on the host (free there; on an
-    accelerator a check would wait for the device in every forward)."""
+    accelerator a check would wait for the device in every forward). Under sequence parallelism (``sequence``, a
+    :class:`~padfree_plugins.modeling.attention.ulysses.SequenceGroup`) the boundaries describe the group's whole
+    row and ``position_ids`` this rank's slice of it: the restarts inside the slice are checked."""
     for name, value in (("cu_seq_lens_q", cu), ("cu_seq_lens_k", cu_k)):
         if value is not None and not (isinstance(value, torch.Tensor) and value.ndim == 1 and value.numel() >= 2
                                       and not value.is_floating_point()):
@@ -91,6 +93,9 @@ def _check_packed_boundaries(cu: Any, cu_k: Any, position_ids: torch.Tensor) -> 
         return
     total = position_ids.shape[-1]
     restarts = torch.nonzero(position_ids[0, 1:] != position_ids[0, :-1] + 1).flatten() + 1
+    if sequence is not None:
+        _check_slice_boundaries(cu, cu_k, restarts, total, sequence)
+        return
     expected = torch.cat([torch.zeros(1, dtype=torch.long), restarts, torch.tensor([total])])
     if not torch.equal(cu.long(), expected) or (cu_k is not None and not torch.equal(cu_k.long(), cu.long())):
         raise BoundaryError(
@@ -98,6 +103,24 @@ def _check_packed_boundaries(cu: Any, cu_k: Any, position_ids: torch.Tensor) -> 
             f"{expected.tolist()[:8]} (T={total}); attention would cross examples. Build packed batches with "
             "padfree_plugins' collator"
         )
+
+
+def _check_slice_boundaries(cu: torch.Tensor, cu_k: Any, restarts: torch.Tensor, local: int, sequence: Any) -> None:
+    """A rank's slice of a sequence-parallel row: ``local`` tokens, the ``sequence.rank``-th of ``sequence.size``
+    equal slices of the row the boundaries describe; position ids restart exactly at the boundaries inside it."""
+    cu = cu.long()
+    if int(cu[-1]) != local * sequence.size:
+        raise BoundaryError(
+            f"a sequence-parallel forward got {local} tokens on each of {sequence.size} ranks, but cu_seq_lens_q "
+            f"describes a row of {int(cu[-1])}: each rank takes its slice of the group's row, as "
+            "assembly.forward cuts it (padfree_plugins.packing.sequence_parallel.slice_row)")
+    start = sequence.rank * local
+    inside = cu[(cu > start) & (cu < start + local)] - start
+    if not torch.equal(inside, restarts.long()) or (cu_k is not None and not torch.equal(cu_k.long(), cu)):
+        raise BoundaryError(
+            f"cu_seq_lens_q does not match rank {sequence.rank}'s slice of the sequence-parallel row: its examples "
+            f"start at {inside.tolist()[:8]} inside the slice, its position_ids restart at {restarts.tolist()[:8]}; "
+            "attention would cross examples")
 
 
 def text_positions(position_ids: Any) -> Any:
@@ -115,9 +138,10 @@ def text_positions(position_ids: Any) -> Any:
         "padfree_plugins' multimodal collator builds them")
 
 
-def check_boundaries(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+def check_boundaries(module: torch.nn.Module, args: tuple, kwargs: dict, sequence: Any = None) -> bool:
     """Raise :class:`BoundaryError` on a packed row that lacks its boundaries (or carries a mask or a KV cache);
-    return whether the call is packed."""
+    return whether the call is packed. ``sequence``: the model's sequence-parallel group, if any (a packed call then
+    carries this rank's slice of the group's row)."""
     inputs = bound_inputs(module, args, kwargs)
     position_ids = inputs.get("position_ids")
     attention_mask = inputs.get("attention_mask")
@@ -149,7 +173,7 @@ def check_boundaries(module: torch.nn.Module, args: tuple, kwargs: dict) -> bool
                 "a packed batch needs position_ids restarting at every example; without them positions would "
                 "run on across examples. Use padfree_plugins' collator."
             )
-        _check_packed_boundaries(inputs["cu_seq_lens_q"], inputs.get("cu_seq_lens_k"), position_ids)
+        _check_packed_boundaries(inputs["cu_seq_lens_q"], inputs.get("cu_seq_lens_k"), position_ids, sequence)
         return True
     if position_ids is None or position_ids.ndim != 2 or position_ids.shape[-1] < 2:
         return False
@@ -276,6 +300,9 @@ class ModelPatch:
     attention_dropout: bool = True
     compute_route: ForwardOrCompute | None = field(default=None, repr=False)
     attention_config: str | None = None
+    #: The sequence-parallel group whose row a packed call holds a slice of (set by
+    #: :class:`~padfree_plugins.modeling.sequence_parallel.SequenceParallelPatch`); ``None``: whole rows.
+    sequence: Any = None
     _call_tokens: list = field(default_factory=list, repr=False)
 
     @classmethod
@@ -315,7 +342,7 @@ class ModelPatch:
         """Guard the inputs, mark packed calls in :data:`PACKED_CALL` for attention to check, and run packed calls
         without a KV cache (:func:`without_cache`)."""
         self._call_tokens.append(PACKED_CALL.set(False))  # pushed first: the after-hook pops it even on error
-        if check_boundaries(module, args, kwargs):
+        if check_boundaries(module, args, kwargs, self.sequence):
             PACKED_CALL.set(True)
             return without_cache(module, args, kwargs)
         return None

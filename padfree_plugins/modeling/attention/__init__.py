@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -204,8 +205,10 @@ class PadfreeAttention:
 
 
 def register(backend: AttentionBackend, fallback: AttentionBackend | None = None,
-             attention_dropout: bool = True, default_causal: bool = True) -> str:
-    """Register the implementation of this variant with transformers and return its name.
+             attention_dropout: bool = True, default_causal: bool = True, sequence: Any = None) -> str:
+    """Register the implementation of this variant with transformers and return its name; ``sequence`` (a
+    :class:`~padfree_plugins.modeling.attention.ulysses.SequenceGroup`): the variant for a sequence-parallel group
+    (Ulysses: each rank's packed calls hold its slice of the group's row), named ``…_sp<size>``.
 
     Registering the same variant again replaces its function with an equal one; the registry belongs to
     transformers, so nothing here keeps state.
@@ -216,6 +219,11 @@ def register(backend: AttentionBackend, fallback: AttentionBackend | None = None
     from transformers.masking_utils import AttentionMaskInterface
 
     name = implementation_name(backend, fallback, attention_dropout, default_causal)
-    AttentionInterface.register(name, PadfreeAttention(backend, fallback, attention_dropout, default_causal))
+    function: Any = PadfreeAttention(backend, fallback, attention_dropout, default_causal)
+    if sequence is not None:
+        from padfree_plugins.modeling.attention.ulysses import UlyssesAttention
+
+        name, function = f"{name}_sp{sequence.size}", UlyssesAttention(function, sequence)
+    AttentionInterface.register(name, function)
     AttentionMaskInterface.register(name, padfree_mask)
     return name

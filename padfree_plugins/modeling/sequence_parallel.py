@@ -1,0 +1,232 @@
+"""Sequence parallelism (Ulysses) on an assembled model: the ranks of a group train one packed row, each computing
+its own contiguous slice of the tokens.
+
+* :func:`sequence_group` — the default process group cut into groups of ``size`` consecutive ranks (DP × SP:
+  ranks ``0 … size-1`` share a row, then the next ``size``);
+* :class:`SequenceParallelPatch` — on a patched model: attention through
+  :class:`~padfree_plugins.modeling.attention.ulysses.UlyssesAttention` (all-to-all, sequence -> heads and back),
+  every sequence mixer of the model's plugin (gated delta rule, Mamba, short convolution: the forwards marked
+  ``packed_sequence_mixer``) run on the whole row (:class:`WholeRowMixer`), and the guard checking each rank's
+  slice; ``remove()`` (in ``patch.handles``) undoes it;
+* :class:`SequenceParallelForward` — the assembly's forward under sequence parallelism: the group's micro-batches
+  exchanged into one row (:func:`gather_rows`), shifted, padded and sliced
+  (:mod:`padfree_plugins.packing.sequence_parallel`), this rank's slice through the model.
+
+The loss: each rank's loss is the sum over its slice's tokens divided by ``num_items_in_batch``. A caller that
+counts the labels of every rank's micro-batch and sums them over all ranks (HF ``Trainer`` with
+``average_tokens_across_devices``, the plain loop of ``examples/accelerate_loop.py``) and multiplies the loss by the
+number of processes before ``backward`` (DDP averages gradients) trains exactly as one process on the global
+batch: every token is in one slice, so the DP all-reduce sums the slices' gradients. Without a count the
+forward divides by its group's label count and multiplies by the group size, which is the per-replica mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from padfree_plugins.errors import ConfigError, PadfreeError
+from padfree_plugins.modeling import attention
+from padfree_plugins.modeling.attention.ulysses import SequenceGroup, gather_sequence
+from padfree_plugins.modeling.mixers import PACKED_ROW
+from padfree_plugins.modeling.patching import ModelPatch, own_attribute, restore_attributes
+from padfree_plugins.packing.batch import PackedBatch, packed_tokens
+from padfree_plugins.packing.sequence_parallel import CU_KEYS, DROPPED_KEYS, MAX_KEYS, is_token_key, join_rows, \
+    slice_row
+
+__all__ = ["SequenceGroup", "SequenceParallelForward", "SequenceParallelPatch", "WholeRowMixer", "gather_rows",
+           "sequence_group"]
+
+
+def sequence_group(size: int) -> SequenceGroup:
+    """This rank's sequence-parallel group of ``size`` consecutive ranks. Every rank must call it (``new_group`` is
+    collective), as ``assemble`` does on every rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(f"sequence_parallel.size: {size} needs torch.distributed initialised: launch with torchrun "
+                          "or accelerate launch, and assemble after the process group exists (after TrainingArguments "
+                          "or Accelerator())")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % size:
+        raise ConfigError(f"sequence_parallel.size: {size} does not divide the {world} processes: each group of "
+                          f"{size} ranks shares one row, so the number of processes must be a multiple of {size}")
+    if size == world:
+        return SequenceGroup(None, rank, size)
+    mine = None
+    for start in range(0, world, size):
+        group = dist.new_group(list(range(start, start + size)))
+        if start <= rank < start + size:
+            mine = group
+    return SequenceGroup(mine, rank % size, size)
+
+
+@dataclass
+class WholeRowMixer:
+    """A sequence mixer's packed forward run on the whole row of the group: the ranks' slices of its input gathered,
+    the mixer's own packed forward on them (every example restarted, as without sequence parallelism), this rank's
+    slice of the output kept. Exact; each rank computes the mixer on the whole row (the attention layers are the
+    ones split)."""
+
+    forward: Any
+    group: SequenceGroup
+    packed_sequence_mixer: ClassVar[bool] = True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("cu_seq_lens_q") is None and PACKED_ROW.get() is None:
+            return self.forward(*args, **kwargs)  # an ordinary call: padded, generate()
+        if args:
+            hidden, args = args[0], args[1:]
+        else:
+            hidden = kwargs.pop("hidden_states")
+        output = self.forward(gather_sequence(hidden, self.group), *args, **kwargs)
+        if isinstance(output, tuple):
+            return (self._local(output[0]), *output[1:])
+        return self._local(output)
+
+    def _local(self, output: torch.Tensor) -> torch.Tensor:
+        return output[:, self.group.slice_of(output.shape[1])]
+
+
+@dataclass
+class SequenceParallelPatch:
+    """Sequence parallelism installed on a patched model (see the module docstring); ``remove()`` undoes it."""
+
+    patch: ModelPatch
+    group: SequenceGroup
+    implementation: str | None = None
+    saved: list = field(default_factory=list)
+
+    @classmethod
+    def install(cls, patch: ModelPatch, group: SequenceGroup) -> SequenceParallelPatch:
+        installed = cls(patch, group)
+        model = patch.model
+        if patch.previous_implementation is not None:  # a model with attention (not Mamba)
+            installed.implementation = attention.register(patch.backend, patch.fallback, patch.attention_dropout,
+                                                          patch.architecture.kind == "decoder", sequence=group)
+            installed._set_implementation(installed.implementation)
+        for module in model.modules():
+            forward = module.__dict__.get("forward")
+            if getattr(forward, "packed_sequence_mixer", False) and not isinstance(forward, WholeRowMixer):
+                installed.saved.append((module, own_attribute(module, "forward")))
+                module.forward = WholeRowMixer(forward, group)
+        patch.sequence = group
+        return installed
+
+    def _set_implementation(self, name: str) -> None:
+        config = self.patch.attention_config
+        self.patch.model.set_attn_implementation(name if config is None else {config: name})
+
+    def remove(self) -> None:
+        for module, forward in reversed(self.saved):
+            restore_attributes(module, {"forward": forward})
+        self.saved.clear()
+        if self.implementation is not None:
+            self._set_implementation(self.patch.implementation)
+            self.implementation = None
+        self.patch.sequence = None
+
+
+def _signature(batch: Mapping) -> list[tuple]:
+    """What every rank's batch must agree on to be exchanged: its keys, dtypes, and shapes past the token axis."""
+    tokens = packed_tokens(batch)
+    signature = []
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            kind = "token" if is_token_key(value, tokens) else "example"
+            trailing = tuple(value.shape[2:] if kind == "token" else value.shape[1:])
+            signature.append((key, kind, str(value.dtype), trailing))
+        else:
+            signature.append((key, type(value).__name__))
+    return signature
+
+
+def gather_rows(batch: Mapping, group: SequenceGroup) -> list[PackedBatch]:
+    """Every rank's packed micro-batch of the group, in rank order (this rank's ``batch`` among them): one header
+    exchange (token and example counts, one host sync), then one all-gather per key, padded to the largest."""
+    batch = {key: value for key, value in batch.items() if key not in DROPPED_KEYS}
+    signatures: list[Any] = [None] * group.size
+    dist.all_gather_object(signatures, _signature(batch), group=group.group)
+    if any(s != signatures[0] for s in signatures):
+        raise PadfreeError("the ranks of a sequence-parallel group hold batches of different keys, dtypes or shapes; "
+                           f"every rank must use the same collator: {signatures}")
+    device = batch["input_ids"].device
+    tokens = packed_tokens(batch)
+    examples = int(batch["cu_seq_lens_q"].numel()) - 1
+    longest = [int(batch.get(key, -1)) for key in MAX_KEYS]
+    header = torch.tensor([tokens, examples, *longest], device=device)
+    headers = [torch.empty_like(header) for _ in range(group.size)]
+    dist.all_gather(headers, header, group=group.group)
+    sizes = [[int(v) for v in h.tolist()] for h in headers]
+    rows: list[PackedBatch] = [PackedBatch() for _ in range(group.size)]
+    for row in rows:
+        row.model_keys = getattr(batch, "model_keys", None)
+    for key, value in batch.items():
+        if key in MAX_KEYS:
+            pieces: list[Any] = [size[2 + MAX_KEYS.index(key)] for size in sizes]
+        elif not isinstance(value, torch.Tensor):
+            pieces = [None] * group.size
+            dist.all_gather_object(pieces, value, group=group.group)
+        elif key in CU_KEYS:
+            pieces = _all_gather_padded(value, [size[1] + 1 for size in sizes], 0, group)
+        elif is_token_key(value, tokens):
+            pieces = _all_gather_padded(value, [size[0] for size in sizes], 1, group)
+        else:
+            pieces = _all_gather_padded(value, [size[1] for size in sizes], 0, group)
+        for row, piece in zip(rows, pieces):
+            row[key] = piece
+    return rows
+
+
+def _all_gather_padded(value: torch.Tensor, lengths: list[int], dim: int, group: SequenceGroup) -> list[torch.Tensor]:
+    """``value`` of every rank (of ``lengths[r]`` along ``dim``), exchanged padded to the longest and cut back."""
+    longest = max(lengths)
+    shape = list(value.shape)
+    shape[dim] = longest - value.shape[dim]
+    padded = torch.cat([value, value.new_zeros(shape)], dim=dim) if shape[dim] else value
+    pieces = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(pieces, padded.contiguous(), group=group.group)
+    return [piece.narrow(dim, 0, length) for piece, length in zip(pieces, lengths)]
+
+
+@dataclass
+class SequenceParallelForward:
+    """The assembly's ``forward`` under sequence parallelism (see the module docstring): ``forward(model, batch,
+    **loss_kwargs)`` with this rank's micro-batch ``batch``; ``inner`` is the task's forward. Its other attributes
+    are ``inner``'s."""
+
+    inner: Any
+    group: SequenceGroup
+    pad_token_id: int = 0
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def slice(self, batch: Mapping) -> PackedBatch:
+        """This rank's slice of the group's row (the exchange of the ranks' micro-batches included); with labelled
+        logits only when ``batch`` asked for them (``logits_to_keep``), computed on the slice."""
+        labelled = "logits_to_keep" in batch
+        local = slice_row(join_rows(gather_rows(batch, self.group)), self.group.rank, self.group.size,
+                          self.pad_token_id)
+        if labelled and "labels" in local:  # its labels are shifted already: keep the positions that have one
+            positions = torch.nonzero(local["labels"][0] != -100).reshape(-1)
+            local.update(logits_to_keep=positions, shift_labels=local["labels"][:, positions])
+        return local
+
+    def __call__(self, model: Any, batch: Mapping, **kwargs: Any) -> Any:
+        local = self.slice(batch)
+        scale = 1
+        if kwargs.get("num_items_in_batch") is None and "labels" in local:
+            count = (local["labels"] != -100).sum()
+            dist.all_reduce(count, group=self.group.group)
+            kwargs["num_items_in_batch"] = count
+            scale = self.group.size
+        outputs = self.inner(model, local, **kwargs)
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else None
+        if scale != 1 and loss is not None:
+            outputs["loss"] = loss * scale
+        return outputs

@@ -1,0 +1,145 @@
+"""Sequence parallelism over packed rows: the row of a sequence-parallel group, and each rank's slice of it.
+
+Under sequence parallelism (``sequence_parallel.size: N``) the ``N`` ranks of a group train one packed row
+together, each computing a contiguous ``1/N`` of its tokens (attention and the sequence mixers see the whole row
+through an all-to-all, :mod:`padfree_plugins.modeling.attention.ulysses`). Every rank of the group loads its own
+micro-batch, as under data parallelism; the group's row is their micro-batches back to back, in rank order
+(:func:`join_rows`), and :func:`slice_row` cuts it:
+
+* ``labels`` are shifted **before** the cut, over the whole row: the label of a rank's last token is the first
+  token of the next rank's slice. The slice carries them as ``labels`` and ``shift_labels`` (the same tensor), so
+  a transformers loss does not shift again inside a slice;
+* the row is padded to a multiple of ``N`` with one padding-only segment (its own example in the boundaries,
+  positions from the start, no loss);
+* the boundaries stay global (``cu_seq_lens_q`` / ``_k`` and the max lengths describe the whole row), and every
+  other per-token key (``input_ids``, ``position_ids``, ``seq_idx``, ``token_type_ids`` …) is sliced.
+
+Nothing here communicates: the exchange of micro-batches is :func:`padfree_plugins.modeling.sequence_parallel.
+gather_rows`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from padfree_plugins.errors import BatchError
+from padfree_plugins.packing.batch import PackedBatch, packed_tokens
+from padfree_plugins.packing.labelled_logits import HELD_KEY, LABELLED_LOGITS_KEYS
+
+#: Keys that hold a packed row's boundaries (offset when rows are joined, kept whole when a row is sliced).
+CU_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
+#: Keys that hold the longest example (python ints).
+MAX_KEYS = ("max_length_q", "max_length_k")
+#: Keys never carried into a slice: the labelled logits of the rank's own micro-batch (recomputed on the slice).
+DROPPED_KEYS = (HELD_KEY, *LABELLED_LOGITS_KEYS)
+
+
+def is_token_key(value: Any, tokens: int) -> bool:
+    """Whether ``value`` is a per-token tensor ``[1, T, ...]`` of a row of ``tokens`` tokens."""
+    return isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[0] == 1 and value.shape[1] == tokens
+
+
+def join_rows(rows: Sequence[Mapping]) -> PackedBatch:
+    """The packed rows ``rows`` (one per rank of a group, in rank order) as one packed row: per-token keys
+    concatenated, the boundaries and ``seq_idx`` offset and joined, the max lengths the largest, per-example keys
+    concatenated."""
+    if not rows:
+        raise BatchError("no packed rows to join")
+    keys = list(rows[0])
+    for rank, row in enumerate(rows[1:], 1):
+        if list(row) != keys:
+            raise BatchError(f"the ranks of a sequence-parallel group hold different batch keys: rank 0 {keys}, "
+                             f"rank {rank} {list(row)}; every rank must use the same collator")
+    sizes = [packed_tokens(row) for row in rows]
+    joined = PackedBatch()
+    joined.model_keys = getattr(rows[0], "model_keys", None)
+    for key in keys:
+        values = [row[key] for row in rows]
+        if key in CU_KEYS:
+            offsets = torch.tensor([0, *sizes[:-1]]).cumsum(0)
+            joined[key] = torch.cat([values[0][:1], *(v[1:] + int(o) for v, o in zip(values, offsets))])
+        elif key in MAX_KEYS:
+            joined[key] = max(int(v) for v in values)
+        elif key == "seq_idx":  # example indices: offset by the examples of the rows before
+            offsets = torch.tensor([0, *(int(row["cu_seq_lens_q"].numel()) - 1 for row in rows[:-1])]).cumsum(0)
+            joined[key] = torch.cat([v + int(o) for v, o in zip(values, offsets)], dim=1)
+        elif all(is_token_key(v, size) for v, size in zip(values, sizes)):
+            joined[key] = torch.cat(values, dim=1)
+        elif all(isinstance(v, torch.Tensor) and v.ndim >= 1 for v in values):
+            joined[key] = torch.cat(values)
+        elif all(v == values[0] for v in values):
+            joined[key] = values[0]
+        else:
+            raise BatchError(f"batch key {key!r} differs between the ranks of a sequence-parallel group and cannot "
+                             "be joined (neither per token nor per example)")
+    return joined
+
+
+def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
+    """The next token's label at every position of a packed row ``[1, T]`` (-100 after the last): a causal LM's
+    targets, shifted over the whole row. Each example's first label is -100 (the collator masks it), so no
+    position learns the next example's first token."""
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
+
+
+def padded_length(tokens: int, size: int) -> int:
+    """``tokens`` rounded up to a multiple of ``size``."""
+    return -(-tokens // size) * size
+
+
+def slice_row(row: Mapping, rank: int, size: int, pad_token_id: int = 0) -> PackedBatch:
+    """Rank ``rank``'s slice of the packed ``row`` split ``size`` ways (see the module docstring)."""
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} of a sequence-parallel group of {size}")
+    tokens = packed_tokens(row)
+    if tokens is None or "cu_seq_lens_q" not in row:
+        raise BatchError("sequence parallelism needs a packed row (input_ids and cu_seq_lens_q), as "
+                         "padfree_plugins' collator builds it")
+    position_ids = row.get("position_ids")
+    if isinstance(position_ids, torch.Tensor) and position_ids.ndim != 2:
+        raise BatchError(f"position_ids of shape {tuple(position_ids.shape)}: sequence parallelism slices rows of "
+                         "one position per token [1, T] (multimodal rotary positions are not supported under it)")
+    padding = padded_length(tokens, size) - tokens
+    local = padded_length(tokens, size) // size
+    start = rank * local
+    sliced = PackedBatch()
+    sliced.model_keys = getattr(row, "model_keys", None)
+    for key, value in row.items():
+        if key in DROPPED_KEYS:
+            continue
+        if key in CU_KEYS:
+            sliced[key] = value if not padding else torch.cat([value, value.new_tensor([tokens + padding])])
+        elif key in MAX_KEYS:
+            sliced[key] = max(int(value), padding)
+        elif is_token_key(value, tokens):
+            if key == "labels":
+                value = shifted_labels(value)
+            value = _pad_tokens(key, value, padding, row, pad_token_id)
+            sliced[key] = value[:, start:start + local]
+        else:
+            sliced[key] = value
+    if "labels" in sliced:
+        sliced["shift_labels"] = sliced["labels"]
+    return sliced
+
+
+def _pad_tokens(key: str, value: torch.Tensor, padding: int, row: Mapping, pad_token_id: int) -> torch.Tensor:
+    """``value`` with ``padding`` tokens of the padding segment appended: the pad token, positions from the row's
+    first position, the next example index, no label, zeros elsewhere."""
+    if not padding:
+        return value
+    shape = (value.shape[0], padding, *value.shape[2:])
+    if key == "input_ids":
+        fill = value.new_full(shape, pad_token_id)
+    elif key == "position_ids":
+        fill = (value[:, :1] + torch.arange(padding, device=value.device)).to(value.dtype)
+    elif key == "seq_idx":
+        fill = value.new_full(shape, int(row["cu_seq_lens_q"].numel()) - 1)
+    elif key == "labels":
+        fill = value.new_full(shape, -100)
+    else:
+        fill = value.new_zeros(shape)
+    return torch.cat([value, fill], dim=1)

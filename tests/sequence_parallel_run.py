@@ -1,0 +1,288 @@
+"""torchrun worker of tests/test_sequence_parallel.py: every case of one launch, sequence-parallel, in one launch.
+
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node N tests/sequence_parallel_run.py LAUNCH OUT_DIR
+
+``LAUNCH`` names a list of :data:`LAUNCHES` (``"sp2"``: 2 processes, ``"sp4"``: 4). For each :class:`Case` every
+rank builds the tiny model (:func:`build`), assembles it with ``sequence_parallel.size`` = ``case.sp``, and for each
+step and each micro-step of :func:`micro_batches` packs its own examples (rank ``r`` takes ``[r]``) and runs the
+assembly's forward + backward with ``num_items_in_batch`` = the micro-step's label count over all ranks. The
+gradients are summed over all ranks (what DDP's all-reduce gives, times the world size a DDP loss is scaled by);
+a training case then takes an SGD step. Rank 0 writes ``OUT_DIR/<case>.pt``: the step losses summed over ranks,
+the last step's gradients, the final weights, and what shows the sequence-parallel path ran. A case that raises
+writes its error instead (a refusal case expects one). ``case.fault`` deliberately breaks one thing (:data:`FAULTS`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from padfree_plugins import assemble
+from padfree_plugins.batching.distributed import num_label_tokens
+from padfree_plugins.packing.labelled_logits import keep_labelled_logits
+from padfree_plugins.testing.models import random_examples, tiny_model
+
+#: Example lengths of each rank's micro-batch (for up to 4 ranks), per micro-step. Micro-step 0: every cut of a
+#: group's row falls inside an example, and the rows have odd lengths (SP2: 37 + 30 = 67 tokens, cut at 34 inside
+#: the 3rd example; SP4: 113 tokens padded to 116, cuts 29 / 58 / 87, each inside one). Micro-step 1: every rank's
+#: micro-batch but the first starts with a 1-token example (and rank 0's ends with one), so that with 15 tokens per
+#: rank (14 on rank 3) a 1-token example sits right after every cut, of SP2, SP2 x DP2 and SP4 alike.
+#: tests/test_sequence_parallel.py asserts these properties.
+LENGTHS = (([7, 19, 11], [1, 23, 6], [13, 2, 9], [17, 5]),
+           ([9, 5, 1], [1, 10, 4], [1, 8, 6], [1, 13]))
+VOCAB = 96
+LR = 0.5
+#: What each tiny model needs on top of tiny_model's defaults for the test to mean something.
+MODELS = {
+    "llama": {},
+    "qwen3": {"num_key_value_heads": 2},  # fewer key/value heads than SP4 ranks: replicated
+    "gpt_oss": {"sliding_window": 6},  # shorter than most examples, so the sliding layers' window bites
+    "qwen3_5_text": {},  # gated delta rule layers around a full-attention one
+    "nemotron_h": {},  # Mamba2 layers, attention, MoE
+    "lfm2": {"layer_types": ["conv", "full_attention", "conv"]},  # the tiny default has no conv layer
+}
+#: Every other hybrid family (tests/hybrids_common.py lists them all), at its tiny defaults: each runs its sequence
+#: mixers (gated delta rule, KDA, Mamba1 / Mamba2, short conv) on the whole row under sequence parallelism.
+OTHER_HYBRIDS = ("qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "kimi_linear", "granitemoehybrid", "bamba",
+                 "falcon_h1", "jamba", "mamba", "falcon_mamba", "mamba2", "lfm2_moe")
+MAIN_MODELS = tuple(MODELS)
+MODELS.update({model_type: {} for model_type in OTHER_HYBRIDS})
+#: The model types whose sequence mixers the sequence-parallel patch must have wrapped.
+HYBRID_TYPES = ("qwen3_5_text", "nemotron_h", "lfm2", *OTHER_HYBRIDS)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One sequence-parallel run: ``steps`` > 1 trains with SGD; ``labelled``: batches with labelled logits only;
+    ``counted=False``: no ``num_items_in_batch`` (the forward counts its group's labels; the gradients are then
+    averaged over the ranks, as DDP does); ``expect``: a refusal, the text its error must contain."""
+
+    name: str
+    model_type: str
+    sp: int
+    fault: str = ""
+    steps: int = 1
+    checkpointing: bool = False
+    labelled: bool = False
+    counted: bool = True
+    expect: str = ""
+
+
+LAUNCHES = {
+    "sp2": [
+        *(Case(model_type, model_type, 2) for model_type in MAIN_MODELS),
+        Case("llama-checkpointing", "llama", 2, checkpointing=True),
+        Case("qwen3_5_text-checkpointing", "qwen3_5_text", 2, checkpointing=True),
+        Case("llama-train", "llama", 2, steps=3, labelled=True),
+        Case("llama-uncounted", "llama", 2, counted=False),
+        Case("llama-local-attention", "llama", 2, fault="local-attention"),
+        Case("llama-labels-after-cut", "llama", 2, fault="labels-after-cut"),
+        Case("qwen3_5_text-local-mixer", "qwen3_5_text", 2, fault="local-mixer"),
+        Case("nemotron_h-local-mixer", "nemotron_h", 2, fault="local-mixer"),
+        Case("lfm2-local-mixer", "lfm2", 2, fault="local-mixer"),
+        Case("llama-refused-world", "llama", 4, expect="does not divide the 2 processes"),
+    ],
+    "sp4": [
+        Case("llama-sp2xdp2", "llama", 2),
+        Case("llama-sp4", "llama", 4),
+        Case("qwen3-sp4", "qwen3", 4),
+        Case("qwen3_5_text-sp2xdp2", "qwen3_5_text", 2),
+        Case("qwen3_5_text-sp4", "qwen3_5_text", 4),
+    ],
+}
+LAUNCHES["hybrids"] = [Case(model_type, model_type, 2) for model_type in OTHER_HYBRIDS]
+WORLDS = {"sp2": 2, "sp4": 4, "hybrids": 2}
+
+
+def micro_batches(world: int) -> list[list[list[dict]]]:
+    """The examples of every micro-step of a step, for each rank: ``[micro][rank]`` (the same on every rank; every
+    step trains the same batches, so that a training run's loss falls)."""
+    return [[random_examples(lengths[rank], VOCAB, seed=10 * micro + rank, low=3) for rank in range(world)]
+            for micro, lengths in enumerate(LENGTHS)]
+
+
+def build(model_type: str, checkpointing: bool = False) -> torch.nn.Module:
+    """The tiny model of ``model_type`` in train mode (same weights on every call). Attention sinks random, so that a
+    rank using another rank's sinks would show; short convolutions' taps and input projection far larger than the
+    initialiser's 0.02, so that a convolution cut at a slice's start shows (by ~0.2 in the gradients, not 1e-4)."""
+    model = tiny_model(model_type, "causal_lm", vocab_size=VOCAB, **MODELS[model_type])
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".sinks"):
+                parameter.normal_(0.0, 1.0, generator=generator)
+        for module in model.modules():
+            if type(module).__name__.endswith("ShortConv"):
+                module.conv.weight.normal_(0.0, 1.0, generator=generator)
+                module.in_proj.weight.normal_(0.0, 0.1, generator=generator)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def loss_of(assembly, model, examples: list[dict], count: torch.Tensor | None, labelled: bool) -> torch.Tensor:
+    batch = assembly.collator(examples)
+    if labelled:
+        keep_labelled_logits(batch)
+    return assembly.forward(model, batch, num_items_in_batch=count).loss
+
+
+def run_case(case: Case, rank: int, world: int) -> dict:
+    model = build(case.model_type, case.checkpointing)
+    before = model.config._attn_implementation
+    with FAULTS.get(case.fault, contextlib.nullcontext)(rank % case.sp):
+        try:
+            assembly = assemble(model, {"attention": "exact", "sequence_parallel": {"size": case.sp}})
+        except Exception as error:
+            if not case.expect:
+                raise
+            untouched = model.config._attn_implementation == before and not any(
+                "forward" in module.__dict__ for module in model.modules())
+            return {"error": f"{type(error).__name__}: {error}", "untouched": untouched}
+        evidence = {"implementation": model.config._attn_implementation,
+                    "mixers": sum(type(module.__dict__.get("forward")).__name__ == "WholeRowMixer"
+                                  for module in model.modules())}
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        losses = []
+        for step in range(case.steps):
+            total = torch.zeros(())
+            for micro in micro_batches(world):
+                count = None
+                if case.counted:
+                    count = num_label_tokens(assembly.collator(micro[rank])).clone()
+                    dist.all_reduce(count)
+                loss = loss_of(assembly, model, micro[rank], count, case.labelled)
+                loss.backward()
+                total += loss.detach()
+            dist.all_reduce(total)
+            mean = 1 if case.counted else world
+            losses.append(total.item() / mean)
+            grads = {}
+            for name, parameter in model.named_parameters():
+                if parameter.grad is None:
+                    parameter.grad = torch.zeros_like(parameter)
+                dist.all_reduce(parameter.grad)
+                parameter.grad /= mean
+                grads[name] = parameter.grad.detach().clone()
+            if case.steps > 1:
+                optimizer.step()
+            optimizer.zero_grad()
+    assembly.undo()
+    state = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+    return {"losses": losses, "grads": grads, "state": state, "world": world, **evidence}
+
+
+def main(launch: str, out: str) -> None:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for case in LAUNCHES[launch]:
+        started = time.monotonic()
+        try:
+            result = run_case(case, rank, world)
+        except Exception:
+            result = {"error": traceback.format_exc()}
+        if rank == 0:
+            torch.save(result, Path(out) / f"{case.name}.pt")
+            print(f"{case.name}: {time.monotonic() - started:.1f} s", flush=True)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+# Deliberate faults, each a context manager taking the rank's place in its group; each must fail the comparison.
+
+
+def cut_to_slice(cu: torch.Tensor, rank: int, local: int) -> torch.Tensor:
+    """The global boundaries ``cu`` cut to rank ``rank``'s slice of ``local`` tokens (as if it were a row alone)."""
+    cu, start = cu.long(), rank * local
+    inside = cu[(cu > start) & (cu < start + local)] - start
+    return torch.cat([cu.new_zeros(1), inside, cu.new_tensor([local])]).to(torch.int32)
+
+
+@contextlib.contextmanager
+def attend_locally(rank: int):
+    """Each rank attends within its own slice only (the boundaries cut to it): no all-to-all."""
+    from padfree_plugins.modeling.attention.ulysses import UlyssesAttention
+
+    def local(self, module, query, key, value, attention_mask, **kwargs):
+        length = query.shape[2]
+        cu = cut_to_slice(kwargs["cu_seq_lens_q"], rank, length)
+        kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=length, max_length_k=length)
+        return self.inner(module, query, key, value, attention_mask, **kwargs)
+
+    with patched(UlyssesAttention, "__call__", local):
+        yield
+
+
+@contextlib.contextmanager
+def labels_shifted_after_cut(rank: int):
+    """Each rank shifts its own slice's labels: the label of a slice's last token (the next slice's first token)
+    is lost."""
+    from padfree_plugins.modeling.sequence_parallel import SequenceParallelForward
+
+    right = SequenceParallelForward.slice
+
+    def wrong(self, batch):
+        local = right(self, batch)
+        labels = local["labels"].clone()
+        labels[:, -1] = -100
+        local.update(labels=labels, shift_labels=labels)
+        local.pop("logits_to_keep", None)
+        return local
+
+    with patched(SequenceParallelForward, "slice", wrong):
+        yield
+
+
+@contextlib.contextmanager
+def scan_locally(rank: int):
+    """Each sequence mixer runs on its rank's slice alone, the boundaries cut to the slice (so that the mixer's own
+    check of the token count passes): every example crossing a cut restarts its state there."""
+    from padfree_plugins.modeling.mixers import PACKED_ROW, PackedRow
+    from padfree_plugins.modeling.sequence_parallel import WholeRowMixer
+
+    def local(self, *args, **kwargs):
+        row, cu = PACKED_ROW.get(), kwargs.get("cu_seq_lens_q")
+        if cu is None and row is None:
+            return self.forward(*args, **kwargs)
+        hidden = args[0] if args else kwargs["hidden_states"]
+        cut = cut_to_slice(cu if cu is not None else row.cu_seq_lens, rank, hidden.shape[1])
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+            if kwargs.get(key) is not None:
+                kwargs[key] = cut
+        token = PACKED_ROW.set(PackedRow(cut))
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            PACKED_ROW.reset(token)
+
+    with patched(WholeRowMixer, "__call__", local):
+        yield
+
+
+@contextlib.contextmanager
+def patched(owner, name: str, value):
+    saved = owner.__dict__[name]
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+FAULTS = {"local-attention": attend_locally, "labels-after-cut": labels_shifted_after_cut,
+          "local-mixer": scan_locally}
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
+    os._exit(0)

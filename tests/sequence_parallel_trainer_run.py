@@ -1,0 +1,203 @@
+"""torchrun worker of tests/test_sequence_parallel_trainers.py: HF ``Trainer``, TRL ``SFTTrainer`` and the plain loop
+trained with ``sequence_parallel: {size: 2}`` on 2 CPU processes (gloo).
+
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 tests/sequence_parallel_trainer_run.py \
+        OUT CASE [CASE ...]
+
+``CASE`` is a key of :data:`CASES` (a trainer made padding-free by ``accelerate(trainer, cfg)``, trained on
+token-budget micro-batches, each rank its own, then evaluated) or ``loop`` (``train`` of examples/accelerate_loop.py
+with its config plus ``sequence_parallel.size: 2``). Rank 0 writes ``{case: result}`` to ``OUT`` (torch.save): the
+logged losses, the final weights, ``eval_loss``, and what shows each rank computed a slice of the group's row (the
+token counts the embeddings and the LM head saw on every rank). The one-process references are computed by the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+#: padfree.yaml of the trainer runs, without sequence parallelism (the reference's); the runs add size 2.
+TRAINER_CONFIG = {"task": "causal_lm", "batching": {"strategy": "tokens", "max_tokens_per_batch": 128, "seed": 0}}
+SP_CONFIG = {**TRAINER_CONFIG, "sequence_parallel": {"size": 2}}
+#: The trainer cases: the trainer, gradient accumulation, gradient checkpointing, the batching strategy (token
+#: budgets balance the ranks' micro-batches, often to the token: ``examples`` puts the cut inside examples).
+CASES = {
+    "hf-checkpointing": {"kind": "hf", "accumulation": 1, "checkpointing": True, "strategy": "examples"},
+    "hf-accumulation": {"kind": "hf", "accumulation": 2, "checkpointing": False, "strategy": "tokens"},
+    "sft": {"kind": "sft", "accumulation": 2, "checkpointing": True, "strategy": "tokens"},
+}
+EVAL_BATCH = 2  # per rank; the reference evaluates the group's 2 x 2 examples as one batch
+
+
+def rows(n: int, seed: int, longest: int = 40) -> list[dict]:
+    """Random examples of 2..longest tokens; a random prefix of each is a prompt (labels -100)."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(2, longest, (1,), generator=generator))
+        ids = torch.randint(3, 256, (length,), generator=generator).tolist()
+        prompt = int(torch.randint(0, length // 2 + 1, (1,), generator=generator))
+        out.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    return out
+
+
+def make_trainer(case: str, output_dir: str, config: dict, *, ranks: int | None = None):
+    """The trainer of ``case``, accelerated with ``config``. ``ranks``: the one-process reference, trained on the
+    global batches of that many ranks (their plan, every rank's micro-batches of a step accumulated)."""
+    import datasets
+    import trl
+    from transformers import Trainer, TrainingArguments
+
+    from padfree_plugins import accelerate
+    from padfree_plugins.batching.sampler import token_budget_dataloader
+    from padfree_plugins.data.tokenizer import train_tokenizer
+    from tests.test_distributed import load_example
+
+    spec = CASES[case]
+    accumulation = spec["accumulation"] * (ranks or 1)
+    settings = dict(output_dir=output_dir, num_train_epochs=1, learning_rate=1e-3, lr_scheduler_type="constant",
+                    gradient_accumulation_steps=accumulation, gradient_checkpointing=spec["checkpointing"],
+                    per_device_train_batch_size=2,
+                    per_device_eval_batch_size=EVAL_BATCH * (ranks or 1), logging_steps=1, save_strategy="no",
+                    report_to="none", seed=0, disable_tqdm=True, use_cpu=True, dataloader_pin_memory=False)
+    if spec["strategy"] == "examples":  # per_device_train_batch_size examples per micro-batch, 4 steps
+        config = {key: value for key, value in config.items() if key != "batching"}
+        settings["max_steps"] = 4
+    model = load_example().tiny_llama()
+    train, evaluation = datasets.Dataset.from_list(rows(64, 0)), datasets.Dataset.from_list(rows(8, 1))
+    if spec["kind"] == "sft":
+        tokenizer = train_tokenizer(["a tiny corpus for a tiny tokenizer"] * 4, vocab_size=280)
+        trainer = trl.SFTTrainer(model=model, args=trl.SFTConfig(bf16=False, **settings), train_dataset=train,
+                                 eval_dataset=evaluation, processing_class=tokenizer)
+    else:
+        trainer = Trainer(model=model, args=TrainingArguments(**settings), train_dataset=train,
+                          eval_dataset=evaluation)
+    acceleration = accelerate(trainer, config)
+    if ranks is not None and spec["strategy"] == "tokens":  # the plan of `ranks` replicas in one process
+        loader = token_budget_dataloader(trainer.train_dataset, trainer.data_collator, config, num_replicas=ranks)
+        trainer.get_train_dataloader = lambda: trainer.accelerator.prepare(loader)
+    return trainer, acceleration
+
+
+def trainer_result(trainer) -> dict:
+    """What the test compares: logged losses, num_tokens (SFT), final weights, eval_loss."""
+    history = trainer.state.log_history
+    return {"losses": [entry["loss"] for entry in history if "loss" in entry],
+            "num_tokens": [entry["num_tokens"] for entry in history if "num_tokens" in entry and "loss" in entry],
+            "state": {name: p.detach().clone() for name, p in trainer.model.named_parameters()},
+            "eval_loss": trainer.evaluate()["eval_loss"]}
+
+
+class TokenCounts:
+    """The tokens each call of the embeddings and of the LM head saw on this rank, in training, and those of the
+    rank's own micro-batches (:meth:`own`)."""
+
+    def __init__(self, model) -> None:
+        self.embedded, self.projected, self.micro_batches = [], [], []
+        self.handles = [
+            model.get_input_embeddings().register_forward_hook(
+                lambda module, args, output: self.embedded.append(args[0].shape[-1]) if module.training else None),
+            model.lm_head.register_forward_hook(
+                lambda module, args, output: self.projected.append(args[0].shape[-2]) if module.training else None),
+        ]
+
+    def own(self, batch) -> None:
+        self.micro_batches.append(batch["input_ids"].shape[-1])
+
+    def remove(self) -> dict:
+        for handle in self.handles:
+            handle.remove()
+        return {"embedded": self.embedded, "projected": self.projected, "micro_batches": self.micro_batches}
+
+
+def run_trainer(case: str) -> dict:
+    trainer, acceleration = make_trainer(case, tempfile.mkdtemp(), SP_CONFIG)
+    counts = TokenCounts(acceleration.assembly.model)
+    forward = acceleration.assembly.forward
+    acceleration.assembly.forward = lambda model, batch, **kwargs: counts.own(batch) or forward(model, batch, **kwargs)
+    trainer.train()
+    acceleration.assembly.forward = forward
+    seen = counts.remove()
+    result = trainer_result(trainer)
+    result["labelled_logits"] = bool(getattr(trainer.data_collator, "labelled_logits", False))
+    if CASES[case]["kind"] == "sft":
+        result["uncounted"] = uncounted_sft_loss(trainer)
+    result["seen"] = gathered(seen)
+    acceleration.undo()
+    return result
+
+
+def uncounted_sft_loss(trainer) -> dict:
+    """SFTTrainer's loss of one micro-batch per rank without ``num_items_in_batch`` (a model that takes no loss
+    kwargs): the mean over ranks (as the trainer logs it), and the rows the ranks held (for the reference: the
+    joined row's mean)."""
+    examples = rows(6, 2)
+    rank = dist.get_rank()
+    mine = examples[:4] if rank == 0 else examples[4:]
+    batch = trainer._prepare_inputs(trainer.data_collator(mine))
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, batch).detach()
+    dist.all_reduce(loss)
+    return {"loss": loss.item() / dist.get_world_size(), "examples": examples}
+
+
+def gathered(value) -> list:
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return every
+
+
+def run_loop() -> dict:
+    """examples/accelerate_loop.py's ``train`` with its config plus ``sequence_parallel.size: 2``."""
+    from accelerate import Accelerator
+
+    from tests.test_distributed import LOOP_ARGS, load_example
+
+    loop = load_example()
+    out = Path(tempfile.mkdtemp()) / "loop.json"
+    args = loop.parse_args([*LOOP_ARGS, "--out", str(out)])
+    args.config = {**_yaml(args.config), "sequence_parallel": {"size": 2}}
+    made = []
+    tiny_llama = loop.tiny_llama
+    loop.tiny_llama = lambda: made.append(tiny_llama()) or made[-1]
+    losses = loop.train(Accelerator(cpu=True), args)
+    return {"losses": losses, "state": {name: p.detach().clone() for name, p in made[0].named_parameters()},
+            "tokens": json.loads(out.read_text())["tokens"] if out.exists() else None}
+
+
+def _yaml(path: str) -> dict:
+    import yaml
+
+    return yaml.safe_load(Path(path).read_text())
+
+
+def main(out: str, cases: list[str]) -> None:
+    from accelerate import PartialState
+
+    PartialState(cpu=True)  # the gloo process group
+    if dist.get_world_size() != 2:
+        sys.exit("launch with torchrun --nproc_per_node 2")
+    unknown = [case for case in cases if case not in (*CASES, "loop")]
+    if unknown:
+        sys.exit(f"unknown cases {unknown}: choose from {[*CASES, 'loop']}")
+    results = {case: run_loop() if case == "loop" else run_trainer(case) for case in cases}
+    if dist.get_rank() == 0:
+        partial = Path(f"{out}.partial")
+        torch.save(results, partial)
+        os.replace(partial, out)  # the result appears whole (run_group watches for it)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
+    # Every rank is past its last collective and the results are on disk: leave without the interpreter's teardown,
+    # where a thread of the gloo group can abort the process (as tests/sharded_run.py).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,356 @@
+"""Sequence parallelism (Ulysses) over packed rows equals one process on the same global batch.
+
+Unit tests of the row arithmetic (join_rows / slice_row, kv_repeats, the slice guard) run without processes. The
+distributed runs are two torchrun launches of tests/sequence_parallel_run.py on CPU (gloo): ``sp2`` (2 processes:
+SP=2 for six model types, gradient checkpointing, a 3-step SGD run, the deliberate faults, a refusal) and ``sp4``
+(4 processes: SP=2 x DP=2 and SP=4); each runs all its cases in one launch and writes one result file per case.
+The reference is computed here: one process, no sequence parallelism, every micro-step's examples of all ranks
+packed into one row in rank order, the loss over ``num_items_in_batch`` = its label count.
+
+Tolerance: the summed loss within 1e-5 and every gradient (and, for training, every weight) within 1e-5
+**absolute**; the gradients compared are O(1e-2 .. 1), so this is far below their scale. Each deliberate fault
+(a rank attending to its slice alone, labels shifted after the cut, a mixer scanning its slice alone) must differ by
+more than 1e-3 from the same reference: the comparison has teeth.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+from padfree_plugins import assemble
+from padfree_plugins.batching.distributed import num_label_tokens
+from padfree_plugins.errors import BatchError, BoundaryError, ConfigError
+from padfree_plugins.modeling.attention.ulysses import SequenceGroup, kv_repeats
+from padfree_plugins.modeling.patching import _check_packed_boundaries, _check_slice_boundaries
+from padfree_plugins.packing.sequence_parallel import join_rows, padded_length, slice_row
+from padfree_plugins.testing.models import random_examples, tiny_model
+from tests import sequence_parallel_run as worker
+from tests.hybrids_common import ATTENTION_FREE, HYBRIDS
+from tests.test_distributed import ROOT, free_port, run_group
+
+TOLERANCE = 1e-5
+FAULT_GAP = 1e-3
+LAUNCH_TIMEOUT_S = 300
+
+
+# --- the row arithmetic, without processes ---------------------------------------------------------------------
+
+
+@functools.cache
+def collator():
+    return assemble(tiny_model("llama", "causal_lm", vocab_size=worker.VOCAB), {"attention": "exact"}).collator
+
+
+def collate(lengths, seed=0):
+    return collator()(random_examples(lengths, worker.VOCAB, seed=seed, low=3))
+
+
+def test_join_rows_is_the_row_of_all_examples():
+    """Joined micro-batches are exactly the collator's row of all their examples: tokens, positions, example
+    indices (offset, not restarted), labels, global boundaries, the longest example."""
+    first, second = random_examples([3, 2], worker.VOCAB, seed=0, low=3), random_examples([1, 4], worker.VOCAB,
+                                                                                             seed=1, low=3)
+    joined, want = join_rows([collator()(first), collator()(second)]), collator()(first + second)
+    assert list(joined) == list(want)
+    for key, value in want.items():
+        assert torch.equal(torch.as_tensor(joined[key]), torch.as_tensor(value)), key
+    assert joined["cu_seq_lens_q"].tolist() == [0, 3, 5, 6, 10] and joined["max_length_q"] == 4
+    assert joined["seq_idx"].tolist() == [[0, 0, 0, 1, 1, 2, 3, 3, 3, 3]]
+
+
+def test_join_rows_concatenates_per_example_keys_and_refuses_differing_keys():
+    rows = [collate([3, 2]), collate([4])]
+    rows[0]["label"], rows[1]["label"] = torch.tensor([1, 0]), torch.tensor([1])
+    assert join_rows(rows)["label"].tolist() == [1, 0, 1]
+    del rows[1]["label"]
+    with pytest.raises(BatchError, match="different batch keys.*same collator"):
+        join_rows(rows)
+
+
+def test_slice_row_shifts_labels_before_the_cut_and_keeps_boundaries_global():
+    """A 7-token row (not a multiple of 2) of examples 3 + 4 in 2 slices: the cut at 4 falls inside the second
+    example; the label of slice 0's last token is slice 1's first token; a 1-token padding segment of its own."""
+    row = collate([3, 4])
+    ids = row["input_ids"][0].tolist()
+    slices = [slice_row(row, rank, 2, pad_token_id=1) for rank in (0, 1)]
+    for local in slices:
+        assert local["input_ids"].shape == (1, 4)
+        assert local["cu_seq_lens_q"].tolist() == local["cu_seq_lens_k"].tolist() == [0, 3, 7, 8]  # global + padding
+        assert local["max_length_q"] == local["max_length_k"] == 4
+        assert local["shift_labels"] is local["labels"]
+    assert slices[0]["labels"][0, -1].item() == slices[1]["input_ids"][0, 0].item() == ids[4]  # across the cut
+    labels = torch.cat([s["labels"] for s in slices], dim=1)[0].tolist()
+    # Shifted over the whole row: example ends and the example's own first label (masked) stay -100.
+    assert labels == [ids[1], ids[2], -100, ids[4], ids[5], ids[6], -100, -100]
+    assert torch.cat([s["position_ids"] for s in slices], dim=1)[0].tolist() == [0, 1, 2, 0, 1, 2, 3, 0]
+    assert slices[1]["input_ids"][0, -1].item() == 1  # the pad token
+    assert slices[1]["seq_idx"][0].tolist() == [1, 1, 1, 2]  # the padding segment is an example of its own
+
+
+def test_slice_row_one_token_example_at_the_cut_and_per_example_keys():
+    """Examples 3, 1, 1, 3 in 2 slices of 4: two 1-token examples meet at the cut; per-example keys stay whole; a
+    row that is a multiple of the size gets no padding segment."""
+    row = collate([3, 1, 1, 3])
+    row["label"] = torch.tensor([0, 1, 0, 1])
+    slices = [slice_row(row, rank, 2) for rank in (0, 1)]
+    assert [s["position_ids"][0].tolist() for s in slices] == [[0, 1, 2, 0], [0, 0, 1, 2]]
+    assert slices[0]["labels"][0, -1].item() == -100  # a 1-token example has nothing to predict
+    for local in slices:
+        assert local["cu_seq_lens_q"].tolist() == [0, 3, 4, 5, 8]
+        assert local["label"].tolist() == [0, 1, 0, 1]
+
+
+def test_slice_row_drops_the_micro_batch_labelled_logits_and_refuses_multimodal_positions():
+    row = collate([3, 4])
+    row.update(logits_to_keep=torch.tensor([0, 1]), shift_labels=row["labels"][:, :2])
+    local = slice_row(row, 0, 2)
+    assert "logits_to_keep" not in local and local["shift_labels"] is local["labels"]
+    row["position_ids"] = row["position_ids"].expand(4, 1, -1)
+    with pytest.raises(BatchError, match=r"position_ids of shape \(4, 1, 7\).*multimodal"):
+        slice_row(row, 0, 2)
+    with pytest.raises(ValueError, match="rank 2 of a sequence-parallel group of 2"):
+        slice_row(collate([3]), 2, 2)
+
+
+def test_kv_repeats_keep_every_query_head_with_its_own_kv_head():
+    """After ``repeat_interleave(kv_repeats)`` and the split over ``size`` ranks, each rank's query heads use the
+    key/value heads they use without sequence parallelism; nothing is repeated when ``size`` divides the KV heads."""
+    grid = [(heads, kv, size) for heads, kv in [(4, 4), (4, 2), (4, 1), (8, 2), (12, 4), (12, 3), (24, 8)]
+            for size in (2, 3, 4, 8) if heads % size == 0]
+    assert [kv_repeats(h, kv, n) for h, kv, n in [(4, 4, 2), (4, 2, 4), (4, 1, 4), (12, 4, 3)]] == [1, 2, 4, 3]
+    for heads, kv_heads, size in grid:
+        repeat = kv_repeats(heads, kv_heads, size)
+        assert (repeat == 1) == (kv_heads % size == 0) and kv_heads * repeat % size == 0
+        group, local_q, local_kv = heads // kv_heads, heads // size, kv_heads * repeat // size
+        for rank in range(size):
+            for i in range(local_q):
+                repeated = rank * local_kv + i // (local_q // local_kv)
+                assert repeated // repeat == (rank * local_q + i) // group, (heads, kv_heads, size)
+
+
+def test_slice_guard_checks_the_restarts_inside_the_slice():
+    """The ModelPatch guard under sequence parallelism: the global boundaries' restarts inside this rank's slice
+    must be where its position ids restart."""
+    cu = torch.tensor([0, 3, 7, 8], dtype=torch.int32)  # the slices above: [0 1 2 0 | 1 2 3 0]
+    group0, group1 = SequenceGroup(None, 0, 2), SequenceGroup(None, 1, 2)
+    _check_packed_boundaries(cu, cu, torch.tensor([[0, 1, 2, 0]]), group0)
+    _check_packed_boundaries(cu, cu, torch.tensor([[1, 2, 3, 0]]), group1)
+    with pytest.raises(BoundaryError, match="rank 1's slice.*start at \\[3\\].*restart at \\[2\\]"):
+        _check_packed_boundaries(cu, cu, torch.tensor([[1, 2, 0, 1]]), group1)
+    with pytest.raises(BoundaryError, match="rank 0's slice"):
+        _check_slice_boundaries(cu, None, torch.tensor([1]), 4, group0)
+    with pytest.raises(BoundaryError, match="3 tokens on each of 2 ranks.*describes a row of 8"):
+        _check_packed_boundaries(cu, cu, torch.tensor([[0, 1, 2]]), group0)
+    with pytest.raises(BoundaryError, match="does not match"):  # cu_seq_lens_k differing from cu_seq_lens_q
+        _check_slice_boundaries(cu, torch.tensor([0, 4, 8]), torch.tensor([3]), 4, group0)
+
+
+# --- refusals at assemble(), model untouched ---------------------------------------------------------------------
+
+
+def untouched(model, implementation) -> bool:
+    return model.config._attn_implementation == implementation and not any(
+        "forward" in module.__dict__ for module in model.modules())
+
+
+def refused(model, config) -> str:
+    implementation = model.config._attn_implementation
+    with pytest.raises(ConfigError) as error:
+        assemble(model, {"attention": "exact", **config})
+    assert untouched(model, implementation)
+    return str(error.value)
+
+
+def test_refuses_tasks_other_than_causal_lm():
+    message = refused(tiny_model("llama"), {"task": "embedding", "sequence_parallel": {"size": 2}})
+    assert "task 'embedding'" in message and "sequence_parallel.size: 1" in message
+
+
+def test_refuses_encoders():
+    message = refused(tiny_model("bert", "causal_lm"), {"sequence_parallel": {"size": 2}})
+    assert "is an encoder" in message
+
+
+def test_refuses_vision_language_models():
+    from padfree_plugins.testing.vision import image_text_processor, tiny_vision_language_model
+
+    model = tiny_vision_language_model("qwen2_vl", image_text_processor("qwen2_vl"))
+    message = refused(model, {"sequence_parallel": {"size": 2}})
+    assert "vision-language" in message
+
+
+def test_refuses_heads_the_group_cannot_split():
+    message = refused(tiny_model("llama", "causal_lm"), {"sequence_parallel": {"size": 3}})
+    assert "4 attention heads" in message and "use one of [2, 4]" in message
+
+
+def test_refuses_unpad_always():
+    message = refused(tiny_model("llama", "causal_lm"), {"unpad": "always", "sequence_parallel": {"size": 2}})
+    assert "unpad: always" in message and "unpad: auto" in message
+
+
+def test_refuses_without_torch_distributed():
+    assert not torch.distributed.is_initialized()
+    message = refused(tiny_model("llama", "causal_lm"), {"sequence_parallel": {"size": 2}})
+    assert "needs torch.distributed initialised" in message and "torchrun" in message
+
+
+# --- the distributed runs -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """``launches(name)``: the results of launch ``name`` of the worker, by case name (each launch runs once)."""
+    results = {}
+
+    def get(name: str) -> dict:
+        if name not in results:
+            results[name] = launch(name, tmp_path_factory.mktemp(name))
+        return results[name]
+
+    return get
+
+
+def launch(name: str, out) -> dict:
+    started = time.monotonic()
+    cases = worker.LAUNCHES[name]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(worker.WORLDS[name]),
+               "--master_port", str(free_port()), str(ROOT / "tests" / "sequence_parallel_run.py"), name, str(out)]
+    files = [out / f"{case.name}.pt" for case in cases]
+    returncode, output = run_group(command, env, timeout=LAUNCH_TIMEOUT_S, results=files)
+    assert returncode == 0, output[-6000:]
+    print(f"launch {name}: {len(cases)} cases, {time.monotonic() - started:.0f} s")
+    return {case.name: torch.load(path, weights_only=True) for case, path in zip(cases, files)}
+
+
+@functools.cache
+def reference(model_type: str, world: int, steps: int = 1, checkpointing: bool = False,
+              labelled: bool = False) -> dict:
+    """One process on the same global batches: each micro-step's examples of every rank in one row, in rank order."""
+    model = worker.build(model_type, checkpointing)
+    assembly = assemble(model, {"attention": "exact"})
+    optimizer = torch.optim.SGD(model.parameters(), lr=worker.LR)
+    losses = []
+    for _ in range(steps):
+        total = 0.0
+        for micro in worker.micro_batches(world):
+            examples = [example for rank in micro for example in rank]
+            count = num_label_tokens(assembly.collator(examples))
+            loss = worker.loss_of(assembly, model, examples, count, labelled)
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        grads = {name: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                 for name, p in model.named_parameters()}
+        if steps > 1:
+            optimizer.step()
+        optimizer.zero_grad()
+    assembly.undo()
+    return {"losses": losses, "grads": grads,
+            "state": {name: p.detach().clone() for name, p in model.named_parameters()}}
+
+
+def result(launches, launch_name: str, case: worker.Case) -> dict:
+    run = launches(launch_name)[case.name]
+    assert "error" not in run, run["error"]
+    return run
+
+
+def differences(run: dict, want: dict) -> dict[str, float]:
+    """Largest differences of the losses, the gradients and the weights."""
+    assert run["grads"].keys() == want["grads"].keys()
+    return {"loss": max(abs(a - b) for a, b in zip(run["losses"], want["losses"])),
+            "grad": max((run["grads"][k] - want["grads"][k]).abs().max().item() for k in want["grads"]),
+            "weight": max((run["state"][k] - want["state"][k]).abs().max().item() for k in want["state"])}
+
+
+def cases(launch_name: str, faulty: bool = False, refusals: bool = False) -> list:
+    return [pytest.param(launch_name, case, id=case.name) for case in worker.LAUNCHES[launch_name]
+            if bool(case.fault) == faulty and bool(case.expect) == refusals]
+
+
+def group_rows(world: int, sp: int) -> list[list[int]]:
+    """The example lengths of every group's row, over the micro-steps."""
+    return [[n for rank in range(start, start + sp) for n in lengths[rank]]
+            for lengths in worker.LENGTHS for start in range(0, world, sp)]
+
+
+@pytest.mark.parametrize("world, sp", [(2, 2), (4, 2), (4, 4)])
+def test_the_data_cut_examples_and_one_token_examples(world, sp):
+    """Every launch's rows hold what sequence parallelism gets wrong most easily: an example crossing a cut, a
+    1-token example right at a cut, a row whose length is not a multiple of the group size."""
+    crossing = one_token_at_cut = uneven = False
+    for lengths in group_rows(world, sp):
+        tokens = sum(lengths)
+        local = padded_length(tokens, sp) // sp
+        cuts = [rank * local for rank in range(1, sp)]
+        starts = torch.tensor([0, *lengths]).cumsum(0).tolist()
+        examples = list(zip(starts[:-1], starts[1:]))
+        crossing |= any(begin < cut < end for cut in cuts for begin, end in examples)
+        one_token_at_cut |= any(end - begin == 1 and cut in (begin, end) for cut in cuts for begin, end in examples)
+        uneven |= tokens % sp != 0
+    assert crossing and one_token_at_cut and uneven
+
+
+def test_the_tiny_models_have_what_the_cases_are_for():
+    """gpt-oss: sliding layers whose window is shorter than examples that cross the cut, random attention sinks;
+    qwen3 (and qwen3.5) at SP4: fewer key/value heads than ranks, replicated; the hybrids: their mixers."""
+    gpt_oss = worker.build("gpt_oss")
+    assert "sliding_attention" in gpt_oss.config.layer_types and "full_attention" in gpt_oss.config.layer_types
+    assert gpt_oss.config.sliding_window < max(max(lengths) for step in worker.LENGTHS for lengths in step)
+    sinks = [p for name, p in gpt_oss.named_parameters() if name.endswith(".sinks")]
+    assert len(sinks) == gpt_oss.config.num_hidden_layers and min(s.std().item() for s in sinks) > 0.1
+    for model_type in ("qwen3", "qwen3_5_text"):
+        config = worker.build(model_type).config
+        assert config.num_key_value_heads < 4 and kv_repeats(config.num_attention_heads,
+                                                             config.num_key_value_heads, 4) > 1
+    assert "conv" in worker.build("lfm2").config.layer_types
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+@pytest.mark.parametrize("launch_name, case", cases("sp2") + cases("sp4") + cases("hybrids"))
+def test_sequence_parallel_equals_one_process(launches, launch_name, case):
+    run = result(launches, launch_name, case)
+    if case.model_type not in ATTENTION_FREE:
+        assert run["implementation"] == f"padfree_exact_sp{case.sp}"
+    assert (run["mixers"] > 0) == (case.model_type in worker.HYBRID_TYPES)
+    want = reference(case.model_type, run["world"], case.steps, case.checkpointing, case.labelled)
+    diff = differences(run, want)
+    scale = max(g.abs().max().item() for g in want["grads"].values())
+    print(f"{case.name}: loss {diff['loss']:.1e}, grad {diff['grad']:.1e} (largest grad {scale:.2f}), "
+          f"weight {diff['weight']:.1e}")
+    assert diff["loss"] < TOLERANCE and diff["grad"] < TOLERANCE and diff["weight"] < TOLERANCE, diff
+    assert scale > 1e-2  # gradients far above the tolerance
+    if case.steps > 1:
+        initial = {name: p.detach() for name, p in worker.build(case.model_type).named_parameters()}
+        moved = max((want["state"][k] - initial[k]).abs().max().item() for k in initial)
+        assert moved > 100 * TOLERANCE and want["losses"][-1] < want["losses"][0]  # it trains
+
+
+def test_every_hybrid_family_is_tested_under_sequence_parallelism():
+    """Every hybrid family with a builtin plugin (tests/hybrids_common.py, and LFM2's short convolutions) has an
+    equivalence case: a family whose mixers scanned only their slice would be silently wrong."""
+    tested = {case.model_type for name in ("sp2", "hybrids") for case in worker.LAUNCHES[name] if not case.fault}
+    assert {*HYBRIDS, "lfm2", "lfm2_moe"} <= tested
+
+
+@pytest.mark.parametrize("launch_name, case", cases("sp2", faulty=True))
+def test_a_deliberate_fault_fails_the_comparison(launches, launch_name, case):
+    run = result(launches, launch_name, case)
+    diff = differences(run, reference(case.model_type, run["world"]))
+    print(f"{case.name}: loss {diff['loss']:.1e}, grad {diff['grad']:.1e}")
+    assert diff["grad"] > FAULT_GAP, diff
+
+
+@pytest.mark.parametrize("launch_name, case", cases("sp2", refusals=True))
+def test_a_world_the_size_does_not_divide_is_refused(launches, launch_name, case):
+    run = launches(launch_name)[case.name]
+    assert "error" in run and run["error"].startswith("ConfigError") and case.expect in run["error"], run
+    assert run["untouched"]

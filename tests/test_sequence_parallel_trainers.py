@@ -1,0 +1,206 @@
+"""Sequence parallelism (``sequence_parallel: {size: 2}``) through the trainers and the plain loop, on 2 CPU processes
+(gloo): each rank loads its own micro-batch, the group trains their joined row, each rank computing half of it.
+
+One launch (tests/sequence_parallel_trainer_run.py) trains HF ``Trainer`` (gradient checkpointing; gradient
+accumulation 2), TRL ``SFTTrainer`` (accumulation 2 and checkpointing) and examples/accelerate_loop.py's loop; each
+equals one process on the same global batches (both ranks' micro-batches of a step), to 1e-5: the logged losses
+(the trainer logs the mean over ranks of ``2 x slice losses / global label count``: the one-process loss), the final
+weights and the loss-only ``eval_loss``. Refusals (trainer untouched) are checked in one process, with the
+sequence-parallel group faked (no collective runs before the refusal).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import tempfile
+import types
+
+import datasets
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments
+
+from padfree_plugins import ConfigError, PadfreeError, accelerate, load_config, patch_of
+from padfree_plugins.modeling.attention.ulysses import SequenceGroup
+from tests.sequence_parallel_trainer_run import CASES, SP_CONFIG, TRAINER_CONFIG, make_trainer, rows, \
+    trainer_result
+from tests.test_distributed import ROOT, free_port, load_example, reference_training, run_group
+
+trl = pytest.importorskip("trl")
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict:
+    """Every case of the worker, in one 2-process launch."""
+    out = tmp_path_factory.mktemp("sequence_parallel") / "runs.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(ROOT / "tests" / "sequence_parallel_trainer_run.py"), str(out), *CASES, "loop"]
+    returncode, output = run_group(command, env, timeout=300, results=[out])
+    assert returncode == 0, output[-6000:]
+    return torch.load(out, weights_only=False)
+
+
+@functools.lru_cache(maxsize=1)
+def initial_weights() -> dict:
+    return {name: p.detach().clone() for name, p in load_example().tiny_llama().named_parameters()}
+
+
+def differences(run: dict, want: dict) -> tuple[float, float]:
+    assert len(run["losses"]) == len(want["losses"]) >= 3
+    assert run["state"].keys() == want["state"].keys()
+    loss = max(abs(a - b) for a, b in zip(run["losses"], want["losses"]))
+    weight = max((run["state"][k] - want["state"][k]).abs().max().item() for k in want["state"])
+    moved = max((want["state"][k] - initial_weights()[k]).abs().max().item() for k in want["state"])
+    assert moved > 100 * TOLERANCE  # the weights moved far more than the tolerance: the comparison has teeth
+    return loss, weight
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_trainer_under_sequence_parallelism_equals_one_process(launched, case):
+    run = launched[case]
+    trainer, _ = make_trainer(case, tempfile.mkdtemp(), TRAINER_CONFIG, ranks=2)
+    trainer.train()
+    want = trainer_result(trainer)
+    loss, weight = differences(run, want)
+    evaluation = abs(run["eval_loss"] - want["eval_loss"])
+    print(f"{case}: max loss difference {loss:.2e}, max weight difference {weight:.2e}, eval_loss {evaluation:.2e}")
+    assert loss < TOLERANCE and weight < TOLERANCE and evaluation < TOLERANCE
+    assert run["num_tokens"] == want["num_tokens"]  # SFT: every rank's own tokens, gathered (empty for HF)
+    # each rank computed half of the group's row (both ranks' micro-batches, padded to even) at every forward
+    embedded = [seen["embedded"] for seen in run["seen"]]
+    own = list(zip(*(seen["micro_batches"] for seen in run["seen"])))
+    assert embedded[0] == embedded[1] == [-(-sum(sizes) // 2) for sizes in own] and len(own) >= 3
+    if CASES[case]["strategy"] == "examples":  # the cut falls inside a rank's micro-batch, not between them
+        assert any(a != b for a, b in own), own
+    if CASES[case]["kind"] == "hf":  # the LM head on the slice's labelled positions only (recomputed on the slice)
+        assert run["labelled_logits"]
+        projected = [seen["projected"] for seen in run["seen"]]
+        assert all(0 < p <= e for rank in (0, 1) for p, e in zip(projected[rank], embedded[rank]))
+        assert sum(map(sum, projected)) < sum(map(sum, embedded))
+    else:  # without num_items_in_batch the loss is the mean over the group's row
+        uncounted = run["uncounted"]
+        batch = trainer._prepare_inputs(trainer.data_collator(uncounted["examples"]))
+        with torch.no_grad():
+            joined = trainer.compute_loss(trainer.model, batch).item()
+        assert abs(uncounted["loss"] - joined) < TOLERANCE, (uncounted["loss"], joined)
+
+
+def test_plain_loop_under_sequence_parallelism_equals_one_process(launched):
+    """examples/accelerate_loop.py (the loss over the global label count, times the number of processes) with
+    ``sequence_parallel.size: 2``: the loss curve, tokens per rank and final weights of one process."""
+    run, want = launched["loop"], reference_training(ranks=2)
+    assert run["tokens"] == want["tokens"]  # rank r loaded micro-batch s*2 + r of the shared plan
+    loss, weight = differences(run, want)
+    print(f"loop: max loss difference {loss:.2e}, max weight difference {weight:.2e}")
+    assert loss < TOLERANCE and weight < TOLERANCE
+
+
+# -- refusals (one process: the group of 2 faked; each refusal comes before any collective) ------------------------
+
+
+@pytest.fixture
+def fake_group(monkeypatch):
+    """``assemble`` under ``sequence_parallel.size: N`` in one process: this rank is rank 0 of a group of N."""
+    monkeypatch.setattr("padfree_plugins.assembly.sequence_group", lambda size: SequenceGroup(None, 0, size))
+
+
+def hf_trainer(args: dict | None = None, **overrides) -> Trainer:
+    """An HF Trainer on the tiny Llama, with ``args`` for its TrainingArguments and ``overrides`` for itself."""
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), report_to="none", use_cpu=True, disable_tqdm=True,
+                             **(args or {}))
+    return Trainer(model=load_example().tiny_llama(), args=args, train_dataset=datasets.Dataset.from_list(rows(8, 0)),
+                   eval_dataset=datasets.Dataset.from_list(rows(4, 1)), **overrides)
+
+
+def assert_refused(trainer, error, match: str, config=SP_CONFIG) -> None:
+    collator = trainer.data_collator
+    with pytest.raises(error, match=match):
+        accelerate(trainer, config)
+    assert patch_of(trainer.model) is None and trainer.data_collator is collator
+    assert "compute_loss" not in vars(trainer) and "prediction_step" not in vars(trainer)
+
+
+@pytest.mark.parametrize("args, overrides, match", [
+    ({"average_tokens_across_devices": False}, {}, r"average_tokens_across_devices=False.*Set "
+                                                   r"average_tokens_across_devices=True"),
+    ({}, {"compute_metrics": lambda prediction: {}}, r"compute_metrics.*Evaluate the loss alone"),
+    ({"neftune_noise_alpha": 5.0}, {}, r"neftune_noise_alpha.*Train without NEFTune"),
+    ({"label_smoothing_factor": 0.1}, {}, r"label smoothing or a compute_loss_func"),
+])
+def test_what_sequence_parallel_trainers_cannot_do_is_refused(fake_group, args, overrides, match):
+    assert_refused(hf_trainer(args=args, **overrides), PadfreeError, f"sequence_parallel.size: 2.*{match}")
+
+
+def test_prediction_with_logits_is_refused_and_loss_only_evaluation_is_not(fake_group):
+    """``predict`` (and any evaluation with ``prediction_loss_only=False``) would return this rank's slice of the
+    group's row: refused before the forward. Loss-only evaluation is exact (the launch compares eval_loss)."""
+    trainer = hf_trainer()
+    acceleration = accelerate(trainer, SP_CONFIG)
+    with pytest.raises(PadfreeError, match=r"prediction / evaluation with logits.*trainer.evaluate\(\) without "
+                                           r"compute_metrics"):
+        trainer.predict(trainer.eval_dataset)
+    acceleration.undo()
+
+
+def test_a_trainer_without_sequence_parallel_support_is_refused(fake_group):
+    """A Trainer subclass with its own compute_loss (plugin any_trainer: its padded batches) is not split."""
+    class OwnLoss(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    trainer = hf_trainer()
+    trainer.__class__ = OwnLoss
+    with pytest.raises(ConfigError, match=r"OwnLoss is not yet supported under sequence parallelism.*any_trainer"):
+        accelerate(trainer, SP_CONFIG)
+    assert patch_of(trainer.model) is None and "prediction_step" not in vars(trainer)
+
+
+def trl_like(name: str, module: str, methods: tuple[str, ...] = ("compute_loss", "prediction_step")) -> object:
+    """An object of a class named ``name`` from a ``trl`` module with ``methods`` (what the TRL plugins claim by),
+    and the trainer state the refusals read."""
+    def method(self, *args, **kwargs):
+        raise AssertionError("the refusal comes first")
+
+    cls = type(name, (), {"__module__": module, **{name_: method for name_ in methods}})
+    trainer = cls()
+    trainer.args = types.SimpleNamespace(n_gpu=1, average_tokens_across_devices=True)
+    trainer.accelerator = types.SimpleNamespace(parallelism_config=None)
+    return trainer
+
+
+@pytest.mark.parametrize("plugin, name", [("trl_dpo", "DPOTrainer"), ("trl_kto", "KTOTrainer"),
+                                          ("trl_grpo", "GRPOTrainer"), ("trl_rloo", "RLOOTrainer")])
+def test_trl_fused_log_prob_trainers_are_refused(plugin, name):
+    import importlib
+
+    module = importlib.import_module(f"padfree_plugins.integrations.{plugin}")
+    patch = next(v for v in vars(module).values() if isinstance(v, type) and getattr(v, "trainer_class", "") == name)
+    assembly = types.SimpleNamespace(config=load_config(SP_CONFIG))
+    with pytest.raises(ConfigError, match=rf"{name} is not yet supported under sequence parallelism "
+                                          r"\(sequence_parallel.size: 2\).*fused LM head"):
+        patch.wrap(trl_like(name, f"trl.trainer.{plugin}", patch.kept_methods), assembly)
+
+
+def test_trl_reward_trainer_is_refused_before_the_model_is_assembled():
+    from padfree_plugins.integrations.trl_reward import trainer_config
+
+    with pytest.raises(ConfigError, match=r"RewardTrainer is not yet supported under sequence parallelism.*scores "
+                                          r"whole texts"):
+        trainer_config(trl_like("RewardTrainer", "trl.trainer.reward_trainer"), load_config(SP_CONFIG))
+
+
+@pytest.mark.parametrize("cp, sp, match", [
+    (False, True, r"sp_backend=deepspeed \(ALST\) shards \[batch, length\] tensors.*cu_seq_lens.*padfree.yaml "
+                  r"sequence_parallel: \{size: N\} instead"),
+    (True, False, r"cp_size > 1\): torch context parallel is broken with packed sequences upstream"),
+])
+def test_accelerates_sequence_and_context_parallelism_are_refused(monkeypatch, cp, sp, match):
+    trainer = hf_trainer()
+    split = types.SimpleNamespace(cp_enabled=cp, sp_enabled=sp)
+    monkeypatch.setattr(type(trainer.accelerator), "parallelism_config", property(lambda self: split))
+    assert_refused(trainer, PadfreeError, match, config=TRAINER_CONFIG)
