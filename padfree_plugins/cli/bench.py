@@ -1,5 +1,5 @@
-"""``bench``: side-by-side benchmarks (sft, dpo, grpo, vlm, embedding, collator, batching), each ratio measured in
-one run."""
+"""``bench``: side-by-side benchmarks (sft, dpo, grpo, vlm, embedding, collator, batching, scale), each ratio
+measured in one run."""
 
 from __future__ import annotations
 
@@ -398,3 +398,64 @@ def bench_vlm(
                  "<= 1e-6. The vision tower computes every image in both variants (it has no padding to drop), and "
                  "the ideal counts the text rows' padding only.", highlight=False)
     stdout.print(f"wrote {paths['json']} and {paths['markdown']}", highlight=False)
+
+
+@app.command("scale")
+def bench_scale(
+    tokens: Annotated[int, positive("Tokens of the packed row (even).")] = 16384,
+    quick: Annotated[bool, typer.Option(help="The test suite's size: a row of 1024 tokens, no warm-up, one "
+                                             "round (seconds, not minutes; its speeds mean little).")] = False,
+    models: Annotated[str, typer.Option(help="Comma-separated: llama, qwen3_5_text.")] = "llama,qwen3_5_text",
+    rounds: Annotated[int, positive("Interleaved timed rounds; figures are medians over rounds.")] = 2,
+    warmup: Annotated[int, typer.Option(help="Untimed warm-up steps per variant.")] = 1,
+    seed: Annotated[int, typer.Option(help="Seed of the lengths, the tokens and the weights.")] = 0,
+    threads: Annotated[int, positive("torch intra-op threads per process.")] = 1,
+    timeout: Annotated[float, positive("Seconds before the 2 processes are killed.")] = 1800.0,
+    out: Annotated[Path, typer.Option(help="Directory for bench_scale.json.")] = Path("out/bench-scale"),
+    as_json: JsonFlag = False,
+) -> None:
+    """One long packed row on 2 CPU processes (gloo): sequence parallelism SP=2 vs SP=1 (DDP), and FSDP2 vs DDP;
+    peak memory per rank, real tokens/s and SP's communication per layer, one run."""
+    import dataclasses
+
+    from padfree_plugins.benchmarks.scale import (
+        COLUMNS,
+        MEMORY_NOTE,
+        QUICK,
+        TITLES,
+        ScaleSettings,
+        cells,
+        communication_line,
+        run_scale_benchmark,
+        write_outputs,
+    )
+
+    settings = ScaleSettings(tokens=tokens, models=tuple(m.strip() for m in models.split(",")), rounds=rounds,
+                             warmup=warmup, seed=seed, threads=threads, timeout=timeout)
+    if quick:
+        settings = dataclasses.replace(settings, **QUICK)
+    try:
+        result = run_scale_benchmark(settings, progress=progress_lines("bench scale", not as_json))
+    except PadfreeError as error:
+        fail(error)
+    path = write_outputs(result, out)
+    if as_json:
+        print(result.to_json())
+        return
+    stdout = console()
+    for model in settings.models:
+        table = Table(title=f"{TITLES[model]}: one row of {settings.tokens:,} tokens per step and SP group, fwd + "
+                            f"bwd, 2 CPU processes (gloo)")
+        for column in COLUMNS:
+            table.add_column(column, justify="right")
+        for row in result.rows:
+            if row.model == model:
+                table.add_row(*cells(row))
+        stdout.print(table)
+    for model, volume in result.communication.items():
+        stdout.print(f"SP=2 communication, {communication_line(model, volume, settings.tokens)}", highlight=False)
+    stdout.print(f"{MEMORY_NOTE} real tok/s: the tokens of all rows of a step (ddp, fsdp2: one row per rank; "
+                 "sp2: one row for both) over the slowest rank's step time. On CPU the exchanges cost time: no "
+                 "speed target.", highlight=False)
+    stdout.print(f"environment: {result.environment}", highlight=False)
+    stdout.print(f"wrote {path}", highlight=False)

@@ -1,0 +1,83 @@
+"""``padfree-plugins bench scale`` at the test suite's size (``--quick``, the Llama: one 2-process run): the output's
+structure, sane figures, SP=2 on less memory per rank than SP=1 at the same loss; the communication volume from the
+config; the launcher's timeout and errors. (Speed is measured by the benchmark itself, never asserted here.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from padfree_plugins.benchmarks.scale import (
+    VARIANTS,
+    ScaleSettings,
+    _halves,
+    communication,
+    model_config,
+    row_lengths,
+    run_scale_benchmark,
+)
+from padfree_plugins.cli.app import app
+from padfree_plugins.errors import PadfreeError
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-scale")
+    result = CliRunner().invoke(app, ["bench", "scale", "--quick", "--models", "llama", "--timeout", "300",
+                                      "--out", str(out)])
+    return result, json.loads((out / "bench_scale.json").read_text()) if result.exit_code == 0 else None
+
+
+def test_quick_run_prints_the_table_and_writes_the_figures(quick_run):
+    result, data = quick_run
+    assert result.exit_code == 0, result.output
+    printed = " ".join(result.output.split())  # the table's and the notes' lines wrap at the console's width
+    for words in ("SP=2 communication, llama: 4 attention layer(s): 4 all-to-alls per layer", "torch.profiler",
+                  "│ pass │", "no speed target"):
+        assert words in printed
+    rows = {row["variant"]: row for row in data["rows"]}
+    assert list(rows) == list(VARIANTS) and all(row["model"] == "llama" for row in rows.values())
+    assert data["memory_target"] == 0.6 and data["memory_target_met"] is True
+    for row in rows.values():
+        assert row["tokens_per_s"] > 0 and row["step_s"] > 0 and row["saved_bytes"] > 0 and row["weight_bytes"] > 0
+        assert len(row["peak_bytes_by_rank"]) == 2 and min(row["peak_bytes_by_rank"]) > 0
+        assert row["loss_rel_diff"] < 1e-5  # the same examples and weights: the same loss, however trained
+    assert rows["ddp"]["tokens_per_step"] == 2 * 1024 and rows["sp2"]["tokens_per_step"] == 1024
+    assert rows["sp2"]["peak_bytes"] < rows["ddp"]["peak_bytes"]
+    assert rows["sp2"]["saved_bytes"] < rows["ddp"]["saved_bytes"]
+    assert rows["fsdp2"]["weight_bytes"] == rows["ddp"]["weight_bytes"] // 2  # sharded over the 2 ranks
+    assert data["communication"]["llama"]["attention bytes per layer"] > 0
+
+
+def test_communication_per_layer_follows_the_config():
+    llama = communication(model_config("llama", 1024), 1024)  # 8 query / 2 kv heads of 32, SP=2
+    assert llama["attention layers"] == 4 and llama["mixer layers"] == 0 and llama["kv repeat"] == 1
+    assert llama["attention bytes per layer"] == 512 * (2 * 8 + 2 * 2) * 32 * 4
+    replicated = communication(model_config("llama", 1024), 1024, size=4)  # 2 kv heads over 4 ranks: repeated
+    assert replicated["kv repeat"] == 2
+    assert replicated["attention bytes per layer"] == 256 * (2 * 8 + 2 * 2 * 2) * 32 * 4
+    hybrid = communication(model_config("qwen3_5_text", 1024), 1024)
+    assert (hybrid["attention layers"], hybrid["mixer layers"]) == (1, 3)
+    assert hybrid["mixer bytes per layer"] == 1024 * 256 * 4
+
+
+def test_the_row_holds_exactly_its_tokens_and_splits_into_consecutive_halves():
+    lengths = row_lengths(16384, seed=0)
+    assert sum(lengths) == 16384 and min(lengths) > 0
+    examples = [{"input_ids": [0] * n} for n in lengths]
+    halves = _halves(examples, 2)
+    assert halves[0] + halves[1] == examples and all(halves)
+
+
+def test_a_run_past_its_timeout_is_killed_with_a_clear_error():
+    with pytest.raises(PadfreeError, match="did not finish within 1 s"):
+        run_scale_benchmark(ScaleSettings(tokens=1024, models=("llama",), timeout=1))
+
+
+def test_unknown_model_and_odd_row_are_refused():
+    with pytest.raises(PadfreeError, match="unknown model.*mamba.*choose from llama, qwen3_5_text"):
+        run_scale_benchmark(ScaleSettings(models=("mamba",)))
+    with pytest.raises(PadfreeError, match="even number"):
+        run_scale_benchmark(ScaleSettings(tokens=1001))
