@@ -173,8 +173,8 @@ def trl_like(name: str, module: str, methods: tuple[str, ...] = ("compute_loss",
     return trainer
 
 
-@pytest.mark.parametrize("plugin, name", [("trl_dpo", "DPOTrainer"), ("trl_kto", "KTOTrainer"),
-                                          ("trl_grpo", "GRPOTrainer"), ("trl_rloo", "RLOOTrainer")])
+@pytest.mark.parametrize("plugin, name", [("trl_kto", "KTOTrainer"), ("trl_grpo", "GRPOTrainer"),
+                                          ("trl_rloo", "RLOOTrainer")])  # DPO: tests/test_sequence_parallel_trl.py
 def test_trl_fused_log_prob_trainers_are_refused(plugin, name):
     import importlib
 

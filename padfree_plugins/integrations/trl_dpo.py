@@ -12,6 +12,10 @@ Image-text preference data (TRL's ``DataCollatorForVisionPreference``) for the Q
 pack images by their grids: every fused call is split into its rows, each row's images with it, and packed by the
 family's multimodal collator (:func:`~padfree_plugins.integrations.trl_fused.pack_media_call`). Other
 vision-language families are refused at ``accelerate()``.
+
+Under ``sequence_parallel.size: N`` (text only) every fused call's packed row is split across the group and each rank
+keeps its own examples' log-probabilities (:func:`~padfree_plugins.integrations.trl_fused.fused_on_slice`): the loss,
+its normalisation and the metrics are TRL's, as under data parallelism.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class DPOTrainerPatch(FusedTrainerPatch):
     kind = "dpo"
     kept_methods = ("compute_loss", "_compute_loss", "prediction_step", "compute_ref_log_probs")
     packs_media = True
+    sequence_parallel = True
 
 
 @hookimpl(trylast=True)

@@ -28,24 +28,40 @@ each run the length of the next grid's ``t·h·w / merge²``, the pixels split b
 collator (each row's mRoPE positions as if it ran alone, its images beside its tokens), and the packed row run
 through TRL's fused forward as for text. A call that cannot be split exactly (placeholders that do not match the
 grids, video, other per-token inputs, an empty row) runs TRL's forward, padded.
+
+Under sequence parallelism (``sequence_parallel.size: N``, the model's patch holding a
+:class:`~padfree_plugins.modeling.attention.ulysses.SequenceGroup`), each rank packs its own fused call (a batch
+without padding too), the group's packed rows are exchanged and joined, each rank runs TRL's fused forward on its
+slice of the joined row (the labels shifted already, so nothing is shifted again), every per-token output is
+gathered back to the whole row (differentiable: each rank's gradient flows to the slice's owner), and each rank keeps
+its own call's tokens. Each rank's TRL loss then reads exactly its own examples' log-probabilities, as under data
+parallelism. The ranks of a group agree at every fused call whether all of them pack it (one small all-reduce): if
+one cannot, every rank runs its own call through TRL's forward, padded, so that their collectives stay in step.
+Image-text calls are not packed under sequence parallelism (refused at ``accelerate()``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 
 from padfree_plugins.assembly import Assembly, assemble
 from padfree_plugins.errors import ConfigError, PadfreeError
 from padfree_plugins.integrations.base import keeps_methods, library_class
-from padfree_plugins.integrations.checks import check_parallelism, refuse_own_batches_options
+from padfree_plugins.integrations.checks import check_parallelism, refuse_own_batches_options, \
+    sequence_parallel_size
 from padfree_plugins.modeling import unpad
-from padfree_plugins.modeling.patching import own_attribute, restore_attributes, unwrap_model
-from padfree_plugins.packing.batch import BOUNDARY_KEYS, MEDIA_KEYS, MODEL_INPUT_KEYS
+from padfree_plugins.modeling.attention.ulysses import SequenceGroup, gather_sequence
+from padfree_plugins.modeling.patching import own_attribute, patch_of, restore_attributes, unwrap_model
+from padfree_plugins.modeling.sequence_parallel import gather_rows
+from padfree_plugins.packing.batch import BOUNDARY_KEYS, MEDIA_KEYS, MODEL_INPUT_KEYS, packed_tokens
 from padfree_plugins.packing.multimodal import TOKEN_TYPES_KEY, MultimodalCollator
+from padfree_plugins.packing.sequence_parallel import MAX_KEYS, join_rows, slice_row
 
 logger = logging.getLogger("padfree_plugins")
 
@@ -67,6 +83,47 @@ def padded_per_token(value: Any, unpadded: unpad.Unpadded) -> Any:
     if not isinstance(value, torch.Tensor) or value.ndim != 2 or value.shape[0] != 1:
         return value
     return unpadded.scatter(value)[:, :-1]
+
+
+def all_ranks_pack(packs: bool, group: SequenceGroup, device: Any) -> bool:
+    """Whether every rank of the sequence-parallel ``group`` packs its fused call (``packs``: this rank's)."""
+    flag = torch.tensor([int(packs)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group.group)
+    return bool(flag.item())
+
+
+def own_tokens(whole: torch.Tensor, sizes: list[int], rank: int) -> torch.Tensor:
+    """Rank ``rank``'s own tokens of the group's joined row ``whole`` ``[1, T, ...]`` (the ranks' rows of ``sizes``
+    tokens back to back, then the padding segment)."""
+    start = sum(sizes[:rank])
+    return whole[:, start:start + sizes[rank]]
+
+
+def fused_on_slice(original: Any, inputs: dict, group: SequenceGroup) -> Any:
+    """TRL's fused forward ``original`` of this rank's packed call ``inputs`` (pre-shifted ``shift_labels``) under
+    sequence parallelism: the group's packed rows joined, this rank's slice through ``original``, every per-token
+    output gathered back to the whole row (in one exchange) and cut to this rank's own tokens; the label mask and the
+    loss recomputed on them."""
+    rows = {key: value for key, value in inputs.items() if isinstance(value, torch.Tensor) or key in MAX_KEYS}
+    rest = {key: value for key, value in inputs.items() if key not in rows}
+    gathered = gather_rows(rows, group, dropped=())
+    sizes = [packed_tokens(row) for row in gathered]
+    local = slice_row(join_rows(gathered), group.rank, group.size, pre_shifted=True)
+    output = original(fused_lm_head=True, **rest, **local)
+    tokens = packed_tokens(local)
+    keys = [key for key, value in output.items() if key != "label_mask" and isinstance(value, torch.Tensor) and
+            tuple(value.shape) == (1, tokens)]
+    if keys:  # stacked in a dtype that holds each exactly (top-1 hits are bools), gathered once
+        dtype = functools.reduce(torch.promote_types, (output[key].dtype for key in keys), torch.float32)
+        whole = own_tokens(gather_sequence(torch.stack([output[key].to(dtype) for key in keys], dim=-1), group),
+                           sizes, group.rank)
+        for index, key in enumerate(keys):
+            output[key] = whole[..., index].to(output[key].dtype)
+    mask = inputs["shift_labels"] != -100
+    output["label_mask"] = mask
+    count = rest.get("num_items_in_batch")
+    output["loss"] = -output["log_probs"].sum() / (mask.sum().clamp(min=1) if count is None else count)
+    return output
 
 
 def media_collator(assembly: Assembly | None) -> MultimodalCollator | None:
@@ -183,6 +240,8 @@ class PackedFusedHead:
     #: The assembly's multimodal collator (:func:`media_collator`): every fused call is then packed through it,
     #: images and all (:func:`pack_media_call`); ``None``: text only, calls with media run padded.
     collator: MultimodalCollator | None = None
+    #: The model's sequence-parallel group (its patch's), ``None`` without sequence parallelism.
+    sequence: SequenceGroup | None = None
 
     @classmethod
     def install(cls, model: Any, collator: MultimodalCollator | None = None) -> PackedFusedHead:
@@ -192,7 +251,11 @@ class PackedFusedHead:
                 f"{type(model).__name__} has no TRL fused LM head (trl.trainer.utils.add_fused_lm_head), which the "
                 "trainer adds in its __init__ and the packed log-probabilities run through: accelerate the trainer "
                 "after building it, with its own model")
-        head = cls(model, original, {"forward": own_attribute(model, "forward")}, collator)
+        sequence = getattr(patch_of(model), "sequence", None)
+        if sequence is not None and collator is not None:
+            raise PadfreeError("image-text log-probability calls are not packed under sequence parallelism: train "
+                               "them with sequence_parallel.size: 1")
+        head = cls(model, original, {"forward": own_attribute(model, "forward")}, collator, sequence)
         model.forward = head.forward
         return head
 
@@ -206,7 +269,11 @@ class PackedFusedHead:
             if not any(kwargs.get(key) is not None for key in ("past_key_values", "inputs_embeds")):
                 packed = pack_media_call(kwargs, mask, labels.to(mask.device), self.collator)
         elif fused and not any(kwargs.get(key) is not None for key in UNPACKED_INPUTS):
-            packed = unpad.pack_padded_call(kwargs, mask, labels.to(mask.device))
+            # under sequence parallelism a call without padding is packed too (the group exchanges every call)
+            packed = unpad.pack_padded_call(kwargs, mask, labels.to(mask.device), self.sequence is not None)
+        if fused_lm_head and self.sequence is not None:  # every rank of the group packs its call, or none does
+            if not all_ranks_pack(packed is not None, self.sequence, self.model.device):
+                packed = None
         if packed is None:
             return self.original(*args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
                                  **kwargs)
@@ -214,7 +281,10 @@ class PackedFusedHead:
         # the label each packed token predicts: the padded row's next column (-100 past the row's end)
         shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
         inputs["shift_labels"] = shifted.reshape(-1).index_select(0, unpadded.index.to(shifted.device))[None]
-        output = self.original(fused_lm_head=True, **inputs)
+        if self.sequence is not None:
+            output = fused_on_slice(self.original, inputs, self.sequence)
+        else:
+            output = self.original(fused_lm_head=True, **inputs)
         for key in list(output.keys()):
             output[key] = padded_per_token(output[key], unpadded)
         return output
@@ -237,6 +307,9 @@ class FusedTrainerPatch:
     #: Whether the plugin packs image-text calls (:func:`pack_media_call`) for a family whose assembly packs grid
     #: media; the others refuse vision datasets.
     packs_media: ClassVar[bool] = False
+    #: Whether the plugin trains under ``sequence_parallel.size > 1`` (its fused calls through
+    #: :func:`fused_on_slice`); refused otherwise.
+    sequence_parallel: ClassVar[bool] = False
 
     trainer: Any
     assembly: Assembly
@@ -253,6 +326,16 @@ class FusedTrainerPatch:
         trainer, config, name = self.trainer, self.assembly.config, type(self.trainer).__name__
         images, vlm = getattr(trainer, "_is_vision_dataset", False), getattr(trainer, "_is_vlm", False)
         vision = images or vlm
+        size = sequence_parallel_size(config)
+        if size > 1 and vision:
+            raise ConfigError(f"{name} on images under sequence parallelism (sequence_parallel.size: {size}): "
+                              "image-text log-probability calls are not split across ranks; train it with "
+                              "sequence_parallel.size: 1")
+        if size > 1 and getattr(trainer, "aux_loss_enabled", False):
+            raise ConfigError(f"{name} with the MoE router aux loss under sequence parallelism (sequence_parallel."
+                              f"size: {size}): the load-balancing loss is not a sum over tokens, and each rank "
+                              "routes a slice of the group's row. Set router_aux_loss_coef=0.0, or train with "
+                              "sequence_parallel.size: 1")
         # packed with images: a vision dataset, on a family that packs grid media (a VLM on text alone: refused)
         if vision and self.packs_media and images and media_collator(self.assembly) is None:
             raise PadfreeError(
@@ -276,9 +359,9 @@ class FusedTrainerPatch:
     def wrap(cls, trainer: Any, assembly: Assembly) -> FusedTrainerPatch | None:
         if not cls.claims(trainer):
             return None
-        check_parallelism(trainer, assembly.config,
+        check_parallelism(trainer, assembly.config, None if cls.sequence_parallel else
                           "its log-probabilities run through TRL's fused LM head on padded rows, which padfree-plugins "
-                          "packs per call but does not split across ranks yet")
+                          "packs per call but does not split across ranks yet for this trainer")
         if trainer.model is None or unwrap_model(trainer.model) is not assembly.model:
             raise PadfreeError("the assembly was built for another model than trainer.model")
         patch = cls(trainer, assembly)

@@ -143,10 +143,11 @@ def _signature(batch: Mapping) -> list[tuple]:
     return signature
 
 
-def gather_rows(batch: Mapping, group: SequenceGroup) -> list[PackedBatch]:
+def gather_rows(batch: Mapping, group: SequenceGroup, dropped: tuple[str, ...] = DROPPED_KEYS) -> list[PackedBatch]:
     """Every rank's packed micro-batch of the group, in rank order (this rank's ``batch`` among them): one header
-    exchange (token and example counts, one host sync), then one all-gather per key, padded to the largest."""
-    batch = {key: value for key, value in batch.items() if key not in DROPPED_KEYS}
+    exchange (token and example counts, one host sync), then one all-gather per key, padded to the largest; the
+    keys ``dropped`` left out (by default the labelled logits, recomputed on the slice)."""
+    batch = {key: value for key, value in batch.items() if key not in dropped}
     signatures: list[Any] = [None] * group.size
     dist.all_gather_object(signatures, _signature(batch), group=group.group)
     if any(s != signatures[0] for s in signatures):

@@ -91,18 +91,19 @@ def contiguous_rows(mask: torch.Tensor, labels: torch.Tensor | None = None) -> l
     return rows
 
 
-def pack_padded_call(inputs: dict, mask: torch.Tensor,
-                     labels: torch.Tensor | None = None) -> tuple[dict, Unpadded] | None:
+def pack_padded_call(inputs: dict, mask: torch.Tensor, labels: torch.Tensor | None = None,
+                     without_padding: bool = False) -> tuple[dict, Unpadded] | None:
     """The packed call of a padded one (``inputs``: the base model's keyword arguments; ``labels``: those the
     model's head got), and where its tokens went; ``None`` when the call is not one to unpad (see the module
-    docstring)."""
+    docstring). ``without_padding``: a call without any pad is packed too (sequence parallelism splits its row)."""
     tokens = inputs.get("input_ids")
     tokens = inputs.get("inputs_embeds") if tokens is None else tokens
     if tokens is None or mask.ndim != 2 or tuple(tokens.shape[:2]) != tuple(mask.shape):
         return None
     rows, width = mask.shape
     spans = contiguous_rows(mask, labels)
-    if spans is None or all(length == width for _, length in spans) or not any(length for _, length in spans):
+    if spans is None or (not without_padding and all(length == width for _, length in spans)) or \
+            not any(length for _, length in spans):
         return None
     kept = [(row, start, length) for row, (start, length) in enumerate(spans) if length]
     index = torch.cat([torch.arange(length) + row * width + start for row, start, length in kept])

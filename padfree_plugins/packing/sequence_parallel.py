@@ -14,6 +14,9 @@ micro-batch, as under data parallelism; the group's row is their micro-batches b
 * the boundaries stay global (``cu_seq_lens_q`` / ``_k`` and the max lengths describe the whole row), and every
   other per-token key (``input_ids``, ``position_ids``, ``seq_idx``, ``token_type_ids`` …) is sliced.
 
+A row whose targets are shifted already (``shift_labels``, no ``labels``: TRL's fused LM head) is sliced with
+``pre_shifted=True``: its ``shift_labels`` are cut as they are, the padding segment's -100.
+
 Nothing here communicates: the exchange of micro-batches is :func:`padfree_plugins.modeling.sequence_parallel.
 gather_rows`'s.
 """
@@ -90,8 +93,10 @@ def padded_length(tokens: int, size: int) -> int:
     return -(-tokens // size) * size
 
 
-def slice_row(row: Mapping, rank: int, size: int, pad_token_id: int = 0) -> PackedBatch:
-    """Rank ``rank``'s slice of the packed ``row`` split ``size`` ways (see the module docstring)."""
+def slice_row(row: Mapping, rank: int, size: int, pad_token_id: int = 0, *,
+              pre_shifted: bool = False) -> PackedBatch:
+    """Rank ``rank``'s slice of the packed ``row`` split ``size`` ways (see the module docstring); ``pre_shifted``:
+    the row's ``shift_labels`` are its targets, sliced without shifting (and the row has no ``labels``)."""
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} of a sequence-parallel group of {size}")
     tokens = packed_tokens(row)
@@ -108,7 +113,7 @@ def slice_row(row: Mapping, rank: int, size: int, pad_token_id: int = 0) -> Pack
     sliced = PackedBatch()
     sliced.model_keys = getattr(row, "model_keys", None)
     for key, value in row.items():
-        if key in DROPPED_KEYS:
+        if key in DROPPED_KEYS and not (pre_shifted and key == "shift_labels"):
             continue
         if key in CU_KEYS:
             sliced[key] = value if not padding else torch.cat([value, value.new_tensor([tokens + padding])])
@@ -138,7 +143,7 @@ def _pad_tokens(key: str, value: torch.Tensor, padding: int, row: Mapping, pad_t
         fill = (value[:, :1] + torch.arange(padding, device=value.device)).to(value.dtype)
     elif key == "seq_idx":
         fill = value.new_full(shape, int(row["cu_seq_lens_q"].numel()) - 1)
-    elif key == "labels":
+    elif key in ("labels", "shift_labels"):
         fill = value.new_full(shape, -100)
     else:
         fill = value.new_zeros(shape)
