@@ -108,10 +108,10 @@ class SequenceParallelPatch:
                                                           patch.architecture.kind == "decoder", sequence=group)
             installed._set_implementation(installed.implementation)
         for module in model.modules():
-            forward = module.__dict__.get("forward")
-            if getattr(forward, "packed_sequence_mixer", False) and not isinstance(forward, WholeRowMixer):
+            mixer = module.__dict__.get("forward")  # a plugin's packed mixer forward, on the instance
+            if getattr(mixer, "packed_sequence_mixer", False) and not isinstance(mixer, WholeRowMixer):
                 installed.saved.append((module, own_attribute(module, "forward")))
-                module.forward = WholeRowMixer(forward, group)
+                module.forward = WholeRowMixer(mixer, group)
         patch.sequence = group
         return installed
 
