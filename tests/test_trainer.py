@@ -48,8 +48,14 @@ def rows(n: int = 64, seed: int = 0, longest: int = 60) -> list[dict]:
 
 
 @functools.lru_cache(maxsize=1)
-def tokenizer():
+def _trained_tokenizer():
     return train_tokenizer(["a tiny corpus for a tiny tokenizer"] * 4, vocab_size=280)
+
+
+def tokenizer():
+    """A fresh copy of the tests' tokenizer: trainers mutate theirs (TRL's ``eos_token`` sets it), and a shared one
+    would carry that into whichever test runs next in the same worker."""
+    return copy.deepcopy(_trained_tokenizer())
 
 
 def padded_collator():

@@ -10,6 +10,7 @@ back. TRL refuses its own ``padding_free`` for vision datasets; the packed path 
 
 from __future__ import annotations
 
+import copy
 import functools
 import tempfile
 
@@ -60,10 +61,15 @@ CHAT_TEMPLATE = (
 
 
 @functools.lru_cache(maxsize=1)
-def processor():
+def _built_processor():
     processor = image_text_processor(FAMILY)
     processor.chat_template = CHAT_TEMPLATE
     return processor
+
+
+def processor():
+    """A fresh copy each call: a trainer may mutate its processor, and a shared one would leak into the next test."""
+    return copy.deepcopy(_built_processor())
 
 
 def model(freeze_vision: bool = False):
