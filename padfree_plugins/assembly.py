@@ -301,6 +301,8 @@ class Assembly:
     pooler: Any
     reverter: Any
     forward: Any
+    #: The plugin host it was assembled with (a trainer plugin assembles the reference model with it too).
+    host: PluginHost | None = field(default=None, repr=False, compare=False)
 
     def undo(self) -> None:
         self.patch.undo()
@@ -417,4 +419,4 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
         patch.handles.append(SequenceParallelPatch.install(patch, sequence))
         pad = getattr(inner.config.get_text_config(), "pad_token_id", None)
         parts = dataclasses.replace(parts, forward=SequenceParallelForward(parts.forward, sequence, pad or 0))
-    return Assembly(inner, config, resolved, patch, parts.collator, parts.pooler, parts.reverter, parts.forward)
+    return Assembly(inner, config, resolved, patch, parts.collator, parts.pooler, parts.reverter, parts.forward, host)

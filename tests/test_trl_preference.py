@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from padfree_plugins import PadfreeError, accelerate, patch_of
+from padfree_plugins.modeling.attention import record_attention_calls
 from padfree_plugins.testing.faults import leak_across_boundaries
 from tests.conftest import tiny_model
 from tests.test_trainer import tokenizer
@@ -54,9 +55,10 @@ def policy():
 LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "gate_proj"])
 
 
-def run(kind: str, accelerated: bool, *, lora: bool = False, leak: bool = False, **settings) -> list[dict]:
-    """``STEPS`` steps of a DPO or KTO trainer (a separate reference model unless LoRA), padded or accelerated; its
-    log history."""
+def run(kind: str, accelerated: bool, *, lora: bool = False, leak: bool = False, config: dict | None = None,
+        dataset=None, **settings) -> list[dict]:
+    """``STEPS`` steps of a DPO or KTO trainer (a separate reference model unless LoRA), padded or accelerated
+    (``config``: more of padfree.yaml); its log history. ``dataset``: another DPO / KTO dataset."""
     model = policy()
     ref_model = None if lora or settings.get("precompute_ref_log_probs") else copy.deepcopy(model).eval()
     options = dict(per_device_train_batch_size=4, max_steps=STEPS, learning_rate=3e-3 if lora else 1e-3,
@@ -65,14 +67,16 @@ def run(kind: str, accelerated: bool, *, lora: bool = False, leak: bool = False,
     options.update(settings)
     with tempfile.TemporaryDirectory() as out:
         if kind == "dpo":
+            data = pairs() if dataset is None else dataset
             trainer = trl.DPOTrainer(model=model, ref_model=ref_model, args=trl.DPOConfig(output_dir=out, **options),
-                                     train_dataset=pairs(), processing_class=copy.deepcopy(tokenizer()),
+                                     train_dataset=data, processing_class=copy.deepcopy(tokenizer()),
                                      peft_config=peft.LoraConfig(**LORA) if lora else None)
         else:
+            data = unpaired() if dataset is None else dataset
             trainer = trl.KTOTrainer(model=model, ref_model=ref_model, args=trl.KTOConfig(output_dir=out, **options),
-                                     train_dataset=unpaired(), processing_class=copy.deepcopy(tokenizer()),
+                                     train_dataset=data, processing_class=copy.deepcopy(tokenizer()),
                                      peft_config=peft.LoraConfig(**LORA) if lora else None)
-        acceleration = accelerate(trainer, {"task": "causal_lm"}) if accelerated else None
+        acceleration = accelerate(trainer, {"task": "causal_lm", **(config or {})}) if accelerated else None
         if acceleration is not None:
             assert acceleration.trainer_plugin == f"trl_{kind}"
         if leak:
@@ -119,6 +123,7 @@ CASES = {
     "dpo lora": ("dpo", {"lora": True}),
     "dpo gradient checkpointing, WPO weighting, ld_alpha": ("dpo", {"gradient_checkpointing": True,
                                                                     "use_weighting": True, "ld_alpha": 0.5}),
+    "dpo sigmoid, prompts not shared": ("dpo", {"config": {"prefix_sharing": "off"}}),
     "kto with KL": ("kto", {}),
     "kto accumulation 2, lora": ("kto", {"gradient_accumulation_steps": 2, "lora": True}),
 }
@@ -129,8 +134,13 @@ def test_the_trainer_gives_trls_padded_run(case, packed_calls):
     kind, settings = CASES[case]
     want = run(kind, False, **settings)
     packed_calls.clear()
-    got = run(kind, True, **settings)
+    with record_attention_calls() as calls:
+        got = run(kind, True, **settings)
     assert packed_calls and all(packed_calls), "a log-probability forward ran padded"
+    # DPO's pairs share their prompts (prefix_sharing: auto, the default): each forward holds every pair's prompt once
+    shares = kind == "dpo" and settings.get("config", {}).get("prefix_sharing") != "off"
+    pairs_per_call = settings.get("per_device_train_batch_size", 4)
+    assert [call.shared_prompts for call in calls] == [pairs_per_call * shares] * len(calls)
     assert_same_run(got, want)
 
 

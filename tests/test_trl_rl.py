@@ -41,6 +41,7 @@ import random
 import shutil
 import tempfile
 from dataclasses import dataclass, field
+from typing import Any
 
 import datasets
 import pytest
@@ -49,6 +50,7 @@ from transformers import AutoModelForCausalLM
 
 from padfree_plugins import ConfigError, accelerate, patch_of
 from padfree_plugins.integrations.trl_fused import fused_forward_of
+from padfree_plugins.modeling.attention import record_attention_calls
 from padfree_plugins.testing.faults import leak_across_boundaries
 from tests.conftest import tiny_model
 from tests.test_trainer import tokenizer
@@ -104,6 +106,7 @@ class Run:
     packed: list[bool] = field(default_factory=list)  # pack_padded_call results (accelerated runs)
     plugin: str = ""
     has_ref_model: bool = False  # False under LoRA: the reference is the policy with its adapter disabled
+    shared_prompts: list[int] = field(default_factory=list)  # per packed attention call: the prompts its row shares
 
 
 def count_fused_calls(trainer) -> list[int]:
@@ -147,7 +150,10 @@ def build(kind: str, output_dir: str, *, lora: bool = False, seen: list | None =
                          train_dataset=prompts(), processing_class=left_padding_tokenizer(), **extra)
 
 
-def train(kind: str, accelerated: bool, packed_calls: list | None = None, *, leak: float = 0.0, **options) -> Run:
+def train(kind: str, accelerated: bool, packed_calls: list | None = None, *, leak: float = 0.0,
+          config: dict | None = None, fault: Any = None, **options) -> Run:
+    """``STEPS`` steps, padded or accelerated (``config``: more of padfree.yaml), with a layer leaking ``leak`` across
+    boundaries or within ``fault`` (a context manager) if given."""
     completions: list = []
     run = Run(history=[])
     counter = None
@@ -156,15 +162,16 @@ def train(kind: str, accelerated: bool, packed_calls: list | None = None, *, lea
     with tempfile.TemporaryDirectory() as output_dir:
         trainer = build(kind, output_dir, seen=completions, **options)
         if accelerated:
-            acceleration = accelerate(trainer, {"task": "causal_lm"})
+            acceleration = accelerate(trainer, {"task": "causal_lm", **(config or {})})
             assert acceleration.trainer_patch.kind == kind
             run.plugin = acceleration.trainer_plugin
         else:
             counter = count_fused_calls(trainer)
         run.has_ref_model = trainer.ref_model is not None
         faulty = leak_across_boundaries(trainer.model, strength=leak) if leak else contextlib.nullcontext()
-        with faulty:
+        with faulty, fault or contextlib.nullcontext(), record_attention_calls() as calls:
             trainer.train()
+        run.shared_prompts = [call.shared_prompts for call in calls]
         if acceleration is not None:
             acceleration.undo()
     run.history = [entry for entry in trainer.state.log_history if "loss" in entry]
@@ -220,6 +227,10 @@ def assert_same_run(got: Run, want: Run, plugin: str) -> None:
     assert len(got.packed) == want.fused_calls and all(got.packed), \
         f"every fused forward ({want.fused_calls}) must be packed: {got.packed}"
     assert got.completions == want.completions, "completions diverged between the padded and the packed run"
+    # every packed forward shares its rows' prompts (prefix_sharing: auto, the default): TRL repeats each prompt
+    # num_generations times, so a call of 8 rows holds 2 prompts once — or, where a generation batch of 16 is split
+    # into two micro-batches after TRL's shuffle, the prompts that repeat in each
+    assert got.shared_prompts and all(prompts >= 1 for prompts in got.shared_prompts), got.shared_prompts[:8]
     assert_trains(want)
     assert beyond_tolerance(got, want) == {}
 

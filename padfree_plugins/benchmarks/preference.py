@@ -8,8 +8,9 @@ Three variants, each a TRL trainer of its own (a copy of the same policy and ref
   plugin ``any_trainer``, the padded batch packed inside the policy's body only (``unpad``), hidden states
   scattered back to the padded shape and TRL's fused head run at every padded position. The reference model is
   not the trainer's model, so this path leaves it as it is: DPO's reference forward runs padded;
-* ``native``: ``accelerate(trainer, {"task": "causal_lm"})`` (plugin ``trl_dpo`` / ``trl_grpo``): every fused
-  log-probability forward, the policy's and DPO's reference's, on the packed row of real tokens
+* ``native``: ``accelerate(trainer, {"task": "causal_lm", "prefix_sharing": "off"})`` (plugin ``trl_dpo`` /
+  ``trl_grpo``): every fused log-probability forward, the policy's and DPO's reference's, on the packed row of
+  real tokens, every example whole (prompts not shared)
   (:class:`~padfree_plugins.integrations.trl_fused.PackedFusedHead`), TRL's loss code unchanged.
 
 What is timed is the trainer step's log-probability, loss and backward work: ``trainer.compute_loss(model, inputs)``
@@ -261,7 +262,8 @@ def accelerate_variant(trainer: Any, variant: str, trainer_name: str) -> Any:
     if variant == "padded":
         return None
     block = [NATIVE_PLUGINS[trainer_name]] if variant == "generic" else []
-    return accelerate(trainer, {"task": "causal_lm", "plugins": {"block": block}})
+    # every example whole in the packed row: the prompts of a pair or a group are not shared (prefix_sharing: off)
+    return accelerate(trainer, {"task": "causal_lm", "plugins": {"block": block}, "prefix_sharing": "off"})
 
 
 # -- measuring ------------------------------------------------------------------------------------------------------

@@ -9,11 +9,17 @@ from __future__ import annotations
 from padfree_plugins.contract.declarations import FEATURES, AttentionBackend
 from padfree_plugins.contract.hookspecs import hookimpl
 from padfree_plugins.modeling.attention import BLOCKS_FEATURE, backends
+from padfree_plugins.packing.prefixes import SHARED_PREFIXES_FEATURE
 
 #: What the exact kernels implement: every feature, attention sinks and bidirectional blocks (Gemma 3's images)
 #: included. The varlen kernels take causal or not only: they implement no blocks, and ``auto`` never picks them for
 #: a model that uses blocks.
 EXACT_FEATURES = frozenset(FEATURES) | {"sinks", BLOCKS_FEATURE}
+#: ``exact`` also takes shared prefixes (queries aligned to the end of their keys: its per-shape sdpa calls with an
+#: explicit mask); so does ``flash_attn``, whose causal mask is aligned to the bottom right when a segment has more
+#: keys than queries (flash-attn >= 2.1). ``repad`` aligns queries and keys at each example's start, and torch's
+#: ``varlen_attn`` does not document its alignment: neither takes them.
+SHARED_FEATURES = frozenset({SHARED_PREFIXES_FEATURE})
 
 
 @hookimpl
@@ -22,7 +28,7 @@ def register_attention_backends():
         AttentionBackend(
             "exact",
             backends.exact_varlen,
-            features=EXACT_FEATURES,
+            features=EXACT_FEATURES | SHARED_FEATURES,
             speed_rank=0,
             devices=("cpu", "cuda", "mps", "xpu"),
             description="one sdpa call per example length; exact everywhere, the CPU / CI path",
@@ -50,6 +56,7 @@ def register_attention_backends():
             "flash_attn",
             backends.flash_attn_varlen,
             available=backends.flash_attn_unavailable,
+            features=frozenset(FEATURES) | SHARED_FEATURES,
             devices=("cuda",),
             dtypes=("float16", "bfloat16"),
             speed_rank=20,

@@ -16,8 +16,11 @@ Kind = Literal["decoder", "encoder"]
 FEATURES = ("causal", "bidirectional", "gqa", "sliding_window", "softcap", "dropout")
 #: Features a backend implements only when it says so: ``sinks`` (a learned per-head logit in every softmax,
 #: gpt-oss), given to its ``varlen`` function as ``sinks=``; ``bidirectional_blocks`` (tokens of one block, a
-#: Gemma 3 image, attend to each other both ways inside a causal example: ``block_sequence_ids``).
-OPT_IN_FEATURES = ("sinks", "bidirectional_blocks")
+#: Gemma 3 image, attend to each other both ways inside a causal example: ``block_sequence_ids``);
+#: ``shared_prefixes`` (a segment's queries over its parent prompt's keys and its own, aligned to the end of the keys:
+#: :mod:`padfree_plugins.packing.prefixes`), given to its ``varlen`` as keys gathered per segment with their own
+#: ``cu_seq_lens_k``.
+OPT_IN_FEATURES = ("sinks", "bidirectional_blocks", "shared_prefixes")
 
 
 def position_start_zero(model_config: Any) -> int:

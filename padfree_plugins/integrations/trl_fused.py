@@ -61,13 +61,14 @@ from padfree_plugins.modeling.patching import own_attribute, patch_of, restore_a
 from padfree_plugins.modeling.sequence_parallel import gather_rows
 from padfree_plugins.packing.batch import BOUNDARY_KEYS, MEDIA_KEYS, MODEL_INPUT_KEYS, packed_tokens
 from padfree_plugins.packing.multimodal import TOKEN_TYPES_KEY, MultimodalCollator
+from padfree_plugins.packing.prefixes import SHARED_PREFIXES_FEATURE, SHARED_PREFIXES_KEY
 from padfree_plugins.packing.sequence_parallel import MAX_KEYS, join_rows, slice_row
 
 logger = logging.getLogger("padfree_plugins")
 
 #: Inputs with which a fused call is left to TRL's own forward: a cache, embeddings instead of tokens, boundaries
 #: (already packed), images (vision-language models: not yet packed).
-UNPACKED_INPUTS = ("past_key_values", "inputs_embeds", *MEDIA_KEYS, *BOUNDARY_KEYS)
+UNPACKED_INPUTS = ("past_key_values", "inputs_embeds", *MEDIA_KEYS, *BOUNDARY_KEYS, SHARED_PREFIXES_KEY)
 
 
 def fused_forward_of(model: Any) -> Any:
@@ -242,9 +243,12 @@ class PackedFusedHead:
     collator: MultimodalCollator | None = None
     #: The model's sequence-parallel group (its patch's), ``None`` without sequence parallelism.
     sequence: SequenceGroup | None = None
+    #: Whether text calls share their rows' repeated prompts (:func:`~padfree_plugins.modeling.unpad.shared_rows`).
+    share_prefixes: bool = False
 
     @classmethod
-    def install(cls, model: Any, collator: MultimodalCollator | None = None) -> PackedFusedHead:
+    def install(cls, model: Any, collator: MultimodalCollator | None = None,
+                share_prefixes: bool = False) -> PackedFusedHead:
         original = fused_forward_of(model)
         if original is None:
             raise PadfreeError(
@@ -255,7 +259,11 @@ class PackedFusedHead:
         if sequence is not None and collator is not None:
             raise PadfreeError("image-text log-probability calls are not packed under sequence parallelism: train "
                                "them with sequence_parallel.size: 1")
-        head = cls(model, original, {"forward": own_attribute(model, "forward")}, collator, sequence)
+        if sequence is not None and share_prefixes:
+            raise PadfreeError("shared prefixes are not split across ranks: set prefix_sharing: off under sequence "
+                               "parallelism")
+        head = cls(model, original, {"forward": own_attribute(model, "forward")}, collator, sequence,
+                   share_prefixes)
         model.forward = head.forward
         return head
 
@@ -270,7 +278,8 @@ class PackedFusedHead:
                 packed = pack_media_call(kwargs, mask, labels.to(mask.device), self.collator)
         elif fused and not any(kwargs.get(key) is not None for key in UNPACKED_INPUTS):
             # under sequence parallelism a call without padding is packed too (the group exchanges every call)
-            packed = unpad.pack_padded_call(kwargs, mask, labels.to(mask.device), self.sequence is not None)
+            packed = unpad.pack_padded_call(kwargs, mask, labels.to(mask.device), self.sequence is not None,
+                                            self.share_prefixes)
         if fused_lm_head and self.sequence is not None:  # every rank of the group packs its call, or none does
             if not all_ranks_pack(packed is not None, self.sequence, self.model.device):
                 packed = None
@@ -316,6 +325,8 @@ class FusedTrainerPatch:
     heads: list = field(default_factory=list)
     ref_assembly: Assembly | None = None
     active: bool = True
+    #: Whether the text calls share repeated prompts (``prefix_sharing``, decided by :meth:`check`).
+    shares_prefixes: bool = False
 
     @classmethod
     def claims(cls, trainer: Any) -> bool:
@@ -354,6 +365,39 @@ class FusedTrainerPatch:
         if self.assembly.plan.architecture.kind != "decoder":
             raise PadfreeError(f"{name} trains a causal language model; {type(self.assembly.model).__name__} is an "
                                f"{self.assembly.plan.architecture.kind}")
+        mode = getattr(config, "prefix_sharing", "off")
+        reason = None if mode == "off" else self.why_not_shared()
+        if mode == "on" and reason:
+            raise ConfigError(f"prefix_sharing: on with {name}: {reason}. Set prefix_sharing: auto (shared where it "
+                              "applies) or off")
+        if mode == "auto" and reason:
+            logger.info("padfree-plugins: prompts are not shared for %s: %s", name, reason)
+        self.shares_prefixes = mode != "off" and reason is None
+
+    def why_not_shared(self) -> str | None:
+        """Why this trainer's calls cannot share their repeated prompts (see :mod:`padfree_plugins.packing.
+        prefixes`), or ``None``."""
+        trainer, config, plan = self.trainer, self.assembly.config, self.assembly.plan
+        size = sequence_parallel_size(config)
+        if size > 1:
+            return f"a shared row is not split across ranks (sequence_parallel.size: {size})"
+        if getattr(trainer, "_is_vision_dataset", False) or getattr(trainer, "_is_vlm", False):
+            return "image-text calls are packed by the family's multimodal collator, which does not share prompts yet"
+        for backend in (plan.backend, plan.fallback):
+            if backend is not None and SHARED_PREFIXES_FEATURE not in backend.features:
+                return (f"the {backend.name!r} attention backend does not take shared prefixes (exact and flash_attn "
+                        "do)")
+        if any(getattr(vars(module).get("forward"), "packed_sequence_mixer", False)
+               for module in self.assembly.model.modules()):
+            return (f"{plan.architecture.name} runs sequence mixers, whose state does not yet carry a shared prompt "
+                    "into its completions")
+        if getattr(trainer, "aux_loss_enabled", False):
+            return ("the MoE router aux loss is not a sum over tokens, so a prompt counted once would change it: set "
+                    "router_aux_loss_coef=0.0 to share prompts")
+        columns = getattr(getattr(trainer, "train_dataset", None), "column_names", None)
+        if columns is not None and not any(column.startswith("prompt") for column in columns):
+            return f"its dataset has no prompt column (columns: {', '.join(columns)}), so no row repeats a prompt"
+        return None
 
     @classmethod
     def wrap(cls, trainer: Any, assembly: Assembly) -> FusedTrainerPatch | None:
@@ -375,13 +419,15 @@ class FusedTrainerPatch:
 
     def install(self) -> None:
         media = self.packs_media
+        share = self.shares_prefixes
         self.heads.append(PackedFusedHead.install(self.assembly.model,
-                                                  media_collator(self.assembly) if media else None))
+                                                  media_collator(self.assembly) if media else None, share))
         ref_model = getattr(self.trainer, "ref_model", None)
         if ref_model is not None:
             inner = unwrap_model(ref_model)
-            self.ref_assembly = assemble(inner, self.assembly.config)
-            self.heads.append(PackedFusedHead.install(inner, media_collator(self.ref_assembly) if media else None))
+            self.ref_assembly = assemble(inner, self.assembly.config, host=self.assembly.host)
+            self.heads.append(PackedFusedHead.install(inner, media_collator(self.ref_assembly) if media else None,
+                                                      share))
 
     def undo(self) -> None:
         """TRL's fused forwards back on the policy and the reference model, the reference model unpatched. Safe

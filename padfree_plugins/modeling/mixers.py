@@ -40,6 +40,7 @@ from padfree_plugins.errors import BackendUnavailableError, BoundaryError
 from padfree_plugins.modeling.attention import PACKED_CALL
 from padfree_plugins.modeling.patching import own_attribute, restore_attributes, without_cache
 from padfree_plugins.packing.batch import BOUNDARY_KEYS, length_groups, token_examples
+from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY
 
 #: The sequence-mixer backends a config may name (``mixers:``).
 MIXER_BACKENDS = ("auto", "exact", "kernels")
@@ -247,6 +248,15 @@ class PackedMixer:
         return bool(self.kernels) and device.type == "cuda" and not missing_packages(self.kernels)
 
 
+def refuse_shared_prefixes(kwargs: dict, name: str) -> None:
+    """A packed row with shared prefixes given to a model with sequence mixers: a completion's state would start from
+    zeros, not from its prompt's end (their state is not carried into a shared prompt's completions yet)."""
+    if kwargs.get(SHARED_PREFIXES_KEY) is not None:
+        raise BoundaryError(
+            f"{name} runs sequence mixers (a recurrent state or conv taps along the row), which do not yet carry a "
+            "shared prompt's state into its completions: set prefix_sharing: off for this model")
+
+
 def run_in_row(row: PackedRow, function: Any, *args: Any, **kwargs: Any) -> Any:
     """``function(*args, **kwargs)`` with ``row`` published in :data:`PACKED_ROW`."""
     token = PACKED_ROW.set(row)
@@ -304,7 +314,8 @@ class MixerPatch:
         if cu is not None and (row is None or row.cu_seq_lens is not cu):  # the base model's call reuses the head's
             row = PackedRow(cu)
         wrapped = self._checkpoint_in_row(row) if row is not None else []
-        self.calls.append((PACKED_ROW.set(row), wrapped))
+        self.calls.append((PACKED_ROW.set(row), wrapped))  # taken back by _withdraw_row, on an error too
+        refuse_shared_prefixes(kwargs, type(module).__name__)
         return without_cache(module, args, kwargs) if cu is not None else None
 
     def _checkpoint_in_row(self, row: PackedRow) -> list:

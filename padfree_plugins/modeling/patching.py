@@ -34,6 +34,7 @@ from padfree_plugins.contract.declarations import Architecture, AttentionBackend
 from padfree_plugins.errors import BoundaryError, PadfreeError, UnsupportedArchitectureError
 from padfree_plugins.modeling import attention
 from padfree_plugins.modeling.attention import PACKED_CALL
+from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, SharedPrefixes
 
 PATCH_ATTRIBUTE = "_padfree_patch"
 #: The keyword of the model's forward that runs a task's computation instead (see :meth:`ModelPatch.route_compute`).
@@ -78,17 +79,21 @@ def bound_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
     return arguments
 
 
+def _check_boundary_types(cu: Any, cu_k: Any) -> None:
+    for name, value in (("cu_seq_lens_q", cu), ("cu_seq_lens_k", cu_k)):
+        if value is not None and not (isinstance(value, torch.Tensor) and value.ndim == 1 and value.numel() >= 2
+                                      and not value.is_floating_point()):
+            raise BoundaryError(f"{name} must be a 1-D integer tensor of boundaries 0, L1, L1+L2, …, T; got "
+                                f"{type(value).__name__} {getattr(value, 'shape', '')}".rstrip())
+
+
 def _check_packed_boundaries(cu: Any, cu_k: Any, position_ids: torch.Tensor, sequence: Any = None) -> None:
     """Boundaries built by hand must be what the collator builds: a 1-D integer tensor ``0, L1, …, T`` whose
     examples are where ``position_ids`` restart. The values are checked only on the host (free there; on an
     accelerator a check would wait for the device in every forward). Under sequence parallelism (``sequence``, a
     :class:`~padfree_plugins.modeling.attention.ulysses.SequenceGroup`) the boundaries describe the group's whole
     row and ``position_ids`` this rank's slice of it: the restarts inside the slice are checked."""
-    for name, value in (("cu_seq_lens_q", cu), ("cu_seq_lens_k", cu_k)):
-        if value is not None and not (isinstance(value, torch.Tensor) and value.ndim == 1 and value.numel() >= 2
-                                      and not value.is_floating_point()):
-            raise BoundaryError(f"{name} must be a 1-D integer tensor of boundaries 0, L1, L1+L2, …, T; got "
-                                f"{type(value).__name__} {getattr(value, 'shape', '')}".rstrip())
+    _check_boundary_types(cu, cu_k)
     if cu.device.type != "cpu" or position_ids.device.type != "cpu" or position_ids.ndim != 2:
         return
     total = position_ids.shape[-1]
@@ -121,6 +126,49 @@ def _check_slice_boundaries(cu: torch.Tensor, cu_k: Any, restarts: torch.Tensor,
             f"cu_seq_lens_q does not match rank {sequence.rank}'s slice of the sequence-parallel row: its examples "
             f"start at {inside.tolist()[:8]} inside the slice, its position_ids restart at {restarts.tolist()[:8]}; "
             "attention would cross examples")
+
+
+def _check_shared_prefixes(cu: Any, cu_k: Any, position_ids: torch.Tensor, shared: Any, sequence: Any) -> None:
+    """A packed row with shared prefixes (:mod:`padfree_plugins.packing.prefixes`): one parent per segment, the keys
+    each segment attends to exactly its parent's tokens and its own, and positions that restart at every segment
+    without a parent and continue its parent's end in every other (checked on the host only, as the boundaries)."""
+    _check_boundary_types(cu, cu_k)
+    if cu_k is not None and cu_k.device.type == cu.device.type == "cpu" and not torch.equal(cu_k.long(), cu.long()):
+        raise BoundaryError("a shared row carries its keys' boundaries in shared_prefixes: cu_seq_lens_k must equal "
+                            "cu_seq_lens_q")
+    if not isinstance(shared, SharedPrefixes):
+        raise BoundaryError(f"shared_prefixes must be a padfree_plugins.packing.prefixes.SharedPrefixes; got "
+                            f"{type(shared).__name__}")
+    if sequence is not None:
+        raise BoundaryError("shared prefixes under sequence parallelism: a shared row is not split across ranks; "
+                            "set prefix_sharing: off, or sequence_parallel.size: 1")
+    if len(shared.parents) != cu.numel() - 1:
+        raise BoundaryError(f"shared_prefixes names parents for {len(shared.parents)} segments, but cu_seq_lens_q "
+                            f"holds {cu.numel() - 1}")
+    if cu.device.type != "cpu" or position_ids.device.type != "cpu" or position_ids.ndim != 2:
+        return
+    bounds, positions = cu.long().tolist(), position_ids[0].tolist()
+    if bounds[0] != 0 or bounds[-1] != len(positions) or any(b >= e for b, e in zip(bounds, bounds[1:])):
+        raise BoundaryError(f"cu_seq_lens_q {bounds[:8]} does not split the packed row of {len(positions)} tokens "
+                            "into non-empty segments")
+    expected = SharedPrefixes.build([e - b for b, e in zip(bounds, bounds[1:])], shared.parents)
+    if not (torch.equal(shared.key_index.cpu(), expected.key_index) and
+            torch.equal(shared.cu_seq_lens_k.cpu().long(), expected.cu_seq_lens_k.long())):
+        raise BoundaryError("shared_prefixes' keys are not each segment's parent and its own tokens: attention would "
+                            "cross examples. Build the structure with SharedPrefixes.build")
+    for segment, (start, end, parent) in enumerate(zip(bounds, bounds[1:], shared.parents)):
+        inside = positions[start:end]
+        if inside != list(range(inside[0], inside[0] + len(inside))):
+            raise BoundaryError(f"segment {segment} of a shared row: its position_ids restart inside it "
+                                f"({inside[:8]}); attention would cross examples")
+        if parent >= 0 and inside[0] != positions[bounds[parent + 1] - 1] + 1:
+            raise BoundaryError(f"segment {segment} of a shared row starts at position {inside[0]}, but it continues "
+                                f"segment {parent}, which ends at {positions[bounds[parent + 1] - 1]}: a completion's "
+                                "positions continue from its prompt's end")
+        if parent < 0 and start > 0 and inside[0] == positions[start - 1] + 1:
+            raise BoundaryError(f"segment {segment} of a shared row has no parent but its positions continue the "
+                                f"previous segment's ({positions[start - 1]} → {inside[0]}): they restart at every "
+                                "example")
 
 
 def text_positions(position_ids: Any) -> Any:
@@ -173,7 +221,12 @@ def check_boundaries(module: torch.nn.Module, args: tuple, kwargs: dict, sequenc
                 "a packed batch needs position_ids restarting at every example; without them positions would "
                 "run on across examples. Use padfree_plugins' collator."
             )
-        _check_packed_boundaries(inputs["cu_seq_lens_q"], inputs.get("cu_seq_lens_k"), position_ids, sequence)
+        shared = inputs.get(SHARED_PREFIXES_KEY)
+        if shared is not None:
+            _check_shared_prefixes(inputs["cu_seq_lens_q"], inputs.get("cu_seq_lens_k"), position_ids, shared,
+                                   sequence)
+        else:
+            _check_packed_boundaries(inputs["cu_seq_lens_q"], inputs.get("cu_seq_lens_k"), position_ids, sequence)
         return True
     if position_ids is None or position_ids.ndim != 2 or position_ids.shape[-1] < 2:
         return False

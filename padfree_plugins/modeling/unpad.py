@@ -30,6 +30,7 @@ import torch
 
 from padfree_plugins.modeling.patching import bound_inputs
 from padfree_plugins.packing.batch import BOUNDARY_KEYS, MEDIA_KEYS
+from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, Segment, SharedPrefixes, shared_layout
 
 #: ``unpad`` modes a config may name.
 UNPAD_MODES = ("auto", "always", "off")
@@ -92,38 +93,78 @@ def contiguous_rows(mask: torch.Tensor, labels: torch.Tensor | None = None) -> l
 
 
 def pack_padded_call(inputs: dict, mask: torch.Tensor, labels: torch.Tensor | None = None,
-                     without_padding: bool = False) -> tuple[dict, Unpadded] | None:
+                     without_padding: bool = False, share_prefixes: bool = False) -> tuple[dict, Unpadded] | None:
     """The packed call of a padded one (``inputs``: the base model's keyword arguments; ``labels``: those the
     model's head got), and where its tokens went; ``None`` when the call is not one to unpad (see the module
-    docstring). ``without_padding``: a call without any pad is packed too (sequence parallelism splits its row)."""
+    docstring). ``without_padding``: a call without any pad is packed too (sequence parallelism splits its row).
+    ``share_prefixes``: rows that begin with the same unlabelled tokens at the same positions (a DPO pair's prompt,
+    a GRPO group's) hold them once, as a prefix segment their rests continue (:func:`shared_rows`); such a call is
+    packed even without a pad."""
     tokens = inputs.get("input_ids")
     tokens = inputs.get("inputs_embeds") if tokens is None else tokens
     if tokens is None or mask.ndim != 2 or tuple(tokens.shape[:2]) != tuple(mask.shape):
         return None
     rows, width = mask.shape
     spans = contiguous_rows(mask, labels)
-    if spans is None or (not without_padding and all(length == width for _, length in spans)) or \
-            not any(length for _, length in spans):
+    if spans is None or not any(length for _, length in spans):
         return None
-    kept = [(row, start, length) for row, (start, length) in enumerate(spans) if length]
-    index = torch.cat([torch.arange(length) + row * width + start for row, start, length in kept])
+    given = inputs.get("position_ids")
+    given = given if isinstance(given, torch.Tensor) and given.shape == mask.shape else None
+    segments = shared_rows(inputs.get("input_ids"), given, labels, spans) if share_prefixes else None
+    if segments is None and not without_padding and all(length == width for _, length in spans):
+        return None
+    if segments is None:
+        segments = [Segment(row, 0, length) for row, (_, length) in enumerate(spans) if length]
+    index = torch.cat([torch.arange(segment.length) + segment.row * width + spans[segment.row][0] + segment.start
+                       for segment in segments])
     device = tokens.device
     on_device = index.to(device, non_blocking=True)
-    lengths = torch.tensor([length for _, _, length in kept])
-    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(device, torch.int32)
-    given = inputs.get("position_ids")
-    positions = given.reshape(-1).index_select(0, on_device) if isinstance(given, torch.Tensor) and \
-        given.shape == mask.shape else on_device % width
+    sizes = [segment.length for segment in segments]
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), torch.tensor(sizes).cumsum(0)]).to(device, torch.int32)
+    positions = given.reshape(-1).index_select(0, on_device) if given is not None else on_device % width
     packed = {key: value for key, value in inputs.items() if key not in REPLACED_KEYS}
     for key, value in list(packed.items()):  # other per-token inputs (token_type_ids …) are packed alike
         if isinstance(value, torch.Tensor) and tuple(value.shape[:2]) == (rows, width):
             packed[key] = value.reshape(rows * width, *value.shape[2:]).index_select(0, on_device)[None]
     name = "input_ids" if inputs.get("input_ids") is not None else "inputs_embeds"
     packed[name] = tokens.reshape(rows * width, *tokens.shape[2:]).index_select(0, on_device)[None]
-    longest = max(length for _, _, length in kept)
+    longest = max(sizes)
     packed.update(position_ids=positions[None], cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
                   max_length_k=longest)
+    parents = [segment.parent for segment in segments]
+    if any(parent >= 0 for parent in parents):
+        packed[SHARED_PREFIXES_KEY] = SharedPrefixes.build(sizes, parents, device)
     return packed, Unpadded(rows, width, index)
+
+
+def shared_rows(input_ids: torch.Tensor | None, position_ids: torch.Tensor | None, labels: torch.Tensor | None,
+                spans: list[tuple[int, int]]) -> list[Segment] | None:
+    """The segments of a padded call's rows (real tokens ``spans``) with their repeated prefixes shared, or ``None``
+    when no two rows share one. A row's shareable prefix is its tokens before the first that predicts a label (at
+    most all but its last token: every completion keeps one), identified by those tokens and their positions; one
+    read from the device. Without token ids or labels nothing is shared."""
+    if not isinstance(input_ids, torch.Tensor) or not isinstance(labels, torch.Tensor) or \
+            labels.shape != input_ids.shape:
+        return None
+    rows, width = input_ids.shape
+    predicts = labels[:, 1:] != -100  # token j predicts label j + 1
+    first = torch.where(predicts.any(1), predicts.int().argmax(1), width)
+    parts = [input_ids.reshape(-1), first]
+    if position_ids is not None:
+        parts.append(position_ids.reshape(-1).to(input_ids.dtype))
+    host = torch.cat([part.to(input_ids.dtype) for part in parts]).cpu()
+    ids, first = host[:rows * width].view(rows, width), host[rows * width:rows * width + rows].tolist()
+    positions = host[rows * (width + 1):].view(rows, width) if position_ids is not None else None
+    prefixes: list[tuple[int, tuple] | None] = []
+    for row, (start, length) in enumerate(spans):
+        shared = min(first[row] - start, length - 1)
+        if shared < 1:
+            prefixes.append(None)
+            continue
+        where = positions[row, start:start + shared] if positions is not None else torch.arange(start, start + shared)
+        prefixes.append((shared, (tuple(ids[row, start:start + shared].tolist()), tuple(where.tolist()))))
+    segments = shared_layout([length for _, length in spans], prefixes)
+    return segments if any(segment.parent >= 0 for segment in segments) else None
 
 
 @dataclass

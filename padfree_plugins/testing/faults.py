@@ -5,7 +5,10 @@ Both leave a model run on one example alone exactly as it was, and change only p
 * :func:`leak_across_boundaries`: after one layer, the first token of every example but the first receives
   ``strength ×`` the hidden state of the token before it, the last token of the previous example;
 * :func:`positions_run_on`: learned absolute positions number the whole packed row instead of restarting at every
-  example.
+  example;
+* :func:`completions_see_a_sibling` and :func:`completion_positions_restart`: the two ways a row with shared prefixes
+  (:mod:`padfree_plugins.packing.prefixes`) can go wrong — a completion that sees a token of its sibling, a
+  completion whose positions restart at 0 instead of continuing from its prompt.
 """
 
 from __future__ import annotations
@@ -13,11 +16,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
+from unittest import mock
 
 import torch
 
+from padfree_plugins.modeling import attention, patching, unpad
 from padfree_plugins.modeling.patching import unwrap_model
 from padfree_plugins.packing.batch import restarts
+from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, SharedPrefixes
 
 
 def layers_of(model: Any) -> torch.nn.ModuleList:
@@ -115,4 +121,60 @@ def positions_run_on(model: Any) -> Iterator[None]:
     with ExitStack() as stack:
         for module in tables:
             stack.callback(module.register_forward_pre_hook(table_positions).remove)
+        yield
+
+
+@contextmanager
+def completions_see_a_sibling() -> Iterator[None]:
+    """Within the block, every completion of a shared row that follows a sibling (another completion of its prompt)
+    also attends to that sibling's first token: one key more, as from a kernel that leaks across siblings. Inside
+    attention, past the model's guard."""
+    original = attention._shared_keys
+
+    def leaking(module, backend, shared: SharedPrefixes, key, value, causal, blocks):
+        keys, values, cu_k, _ = original(module, backend, shared, key, value, causal, blocks)
+        bounds = shared.cu_seq_lens_k.long().tolist()
+        last_child: dict[int, int] = {}
+        pieces, sizes = [], []
+        for segment, parent in enumerate(shared.parents):
+            start, end = bounds[segment], bounds[segment + 1]
+            piece = torch.arange(start, end)
+            if parent >= 0:
+                prompt = bounds[parent + 1] - bounds[parent]
+                if parent in last_child:  # the sibling's first own key, after the prompt's keys
+                    sibling = bounds[last_child[parent]] + prompt
+                    piece = torch.cat([piece[:prompt], torch.tensor([sibling]), piece[prompt:]])
+                last_child[parent] = segment
+            pieces.append(piece)
+            sizes.append(piece.numel())
+        index = torch.cat(pieces).to(keys.device)
+        cu = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32, device=keys.device)
+        return keys.index_select(0, index), values.index_select(0, index), cu, max(sizes)
+
+    with mock.patch.object(attention, "_shared_keys", leaking):
+        yield
+
+
+@contextmanager
+def completion_positions_restart() -> Iterator[None]:
+    """Within the block, the positions of every completion of a padded call packed with shared prefixes restart at 0
+    instead of continuing from its prompt's end, and the guard that refuses such a row is off (as a model on an
+    accelerator, where the guard reads nothing, would run it)."""
+    original = unpad.pack_padded_call
+
+    def restarting(*args, **kwargs):
+        packed = original(*args, **kwargs)
+        shared = packed[0].get(SHARED_PREFIXES_KEY) if packed is not None else None
+        if shared is not None:
+            positions = packed[0]["position_ids"].clone()
+            bounds = packed[0]["cu_seq_lens_q"].long().tolist()
+            for segment, parent in enumerate(shared.parents):
+                if parent >= 0:
+                    start, end = bounds[segment], bounds[segment + 1]
+                    positions[0, start:end] = torch.arange(end - start, device=positions.device)
+            packed[0]["position_ids"] = positions
+        return packed
+
+    with mock.patch.object(unpad, "pack_padded_call", restarting), \
+            mock.patch.object(patching, "_check_shared_prefixes", lambda *args: None):
         yield

@@ -18,7 +18,7 @@ from padfree_plugins.contract.declarations import Architecture
 from padfree_plugins.contract.hookspecs import hookimpl
 from padfree_plugins.errors import BoundaryError
 from padfree_plugins.modeling.attention import PACKED_CALL
-from padfree_plugins.modeling.mixers import boundary_causal_conv1d
+from padfree_plugins.modeling.mixers import boundary_causal_conv1d, refuse_shared_prefixes
 from padfree_plugins.modeling.patching import ModelPatch, own_attribute, restore_attributes
 
 LFM2 = Architecture("lfm2", model_types=("lfm2", "lfm2_moe"), kind="decoder", default_pooling="last",
@@ -54,6 +54,7 @@ class PackedShortConv:
                                     "a packed forward: its convolution would run across examples")
             return self.original(hidden_states, past_key_values=past_key_values, attention_mask=attention_mask,
                                  **kwargs)
+        refuse_shared_prefixes(kwargs, type(self.module).__name__)
         if past_key_values is not None:
             raise BoundaryError("a packed row with a cache: the short convolution's state would span examples; "
                                 "run packed rows without past_key_values (use_cache=False)")

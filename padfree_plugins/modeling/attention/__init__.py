@@ -23,6 +23,7 @@ import torch
 from padfree_plugins.contract.declarations import AttentionBackend
 from padfree_plugins.errors import BoundaryError
 from padfree_plugins.modeling.attention.backends import attend
+from padfree_plugins.packing.prefixes import SHARED_PREFIXES_FEATURE, SHARED_PREFIXES_KEY, SharedPrefixes
 
 #: True while a patched model runs a packed batch (set by the guard, reset when the forward ends, even on error).
 #: Attention reads it to refuse a call that lost the boundaries on the way: a layer that does not forward
@@ -68,6 +69,8 @@ class AttentionCall:
     causal: bool
     window: int | None
     sinks: bool
+    #: The prompts the call's row shares (segments that others continue); 0 without shared prefixes.
+    shared_prompts: int = 0
 
 
 @contextmanager
@@ -154,7 +157,9 @@ class PadfreeAttention:
             max_q = max_k = int(cu_seq_lens_q.diff().max())  # a sync: collators always provide it
         recorded = _RECORDED_CALLS.get()
         if recorded is not None:
-            recorded.append(AttentionCall(type(module).__name__, causal, sliding_window, sinks is not None))
+            shared = kwargs.get(SHARED_PREFIXES_KEY)
+            prompts = len({parent for parent in shared.parents if parent >= 0}) if shared is not None else 0
+            recorded.append(AttentionCall(type(module).__name__, causal, sliding_window, sinks is not None, prompts))
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
         backend = self._backend_for(q)
         extra = {}
@@ -174,6 +179,9 @@ class PadfreeAttention:
                     "auto (which picks one that does) or exact"
                 )
             extra["blocks"] = blocks.reshape(-1)
+        shared = kwargs.get(SHARED_PREFIXES_KEY)
+        if shared is not None:
+            k, v, cu_seq_lens_k, max_k = _shared_keys(module, backend, shared, k, v, causal, blocks)
         out = backend.varlen(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_q, max_k, causal=causal,
                              scale=scaling, window=sliding_window, softcap=softcap, dropout=dropout, **extra)
         return out.unsqueeze(0), None
@@ -202,6 +210,23 @@ class PadfreeAttention:
                      return_weights=output_attentions)
         out, weights = out if output_attentions else (out, None)
         return out.transpose(1, 2).contiguous(), weights
+
+
+def _shared_keys(module, backend: AttentionBackend, shared: SharedPrefixes, key: torch.Tensor, value: torch.Tensor,
+                 causal: bool, blocks: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The keys and values each segment of a shared row attends to (its parent prompt's, then its own: gathered, so
+    that every completion's gradient reaches the one copy of the prompt), their boundaries and longest segment."""
+    name = type(module).__name__
+    if SHARED_PREFIXES_FEATURE not in backend.features:
+        raise NotImplementedError(
+            f"{name} is given a packed row with shared prefixes, which the {backend.name!r} attention backend does "
+            "not implement: use attention: exact or flash_attn, or prefix_sharing: off")
+    if not causal or blocks is not None:
+        raise BoundaryError(f"{name}: shared prefixes are for causal attention without bidirectional blocks; set "
+                            "prefix_sharing: off for this model")
+    index = shared.key_index.to(key.device)
+    return key.index_select(0, index), value.index_select(0, index), \
+        shared.cu_seq_lens_k.to(key.device), shared.max_length_k
 
 
 def register(backend: AttentionBackend, fallback: AttentionBackend | None = None,

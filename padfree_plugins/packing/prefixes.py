@@ -1,0 +1,128 @@
+"""Shared prefixes: a packed row in which each distinct prompt appears once, followed by its completions.
+
+A DPO pair packs ``prompt + chosen`` and ``prompt + rejected``, a GRPO group ``G`` copies of its prompt, each followed
+by one completion: every prompt token is computed 2× or G×. A shared row holds each prompt once as a *prefix
+segment*, then every completion as a segment of its own whose *parent* is that prefix:
+
+* a completion's tokens attend to its parent's tokens and causally to its own, never to a sibling's;
+* its positions continue from its parent's end, as in the padded row;
+* the gradient of every completion reaches the one copy of the prompt (the keys are gathered from it).
+
+The structure travels with the packed row as one model input, ``shared_prefixes`` (a :class:`SharedPrefixes`),
+built once on the host where the row is packed. Attention reads it (each segment's queries over its key segment:
+the parent's tokens, then its own; queries aligned to the end of their keys, as in a KV cache), the model's guard
+checks it against the positions. A backend implements it only where it declares the ``shared_prefixes`` feature,
+and sequence mixers (a recurrent state, conv taps) refuse it: their state at a prompt's end does not yet carry into
+its completions.
+
+Which rows share is decided by :func:`shared_layout`: rows whose shareable prefixes (the tokens before the first one
+that predicts a label, with their positions) are equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+#: The model input that carries a row's prefix structure (see the module docstring).
+SHARED_PREFIXES_KEY = "shared_prefixes"
+#: The attention feature of backends that take it.
+SHARED_PREFIXES_FEATURE = "shared_prefixes"
+#: ``prefix_sharing`` settings a config may name.
+PREFIX_SHARING_MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class SharedPrefixes:
+    """The prefix structure of a packed row of ``len(parents)`` segments (its ``cu_seq_lens_q``).
+
+    ``parents[i]``: the segment whose tokens segment ``i`` continues (an earlier prefix segment), or ``-1``.
+    ``key_index`` (int64 ``[T_k]``): the packed tokens each segment attends to, segment after segment — its parent's,
+    then its own; ``cu_seq_lens_k`` (int32 ``[S + 1]``) splits it by segment and ``max_length_k`` is its longest."""
+
+    parents: tuple[int, ...]
+    key_index: torch.Tensor
+    cu_seq_lens_k: torch.Tensor
+    max_length_k: int
+
+    @classmethod
+    def build(cls, lengths: Sequence[int], parents: Sequence[int], device: torch.device | str | None = None
+              ) -> SharedPrefixes:
+        """The structure of segments of ``lengths`` with ``parents`` (see the class docstring). A parent comes
+        before its children and has none itself (one prompt level); a segment is never empty."""
+        if len(lengths) != len(parents):
+            raise ValueError(f"{len(lengths)} segment lengths but {len(parents)} parents")
+        starts = [0]
+        for length in lengths:
+            if length < 1:
+                raise ValueError(f"a segment of {length} tokens: every segment holds at least one")
+            starts.append(starts[-1] + length)
+        keys, bounds = [], [0]
+        for segment, (start, length, parent) in enumerate(zip(starts, lengths, parents)):
+            if parent >= 0:
+                if parent >= segment or parents[parent] != -1:
+                    raise ValueError(f"segment {segment}'s parent {parent} is not an earlier segment without a "
+                                     "parent of its own")
+                keys.append(torch.arange(starts[parent], starts[parent] + lengths[parent]))
+            keys.append(torch.arange(start, start + length))
+            bounds.append(bounds[-1] + length + (lengths[parent] if parent >= 0 else 0))
+        cu_k = torch.tensor(bounds, dtype=torch.int32)
+        return cls(tuple(int(parent) for parent in parents), torch.cat(keys).to(device),
+                   cu_k.to(device), int(cu_k.diff().max()))
+
+    def to(self, device: torch.device | str) -> SharedPrefixes:
+        return SharedPrefixes(self.parents, self.key_index.to(device), self.cu_seq_lens_k.to(device),
+                              self.max_length_k)
+
+    @property
+    def shared(self) -> bool:
+        """Whether any segment continues a prefix."""
+        return any(parent >= 0 for parent in self.parents)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One segment of a shared row: tokens ``[start, start + length)`` of padded row ``row``'s real tokens;
+    ``parent``: the index of the prefix segment it continues, or ``-1``."""
+
+    row: int
+    start: int
+    length: int
+    parent: int = -1
+
+
+def shared_layout(lengths: Sequence[int], prefixes: Sequence[tuple[int, Hashable] | None]) -> list[Segment]:
+    """The segments of a shared row for rows of ``lengths`` real tokens (empty rows are left out).
+
+    ``prefixes[r]``: ``(s, key)`` — row ``r``'s first ``s`` tokens may be shared with every row of an equal ``key``
+    (their tokens and positions), ``0 < s < lengths[r]`` — or ``None``. Rows of one key (two or more) become one
+    prefix segment (the first row's tokens) followed by each row's rest, in row order, where the first of them
+    appears; every other row is one segment alone, in its place."""
+    groups: dict[Hashable, list[int]] = {}
+    for row, prefix in enumerate(prefixes):
+        if prefix is not None and lengths[row]:
+            length, key = prefix
+            if not 0 < length < lengths[row]:
+                raise ValueError(f"row {row}: a shared prefix of {length} tokens in a row of {lengths[row]}")
+            groups.setdefault((length, key), []).append(row)
+    group_of = {rows[0]: (length, rows) for (length, _), rows in groups.items() if len(rows) > 1}
+    in_group = {row for _, rows in group_of.values() for row in rows}
+    segments: list[Segment] = []
+    for row, length in enumerate(lengths):
+        if row in group_of:
+            shared, rows = group_of[row]
+            parent = len(segments)
+            segments.append(Segment(row, 0, shared))
+            segments.extend(Segment(member, shared, lengths[member] - shared, parent) for member in rows)
+        elif row not in in_group and length:
+            segments.append(Segment(row, 0, length))
+    return segments
+
+
+def tokens_saved(segments: Sequence[Segment]) -> int:
+    """How many tokens fewer the shared row holds than the row of every example whole."""
+    sizes = {index: segment.length for index, segment in enumerate(segments) if segment.parent < 0}
+    return sum(sizes[segment.parent] for segment in segments if segment.parent >= 0) - \
+        sum(sizes[index] for index in {segment.parent for segment in segments if segment.parent >= 0})
