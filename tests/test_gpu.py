@@ -130,3 +130,37 @@ def test_hybrid_mixers_on_the_gpu_equal_each_example_alone(model_type, mixers):
             assembly.undo()
     worst = max((got - want).abs().max().item() for got, want in zip(split_packed(packed, batch), reference))
     assert worst < 1e-3, f"{model_type} mixers={mixers}: max |diff| {worst}"
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_flash_attn_over_shared_prompts_equals_exact(window):
+    """Shared prefixes on flash-attn (bf16): a segment's queries over ``[prompt keys ; own keys]``, the causal mask
+    aligned to the bottom right, equal the exact backend's (which tests/test_prefix_sharing.py checks against each
+    row whole) within bf16 rounding; the gradients of the one prompt copy too."""
+    pytest.importorskip("flash_attn")
+    from padfree_plugins.builtin.backends import EXACT_FEATURES, SHARED_FEATURES
+    from padfree_plugins.contract.declarations import FEATURES, AttentionBackend
+    from padfree_plugins.modeling.attention import PadfreeAttention
+    from padfree_plugins.modeling.attention.backends import exact_varlen, flash_attn_varlen
+    from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, SharedPrefixes
+
+    class Attention(torch.nn.Module):
+        is_causal = True
+
+    lengths, parents = [40, 7, 90, 1, 33, 12, 12], [-1, 0, 0, 0, -1, 4, 4]
+    structure = SharedPrefixes.build(lengths, parents, "cuda")
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, heads, sum(lengths), 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for heads in (8, 2, 2))
+    outputs = []
+    for backend in (AttentionBackend("flash_attn", flash_attn_varlen, features=frozenset(FEATURES) | SHARED_FEATURES),
+                    AttentionBackend("exact", exact_varlen, features=EXACT_FEATURES | SHARED_FEATURES)):
+        out, _ = PadfreeAttention(backend)(Attention(), q, k, v, None, sliding_window=window, cu_seq_lens_q=cu,
+                                           max_length_q=max(lengths), **{SHARED_PREFIXES_KEY: structure})
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        outputs.append((out.float(), [g.float() for g in grads]))
+    (flash, flash_grads), (exact, exact_grads) = outputs
+    assert (flash - exact).abs().max().item() < 2e-2
+    for mine, theirs in zip(flash_grads, exact_grads):
+        assert (mine - theirs).abs().max().item() < 5e-2 * max(theirs.abs().max().item(), 1.0)
