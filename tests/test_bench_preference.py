@@ -15,6 +15,7 @@ from padfree_plugins import PadfreeError
 from padfree_plugins.benchmarks.preference import (
     GRPO_GENERATIONS,
     VARIANTS,
+    PROMPT_SHARES,
     NotPacked,
     PreferenceSettings,
     dpo_examples,
@@ -27,31 +28,42 @@ from padfree_plugins.modeling import unpad
 
 MICRO = dict(model_size="micro", batches=1, rounds=1)
 #: The forwards each variant runs packed: DPO's reference too on the native path, never on the generic one.
-PACKED = {"dpo": {"padded": "none", "generic": "policy", "native": "policy + reference"},
-          "grpo": {"padded": "none", "generic": "policy", "native": "policy"}}
+PACKED = {"dpo": {"padded": "none", "generic": "policy", "native": "policy + reference", "shared": "policy + reference"},
+          "grpo": {"padded": "none", "generic": "policy", "native": "policy", "shared": "policy"}}
+#: Completions per batch of the GRPO runs here: one group.
+GRPO_BATCH = GRPO_GENERATIONS
 
 
 @pytest.mark.parametrize("trainer", ["dpo", "grpo"])
 def test_variants_agree_and_outputs_are_written(trainer, tmp_path):
-    result = run_preference_benchmark(PreferenceSettings(trainer=trainer, batch_size=4, **MICRO))
+    batch = 4 if trainer == "dpo" else GRPO_BATCH
+    result = run_preference_benchmark(PreferenceSettings(trainer=trainer, batch_size=batch, **MICRO))
     rows = {r.variant: r for r in result.rows}
-    assert list(rows) == list(VARIANTS) == ["padded", "generic", "native"]
+    assert list(rows) == list(VARIANTS) == ["padded", "generic", "native", "shared"]
     assert {v: r.packed for v, r in rows.items()} == PACKED[trainer]
+    native = f"{trainer.upper()}TrainerPatch (plugin trl_{trainer})"
     assert result.environment["plugins"] == {"padded": "none", "generic": "AnyTrainerPatch (plugin any_trainer)",
-                                             "native": f"{trainer.upper()}TrainerPatch (plugin trl_{trainer})"}
+                                             "native": native, "shared": native}
     for row in result.rows:
-        assert row.rows == (8 if trainer == "dpo" else 4)  # DPO: chosen and rejected rows of 4 pairs
+        assert row.rows == (8 if trainer == "dpo" else GRPO_BATCH)  # DPO: chosen and rejected rows of 4 pairs
         assert 0 < row.padding_fraction < 1 and row.real_tokens > 0
         assert row.tokens_per_s > 0 and row.step_ms > 0 and row.memory_bytes > 0
         assert row.loss_rel_diff < 1e-5 and row.loss_abs_diff < 1e-5 and row.grad_rel_diff < 1e-5, row
     for row in (rows["generic"], rows["native"]):
         assert row.of_ideal > 0 and row.memory_ratio < 1  # fewer activations than padded at any padding
         assert set(row.targets()) == {"speed", "memory", "loss"}
+    # shared computes each prompt once: fewer tokens than native (which computes the real ones), in the ratio it
+    # reports as its ideal
+    shared = rows["shared"]
+    assert rows["native"].tokens_computed == rows["native"].real_tokens > shared.tokens_computed
+    assert shared.ideal_vs_native == rows["native"].tokens_computed / shared.tokens_computed > 1.2
+    assert shared.speedup_vs_native > 0 and set(shared.targets()) == {"vs native", "memory", "loss"}
+    assert 0.4 < shared.prompt_share < 0.9
     assert rows["padded"].targets() == {} and rows["padded"].loss_rel_diff == 0
     paths = write_outputs(result, tmp_path)
     saved = json.loads(paths["json"].read_text())
     assert [r["variant"] for r in saved["rows"]] == list(VARIANTS) and saved["settings"]["trainer"] == trainer
-    assert "| native |" in paths["markdown"].read_text()
+    assert "| native |" in paths["markdown"].read_text() and "| shared |" in paths["markdown"].read_text()
 
 
 def test_in_float64_the_packed_losses_are_the_padded_ones():
@@ -67,28 +79,45 @@ def test_an_accelerated_row_that_runs_padded_is_refused(monkeypatch):
     """Were the batch not packed (the plugins' packing off), the generic and native rows would time padded runs: the
     benchmark stops instead."""
     monkeypatch.setattr(unpad, "pack_padded_call", lambda *args: None)
-    with pytest.raises(NotPacked, match="generic policy forward did not run on the packed row"):
+    with pytest.raises(NotPacked, match="generic policy forward did not run on one packed row"):
         run_preference_benchmark(PreferenceSettings(trainer="dpo", batch_size=2, **MICRO))
 
 
-def test_length_laws_pad_about_sixty_percent():
-    """The default batches: DPO's prompt + chosen / prompt + rejected rows, GRPO's left-padded prompts (repeated per
-    generation) beside right-padded completions, each ~60% padding."""
+def test_a_shared_row_that_shares_nothing_is_refused(monkeypatch):
+    """Were the prompts not shared, the shared row would time native's run: the benchmark stops instead."""
+    monkeypatch.setattr(unpad, "shared_rows", lambda *args: None)
+    with pytest.raises(NotPacked, match="shared policy forward did not run on one packed row of fewer than"):
+        run_preference_benchmark(PreferenceSettings(trainer="dpo", batch_size=2, **MICRO))
 
-    def dpo_padding(seed: int) -> float:
-        examples = dpo_examples(8, 4096, seed, 2048)
+
+def test_length_laws_give_the_prompt_shares_and_pad():
+    """The default batches: DPO's prompt + chosen / prompt + rejected rows (prompts 60% of the tokens, ~55% padding),
+    GRPO's left-padded prompts (repeated per generation) beside right-padded completions (prompts 75%, ~40%
+    padding); a prompt share given is the share drawn."""
+
+    def dpo_figures(seed: int, share: float) -> tuple[float, float]:
+        examples = dpo_examples(8, 4096, seed, 2048, share)
         rows = [len(ex["prompt_ids"]) + len(ex[key]) for key in ("chosen_ids", "rejected_ids") for ex in examples]
-        return 1 - sum(rows) / (len(rows) * max(rows))
+        prompts = 2 * sum(len(ex["prompt_ids"]) for ex in examples)
+        return 1 - sum(rows) / (len(rows) * max(rows)), prompts / sum(rows)
 
-    def grpo_padding(seed: int) -> float:
-        batch = grpo_batch(16, 4096, seed, 2048)
+    def grpo_figures(seed: int, share: float) -> tuple[float, float]:
+        batch = grpo_batch(16, 4096, seed, 2048, share)
         assert (batch["prompt_mask"][:, -1] == 1).all() and (batch["completion_mask"][:, 0] == 1).all()
         assert (batch["prompt_ids"][::GRPO_GENERATIONS] == batch["prompt_ids"][1::GRPO_GENERATIONS]).all()
         mask = [batch["prompt_mask"], batch["completion_mask"]]
-        return 1 - sum(int(m.sum()) for m in mask) / (16 * sum(m.shape[1] for m in mask))
+        real = sum(int(m.sum()) for m in mask)
+        return 1 - real / (16 * sum(m.shape[1] for m in mask)), int(mask[0].sum()) / real
 
-    assert 0.5 < statistics.mean(dpo_padding(seed) for seed in range(20)) < 0.7
-    assert 0.5 < statistics.mean(grpo_padding(seed) for seed in range(20)) < 0.7
+    def means(figures, share):
+        drawn = [figures(seed, share) for seed in range(20)]
+        return statistics.mean(p for p, _ in drawn), statistics.mean(s for _, s in drawn)
+
+    padding, share = means(dpo_figures, PROMPT_SHARES["dpo"])
+    assert 0.5 < padding < 0.65 and abs(share - 0.6) < 0.03
+    padding, share = means(grpo_figures, PROMPT_SHARES["grpo"])
+    assert 0.35 < padding < 0.5 and abs(share - 0.75) < 0.04
+    assert abs(means(dpo_figures, 0.1)[1] - 0.1) < 0.03 and abs(means(grpo_figures, 0.1)[1] - 0.1) < 0.03
 
 
 def test_cli_prints_the_table_and_writes_outputs(tmp_path, monkeypatch):
@@ -98,15 +127,16 @@ def test_cli_prints_the_table_and_writes_outputs(tmp_path, monkeypatch):
     assert "generic" in result.output and "native" in result.output and "of ideal" in result.output
     assert "targets:" in result.output and "policy + reference" in result.output
     assert (tmp_path / "bench_dpo.json").is_file() and (tmp_path / "bench_dpo.md").is_file()
-    result = CliRunner().invoke(app, ["bench", "grpo", "--quick", "--batch-size", "4", "--out", str(tmp_path),
-                                      "--json"])
+    result = CliRunner().invoke(app, ["bench", "grpo", "--quick", "--batch-size", str(GRPO_BATCH), "--out",
+                                      str(tmp_path), "--json", "--prompt-share", "0.1"])
     assert result.exit_code == 0, result.output
-    assert [row["variant"] for row in json.loads(result.stdout)["rows"]] == list(VARIANTS)  # stderr: progress bars
+    rows = json.loads(result.stdout)["rows"]  # stderr: progress bars
+    assert [row["variant"] for row in rows] == list(VARIANTS) and rows[0]["prompt_share"] < 0.3
 
 
 def test_cli_errors_and_help():
     result = CliRunner().invoke(app, ["bench", "grpo", "--quick", "--batch-size", "6"])
-    assert result.exit_code == 2 and "multiple of 4" in result.output
+    assert result.exit_code == 2 and f"multiple of {GRPO_GENERATIONS}" in result.output
     result = CliRunner().invoke(app, ["bench", "dpo", "--batches", "0"])
     assert result.exit_code == 2 and "0 is not a positive number" in result.output
     for command in ("dpo", "grpo"):

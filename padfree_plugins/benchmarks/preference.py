@@ -1,7 +1,7 @@
 """DPO and GRPO benchmarks: TRL's trainers padded vs padfree-plugins' generic path vs its native plugins, on the
 same model, the same batches and the same weights, measured in one run.
 
-Three variants, each a TRL trainer of its own (a copy of the same policy and reference model):
+Four variants, each a TRL trainer of its own (a copy of the same policy and reference model):
 
 * ``padded``: TRL as it is (not accelerated): every log-probability forward on TRL's padded batch;
 * ``generic``: ``accelerate(trainer, {"task": "causal_lm", "plugins": {"block": ["trl_dpo"]}})`` (``trl_grpo``):
@@ -11,7 +11,14 @@ Three variants, each a TRL trainer of its own (a copy of the same policy and ref
 * ``native``: ``accelerate(trainer, {"task": "causal_lm", "prefix_sharing": "off"})`` (plugin ``trl_dpo`` /
   ``trl_grpo``): every fused log-probability forward, the policy's and DPO's reference's, on the packed row of
   real tokens, every example whole (prompts not shared)
-  (:class:`~padfree_plugins.integrations.trl_fused.PackedFusedHead`), TRL's loss code unchanged.
+  (:class:`~padfree_plugins.integrations.trl_fused.PackedFusedHead`), TRL's loss code unchanged;
+* ``shared``: the same with ``prefix_sharing: on``: each pair's / group's prompt once in the packed row, its
+  completions after it (:mod:`padfree_plugins.packing.prefixes`). Its ``vs native`` column is its real tokens/s over
+  ``native``'s beside the ideal, the tokens ``native``'s policy computes over those ``shared``'s computes.
+
+The prompts are a share of each sequence (``prompt_share``; by default 60% for DPO, 75% for GRPO with 8 completions
+per prompt): their mean length is that share of a sequence whose answer has the answers' mean (the table's title
+gives the share measured).
 
 What is timed is the trainer step's log-probability, loss and backward work: ``trainer.compute_loss(model, inputs)``
 then ``loss.backward()``, no optimizer step (every variant keeps the same weights, so losses and gradients can be
@@ -66,22 +73,28 @@ from padfree_plugins.benchmarks.measure import saved_activation_bytes, torch_thr
 from padfree_plugins.benchmarks.sft import MODEL_SIZES, BenchSettings, build_model
 from padfree_plugins.errors import PadfreeError
 
-VARIANTS = ("padded", "generic", "native")
+VARIANTS = ("padded", "generic", "native", "shared")
 #: The TRL trainers benchmarked, by name: the builtin plugin that is blocked for the ``generic`` variant.
 NATIVE_PLUGINS = {"dpo": "trl_dpo", "grpo": "trl_grpo"}
-#: DPO: prompt, chosen and rejected token lengths (8 pairs: ~60% padding).
-DPO_PROMPTS: Mixture = ((1.0, 32, 0.6),)
+#: DPO: chosen and rejected token lengths; the prompts' median follows from the prompt share (:func:`prompt_law`).
 DPO_ANSWERS: Mixture = ((1.0, 48, 0.9),)
-#: GRPO: prompt and completion token lengths (16 completions, 4 per prompt: ~60% padding).
-GRPO_PROMPTS: Mixture = ((1.0, 32, 0.6),)
+#: GRPO: completion token lengths (16 completions, 8 per prompt); the prompts' as for DPO.
 GRPO_COMPLETIONS: Mixture = ((1.0, 48, 1.0),)
-GRPO_GENERATIONS = 4
+#: The prompts' spread (lognormal sigma).
+PROMPT_SIGMA = 0.6
+#: The default share of each sequence that is prompt: DPO's preference sets, GRPO's long problems with short
+#: completions.
+PROMPT_SHARES = {"dpo": 0.6, "grpo": 0.75}
+GRPO_GENERATIONS = 8
 GRPO_MAX_COMPLETION = 256
 #: The first ids of the tokenizer (:func:`tokenizer`): pad, bos, eos. Random token ids start above them.
 PAD, EOS, FIRST_TOKEN = 0, 2, 3
 #: The issue's targets: real tokens/s over padded as a share of the ideal speedup, activation memory over padded,
 #: loss difference from padded (relative and absolute).
 TARGETS = {"of_ideal": 0.85, "memory_ratio": 0.5, "loss_diff": 1e-6}
+#: The ``shared`` variant's targets: real tokens/s over ``native`` (at the default prompt shares), activation memory
+#: at most ``native``'s, the same loss difference.
+SHARED_TARGETS = {"dpo": 1.3, "grpo": 2.5}
 
 
 @dataclass
@@ -96,6 +109,10 @@ class PreferenceSettings:
     threads: int | None = 1  # torch intra-op threads (None: torch's choice)
     drift: float = 0.05  # policy = reference + noise of this share of each weight's std
     beta: float | None = None  # None: DPO 0.1 (TRL's default), GRPO 0.04 (TRL's default, 0, has no KL term)
+    prompt_share: float | None = None  # of each sequence's tokens; None: PROMPT_SHARES[trainer]
+
+    def share(self) -> float:
+        return PROMPT_SHARES[self.trainer] if self.prompt_share is None else self.prompt_share
 
     def rows_per_batch(self) -> int:
         return self.pairs_or_completions() * (2 if self.trainer == "dpo" else 1)
@@ -122,13 +139,24 @@ class PreferenceRow:
     ideal_speedup: float = 1.0
     of_ideal: float = float("nan")
     memory_ratio: float = 1.0
+    tokens_computed: int = 0  # by the policy's first layer, over the batches' untimed steps
+    speedup_vs_native: float = float("nan")  # shared only: real tokens/s over native's
+    ideal_vs_native: float = float("nan")  # shared only: the tokens native computes / the tokens shared computes
+    memory_vs_native: float = float("nan")
+    shared_target: float = float("nan")  # shared only: the speedup over native to reach (SHARED_TARGETS)
+    prompt_share: float = float("nan")  # of the padded run's real tokens (each prompt as often as it computes it)
 
     def targets(self) -> dict[str, bool]:
-        """Whether this row meets each of :data:`TARGETS` (the ``padded`` row is the baseline: none)."""
+        """Whether this row meets each of :data:`TARGETS` (the ``padded`` row is the baseline: none); the
+        ``shared`` row is held to :data:`SHARED_TARGETS` against ``native``."""
         if self.variant == "padded":
             return {}
+        loss = max(self.loss_rel_diff, self.loss_abs_diff) <= TARGETS["loss_diff"]
+        if self.variant == "shared":
+            return {"vs native": self.speedup_vs_native >= self.shared_target,
+                    "memory": self.memory_vs_native <= 1.0, "loss": loss}
         return {"speed": self.of_ideal >= TARGETS["of_ideal"], "memory": self.memory_ratio <= TARGETS["memory_ratio"],
-                "loss": max(self.loss_rel_diff, self.loss_abs_diff) <= TARGETS["loss_diff"]}
+                "loss": loss}
 
 
 @dataclass
@@ -143,7 +171,8 @@ class PreferenceResult:
 
 
 class NotPacked(PadfreeError):
-    """A ``generic`` or ``native`` policy forward that did not run on the packed row: its row would time padding."""
+    """A ``generic``, ``native`` or ``shared`` policy forward that did not run on the packed row (``shared``: that
+    held no prompt once): its row would time padding (or time ``native``)."""
 
 
 # -- models, trainers, batches -------------------------------------------------------------------------------------
@@ -177,10 +206,19 @@ def drawn_lengths(law: Mixture, count: int, seed: int, high: int) -> list[int]:
     return mixture_lengths(law, count, seed, 2, high)
 
 
-def dpo_examples(pairs: int, vocab: int, seed: int, high: int) -> list[dict]:
-    """Tokenized preference pairs as TRL's DPO dataset holds them; chosen and rejected end with EOS."""
+def prompt_law(answers: Mixture, share: float) -> Mixture:
+    """Prompt lengths whose mean is ``share`` of a sequence whose answer has the mean of ``answers`` (lognormal
+    means: ``median · exp(sigma² / 2)``)."""
+    (_, median, sigma), = answers
+    mean = median * math.exp(sigma ** 2 / 2) * share / (1 - share)
+    return ((1.0, max(1.0, mean / math.exp(PROMPT_SIGMA ** 2 / 2)), PROMPT_SIGMA),)
+
+
+def dpo_examples(pairs: int, vocab: int, seed: int, high: int, share: float = PROMPT_SHARES["dpo"]) -> list[dict]:
+    """Tokenized preference pairs as TRL's DPO dataset holds them; chosen and rejected end with EOS; prompts about
+    ``share`` of each sequence."""
     generator = torch.Generator().manual_seed(seed)
-    prompts = drawn_lengths(DPO_PROMPTS, pairs, seed, high // 2)
+    prompts = drawn_lengths(prompt_law(DPO_ANSWERS, share), pairs, seed, high // 2)
     chosen, rejected = (drawn_lengths(DPO_ANSWERS, pairs, seed + offset, high // 4) for offset in (1, 2))
 
     def answer(n: int) -> list[int]:
@@ -190,14 +228,16 @@ def dpo_examples(pairs: int, vocab: int, seed: int, high: int) -> list[dict]:
              "rejected_ids": answer(r)} for p, c, r in zip(prompts, chosen, rejected)]
 
 
-def grpo_batch(completions: int, vocab: int, seed: int, high: int) -> dict[str, torch.Tensor]:
+def grpo_batch(completions: int, vocab: int, seed: int, high: int,
+               share: float = PROMPT_SHARES["grpo"]) -> dict[str, torch.Tensor]:
     """A generated GRPO batch as ``_generate_and_score_completions`` returns it (without the reference
-    log-probabilities, added by :func:`with_reference_logps`)."""
+    log-probabilities, added by :func:`with_reference_logps`); prompts about ``share`` of each sequence."""
     from trl.trainer.utils import pad
 
     generator = torch.Generator().manual_seed(seed)
     groups = completions // GRPO_GENERATIONS
-    prompt_lengths = [n for n in drawn_lengths(GRPO_PROMPTS, groups, seed, high - GRPO_MAX_COMPLETION)
+    prompt_lengths = [n for n in drawn_lengths(prompt_law(GRPO_COMPLETIONS, share), groups, seed,
+                                               high - GRPO_MAX_COMPLETION)
                       for _ in range(GRPO_GENERATIONS)]
     prompt_of_group = [random_ids(n, vocab, generator) for n in prompt_lengths[::GRPO_GENERATIONS]]
     prompts = [ids for ids in prompt_of_group for _ in range(GRPO_GENERATIONS)]
@@ -221,6 +261,13 @@ def with_reference_logps(trainer: Any, batch: dict[str, torch.Tensor]) -> dict[s
         logps = trainer._get_per_token_logps_and_entropies(trainer.ref_model, input_ids, mask,
                                                            batch["completion_ids"].size(1))[0]
     return {**batch, "ref_per_token_logps": logps, "old_per_token_logps": logps}
+
+
+def prompt_tokens_of(trainer_name: str, inputs: dict[str, torch.Tensor]) -> int:
+    """The prompt tokens of the padded batch ``inputs``, each prompt counted in every row that holds it."""
+    if trainer_name == "dpo":
+        return int(inputs["attention_mask"].sum() - inputs["completion_mask"].sum())
+    return int(inputs["prompt_mask"].sum())
 
 
 def attention_mask_of(trainer_name: str, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -262,8 +309,9 @@ def accelerate_variant(trainer: Any, variant: str, trainer_name: str) -> Any:
     if variant == "padded":
         return None
     block = [NATIVE_PLUGINS[trainer_name]] if variant == "generic" else []
-    # every example whole in the packed row: the prompts of a pair or a group are not shared (prefix_sharing: off)
-    return accelerate(trainer, {"task": "causal_lm", "plugins": {"block": block}, "prefix_sharing": "off"})
+    # native: every example whole in the packed row; shared: each pair's / group's prompt once
+    sharing = "on" if variant == "shared" else "off"
+    return accelerate(trainer, {"task": "causal_lm", "plugins": {"block": block}, "prefix_sharing": sharing})
 
 
 # -- measuring ------------------------------------------------------------------------------------------------------
@@ -296,6 +344,11 @@ def all_packed(seen: list[tuple[int, int]], real_tokens: int) -> bool:
     return bool(seen) and all(shape == (1, real_tokens) for shape in seen)
 
 
+def all_shared(seen: list[tuple[int, int]], real_tokens: int) -> bool:
+    """Every forward on one packed row that holds fewer tokens than the batch's real ones (its prompts once)."""
+    return bool(seen) and all(rows == 1 and tokens < real_tokens for rows, tokens in seen)
+
+
 def gradient(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
 
@@ -313,6 +366,7 @@ class Variant:
     gradients: list[torch.Tensor] = field(default_factory=list)
     packed_policy: list[bool] = field(default_factory=list)
     packed_reference: list[bool] = field(default_factory=list)
+    tokens_computed: int = 0  # by the policy's first layer in the untimed steps
 
     def loss(self, inputs: dict) -> torch.Tensor:
         return self.trainer.compute_loss(self.trainer.model, inputs)
@@ -338,12 +392,15 @@ class Variant:
         self.losses.append(float(losses[0].detach()))
         self.gradients.append(gradient(model))
         model.zero_grad(set_to_none=True)
-        self.packed_policy.append(all_packed(policy_rows, real_tokens))
-        self.packed_reference.append(all_packed(reference_rows, real_tokens))
+        self.tokens_computed += sum(rows * tokens for rows, tokens in policy_rows)
+        check = all_shared if self.name == "shared" else all_packed
+        self.packed_policy.append(check(policy_rows, real_tokens))
+        self.packed_reference.append(check(reference_rows, real_tokens))
         if self.name != "padded" and not self.packed_policy[-1]:
-            raise NotPacked(f"a {self.name} policy forward did not run on the packed row of the batch's "
-                            f"{real_tokens} real tokens (its first layer saw rows x tokens {policy_rows}): the row "
-                            "would time a padded run")
+            held = "fewer than the batch's" if self.name == "shared" else "the batch's"
+            raise NotPacked(f"a {self.name} policy forward did not run on one packed row of {held} {real_tokens} "
+                            f"real tokens (its first layer saw rows x tokens {policy_rows}): the row would time a "
+                            f"{'native' if self.name == 'shared' else 'padded'} run")
 
     def packed(self) -> str:
         if not all(self.packed_policy):
@@ -405,9 +462,10 @@ def _batches(settings: PreferenceSettings, variants: list[Variant], config: Any)
         seed = settings.seed + 1000 * (b + 1)
         if settings.trainer == "dpo":
             collate = variants[0].trainer.data_collator  # TRL's own collator (no variant changes it)
-            batches.append(dict(collate(dpo_examples(settings.pairs_or_completions(), vocab, seed, high))))
+            batches.append(dict(collate(dpo_examples(settings.pairs_or_completions(), vocab, seed, high,
+                                                     settings.share()))))
         else:
-            batch = grpo_batch(settings.pairs_or_completions(), vocab, seed, high)
+            batch = grpo_batch(settings.pairs_or_completions(), vocab, seed, high, settings.share())
             batches.append(with_reference_logps(variants[0].trainer, batch))
     return batches
 
@@ -435,9 +493,17 @@ def _measure(settings: PreferenceSettings, variants: list[Variant], config: Any,
         say(f"{settings.trainer} round {r + 1}/{settings.rounds}: "
             + ", ".join(f"{name} {sum(real) / seconds:,.0f} tok/s" for name, seconds in spent.items()))
     padded = variants[0]
+    native = next(variant for variant in variants if variant.name == "native")
     ideal = 1 / (1 - padding)
+    prompt_share = sum(prompt_tokens_of(settings.trainer, inputs) for inputs in batches) / sum(real)
     rows = []
     for variant in variants:
+        shared = {}
+        if variant.name == "shared":
+            shared = dict(
+                speedup_vs_native=statistics.median(n / t for n, t in zip(native.seconds, variant.seconds)),
+                ideal_vs_native=native.tokens_computed / variant.tokens_computed,
+                memory_vs_native=variant.memory / native.memory, shared_target=SHARED_TARGETS[settings.trainer])
         speedup = statistics.median(p / t for p, t in zip(padded.seconds, variant.seconds))
         median = statistics.median(variant.seconds)
         rows.append(PreferenceRow(
@@ -449,7 +515,8 @@ def _measure(settings: PreferenceSettings, variants: list[Variant], config: Any,
             grad_rel_diff=max(float((g - p).norm() / p.norm()) for g, p in zip(variant.gradients, padded.gradients)),
             packed=variant.packed(), speedup_vs_padded=speedup, ideal_speedup=ideal,
             of_ideal=speedup / ideal if variant is not padded else math.nan,
-            memory_ratio=variant.memory / padded.memory))
+            memory_ratio=variant.memory / padded.memory, tokens_computed=variant.tokens_computed,
+            prompt_share=prompt_share, **shared))
     return rows
 
 
@@ -464,6 +531,8 @@ COLUMNS: dict[str, Callable[[PreferenceRow], str]] = {
     "loss": lambda r: f"{r.loss:.4f}",
     "vs padded": lambda r: f"{r.speedup_vs_padded:.2f}x",
     "of ideal": lambda r: "-" if r.variant == "padded" else f"{r.of_ideal:.0%} of {r.ideal_speedup:.2f}x",
+    "vs native": lambda r: (f"{r.speedup_vs_native:.2f}x (ideal {r.ideal_vs_native:.2f}x)"
+                            if r.variant == "shared" else "-"),
     "activation MiB": lambda r: f"{r.memory_bytes / 2**20:,.1f}",
     "memory vs padded": lambda r: f"{r.memory_ratio:.2f}x",
     "loss rel. diff": lambda r: f"{r.loss_rel_diff:.1e}",
@@ -483,7 +552,9 @@ def title(result: PreferenceResult) -> str:
     unit = "pairs" if s.trainer == "dpo" else f"completions ({GRPO_GENERATIONS} per prompt)"
     return (f"{result.environment['trainer']} compute_loss + backward, Llama {s.model_size}, {s.dtype} cpu, "
             f"{s.pairs_or_completions()} {unit} = {s.rows_per_batch()} padded rows, {s.batches} batches x "
-            f"{s.rounds} interleaved rounds: real tokens/s, medians")
+            f"{s.rounds} interleaved rounds, prompts {result.rows[0].prompt_share:.0%} of the tokens: real tokens/s "
+            "(the padded run's real tokens, each prompt counted as often as it computes it, for every variant), "
+            "medians")
 
 
 def markdown(result: PreferenceResult) -> str:

@@ -305,13 +305,16 @@ def preference_command(trainer: str) -> Callable[..., None]:
                                                 "shows what of a loss difference is float32 rounding (TRL's fused "
                                                 "head computes in float32 either way).")] = "float32",
         batch_size: Annotated[Optional[int], positive("DPO: preference pairs per batch (2 padded rows each; "
-                                                       "default 8). GRPO: completions per batch, 4 per prompt "
+                                                       "default 8). GRPO: completions per batch, 8 per prompt "
                                                        "(default 16).")] = None,
         batches: Annotated[int, positive("Distinct batches.")] = 3,
         rounds: Annotated[int, positive("Interleaved timed rounds; figures are medians over rounds.")] = 3,
         seed: Annotated[int, typer.Option(help="Seed of the weights, the lengths and the tokens.")] = 0,
         threads: Annotated[int, positive("torch intra-op threads (1: on a shared machine, OpenMP barriers on "
                                          "contended cores otherwise dominate small kernels).")] = 1,
+        prompt_share: Annotated[Optional[float], typer.Option(
+            min=0.01, max=0.95, help="Share of each sequence that is prompt (default: DPO 0.6, GRPO 0.75); the "
+                                     "shared variant holds each prompt once.")] = None,
         out: Annotated[Optional[Path], typer.Option(
             help="Directory for bench_dpo.json and bench_dpo.md (grpo: bench_grpo.*). Default out/bench-dpo "
                  "(out/bench-grpo).")] = None,
@@ -319,6 +322,7 @@ def preference_command(trainer: str) -> Callable[..., None]:
     ) -> None:
         from padfree_plugins.benchmarks.preference import (
             COLUMNS,
+            SHARED_TARGETS,
             TARGETS,
             PreferenceSettings,
             cells,
@@ -329,7 +333,8 @@ def preference_command(trainer: str) -> Callable[..., None]:
 
         settings = PreferenceSettings(trainer=trainer, model_size="micro" if quick else model_size, dtype=dtype,
                                       batch_size=batch_size, batches=1 if quick else batches,
-                                      rounds=1 if quick else rounds, seed=seed, threads=threads)
+                                      rounds=1 if quick else rounds, seed=seed, threads=threads,
+                                      prompt_share=prompt_share)
         stdout = console()
         try:
             result = run_preference_benchmark(settings, progress=progress_lines(f"bench {trainer}", not as_json))
@@ -349,7 +354,9 @@ def preference_command(trainer: str) -> Callable[..., None]:
                      f"(speed), activation memory <= {TARGETS['memory_ratio']}x padded (memory), loss diff <= "
                      f"{TARGETS['loss_diff']:g} relative and absolute (loss). generic: the padded batch packed inside "
                      "the policy's body only, TRL's fused head then run on the padded hidden states (on CPU at every "
-                     "position), and DPO's reference forward padded (any_trainer patches the trainer's model only).",
+                     "position), and DPO's reference forward padded (any_trainer patches the trainer's model only). "
+                     "native: every example whole in the packed row; shared: each prompt once, held to real tokens/s "
+                     f">= {SHARED_TARGETS[trainer]}x native's (vs native), activation memory <= native's.",
                      highlight=False)
         stdout.print(f"environment: {result.environment}", highlight=False)
         stdout.print(f"wrote {paths['json']} and {paths['markdown']}", highlight=False)
