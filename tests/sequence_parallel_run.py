@@ -50,12 +50,19 @@ MODELS = {
     "nemotron_h": {},  # Mamba2 layers, attention, MoE
     "lfm2": {"layer_types": ["conv", "full_attention", "conv"]},  # the tiny default has no conv layer
 }
-#: Every other hybrid family (tests/hybrids_common.py lists them all), at its tiny defaults: each runs its sequence
-#: mixers (gated delta rule, KDA, Mamba1 / Mamba2, short conv) on the whole row under sequence parallelism.
+#: Every other hybrid family (tests/hybrids_common.py lists them all), at its tiny defaults (the Mamba2 ones smaller,
+#: below), in the sp2 launch: each runs its sequence mixers (gated delta rule, KDA, Mamba1 / Mamba2, short conv) on
+#: the whole row under sequence parallelism.
 OTHER_HYBRIDS = ("qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "kimi_linear", "granitemoehybrid", "bamba",
                  "falcon_h1", "jamba", "mamba", "falcon_mamba", "mamba2", "lfm2_moe")
 MAIN_MODELS = tuple(MODELS)
 MODELS.update({model_type: {} for model_type in OTHER_HYBRIDS})
+#: The Mamba2 mixers of tests/hybrids_common.py (4 heads, state 8, scan chunks of 16 tokens, so that the rows span
+#: several chunks) instead of transformers' defaults (128 heads, state 256, chunks of 256), whose reference PyTorch
+#: scan took ~40 s a forward-backward on CPU.
+MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_expand=1,
+              mamba_chunk_size=16)
+MODELS.update(granitemoehybrid=MAMBA2, bamba=MAMBA2, falcon_h1={**MAMBA2, "mamba_d_ssm": 64})
 #: The model types whose sequence mixers the sequence-parallel patch must have wrapped.
 HYBRID_TYPES = ("qwen3_5_text", "nemotron_h", "lfm2", *OTHER_HYBRIDS)
 
@@ -90,6 +97,7 @@ LAUNCHES = {
         Case("nemotron_h-local-mixer", "nemotron_h", 2, fault="local-mixer"),
         Case("lfm2-local-mixer", "lfm2", 2, fault="local-mixer"),
         Case("llama-refused-world", "llama", 4, expect="does not divide the 2 processes"),
+        *(Case(model_type, model_type, 2) for model_type in OTHER_HYBRIDS),
     ],
     "sp4": [
         Case("llama-sp2xdp2", "llama", 2),
@@ -99,8 +107,7 @@ LAUNCHES = {
         Case("qwen3_5_text-sp4", "qwen3_5_text", 4),
     ],
 }
-LAUNCHES["hybrids"] = [Case(model_type, model_type, 2) for model_type in OTHER_HYBRIDS]
-WORLDS = {"sp2": 2, "sp4": 4, "hybrids": 2}
+WORLDS = {"sp2": 2, "sp4": 4}
 
 
 def micro_batches(world: int) -> list[list[list[dict]]]:
