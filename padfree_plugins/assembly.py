@@ -301,8 +301,12 @@ class Assembly:
     pooler: Any
     reverter: Any
     forward: Any
-    #: The plugin host it was assembled with (a trainer plugin assembles the reference model with it too).
+    #: The plugin host it was assembled with (a trainer plugin assembles the reference model with it too). Not
+    #: copied or pickled with the assembly (it holds the plugin modules): a copy assembles with the default host.
     host: PluginHost | None = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        return {key: value for key, value in self.__dict__.items() if key != "host"}
 
     def undo(self) -> None:
         self.patch.undo()
