@@ -72,15 +72,6 @@ class SharedPrefixes:
         return cls(tuple(int(parent) for parent in parents), torch.cat(keys).to(device),
                    cu_k.to(device), int(cu_k.diff().max()))
 
-    def to(self, device: torch.device | str) -> SharedPrefixes:
-        return SharedPrefixes(self.parents, self.key_index.to(device), self.cu_seq_lens_k.to(device),
-                              self.max_length_k)
-
-    @property
-    def shared(self) -> bool:
-        """Whether any segment continues a prefix."""
-        return any(parent >= 0 for parent in self.parents)
-
 
 @dataclass(frozen=True)
 class Segment:
