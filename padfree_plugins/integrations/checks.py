@@ -9,19 +9,25 @@ restored).
   transformers' ``DataCollatorForLanguageModeling`` with a ``labels`` column in the train or an eval set;
 * over-long, empty or misaligned examples, and datasets laid out in a way the trainer's batches would break;
 * a token budget the trainer cannot keep: accelerate's ``split_batches=True``, TRL
-  ``packing=True`` rows it would have to split.
+  ``packing=True`` rows it would have to split;
+* ``prefix_sharing: on`` where repeated prompts cannot be shared (:func:`shares_prefixes`).
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from padfree_plugins.batching.sampler import check_whole_micro_batches
 from padfree_plugins.errors import BatchError, ConfigError, PadfreeError
+from padfree_plugins.modeling.mixers import sequence_mixers
 from padfree_plugins.packing.datacheck import check_dataset
+from padfree_plugins.packing.prefixes import SHARED_PREFIXES_FEATURE
+
+logger = logging.getLogger("padfree_plugins")
 
 
 def check_parallelism(trainer: Any, config: Any = None, not_sequence_parallel: str | None = None) -> None:
@@ -295,3 +301,47 @@ def refuse_own_batches_options(trainer: Any, config: Any, name: str, batches: st
         raise PadfreeError(
             f"neftune_noise_alpha with {name}: the trainer's NEFTune hook scales its noise by the length of the "
             f"row it sees, which {noise}")
+
+
+def why_prompts_not_shared(trainer: Any, assembly: Any, prompt_column: bool = True) -> str | None:
+    """Why ``trainer``'s packed rows cannot hold each repeated prompt once (see :mod:`padfree_plugins.packing.
+    prefixes`), or ``None``. ``prompt_column``: rows repeat a prompt only when the dataset has a prompt column (TRL's
+    preference and RL trainers; a RewardTrainer's pairs share whatever tokens they begin with)."""
+    config, plan = assembly.config, assembly.plan
+    size = sequence_parallel_size(config)
+    if size > 1:
+        return f"a shared row is not split across ranks (sequence_parallel.size: {size})"
+    if plan.architecture.kind != "decoder":
+        return f"a shared prompt is read causally, and {plan.architecture.name} is an {plan.architecture.kind}"
+    if getattr(trainer, "_is_vision_dataset", False) or getattr(trainer, "_is_vlm", False):
+        return "image-text calls are packed by the family's multimodal collator, which does not share prompts yet"
+    for backend in (plan.backend, plan.fallback):
+        if backend is not None and SHARED_PREFIXES_FEATURE not in backend.features:
+            return f"the {backend.name!r} attention backend does not take shared prefixes (exact and flash_attn do)"
+    if sequence_mixers(assembly.model):
+        return (f"{plan.architecture.name} runs sequence mixers, whose state does not yet carry a shared prompt into "
+                "its completions")
+    if getattr(trainer, "aux_loss_enabled", False):
+        return ("the MoE router aux loss is not a sum over tokens, so a prompt counted once would change it: set "
+                "router_aux_loss_coef=0.0 to share prompts")
+    columns = getattr(getattr(trainer, "train_dataset", None), "column_names", None)
+    if prompt_column and columns is not None and not any(column.startswith("prompt") for column in columns):
+        return f"its dataset has no prompt column (columns: {', '.join(columns)}), so no row repeats a prompt"
+    return None
+
+
+def shares_prefixes(trainer: Any, assembly: Any, prompt_column: bool = True) -> bool:
+    """Whether ``trainer``'s packed rows share repeated prompts under the config's ``prefix_sharing``: ``off`` never;
+    ``auto`` where :func:`why_prompts_not_shared` finds no reason against (the reason is logged); ``on`` the same,
+    refusing (a :class:`ConfigError`, nothing changed yet) where it cannot apply."""
+    mode = getattr(assembly.config, "prefix_sharing", "off")
+    if mode == "off":
+        return False
+    name = type(trainer).__name__
+    reason = why_prompts_not_shared(trainer, assembly, prompt_column)
+    if reason and mode == "on":
+        raise ConfigError(f"prefix_sharing: on with {name}: {reason}. Set prefix_sharing: auto (shared where it "
+                          "applies) or off")
+    if reason:
+        logger.info("padfree-plugins: prompts are not shared for %s: %s", name, reason)
+    return reason is None

@@ -43,7 +43,6 @@ Image-text calls are not packed under sequence parallelism (refused at ``acceler
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -54,17 +53,16 @@ from padfree_plugins.assembly import Assembly, assemble
 from padfree_plugins.errors import ConfigError, PadfreeError
 from padfree_plugins.integrations.base import keeps_methods, library_class
 from padfree_plugins.integrations.checks import check_parallelism, refuse_own_batches_options, \
-    sequence_parallel_size
+    sequence_parallel_size, shares_prefixes
 from padfree_plugins.modeling import unpad
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup, gather_sequence
 from padfree_plugins.modeling.patching import own_attribute, patch_of, restore_attributes, unwrap_model
 from padfree_plugins.modeling.sequence_parallel import gather_rows
 from padfree_plugins.packing.batch import BOUNDARY_KEYS, MEDIA_KEYS, MODEL_INPUT_KEYS, packed_tokens
 from padfree_plugins.packing.multimodal import TOKEN_TYPES_KEY, MultimodalCollator
-from padfree_plugins.packing.prefixes import SHARED_PREFIXES_FEATURE, SHARED_PREFIXES_KEY
+from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY
 from padfree_plugins.packing.sequence_parallel import MAX_KEYS, join_rows, slice_row
 
-logger = logging.getLogger("padfree_plugins")
 
 #: Inputs with which a fused call is left to TRL's own forward: a cache, embeddings instead of tokens, boundaries
 #: (already packed), images (vision-language models: not yet packed).
@@ -365,39 +363,7 @@ class FusedTrainerPatch:
         if self.assembly.plan.architecture.kind != "decoder":
             raise PadfreeError(f"{name} trains a causal language model; {type(self.assembly.model).__name__} is an "
                                f"{self.assembly.plan.architecture.kind}")
-        mode = getattr(config, "prefix_sharing", "off")
-        reason = None if mode == "off" else self.why_not_shared()
-        if mode == "on" and reason:
-            raise ConfigError(f"prefix_sharing: on with {name}: {reason}. Set prefix_sharing: auto (shared where it "
-                              "applies) or off")
-        if mode == "auto" and reason:
-            logger.info("padfree-plugins: prompts are not shared for %s: %s", name, reason)
-        self.shares_prefixes = mode != "off" and reason is None
-
-    def why_not_shared(self) -> str | None:
-        """Why this trainer's calls cannot share their repeated prompts (see :mod:`padfree_plugins.packing.
-        prefixes`), or ``None``."""
-        trainer, config, plan = self.trainer, self.assembly.config, self.assembly.plan
-        size = sequence_parallel_size(config)
-        if size > 1:
-            return f"a shared row is not split across ranks (sequence_parallel.size: {size})"
-        if getattr(trainer, "_is_vision_dataset", False) or getattr(trainer, "_is_vlm", False):
-            return "image-text calls are packed by the family's multimodal collator, which does not share prompts yet"
-        for backend in (plan.backend, plan.fallback):
-            if backend is not None and SHARED_PREFIXES_FEATURE not in backend.features:
-                return (f"the {backend.name!r} attention backend does not take shared prefixes (exact and flash_attn "
-                        "do)")
-        if any(getattr(vars(module).get("forward"), "packed_sequence_mixer", False)
-               for module in self.assembly.model.modules()):
-            return (f"{plan.architecture.name} runs sequence mixers, whose state does not yet carry a shared prompt "
-                    "into its completions")
-        if getattr(trainer, "aux_loss_enabled", False):
-            return ("the MoE router aux loss is not a sum over tokens, so a prompt counted once would change it: set "
-                    "router_aux_loss_coef=0.0 to share prompts")
-        columns = getattr(getattr(trainer, "train_dataset", None), "column_names", None)
-        if columns is not None and not any(column.startswith("prompt") for column in columns):
-            return f"its dataset has no prompt column (columns: {', '.join(columns)}), so no row repeats a prompt"
-        return None
+        self.shares_prefixes = shares_prefixes(trainer, self.assembly)
 
     @classmethod
     def wrap(cls, trainer: Any, assembly: Assembly) -> FusedTrainerPatch | None:

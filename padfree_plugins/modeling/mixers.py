@@ -184,6 +184,17 @@ def note_unused_mixer_backend(requested: str, family: str, patch: Any) -> None:
 PIP_NAMES = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d", "mamba_ssm": "mamba-ssm"}
 
 
+def sequence_mixers(model: Any) -> list[tuple[Any, Any]]:
+    """``(module, forward)`` of every sequence mixer a plugin patched into ``model``: the packed forwards, set on the
+    instance, that are marked ``packed_sequence_mixer`` (gated delta rule, Mamba, short convolution)."""
+    found = []
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if getattr(forward, "packed_sequence_mixer", False):
+            found.append((module, forward))
+    return found
+
+
 @dataclass
 class PackedMixer:
     """A sequence mixer's forward: packed calls restart it at every example (see the module docstring); other calls

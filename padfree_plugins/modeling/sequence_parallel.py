@@ -32,7 +32,7 @@ import torch.distributed as dist
 from padfree_plugins.errors import ConfigError, PadfreeError
 from padfree_plugins.modeling import attention
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup, gather_sequence
-from padfree_plugins.modeling.mixers import PACKED_ROW
+from padfree_plugins.modeling.mixers import PACKED_ROW, sequence_mixers
 from padfree_plugins.modeling.patching import ModelPatch, own_attribute, restore_attributes
 from padfree_plugins.packing.batch import PackedBatch, packed_tokens
 from padfree_plugins.packing.sequence_parallel import CU_KEYS, DROPPED_KEYS, MAX_KEYS, is_token_key, join_rows, \
@@ -107,9 +107,8 @@ class SequenceParallelPatch:
             installed.implementation = attention.register(patch.backend, patch.fallback, patch.attention_dropout,
                                                           patch.architecture.kind == "decoder", sequence=group)
             installed._set_implementation(installed.implementation)
-        for module in model.modules():
-            mixer = module.__dict__.get("forward")  # a plugin's packed mixer forward, on the instance
-            if getattr(mixer, "packed_sequence_mixer", False) and not isinstance(mixer, WholeRowMixer):
+        for module, mixer in sequence_mixers(model):
+            if not isinstance(mixer, WholeRowMixer):
                 installed.saved.append((module, own_attribute(module, "forward")))
                 module.forward = WholeRowMixer(mixer, group)
         patch.sequence = group
