@@ -325,3 +325,26 @@ def test_record_counts_the_shared_prompts(llama):
     with record_attention_calls() as calls:
         llama.model(**packed)
     assert [call.shared_prompts for call in calls] == [1] * llama.config.num_hidden_layers
+
+
+def test_a_collators_batch_shares_its_repeated_prefixes():
+    """share_packed: examples 0 and 2 begin with the same 2 tokens, example 1 is alone. Per-token keys keep the
+    tokens the row holds (positions go on from the prefix's end), seq_idx numbers the segments, per-example values
+    stay; each example's end is found, and its tokens whole come back through SharedPrefixes.whole."""
+    from padfree_plugins.packing.collator import PackingCollator
+    from padfree_plugins.packing.prefixes import share_packed
+
+    examples = [[5, 6, 7, 8], [9, 10], [5, 6, 11]]
+    batch = PackingCollator(example_keys=("label",))([{"input_ids": ids, "label": i} for i, ids in enumerate(examples)])
+    shared, ends = share_packed(batch, [(2, (5, 6)), None, (2, (5, 6))])
+    assert shared["input_ids"].tolist() == [[5, 6, 7, 8, 11, 9, 10]]
+    assert shared["position_ids"].tolist() == [[0, 1, 2, 3, 2, 0, 1]]
+    assert shared["seq_idx"].tolist() == [[0, 0, 1, 1, 2, 3, 3]]
+    assert shared["cu_seq_lens_q"].tolist() == [0, 2, 4, 5, 7] and shared["max_length_q"] == 2
+    assert shared[SHARED_PREFIXES_KEY].parents == (-1, 0, 0, -1)
+    assert shared["label"].tolist() == [0, 1, 2] and ends == [1, 3, 2]
+    index, bounds = shared[SHARED_PREFIXES_KEY].whole(ends)
+    whole = shared["input_ids"][0, index].tolist()
+    assert [whole[b:e] for b, e in zip(bounds.tolist(), bounds.tolist()[1:])] == examples
+    unshared, ends = share_packed(batch, [None, None, (2, (5, 6))])  # a prefix no other example repeats
+    assert unshared is batch and ends == [0, 1, 2]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import random
 import tempfile
+from typing import Any
 
 import datasets
 import numpy as np
@@ -16,8 +17,13 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from padfree_plugins import ConfigError, PadfreeError, accelerate
-from padfree_plugins.integrations.trl_reward import PreferenceCollator
+from padfree_plugins import AttentionBackend, ConfigError, PadfreeError, PluginHost, accelerate, hookimpl, patch_of
+from padfree_plugins.contract.declarations import FEATURES
+from padfree_plugins.integrations.trl_reward import PreferenceCollator, pair_prefixes
+from padfree_plugins.modeling.attention import record_attention_calls
+from padfree_plugins.modeling.attention.backends import exact_varlen
+from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY
+from padfree_plugins.testing.faults import completion_positions_restart, completions_see_a_sibling
 from tests.conftest import tiny_config
 from tests.test_trainer import tokenizer
 
@@ -27,17 +33,22 @@ WORDS = "a tiny corpus for a tiny tokenizer".split()
 STEPS = 8
 
 
-def preference_rows(n: int, seed: int, margin: bool = False) -> list[dict]:
+def preference_rows(n: int, seed: int, margin: bool = False, prompts: bool = False) -> list[dict]:
+    """``n`` random pairs; ``prompts``: each with a prompt of 4-16 words too, which TRL writes before both texts."""
     rng = random.Random(seed)
-    text = lambda: " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12)))  # noqa: E731
+    text = lambda low=1, high=12: " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))  # noqa: E731
     rows = [{"chosen": text(), "rejected": text()} for _ in range(n)]
+    if prompts:
+        for row in rows:
+            row["prompt"] = text(4, 16) + " "
     if margin:
         for row in rows:
             row["margin"] = rng.uniform(0.0, 1.0)
     return rows
 
 
-def reward_trainer(packed: bool, architecture: str = "llama", margin: bool = False, **overrides):
+def reward_trainer(packed: bool, architecture: str = "llama", margin: bool = False, prompts: bool = False,
+                   sharing: str = "auto", **overrides):
     torch.manual_seed(0)
     config = tiny_config(architecture, num_key_value_heads=2, num_labels=1, vocab_size=len(tokenizer()))
     model = AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa")
@@ -46,10 +57,10 @@ def reward_trainer(packed: bool, architecture: str = "llama", margin: bool = Fal
                     report_to="none", seed=0, disable_tqdm=True, bf16=False, dataloader_pin_memory=False)
     settings.update(overrides)
     trainer = trl.RewardTrainer(model=model, args=trl.RewardConfig(**settings),
-                                train_dataset=datasets.Dataset.from_list(preference_rows(40, 0, margin)),
-                                eval_dataset=datasets.Dataset.from_list(preference_rows(13, 1, margin)),
+                                train_dataset=datasets.Dataset.from_list(preference_rows(40, 0, margin, prompts)),
+                                eval_dataset=datasets.Dataset.from_list(preference_rows(13, 1, margin, prompts)),
                                 processing_class=copy.deepcopy(tokenizer()))  # TRL sets its pad token
-    acceleration = accelerate(trainer) if packed else None
+    acceleration = accelerate(trainer, {"prefix_sharing": sharing}) if packed else None
     return trainer, acceleration
 
 
@@ -59,19 +70,34 @@ def logged(trainer) -> list[dict]:
 
 CASES = {"llama": dict(), "qwen3": dict(architecture="qwen3"), "margin": dict(margin=True),
          "center-rewards": dict(center_rewards_coefficient=0.1), "accumulation2": dict(gradient_accumulation_steps=2),
-         "eos-as-pad": dict(pad_token="</s>")}
+         "eos-as-pad": dict(pad_token="</s>"),
+         # prefix sharing (the default, auto): each pair's prompt once in the packed row
+         "prompts shared": dict(prompts=True),
+         "prompts shared, margin, accumulation2": dict(prompts=True, margin=True, gradient_accumulation_steps=2),
+         "prompts shared, eos-as-pad, qwen3": dict(prompts=True, pad_token="</s>", architecture="qwen3"),
+         "prompts, sharing off": dict(prompts=True, sharing="off")}
+
+
+def reward_run(packed: bool, **settings) -> tuple[list[dict], dict, Any, int]:
+    """Train, evaluate and predict; the logged steps, the evaluation, the predictions and how many prompts the
+    training's packed attention calls shared."""
+    trainer, acceleration = reward_trainer(packed, **settings)
+    with record_attention_calls() as calls:
+        trainer.train()
+    if acceleration is not None:
+        assert acceleration.assembly.config.task == "seq_cls"
+    return (logged(trainer), trainer.evaluate(), trainer.predict(trainer.eval_dataset),
+            sum(call.shared_prompts for call in calls))
 
 
 @pytest.mark.parametrize("settings", CASES.values(), ids=CASES.keys())
 def test_reward_trainer_trains_trls_padded_curve_with_its_metrics(settings):
-    runs = []
-    for packed in (False, True):
-        trainer, acceleration = reward_trainer(packed, **settings)
-        trainer.train()
-        runs.append((logged(trainer), trainer.evaluate(), trainer.predict(trainer.eval_dataset)))
-        if acceleration is not None:
-            assert acceleration.assembly.config.task == "seq_cls"
-    (want, want_eval, want_pred), (got, got_eval, got_pred) = runs
+    runs = [reward_run(packed, **settings) for packed in (False, True)]
+    (want, want_eval, want_pred, _), (got, got_eval, got_pred, shared) = runs
+    if settings.get("prompts") and settings.get("sharing", "auto") != "off":
+        assert shared >= STEPS * 4, "the pairs' prompts were not shared"  # 4 pairs per step, every layer
+    elif settings.get("prompts"):
+        assert shared == 0
     assert len(got) == len(want) == STEPS
     losses = torch.tensor([[entry["loss"] for entry in run] for run in (want, got)])
     torch.testing.assert_close(losses[1], losses[0], atol=1e-4, rtol=0)
@@ -104,9 +130,11 @@ def test_over_long_preference_texts_are_refused_before_training():
         accelerate(trainer, {"max_length": 4})
 
 
-def test_compute_metrics_gets_what_trls_padded_evaluation_gives_it():
+@pytest.mark.parametrize("prompts", [False, True], ids=["pairs", "prompts shared"])
+def test_compute_metrics_gets_what_trls_padded_evaluation_gives_it(prompts):
     """TRL's empty label_names make Trainer hand ``compute_metrics`` ``label_ids=()`` (it is not called without
-    labels), the chosen-then-rejected scores and, with ``include_for_metrics=["inputs"]``, the padded input ids."""
+    labels), the chosen-then-rejected scores and, with ``include_for_metrics=["inputs"]``, the padded input ids
+    (each text whole where its pair's prompt was shared)."""
     seen = []
 
     def compute_metrics(prediction):
@@ -115,7 +143,9 @@ def test_compute_metrics_gets_what_trls_padded_evaluation_gives_it():
 
     results = []
     for packed in (False, True):
-        trainer, _ = reward_trainer(packed, include_for_metrics=["inputs"])
+        trainer, acceleration = reward_trainer(packed, include_for_metrics=["inputs"], prompts=prompts)
+        if packed:
+            assert trainer.data_collator.share_prefixes
         trainer.compute_metrics = compute_metrics
         results.append(trainer.evaluate())
     assert len(seen) == 2, "compute_metrics was not called"
@@ -170,4 +200,65 @@ def test_preference_collator_takes_any_iterable_of_rows():
     got = trainer.data_collator(row for row in rows)
     assert want.keys() == got.keys()
     for key in want:
-        assert torch.equal(torch.as_tensor(got[key]), torch.as_tensor(want[key])), key
+        if key == SHARED_PREFIXES_KEY:
+            assert got[key].parents == want[key].parents and torch.equal(got[key].key_index, want[key].key_index)
+        else:
+            assert torch.equal(torch.as_tensor(got[key]), torch.as_tensor(want[key])), key
+
+
+# -- prefix sharing -----------------------------------------------------------------------------------------------
+
+
+def test_a_pair_shares_what_both_texts_begin_with_up_to_their_scored_tokens():
+    """Up to (not including) either text's scored token: its last that is not the pad id (0 here)."""
+    pairs = {((5, 6, 7, 8), (5, 6, 9)): 2,  # the common tokens
+             ((5, 6, 7), (5, 6, 7)): 2,  # one text twice: all but the scored token
+             ((5, 6, 0, 0), (5, 6, 0)): 1,  # trailing pad ids: the scored token is 6
+             ((0, 0), (0, 0)): 0,  # pad ids only: the first token is scored
+             ((5,), (5, 6)): 0,  # a 1-token text
+             ((5, 6), (7, 6)): 0}  # nothing in common
+    for (chosen, rejected), length in pairs.items():
+        lengths = [len(chosen), len(rejected)]
+        batch = {"input_ids": torch.tensor([[*chosen, *rejected]]),
+                 "cu_seq_lens_q": torch.tensor([0, lengths[0], sum(lengths)])}
+        want = [(length, chosen[:length])] * 2 if length else [None, None]
+        assert pair_prefixes(batch, pad_token_id=0) == want, (chosen, rejected)
+    batch = {"input_ids": torch.tensor([[5, 6, 0, 5, 6, 0]]), "cu_seq_lens_q": torch.tensor([0, 3, 6])}
+    assert pair_prefixes(batch, pad_token_id=None) == [(2, (5, 6))] * 2  # no pad id: the last token is scored
+
+
+@pytest.mark.parametrize("fault", [completions_see_a_sibling, completion_positions_restart])
+def test_the_reward_comparison_fails_on_a_faulty_shared_row(fault):
+    """A chosen text that sees a token of its rejected sibling, or whose positions restart after the shared prompt:
+    the scores, and so the first steps' rewards, are off."""
+    want = reward_run(False, prompts=True, max_steps=2)[0]
+    with fault():
+        got, _, _, shared = reward_run(True, prompts=True, max_steps=2)
+    assert shared
+    off = [key for w, g in zip(want, got) for key in ("loss", "margin", "mean_reward")
+           if abs(g[key] - w[key]) > 1e-4]
+    assert off, "a faulty shared row went unnoticed"
+
+
+class NoSharing:
+    @hookimpl
+    def register_attention_backends(self):
+        return [AttentionBackend("noshare", exact_varlen, features=frozenset(FEATURES))]
+
+
+@pytest.mark.parametrize("case", ["backend", "encoder"])
+def test_prefix_sharing_on_is_refused_where_it_cannot_apply_and_auto_turns_it_off(case):
+    """An attention backend without shared prefixes, an encoder (which reads a prompt both ways): ``on`` is a
+    ConfigError at accelerate() that leaves the trainer as it was; ``auto`` packs every text whole."""
+    trainer, _ = reward_trainer(False, prompts=True, architecture="bert" if case == "encoder" else "llama")
+    config = {"attention": "noshare"} if case == "backend" else {}
+    message = "'noshare' attention backend" if case == "backend" else "bert is an encoder"
+    host = PluginHost({"noshare": NoSharing()})
+    with pytest.raises(ConfigError, match=message):
+        accelerate(trainer, {"prefix_sharing": "on", **config}, host=host)
+    assert type(trainer.data_collator).__name__ == "DataCollatorForPreference"
+    assert patch_of(trainer.model) is None
+    accelerate(trainer, {"prefix_sharing": "auto", **config}, host=host)
+    assert trainer.data_collator.share_prefixes is False
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    assert SHARED_PREFIXES_KEY not in batch

@@ -196,3 +196,19 @@ def test_other_fused_plugins_keep_refusing_images():
     finally:
         assembly.undo()
     assert vars(trainer.model)["forward"] == forward
+
+
+def test_prefix_sharing_on_is_refused_for_image_text_pairs_and_auto_packs_them_whole():
+    """A prompt with images is not shared yet (each pair's images and prompt run in both rows): ``on`` is a
+    ConfigError at accelerate() that leaves the models as they were; ``auto`` packs every row whole."""
+    from padfree_plugins import ConfigError
+
+    trainer = trainer_for(preferences(4))
+    forwards = (vars(trainer.model)["forward"], vars(trainer.ref_model)["forward"])
+    with pytest.raises(ConfigError, match="prefix_sharing: on with DPOTrainer: image-text calls"):
+        accelerate(trainer, {"task": "causal_lm", "prefix_sharing": "on"})
+    assert (vars(trainer.model)["forward"], vars(trainer.ref_model)["forward"]) == forwards
+    assert patch_of(trainer.model) is None and patch_of(trainer.ref_model) is None
+    acceleration = accelerate(trainer, {"task": "causal_lm"})
+    assert acceleration.trainer_patch.shares_prefixes is False
+    acceleration.undo()

@@ -43,10 +43,14 @@ def bench_hybrids() -> None:
                   out=Path("out/bench-sft-hybrid") / path.stem)
 
 
+#: The prompt share of ``bench``'s prompt-light DPO / GRPO runs.
+PROMPT_LIGHT = 0.1
+
+
 @app.callback(invoke_without_command=True)
 def bench_all(ctx: typer.Context) -> None:
-    """Run every benchmark with its defaults: collator, sft, sft on the hybrid configs, dpo, grpo, vlm, embedding,
-    batching."""
+    """Run every benchmark with its defaults: collator, sft, sft on the hybrid configs, dpo, grpo (each also with
+    prompts of 10%, where sharing them must cost nothing), vlm, embedding, batching."""
     if ctx.invoked_subcommand is not None:
         return
     for title, command in (("collator", bench_collator), ("sft (causal LM)", bench_sft),
@@ -57,6 +61,10 @@ def bench_all(ctx: typer.Context) -> None:
         command()
         if command is bench_sft:
             bench_hybrids()
+        if command in (bench_dpo, bench_grpo):
+            name = "dpo" if command is bench_dpo else "grpo"
+            console().rule(f"bench {name}, prompt-light (prompts 10%)")
+            command(prompt_share=PROMPT_LIGHT, out=Path(f"out/bench-{name}-prompt-light"))
 
 
 @app.command("collator")
@@ -322,11 +330,11 @@ def preference_command(trainer: str) -> Callable[..., None]:
     ) -> None:
         from padfree_plugins.benchmarks.preference import (
             COLUMNS,
-            SHARED_TARGETS,
             TARGETS,
             PreferenceSettings,
             cells,
             run_preference_benchmark,
+            shared_target,
             title,
             write_outputs,
         )
@@ -356,7 +364,7 @@ def preference_command(trainer: str) -> Callable[..., None]:
                      "the policy's body only, TRL's fused head then run on the padded hidden states (on CPU at every "
                      "position), and DPO's reference forward padded (any_trainer patches the trainer's model only). "
                      "native: every example whole in the packed row; shared: each prompt once, held to real tokens/s "
-                     f">= {SHARED_TARGETS[trainer]}x native's (vs native), activation memory <= native's.",
+                     f">= {shared_target(settings)}x native's (vs native), activation memory <= native's.",
                      highlight=False)
         stdout.print(f"environment: {result.environment}", highlight=False)
         stdout.print(f"wrote {paths['json']} and {paths['markdown']}", highlight=False)

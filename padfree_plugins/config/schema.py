@@ -100,10 +100,10 @@ class PadfreeConfig:
         "your own): auto (training forwards run padding-free inside the model, outputs scattered back to the padded "
         "shape); always (evaluation and no_grad forwards too); off (the model's own padded code)", default="auto")
     prefix_sharing: Literal["auto", "on", "off"] = _help(
-        "preference and RL trainers (TRL DPO, GRPO, RLOO): each prompt computed once in a packed row, followed by "
-        "its completions (exact: they attend to it and continue its positions); auto (where the attention backend "
-        "takes shared prefixes, the model has no sequence mixers and the batch holds a repeated prompt); on (the "
-        "same, refused where it cannot apply); off", default="auto")
+        "preference, reward and RL trainers (TRL DPO, Reward, GRPO, RLOO): each prompt computed once in a packed "
+        "row, followed by its completions (exact: they attend to it and continue its positions); auto (where the "
+        "attention backend takes shared prefixes, the model is a decoder without sequence mixers and the batch "
+        "holds a repeated prompt); on (the same, refused where it cannot apply); off", default="auto")
     max_length: int | None = _help("longest example in tokens (default: no limit)", default=None, minimum=1)
     on_overlong: Literal["error", "truncate"] = _help("what to do with an example longer than max_length",
                                                       default="error")

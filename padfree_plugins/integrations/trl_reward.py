@@ -8,6 +8,11 @@ the rejected ones, as there. :func:`preference_loss` is TRL's ``compute_loss`` o
 loss ``-logsigmoid(chosen - rejected [- margin])`` (plus ``center_rewards_coefficient``), and the metrics TRL logs
 (``num_tokens``, min / mean / max reward, accuracy, margin) — ``num_tokens`` counts real tokens, as TRL's attention
 mask does.
+
+With ``prefix_sharing`` (on a decoder whose attention backend takes shared prefixes), the tokens a pair's texts
+begin with (TRL writes ``prompt + chosen`` and ``prompt + rejected``) are computed once: a decoder reads them
+causally, so each text's score is the one it has whole. What is shared stops before either text's scored token (its
+last token that is not the pad id, as the model's head picks it), so that each text keeps it in its own segment.
 """
 
 from __future__ import annotations
@@ -23,19 +28,51 @@ import torch.nn.functional as F
 from padfree_plugins.contract.hookspecs import hookimpl
 from padfree_plugins.errors import BatchError, ConfigError
 from padfree_plugins.integrations.base import TrainerPatch, keeps_methods, library_class
-from padfree_plugins.integrations.checks import check_sequence_parallel
+from padfree_plugins.integrations.checks import check_sequence_parallel, shares_prefixes
 from padfree_plugins.packing.collator import as_examples
+from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, share_packed
 
 #: The token-id columns of a tokenized preference dataset, in the order TRL's collator stacks them.
 PREFERENCE_COLUMNS = ("chosen_ids", "rejected_ids")
+#: Keys of a shared batch: the segment that ends each text (``[2n]``, chosen first), and the texts' tokens whole.
+TEXT_SEGMENTS_KEY, TEXT_TOKENS_KEY = "text_segments", "text_tokens"
+
+
+def scored_token(text: list[int], pad_token_id: int | None) -> int:
+    """The index of the token a decoder's head scores ``text`` by: its last that is not the pad id (its first when
+    all are), as :func:`padfree_plugins.modeling.heads._last_not_pad`."""
+    if pad_token_id is None:
+        return len(text) - 1
+    return next((i for i in range(len(text) - 1, -1, -1) if text[i] != pad_token_id), 0)
+
+
+def pair_prefixes(batch: Mapping, pad_token_id: int | None) -> list[tuple[int, tuple] | None]:
+    """What each text of a packed batch of ``n`` chosen then ``n`` rejected texts may share with its pair's other
+    text (as :func:`padfree_plugins.packing.prefixes.shared_layout` takes it): the tokens both begin with, up to
+    (not including) either text's scored token; ``None`` where that is nothing."""
+    ids, cu = batch["input_ids"].reshape(-1).tolist(), batch["cu_seq_lens_q"].tolist()
+    texts = [ids[start:end] for start, end in zip(cu, cu[1:])]
+    pairs = len(texts) // 2
+    prefixes: list[tuple[int, tuple] | None] = [None] * len(texts)
+    for chosen, rejected in zip(range(pairs), range(pairs, 2 * pairs)):
+        a, b = texts[chosen], texts[rejected]
+        common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        length = min(common, scored_token(a, pad_token_id), scored_token(b, pad_token_id))
+        if length > 0:
+            prefixes[chosen] = prefixes[rejected] = (length, tuple(a[:length]))
+    return prefixes
 
 
 @dataclass
 class PreferenceCollator:
     """Rows ``{chosen_ids, rejected_ids[, margin]}`` -> one packed batch of every chosen text, then every rejected
-    one (``collator``: the ``seq_cls`` task's), plus ``margin`` ``[n]`` when the rows carry one."""
+    one (``collator``: the ``seq_cls`` task's), plus ``margin`` ``[n]`` when the rows carry one. ``share_prefixes``:
+    the tokens a pair's texts begin with are held once (:func:`pair_prefixes`); the batch then says which segment
+    ends each text (:data:`TEXT_SEGMENTS_KEY`) and how many tokens the texts hold whole (:data:`TEXT_TOKENS_KEY`)."""
 
     collator: Any
+    share_prefixes: bool = False
+    pad_token_id: int | None = None
     id_columns = PREFERENCE_COLUMNS  # what the dataset check reads (see padfree_plugins.packing.datacheck)
 
     @property
@@ -49,9 +86,21 @@ class PreferenceCollator:
             raise BatchError(f"preference rows need {' and '.join(PREFERENCE_COLUMNS)} (what RewardTrainer's dataset "
                              f"preparation writes); missing {', '.join(missing)}")
         batch = self.collator([{"input_ids": row[key]} for key in PREFERENCE_COLUMNS for row in rows])
+        if self.share_prefixes:
+            tokens = batch.num_tokens
+            batch, ends = share_packed(batch, pair_prefixes(batch, self.pad_token_id))
+            if SHARED_PREFIXES_KEY in batch:
+                batch[TEXT_SEGMENTS_KEY], batch[TEXT_TOKENS_KEY] = torch.tensor(ends), tokens
         if "margin" in rows[0]:
             batch["margin"] = torch.tensor([row["margin"] for row in rows], dtype=torch.float)
         return batch
+
+
+def text_scores(logits: torch.Tensor, inputs: Mapping[str, Any]) -> torch.Tensor:
+    """Per-text scores ``[2n, 1]`` (chosen first) from the per-segment ones of a packed batch (a shared batch holds a
+    segment for each shared prefix too)."""
+    segments = inputs.get(TEXT_SEGMENTS_KEY)
+    return logits if segments is None else logits.index_select(0, segments.to(logits.device))
 
 
 def preference_loss(trainer: Any, logits: torch.Tensor, inputs: Mapping[str, Any]) -> torch.Tensor:
@@ -65,7 +114,7 @@ def preference_loss(trainer: Any, logits: torch.Tensor, inputs: Mapping[str, Any
         loss = loss + trainer.args.center_rewards_coefficient * torch.mean((chosen + rejected) ** 2)
     accelerator, metrics = trainer.accelerator, trainer._metrics[mode]
     if mode == "train":
-        tokens = torch.tensor(inputs["input_ids"].shape[-1], device=logits.device)
+        tokens = torch.tensor(inputs.get(TEXT_TOKENS_KEY, inputs["input_ids"].shape[-1]), device=logits.device)
         trainer._total_train_tokens += accelerator.gather_for_metrics(tokens).sum().item() // trainer._tp_size
     metrics["num_tokens"] = [trainer._total_train_tokens]
     with torch.no_grad():
@@ -90,7 +139,11 @@ class RewardTrainerPatch(TrainerPatch):
         return keeps_methods(trainer, library_class(trainer, "trl", "RewardTrainer"))
 
     def make_collator(self) -> PreferenceCollator:
-        return PreferenceCollator(self.assembly.collator)
+        """The pairs packed, sharing what each pair's texts begin with where ``prefix_sharing`` applies (a
+        :class:`ConfigError` under ``on`` where it cannot, before anything changes)."""
+        share = shares_prefixes(self.trainer, self.assembly, prompt_column=False)
+        return PreferenceCollator(self.assembly.collator, share,
+                                  self.assembly.model.config.get_text_config().pad_token_id)
 
     def check(self) -> None:
         """``batching.strategy: tokens`` plans batches from each row's ``input_ids``; a RewardTrainer's rows are
@@ -103,8 +156,13 @@ class RewardTrainerPatch(TrainerPatch):
     def compute_loss(self, model: Any, inputs: Mapping, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
         """TRL's own loss and metrics on the per-text scores."""
+        batch = {k: v for k, v in inputs.items() if k != "margin"}
+        shared = batch.get(SHARED_PREFIXES_KEY)
+        if shared is not None:
+            batch[SHARED_PREFIXES_KEY] = shared.to(batch["input_ids"].device)
         with self.neftune_scope(inputs):
-            outputs = self.assembly.forward(model, {k: v for k, v in inputs.items() if k != "margin"})
+            outputs = self.assembly.forward(model, batch)
+        outputs.logits = text_scores(outputs.logits, inputs)
         loss = preference_loss(self.trainer, outputs.logits, inputs)
         return (loss, outputs) if return_outputs else loss
 
@@ -118,9 +176,22 @@ class RewardTrainerPatch(TrainerPatch):
             loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
         if prediction_loss_only:
             return (loss.detach(), None, None)
-        self.repad_metric_inputs(batch_as_given, inputs)
+        self.repad_metric_inputs(batch_as_given, whole_texts(inputs))
         # labels: the empty tuple of TRL's empty label_names, without which compute_metrics is never called
         return (loss.detach(), outputs.logits.detach(), ())
+
+
+def whole_texts(inputs: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The tokens and boundaries of a packed batch's texts whole (a shared batch's prefixes repeated in each text of
+    their pair: what ``include_for_metrics=["inputs"]`` shows); any other batch as it is."""
+    shared = inputs.get(SHARED_PREFIXES_KEY)
+    if shared is None:
+        return inputs
+    index, bounds = shared.whole(inputs[TEXT_SEGMENTS_KEY].tolist())
+    ids = inputs["input_ids"]
+    longest = int(bounds.diff().max())
+    return {"input_ids": ids.index_select(1, index.to(ids.device)), "cu_seq_lens_q": bounds.to(ids.device),
+            "max_length_q": longest}
 
 
 @hookimpl(trylast=True)

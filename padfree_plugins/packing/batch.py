@@ -29,8 +29,11 @@ import torch
 
 #: The keys that carry the boundaries into attention (``**kwargs`` of transformers models).
 BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-#: What a patched model is called with on every packed batch: the tokens, their positions and the boundaries.
-MODEL_INPUT_KEYS = ("input_ids", "position_ids", *BOUNDARY_KEYS)
+#: The model input that carries a row's shared prefixes, where it has them (:mod:`padfree_plugins.packing.prefixes`).
+SHARED_PREFIXES_KEY = "shared_prefixes"
+#: What a patched model is called with on every packed batch: the tokens, their positions and the boundaries (and
+#: the prefix structure of a row that shares prefixes).
+MODEL_INPUT_KEYS = ("input_ids", "position_ids", *BOUNDARY_KEYS, SHARED_PREFIXES_KEY)
 #: Inputs that carry images or video (vision-language processors' outputs): only a vision-language family's
 #: multimodal collator packs them (:mod:`padfree_plugins.packing.multimodal`); any other path refuses or runs padded.
 MEDIA_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "image_sizes",

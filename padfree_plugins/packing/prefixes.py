@@ -16,18 +16,19 @@ and sequence mixers (a recurrent state, conv taps) refuse it: their state at a p
 its completions.
 
 Which rows share is decided by :func:`shared_layout`: rows whose shareable prefixes (the tokens before the first one
-that predicts a label, with their positions) are equal.
+that predicts a label, with their positions) are equal. :func:`share_packed` turns a collator's packed batch of whole
+examples into a shared one (a RewardTrainer's pairs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
-#: The model input that carries a row's prefix structure (see the module docstring).
-SHARED_PREFIXES_KEY = "shared_prefixes"
+from padfree_plugins.packing.batch import SHARED_PREFIXES_KEY, PackedBatch
+
 #: The attention feature of backends that take it.
 SHARED_PREFIXES_FEATURE = "shared_prefixes"
 #: ``prefix_sharing`` settings a config may name.
@@ -71,6 +72,19 @@ class SharedPrefixes:
         cu_k = torch.tensor(bounds, dtype=torch.int32)
         return cls(tuple(int(parent) for parent in parents), torch.cat(keys).to(device),
                    cu_k.to(device), int(cu_k.diff().max()))
+
+
+    def to(self, device: torch.device | str) -> SharedPrefixes:
+        """The structure with its index tensors on ``device`` (a batch moved to the model's device)."""
+        return replace(self, key_index=self.key_index.to(device), cu_seq_lens_k=self.cu_seq_lens_k.to(device))
+
+    def whole(self, segments: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed positions of the tokens of ``segments``' examples whole (a completion's prompt, then its own
+        tokens; a segment without a parent alone), one example after the other, and their boundaries (int32)."""
+        bounds = self.cu_seq_lens_k.long().tolist()
+        index = torch.cat([self.key_index[bounds[s]:bounds[s + 1]] for s in segments])
+        sizes = torch.tensor([bounds[s + 1] - bounds[s] for s in segments])
+        return index, torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)]).to(torch.int32)
 
 
 @dataclass(frozen=True)
@@ -117,3 +131,36 @@ def tokens_saved(segments: Sequence[Segment]) -> int:
     sizes = {index: segment.length for index, segment in enumerate(segments) if segment.parent < 0}
     return sum(sizes[segment.parent] for segment in segments if segment.parent >= 0) - \
         sum(sizes[index] for index in {segment.parent for segment in segments if segment.parent >= 0})
+
+
+def share_packed(batch: Mapping, prefixes: Sequence[tuple[int, Hashable] | None]) -> tuple[PackedBatch, list[int]]:
+    """``batch`` (a collator's packed batch of whole examples) with repeated prefixes held once, and for every example
+    the segment that holds its end (its tokens after the shared prefix, or all of them).
+
+    ``prefixes``: one per example, as :func:`shared_layout` takes them. Every per-token tensor (``[1, T, …]``) keeps
+    the tokens the shared row holds, so a completion's ``position_ids`` go on from its prefix's end; ``seq_idx``
+    numbers the segments; the structure is added as :data:`SHARED_PREFIXES_KEY`. Other values (per-example ones
+    included: one per example, not per segment) are kept as they are. Without a repeated prefix the batch is
+    returned as it is."""
+    cu = batch["cu_seq_lens_q"].long().tolist()
+    count, total = len(cu) - 1, cu[-1]
+    segments = shared_layout([end - start for start, end in zip(cu, cu[1:])], prefixes)
+    if not any(segment.parent >= 0 for segment in segments):
+        return batch if isinstance(batch, PackedBatch) else PackedBatch(batch), list(range(count))
+    ends = {segment.row: index for index, segment in enumerate(segments)}  # a row's last segment holds its end
+    if len(ends) != count:
+        raise ValueError("every example of a batch to share holds at least one token")
+    index = torch.cat([torch.arange(segment.length) + cu[segment.row] + segment.start for segment in segments])
+    shared = PackedBatch()
+    for key, value in batch.items():
+        per_token = isinstance(value, torch.Tensor) and value.ndim >= 2 and tuple(value.shape[:2]) == (1, total)
+        shared[key] = value.index_select(1, index.to(value.device)) if per_token else value
+    sizes = [segment.length for segment in segments]
+    bounds = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
+    shared.update(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=max(sizes), max_length_k=max(sizes))
+    if "seq_idx" in batch:
+        shared["seq_idx"] = torch.repeat_interleave(torch.arange(len(sizes), dtype=batch["seq_idx"].dtype),
+                                                    torch.tensor(sizes))[None]
+    shared[SHARED_PREFIXES_KEY] = SharedPrefixes.build(sizes, [segment.parent for segment in segments])
+    shared.model_keys = getattr(batch, "model_keys", None)
+    return shared, [ends[row] for row in range(count)]

@@ -20,10 +20,10 @@ from unittest import mock
 
 import torch
 
-from padfree_plugins.modeling import attention, patching, unpad
+from padfree_plugins.modeling import attention, patching
 from padfree_plugins.modeling.patching import unwrap_model
 from padfree_plugins.packing.batch import restarts
-from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, SharedPrefixes
+from padfree_plugins.packing.prefixes import SharedPrefixes
 
 
 def layers_of(model: Any) -> torch.nn.ModuleList:
@@ -157,24 +157,17 @@ def completions_see_a_sibling() -> Iterator[None]:
 
 @contextmanager
 def completion_positions_restart() -> Iterator[None]:
-    """Within the block, the positions of every completion of a padded call packed with shared prefixes restart at 0
-    instead of continuing from its prompt's end, and the guard that refuses such a row is off (as a model on an
-    accelerator, where the guard reads nothing, would run it)."""
-    original = unpad.pack_padded_call
+    """Within the block, the positions of every completion of a row with shared prefixes restart at 0 instead of
+    continuing from its prompt's end (however the row was packed: a padded call, a collator), and the guard that
+    refuses such a row is off (as a model on an accelerator, where the guard reads nothing, would run it). The
+    positions are rewritten where the guard reads them, in the tensor the model goes on to use."""
 
-    def restarting(*args, **kwargs):
-        packed = original(*args, **kwargs)
-        shared = packed[0].get(SHARED_PREFIXES_KEY) if packed is not None else None
-        if shared is not None:
-            positions = packed[0]["position_ids"].clone()
-            bounds = packed[0]["cu_seq_lens_q"].long().tolist()
-            for segment, parent in enumerate(shared.parents):
-                if parent >= 0:
-                    start, end = bounds[segment], bounds[segment + 1]
-                    positions[0, start:end] = torch.arange(end - start, device=positions.device)
-            packed[0]["position_ids"] = positions
-        return packed
+    def restarting(cu, cu_k, position_ids, shared, sequence) -> None:
+        bounds = cu.long().tolist()
+        for segment, parent in enumerate(shared.parents):
+            if parent >= 0:
+                start, end = bounds[segment], bounds[segment + 1]
+                position_ids[..., start:end] = torch.arange(end - start, device=position_ids.device)
 
-    with mock.patch.object(unpad, "pack_padded_call", restarting), \
-            mock.patch.object(patching, "_check_shared_prefixes", lambda *args: None):
+    with mock.patch.object(patching, "_check_shared_prefixes", restarting):
         yield
