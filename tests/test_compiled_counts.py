@@ -15,15 +15,16 @@ def test_host_reads_counts_every_read_of_values_and_every_data_shaped_op():
         x.tolist()
         int(x[0])
         bool(x[1] > 0)
+        torch.equal(x, x)
         torch.nonzero(x)
         x.unique_consecutive()
         x.repeat_interleave(x)  # output size from the data
         x.repeat_interleave(2)  # known size: not counted
         x.repeat_interleave(x, output_size=15)  # known size: not counted
         x * 2
-    assert seen.reads == {"tolist": 1, "__int__": 1, "__bool__": 1}
+    assert seen.reads == {"tolist": 1, "__int__": 1, "__bool__": 1, "equal": 1}
     assert seen.data_shaped == {"nonzero": 1, "unique_consecutive": 1, "repeat_interleave": 1}
-    assert seen.total == 6
+    assert seen.total == 7
     with host_reads() as none:
         (x * 2 + 1).sum(0, keepdim=True)
     assert none.total == 0

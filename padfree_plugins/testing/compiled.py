@@ -4,7 +4,7 @@ whether packed rows are compile-stable (one graph, no breaks, no recompiles acro
 * :func:`compile_report`: inside the block, every graph dynamo hands to the backend (:func:`counting_backend`) and
   every graph break, by reason, from dynamo's own counters;
 * :func:`host_reads`: inside the block, every read of a tensor's values on the host (``tolist``, ``item``, a tensor
-  used as a bool or an int, ``numpy``) and every op whose output shape depends on the data (``nonzero``,
+  used as a bool or an int, ``numpy``, ``torch.equal``) and every op whose output shape depends on the data (``nonzero``,
   ``unique*``, ``masked_select``, ``repeat_interleave`` without ``output_size``). On a GPU each stalls the stream;
   on a CPU they are what a compiled graph cannot hold. Counted on the CPU too, so a test needs no GPU.
 """
@@ -75,6 +75,8 @@ def short_reason(reason: str) -> str:
 
 #: Tensor methods that read values on the host.
 HOST_READ_METHODS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy")
+#: Ops that return a python value computed from the data (seen below the tensor methods).
+HOST_READ_OPS = ("equal",)
 #: Ops whose output shape depends on the data (and so a host read inside the op).
 DATA_SHAPED_OPS = ("nonzero", "unique_consecutive", "_unique", "_unique2", "unique_dim", "masked_select")
 
@@ -111,7 +113,9 @@ class _OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if name in DATA_SHAPED_OPS or (name == "repeat_interleave" and kwargs.get("output_size") is None
+        if name in HOST_READ_OPS:
+            self.seen.reads[name] += 1
+        elif name in DATA_SHAPED_OPS or (name == "repeat_interleave" and kwargs.get("output_size") is None
                                        and len(args) and isinstance(args[0], torch.Tensor)
                                        and not isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"), int)):
             self.seen.data_shaped[name] += 1
