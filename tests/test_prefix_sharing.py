@@ -160,7 +160,8 @@ def body_outputs(model, fault=None):
         hidden = unpadded.scatter(hidden) if inputs is packed else hidden
         torch.manual_seed(1)
         (hidden[held] * torch.randn_like(hidden[held])).sum().backward()
-        outputs.append((hidden[held].detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        outputs.append((hidden[held].detach(), grads))
     return outputs
 
 

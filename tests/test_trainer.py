@@ -33,6 +33,11 @@ peft = pytest.importorskip("peft")
 
 
 STEPS = 30
+#: Steps of the per-architecture curves (every decoder, every hybrid: ~110 runs): the trainer wiring each family
+#: goes through is the same from the first step, a leak shows in the first step's loss, and the families' packed
+#: logits are compared per example in tests/test_decoders.py / test_hybrids.py; 12 steps (48 micro-batches with
+#: accumulation 4) still move the loss well past the comparison's tolerance.
+CURVE_STEPS = 12
 
 
 def rows(n: int = 64, seed: int = 0, longest: int = 60) -> list[dict]:
@@ -150,9 +155,10 @@ ARCHITECTURE_CURVES = [(name, "hf", 4, False) for name in DECODERS] + \
 
 
 def assert_trains_the_padded_curve(architecture: str, kind: str, accumulation: int, lora: bool, **overrides) -> None:
-    """30 steps of ``architecture`` padded (right padding), then packed: the loss curves within 1e-4 (AdamW; SGD
-    for the models of SGD_CURVES)."""
+    """:data:`CURVE_STEPS` steps of ``architecture`` padded (right padding), then packed: the loss curves within
+    1e-4 (AdamW; SGD for the models of SGD_CURVES)."""
     curves = []
+    overrides = {"max_steps": CURVE_STEPS, **overrides}
     for packed in (False, True):
         trainer, _ = make_trainer(kind, packed, lora=lora, architecture=architecture,
                                   gradient_accumulation_steps=accumulation, learning_rate=3e-3 if lora else 1e-3,
@@ -164,7 +170,7 @@ def assert_trains_the_padded_curve(architecture: str, kind: str, accumulation: i
         trainer.train()
         curves.append(losses(trainer))
     padded, packed = torch.tensor(curves[0]), torch.tensor(curves[1])
-    assert len(packed) == len(padded) == STEPS
+    assert len(packed) == len(padded) == overrides["max_steps"]
     torch.testing.assert_close(packed, padded, atol=1e-4, rtol=0)
     # random tokens: the loss can only fall to about log(123) from its start, so ask for movement, not a drop
     assert padded.max() - padded.min() > 1e-2, "the loss never moved: the comparison would prove little"
@@ -174,9 +180,36 @@ def assert_trains_the_padded_curve(architecture: str, kind: str, accumulation: i
                          ids=[f"{name}-{kind}-{'lora' if lora else 'accumulation4'}"
                               for name, kind, _, lora in ARCHITECTURE_CURVES])
 def test_every_decoder_trains_the_padded_curve(architecture, kind, accumulation, lora):
-    """Each listed decoder, 30 steps: HF Trainer with gradient accumulation 4, and TRL SFTTrainer with LoRA on every
-    linear layer — the loss curve of padded training within 1e-4 (AdamW; SGD for the models of SGD_CURVES)."""
+    """Each listed decoder, :data:`CURVE_STEPS` steps: HF Trainer with gradient accumulation 4, and TRL SFTTrainer
+    with LoRA on every linear layer — the loss curve of padded training within 1e-4 (AdamW; SGD for the models of
+    SGD_CURVES)."""
     assert_trains_the_padded_curve(architecture, kind, accumulation, lora)
+
+
+@pytest.mark.parametrize("architecture,kind,accumulation,lora,strength",
+                         [("llama", "hf", 4, False, 1e-3), ("qwen3", "sft", 1, True, 1e-2)],
+                         ids=["llama-hf-accumulation4", "qwen3-sft-lora"])
+def test_a_curve_comparison_fails_on_a_layer_leaking_across_examples(monkeypatch, architecture, kind, accumulation,
+                                                                     lora, strength):
+    """The per-architecture curves at :data:`CURVE_STEPS` steps have teeth: with the packed model's first layer
+    leaking ``strength`` of the previous example's last token into each example's first, the comparison fails.
+    Under LoRA (frozen base weights) a 1e-3 leak stays within the curves' 1e-4 (at 30 steps too): the per-example
+    logits tests catch that one."""
+    from contextlib import ExitStack
+
+    from padfree_plugins.testing.faults import leak_across_boundaries
+
+    own = make_trainer
+    with ExitStack() as leaks:
+        def leaking(kind, packed, **settings):
+            trainer, acceleration = own(kind, packed, **settings)
+            if packed:
+                leaks.enter_context(leak_across_boundaries(trainer.model, strength=strength))
+            return trainer, acceleration
+
+        monkeypatch.setattr(f"{__name__}.make_trainer", leaking)
+        with pytest.raises(AssertionError, match="not close"):
+            assert_trains_the_padded_curve(architecture, kind, accumulation, lora)
 
 
 #: Hybrid families (hybrids_common.HYBRIDS: attention beside gated-DeltaNet, KDA, Mamba1 / Mamba2 mixers, MoE
@@ -199,8 +232,8 @@ HYBRID_SFT_SETTINGS = {"granitemoehybrid": {"router_aux_loss_coef": 0.0}}
                          ids=[f"{name}-{kind}-{'lora' if lora else 'accumulation4'}"
                               for name, kind, _, lora in HYBRID_CURVES])
 def test_every_hybrid_trains_the_padded_curve(architecture, kind, accumulation, lora):
-    """Each hybrid family, 30 steps: HF Trainer with gradient accumulation 4, and TRL SFTTrainer with LoRA on every
-    linear layer — the loss curve of right-padded training within 1e-4 (AdamW)."""
+    """Each hybrid family, :data:`CURVE_STEPS` steps: HF Trainer with gradient accumulation 4, and TRL SFTTrainer
+    with LoRA on every linear layer — the loss curve of right-padded training within 1e-4 (AdamW)."""
     config = tiny_config(architecture, **HYBRIDS[architecture])
     assert getattr(config, "output_router_logits", False) or not hasattr(config, "router_aux_loss_coef"), \
         "an MoE family with a load-balancing loss trains without it"

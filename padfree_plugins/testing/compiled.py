@@ -4,8 +4,8 @@ whether packed rows are compile-stable (one graph, no breaks, no recompiles acro
 * :func:`compile_report`: inside the block, every graph dynamo hands to the backend (:func:`counting_backend`) and
   every graph break, by reason, from dynamo's own counters;
 * :func:`host_reads`: inside the block, every read of a tensor's values on the host (``tolist``, ``item``, a tensor
-  used as a bool or an int, ``numpy``, ``torch.equal``) and every op whose output shape depends on the data (``nonzero``,
-  ``unique*``, ``masked_select``, ``repeat_interleave`` without ``output_size``). On a GPU each stalls the stream;
+  used as a bool or an int, ``numpy``, ``torch.equal``) and every op whose output shape depends on the data
+  (``nonzero``, ``unique*``, ``masked_select``, ``repeat_interleave`` without ``output_size``). On a GPU each stalls the stream;
   on a CPU they are what a compiled graph cannot hold. Counted on the CPU too, so a test needs no GPU.
 """
 
