@@ -189,9 +189,9 @@ def sequence_mixers(model: Any) -> list[tuple[Any, Any]]:
     instance, that are marked ``packed_sequence_mixer`` (gated delta rule, Mamba, short convolution)."""
     found = []
     for module in model.modules():
-        forward = module.__dict__.get("forward")
-        if getattr(forward, "packed_sequence_mixer", False):
-            found.append((module, forward))
+        method = module.__dict__.get("forward")  # the module's own forward, not a hook's answer
+        if getattr(method, "packed_sequence_mixer", False):
+            found.append((module, method))
     return found
 
 
