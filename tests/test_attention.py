@@ -56,7 +56,9 @@ CASES = {
 
 
 #: The kernels that run on any device (``repad`` is registered for accelerators only, but computes anywhere).
-EXACT_KERNELS = {"exact": backends.exact_varlen, "repad": backends.repad_varlen}
+#: ``row_masked``: ``exact``'s compiled path (one masked call over the whole row, built with tensor ops only).
+EXACT_KERNELS = {"exact": backends.exact_varlen, "repad": backends.repad_varlen,
+                 "row_masked": backends.row_masked_varlen}
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())

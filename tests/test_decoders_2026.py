@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from padfree_plugins import UnsupportedArchitectureError, assemble, patch_of
-from padfree_plugins.modeling.attention.backends import exact_varlen, repad_varlen
+from padfree_plugins.modeling.attention.backends import exact_varlen, repad_varlen, row_masked_varlen
 from padfree_plugins.testing import leak_across_boundaries
 from tests.conftest import make_examples
 from tests.test_decoders import (
@@ -62,7 +62,8 @@ def reference_attention(q, k, v, cu, window=None):
     return torch.cat(pieces)
 
 
-@pytest.mark.parametrize("kernel", [exact_varlen, repad_varlen], ids=["exact", "repad"])
+@pytest.mark.parametrize("kernel", [exact_varlen, repad_varlen, row_masked_varlen],
+                         ids=["exact", "repad", "row_masked"])
 @pytest.mark.parametrize("window", [None, 4])
 def test_exact_kernels_take_a_value_head_dim_other_than_the_query(kernel, window):
     """exact and repad (run here on CPU tensors) return [T, H, D_v] for MLA-shaped inputs, equal to each example

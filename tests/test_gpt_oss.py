@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from padfree_plugins import BackendUnavailableError, assemble, plan
-from padfree_plugins.modeling.attention.backends import attend, exact_varlen, repad_varlen
+from padfree_plugins.modeling.attention.backends import attend, exact_varlen, repad_varlen, row_masked_varlen
 from tests.conftest import make_examples, tiny_config
 from tests.test_decoders import loss_and_grads, padded_batch
 
@@ -96,7 +96,8 @@ def test_auto_never_picks_a_backend_without_sinks_on_a_gpu():
 
 
 def test_kernels_with_sinks_equal_the_eager_reference():
-    """exact and repad with sinks equal transformers' eager softmax-with-a-sink-column, per example."""
+    """exact, its compiled path and repad with sinks equal transformers' eager softmax-with-a-sink-column, per
+    example."""
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
     generator = torch.Generator().manual_seed(0)
@@ -114,7 +115,7 @@ def test_kernels_with_sinks_equal_the_eager_reference():
                                          scaling=8 ** -0.5)
         pieces.append(out[0])
     want = torch.cat(pieces)
-    for kernel in (exact_varlen, repad_varlen):
+    for kernel in (exact_varlen, row_masked_varlen, repad_varlen):
         got = kernel(q, k, v, cu, cu, max(lengths), max(lengths), causal=True, scale=8 ** -0.5, sinks=sinks)
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=lambda m: f"{kernel.__name__}: {m}")
     plain = attend(*(t[None].transpose(1, 2) for t in (q, k, v)), causal=True, scale=8 ** -0.5)

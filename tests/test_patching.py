@@ -391,8 +391,8 @@ def test_torch_compile_runs_the_per_example_tasks(task):
             results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
         torch.testing.assert_close(results[1][0], results[0][0], atol=1e-6, rtol=1e-6)
         assert len(results[1][1]) == len(results[0][1]) > 0
-        for got, want in zip(results[1][1], results[0][1]):
-            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        for got, want in zip(results[1][1], results[0][1]):  # compiled: one masked call per row, another sum order
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     finally:
         assembly.undo()
 

@@ -20,7 +20,7 @@ from padfree_plugins.builtin.backends import EXACT_FEATURES, SHARED_FEATURES
 from padfree_plugins.contract.declarations import FEATURES
 from padfree_plugins.modeling import unpad
 from padfree_plugins.modeling.attention import PadfreeAttention, record_attention_calls
-from padfree_plugins.modeling.attention.backends import attend, exact_varlen
+from padfree_plugins.modeling.attention.backends import attend, exact_varlen, row_masked_varlen
 from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, Segment, SharedPrefixes, shared_layout, \
     tokens_saved
 from padfree_plugins.testing.faults import completion_positions_restart, completions_see_a_sibling
@@ -102,12 +102,17 @@ def shared_attention(rows, prompt, window=None, sinks=None, backend=EXACT):
     return got, want, grads
 
 
+#: ``exact``'s compiled path (one masked call over the row, queries aligned to the end of their keys).
+ROW_MASKED = AttentionBackend("row_masked", row_masked_varlen, features=EXACT_FEATURES | SHARED_FEATURES)
+
+
+@pytest.mark.parametrize("backend", [EXACT, ROW_MASKED], ids=["exact", "row_masked"])
 @pytest.mark.parametrize("window,sinks", [(None, None), (3, None), (None, torch.randn(4, dtype=torch.float64))],
                          ids=["causal", "window", "sinks"])
-def test_a_shared_prompt_gives_each_completion_what_its_whole_row_gives(window, sinks):
+def test_a_shared_prompt_gives_each_completion_what_its_whole_row_gives(window, sinks, backend):
     """Three completions of one 4-token prompt (GQA), attention through the shared row equals each row whole, and
     the gradients of the one prompt copy are the sum of the rows' (float64: 1e-12)."""
-    got, want, (grad_got, grad_want) = shared_attention([7, 5, 9], 4, window, sinks)
+    got, want, (grad_got, grad_want) = shared_attention([7, 5, 9], 4, window, sinks, backend)
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     for mine, theirs in zip(grad_got, grad_want):
         torch.testing.assert_close(mine, theirs, atol=1e-12, rtol=0)

@@ -279,7 +279,8 @@ def reference_attention(query, key, value, cu_seq_lens, blocks, window, scale):
 
 
 @pytest.mark.parametrize("window", [None, 2, 5])
-@pytest.mark.parametrize("varlen", [backends.exact_varlen, backends.repad_varlen], ids=["exact", "repad"])
+@pytest.mark.parametrize("varlen", [backends.exact_varlen, backends.repad_varlen, backends.row_masked_varlen],
+                         ids=["exact", "repad", "row_masked"])
 def test_the_kernels_equal_transformers_gemma3_masks(varlen, window):
     """exact (the CPU pick) and repad (the GPU pick, run here on the CPU) with blocks equal each example through
     transformers' own mask functions — examples of equal length stacked together, an image at an example's end

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from padfree_plugins.packing.batch import MODEL_INPUT_KEYS
+from padfree_plugins.packing.batch import MODEL_INPUT_KEYS, mark_dynamic_lengths
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class ModelForward:
         return cls(tuple(dict.fromkeys(keys)))
 
     def inputs(self, batch: Mapping) -> dict[str, Any]:
-        return {key: batch[key] for key in (*MODEL_INPUT_KEYS, *self.model_keys) if key in batch}
+        return mark_dynamic_lengths({key: batch[key] for key in (*MODEL_INPUT_KEYS, *self.model_keys) if key in batch})
 
     def __call__(self, model: Any, batch: Mapping, **loss_kwargs: Any) -> Any:
         return model(**self.inputs(batch), **loss_kwargs)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import warnings
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import cache, partial
 from itertools import groupby
@@ -37,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from padfree_plugins.errors import BackendUnavailableError, BoundaryError
-from padfree_plugins.modeling.attention import PACKED_CALL
+from padfree_plugins.modeling.attention import PACKED_CALL, ThreadValue
 from padfree_plugins.modeling.patching import own_attribute, restore_attributes, without_cache
 from padfree_plugins.packing.batch import BOUNDARY_KEYS, length_groups, token_examples
 from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY
@@ -106,7 +105,7 @@ class PackedRow:
 
 #: The packed row of the forward being run (set by :class:`MixerPatch` on the base model), for mixers whose model
 #: hands them no boundaries (Jamba, Mamba); ``None`` outside packed forwards.
-PACKED_ROW: ContextVar[PackedRow | None] = ContextVar("padfree_packed_row", default=None)
+PACKED_ROW = ThreadValue(None)
 
 
 def run_per_example(forward: Any, hidden_states: torch.Tensor, row: PackedRow, chunk: int = 1,

@@ -24,7 +24,6 @@ import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 import torch
@@ -94,6 +93,9 @@ def _check_packed_boundaries(cu: Any, cu_k: Any, position_ids: torch.Tensor, seq
     :class:`~padfree_plugins.modeling.attention.ulysses.SequenceGroup`) the boundaries describe the group's whole
     row and ``position_ids`` this rank's slice of it: the restarts inside the slice are checked."""
     _check_boundary_types(cu, cu_k)
+    if torch.compiler.is_compiling() and sequence is None and position_ids.ndim == 2:
+        _assert_packed_boundaries(cu, cu_k, position_ids)
+        return
     if cu.device.type != "cpu" or position_ids.device.type != "cpu" or position_ids.ndim != 2:
         return
     total = position_ids.shape[-1]
@@ -108,6 +110,29 @@ def _check_packed_boundaries(cu: Any, cu_k: Any, position_ids: torch.Tensor, seq
             f"{expected.tolist()[:8]} (T={total}); attention would cross examples. Build packed batches with "
             "padfree_plugins' collator"
         )
+
+
+def _assert_packed_boundaries(cu: torch.Tensor, cu_k: Any, position_ids: torch.Tensor) -> None:
+    """:func:`_check_packed_boundaries` in a compiled forward: the same check as tensor ops ending in one
+    ``torch._assert_async`` (no host read, no graph break, on any device), which fails the forward with a
+    ``RuntimeError`` when the boundaries are not where ``position_ids`` restart (or ``cu_seq_lens_k`` differs)."""
+    if cu_k is not None and cu_k.shape != cu.shape:
+        raise BoundaryError(f"cu_seq_lens_k {tuple(cu_k.shape)} must equal cu_seq_lens_q {tuple(cu.shape)} in a "
+                            "packed row; attention would cross examples")
+    positions, cu = position_ids[0], cu.long()
+    total = positions.shape[0]
+    restarts = torch.cat([positions.new_ones(1, dtype=torch.bool), positions[1:] != positions[:-1] + 1])
+    starts = torch.zeros_like(restarts).index_fill(0, cu[:-1].clamp(0, max(total - 1, 0)), True)
+    valid = (cu[0] == 0) & (cu[-1] == total) & (cu.diff() > 0).all() & (restarts == starts).all()
+    if cu_k is not None:
+        valid = valid & (cu_k.long() == cu).all()
+    torch._assert_async(valid, BOUNDARY_MISMATCH)
+
+
+#: The message of a packed row whose boundaries are not where its position_ids restart.
+BOUNDARY_MISMATCH = ("padfree-plugins: cu_seq_lens_q does not match the packed row (its examples must start exactly "
+                     "where position_ids restart, 0 … T); attention would cross examples. Build packed batches with "
+                     "padfree_plugins' collator")
 
 
 def _check_slice_boundaries(cu: torch.Tensor, cu_k: Any, restarts: torch.Tensor, local: int, sequence: Any) -> None:
@@ -277,10 +302,9 @@ def check_per_row_head(model: torch.nn.Module, args: tuple, kwargs: dict) -> Non
     )
 
 
-@lru_cache(maxsize=256)
 def _use_cache_parameter(cls: type) -> tuple[bool, int | None]:
     """Whether ``cls.forward`` takes ``use_cache``, and its position among the arguments after ``self`` (``None``
-    when keyword-only); read once per class."""
+    when keyword-only); read per call, as :func:`bound_inputs` reads the signature (``torch.compile`` traces it)."""
     try:
         parameters = list(inspect.signature(cls.forward).parameters.values())[1:]
     except (TypeError, ValueError):

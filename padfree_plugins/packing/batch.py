@@ -99,6 +99,30 @@ def length_groups(cu_seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return order, inverse, list(zip(group_lengths.tolist(), counts.tolist()))
 
 
+def mark_dynamic_lengths(inputs: Mapping) -> Mapping:
+    """Mark, for ``torch.compile``, the dimensions of a packed call that change from batch to batch as dynamic: the
+    token dimension ``T`` (the last of every per-token tensor) and the boundaries' ``n + 1``. A compiled model then
+    builds one graph for rows of every length and example count instead of one per shape (a hint:
+    ``maybe_mark_dynamic`` never fails a compile; it sets an attribute, no copy, no host read). Returns ``inputs``."""
+    tokens = inputs.get("input_ids")
+    tokens = inputs.get("inputs_embeds") if tokens is None else tokens
+    if not isinstance(tokens, torch.Tensor) or tokens.ndim < 2 or inputs.get("cu_seq_lens_q") is None:
+        return inputs
+    total = tokens.shape[1]
+    from torch._dynamo import maybe_mark_dynamic
+
+    for key, value in inputs.items():
+        if not isinstance(value, torch.Tensor) or value.ndim == 0:
+            continue
+        if key.startswith("cu_seq_lens"):
+            maybe_mark_dynamic(value, 0)
+        elif key == "inputs_embeds":  # [1, T, H]
+            maybe_mark_dynamic(value, 1)
+        elif value.shape[-1] == total and value.ndim <= 3:  # input_ids, position_ids ([4, 1, T] too), labels …
+            maybe_mark_dynamic(value, value.ndim - 1)
+    return inputs
+
+
 class PackedBatch(dict):
     """A ``dict`` of tensors (and two ints) following the contract above.
 
@@ -144,7 +168,8 @@ class PackedBatch(dict):
         batch)`` instead: a ``*ForSequenceClassification`` model's own forward pools one token per *row*, and a
         patched one refuses a packed row.
         """
-        return {key: self[key] for key in (*MODEL_INPUT_KEYS, *self.token_model_keys(), *extra) if key in self}
+        inputs = {key: self[key] for key in (*MODEL_INPUT_KEYS, *self.token_model_keys(), *extra) if key in self}
+        return mark_dynamic_lengths(inputs)
 
     def to(self, device: torch.device | str) -> "PackedBatch":
         """A copy with every tensor on ``device`` (and the same ``model_keys``)."""

@@ -12,9 +12,9 @@ with a mask function in ``AttentionMaskInterface``:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,14 +25,33 @@ from padfree_plugins.errors import BoundaryError
 from padfree_plugins.modeling.attention.backends import attend
 from padfree_plugins.packing.prefixes import SHARED_PREFIXES_FEATURE, SHARED_PREFIXES_KEY, SharedPrefixes
 
+class ThreadValue(threading.local):
+    """A value of this thread (``default`` until set): ``set`` returns the value it replaces, which ``reset``
+    restores (nested calls). Unlike a context variable, ``torch.compile`` traces it (and guards on it)."""
+
+    def __init__(self, default: Any = None) -> None:
+        self.value = default
+
+    def get(self) -> Any:
+        return self.value
+
+    def set(self, value: Any) -> Any:
+        previous, self.value = self.value, value
+        return previous
+
+    def reset(self, previous: Any) -> None:
+        self.value = previous
+
+
 #: True while a patched model runs a packed batch (set by the guard, reset when the forward ends, even on error).
 #: Attention reads it to refuse a call that lost the boundaries on the way: a layer that does not forward
-#: ``**kwargs`` to attention would otherwise attend across examples silently. Context-local, so threads and
-#: async tasks never see each other's calls.
-PACKED_CALL: ContextVar[bool] = ContextVar("padfree_packed_call", default=False)
+#: ``**kwargs`` to attention would otherwise attend across examples silently. Thread-local, so threads never see
+#: each other's calls (a forward holds no ``await``, so async tasks cannot interleave inside one), and traced by
+#: ``torch.compile`` (a context variable breaks the graph at every read).
+PACKED_CALL = ThreadValue(False)
 
 #: While set (by :func:`record_attention_calls`), every packed attention call appends what it received.
-_RECORDED_CALLS: ContextVar[list | None] = ContextVar("padfree_recorded_attention_calls", default=None)
+_RECORDED_CALLS = ThreadValue(None)
 
 IMPLEMENTATION_PREFIX = "padfree_"
 #: Keyword arguments that change attention semantics in ways no backend here implements.
@@ -76,7 +95,7 @@ class AttentionCall:
 @contextmanager
 def record_attention_calls() -> Iterator[list[AttentionCall]]:
     """Collect an :class:`AttentionCall` for every packed attention call in the block (the probe reads which
-    structure reached attention); context-local, so other threads are not recorded."""
+    structure reached attention); thread-local, so other threads are not recorded."""
     calls: list[AttentionCall] = []
     token = _RECORDED_CALLS.set(calls)
     try:
@@ -153,8 +172,8 @@ class PadfreeAttention:
         cu_seq_lens_k = cu_seq_lens_q if cu_seq_lens_k is None else cu_seq_lens_k
         max_q = kwargs.get("max_length_q")
         max_k = kwargs.get("max_length_k", max_q)
-        if max_q is None:
-            max_q = max_k = int(cu_seq_lens_q.diff().max())  # a sync: collators always provide it
+        if not torch.compiler.is_compiling() and max_q is None:  # compiled: not read here, so the graph holds
+            max_q = max_k = int(cu_seq_lens_q.diff().max())  # no guard on it; a sync: collators always provide it
         recorded = _RECORDED_CALLS.get()
         if recorded is not None:
             shared = kwargs.get(SHARED_PREFIXES_KEY)

@@ -96,12 +96,13 @@ def attend(q, k, v, *, causal, scale=None, window=None, softcap=None, dropout=0.
         scores = torch.tanh(scores / softcap) * softcap
     if structure is not None:
         scores = scores.masked_fill(~structure, torch.finfo(scores.dtype).min)
+    accumulate = torch.promote_types(scores.dtype, torch.float32)  # float32 at least, float64 kept
     if sinks is None:
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = torch.softmax(scores, dim=-1, dtype=accumulate).to(q.dtype)
     else:  # the sink joins the softmax as one more column, then is dropped: it attends to nothing
         column = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         combined = torch.cat([scores, column], dim=-1)
-        probs = torch.softmax(combined, dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
+        probs = torch.softmax(combined, dim=-1, dtype=accumulate)[..., :-1].to(q.dtype)
     probs = F.dropout(probs, p=dropout, training=dropout > 0)
     out = torch.matmul(probs, v)
     return (out, probs) if return_weights else out
@@ -139,9 +140,14 @@ def exact_varlen(
 
     Examples of equal length are stacked into one call, so the number of kernel launches is the number of
     distinct lengths, not of examples. No work is spent on padding; nothing crosses an example boundary.
+    Under ``torch.compile`` the row runs as one masked call instead (:func:`row_masked_varlen`): the grouping reads
+    the boundaries on the host, which a compiled graph cannot hold.
     """
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})")
+    if torch.compiler.is_compiling():
+        return row_masked_varlen(query, key, value, cu_seq_lens_q, cu_seq_lens_k, causal=causal, scale=scale,
+                                 window=window, softcap=softcap, dropout=dropout, sinks=sinks, blocks=blocks)
     if cu_seq_lens_k is cu_seq_lens_q or (cu_seq_lens_k.shape == cu_seq_lens_q.shape
                                           and torch.equal(cu_seq_lens_k, cu_seq_lens_q)):
         return _self_attention_by_length(query, key, value, cu_seq_lens_q, causal=causal, scale=scale,
@@ -166,6 +172,42 @@ def exact_varlen(
         for j, i in enumerate(members):
             pieces[i] = out[j]
     return torch.cat(pieces, dim=1).transpose(0, 1)  # [T, H, D]
+
+
+def _token_places(cu_seq_lens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The example of each of ``total`` packed tokens and its place in it, from the boundaries with tensor ops only
+    (``searchsorted``: nothing read on the host, a shape ``total`` that may be symbolic)."""
+    bounds = cu_seq_lens.long()
+    token = torch.arange(total, device=cu_seq_lens.device)
+    example = torch.searchsorted(bounds[1:], token, right=True)
+    return example, token - bounds.index_select(0, example)
+
+
+def row_masked_varlen(query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_length_q=None, max_length_k=None, *,
+                      causal, scale=None, window=None, softcap=None, dropout=0.0, sinks=None, blocks=None
+                      ) -> torch.Tensor:
+    """:func:`exact_varlen` as one masked ``scaled_dot_product_attention`` over the whole row: the ``[T_q, T_k]``
+    mask (same example; causal and window distances with queries aligned to the end of their keys; bidirectional
+    blocks) is built from the boundaries with tensor ops, so nothing is read on the host and ``torch.compile`` traces
+    it whole (the max lengths are not read). Costs a ``T_q × T_k`` mask and scores, where the per-length calls cost
+    ``Σ L²``: the compiled path of ``exact`` (CPU, CI); on a GPU the varlen kernels compile as they are."""
+    example_q, place_q = _token_places(cu_seq_lens_q, query.shape[0])
+    example_k, place_k = _token_places(cu_seq_lens_k, key.shape[0])
+    offset = (cu_seq_lens_k.diff() - cu_seq_lens_q.diff()).long()  # keys before the first query (shared prefixes)
+    distance = (place_q + offset.index_select(0, example_q))[:, None] - place_k[None, :]
+    same = example_q[:, None] == example_k[None, :]
+    ordered = distance >= 0 if causal else torch.ones_like(same)
+    if blocks is not None:
+        if query.shape[0] != key.shape[0]:
+            raise ValueError("bidirectional blocks are for self-attention only (cu_seq_lens_k == cu_seq_lens_q)")
+        ordered = ordered | ((blocks[:, None] == blocks[None, :]) & (blocks[:, None] >= 0))
+    allowed = same & ordered
+    if window is not None:
+        allowed = allowed & ((distance < window) if causal else (distance.abs() < window))
+    q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))  # [1, H, T, D]
+    out = attend(q, k, v, causal=False, scale=scale, softcap=softcap, dropout=dropout, mask=allowed[None, None],
+                 sinks=sinks)
+    return out[0].transpose(0, 1)  # [T, H, D]
 
 
 def _self_attention_by_length(query, key, value, cu_seq_lens, blocks=None, **options) -> torch.Tensor:
