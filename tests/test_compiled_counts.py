@@ -42,9 +42,9 @@ def test_compile_report_counts_graphs_and_breaks_with_their_cause():
         compiled = torch.compile(clean, backend=counting_backend(report), dynamic=True)
         for size in (3, 5, 9):
             compiled(torch.ones(size))
-    assert report.graphs == 1 and report.break_count == 0
+    assert report.graphs == report.unique_graphs == 1 and report.break_count == 0
     with compile_report() as report:
         torch.compile(breaking, backend=counting_backend(report))(torch.ones(3))
-    assert report.break_count == 1 and report.graphs == 2
+    assert report.break_count == 1 and report.graphs == report.unique_graphs == 2
     (reason,) = report.breaks
     assert "item()" in reason or "_local_scalar_dense" in reason

@@ -227,6 +227,11 @@ class PackedMixer:
                 raise BoundaryError(f"{type(self.module).__name__} was called without the example boundaries during "
                                     "a packed forward: it would run across examples")
             return self.original(*args, **kwargs)
+        if torch.compiler.is_compiling():  # one graph break per mixer call: its examples' lengths steer the run
+            return _run_packed_eagerly(self, row, cu, args, kwargs)
+        return self._run_packed(row, cu, args, kwargs)
+
+    def _run_packed(self, row: PackedRow | None, cu: torch.Tensor | None, args: tuple, kwargs: dict) -> Any:
         if row is None or (cu is not None and cu is not row.cu_seq_lens):
             row = PackedRow(cu)
         inputs = self._arguments(args, kwargs)
@@ -256,6 +261,15 @@ class PackedMixer:
                                               f"{device.type}. Use mixers: exact (or auto) there")
             return True
         return bool(self.kernels) and device.type == "cuda" and not missing_packages(self.kernels)
+
+
+@torch.compiler.disable
+def _run_packed_eagerly(mixer: PackedMixer, row: PackedRow | None, cu: torch.Tensor | None, args: tuple,
+                        kwargs: dict) -> Any:
+    """:meth:`PackedMixer._run_packed` outside the compiled graph: the per-example run reads the examples' lengths on
+    the host, and the kernels are custom ops; the graph breaks once here, and the eager call takes every length
+    without a recompile."""
+    return mixer._run_packed(row, cu, args, kwargs)
 
 
 def refuse_shared_prefixes(kwargs: dict, name: str) -> None:

@@ -86,17 +86,25 @@ def _check_boundary_types(cu: Any, cu_k: Any) -> None:
                                 f"{type(value).__name__} {getattr(value, 'shape', '')}".rstrip())
 
 
+#: Devices whose boundaries are checked on the host in an eager forward (a read there costs no device sync).
+HOST_CHECKED_DEVICES = ("cpu",)
+
+
 def _check_packed_boundaries(cu: Any, cu_k: Any, position_ids: torch.Tensor, sequence: Any = None) -> None:
     """Boundaries built by hand must be what the collator builds: a 1-D integer tensor ``0, L1, …, T`` whose
-    examples are where ``position_ids`` restart. The values are checked only on the host (free there; on an
-    accelerator a check would wait for the device in every forward). Under sequence parallelism (``sequence``, a
+    examples are where ``position_ids`` restart. Checked on the host in an eager forward on the CPU (free there,
+    with a message that shows the boundaries); on an accelerator, and in a compiled forward anywhere, by
+    :func:`_assert_packed_boundaries` (no host read, no graph break). Under sequence parallelism (``sequence``, a
     :class:`~padfree_plugins.modeling.attention.ulysses.SequenceGroup`) the boundaries describe the group's whole
-    row and ``position_ids`` this rank's slice of it: the restarts inside the slice are checked."""
+    row and ``position_ids`` this rank's slice of it: the restarts inside the slice are checked (on the host)."""
     _check_boundary_types(cu, cu_k)
-    if torch.compiler.is_compiling() and sequence is None and position_ids.ndim == 2:
+    if position_ids.ndim != 2:
+        return
+    host = cu.device.type in HOST_CHECKED_DEVICES and position_ids.device.type in HOST_CHECKED_DEVICES
+    if sequence is None and (torch.compiler.is_compiling() or not host):
         _assert_packed_boundaries(cu, cu_k, position_ids)
         return
-    if cu.device.type != "cpu" or position_ids.device.type != "cpu" or position_ids.ndim != 2:
+    if not host:
         return
     total = position_ids.shape[-1]
     restarts = torch.nonzero(position_ids[0, 1:] != position_ids[0, :-1] + 1).flatten() + 1

@@ -110,12 +110,13 @@ def mark_dynamic_lengths(inputs: Mapping) -> Mapping:
         return inputs
     total = tokens.shape[1]
     from torch._dynamo import maybe_mark_dynamic
+    from torch._dynamo.decorators import mark_unbacked
 
     for key, value in inputs.items():
         if not isinstance(value, torch.Tensor) or value.ndim == 0:
             continue
         if key.startswith("cu_seq_lens"):
-            maybe_mark_dynamic(value, 0)
+            mark_unbacked(value, 0, min=2)
         elif key == "inputs_embeds":  # [1, T, H]
             maybe_mark_dynamic(value, 1)
         elif value.shape[-1] == total and value.ndim <= 3:  # input_ids, position_ids ([4, 1, T] too), labels …

@@ -24,9 +24,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 @dataclass
 class CompileReport:
-    """The graphs compiled and the graph breaks (:func:`short_reason` → count) seen inside :func:`compile_report`."""
+    """What :func:`compile_report` saw: ``graphs`` handed to a :func:`counting_backend`, ``unique_graphs`` compiled
+    by any backend (dynamo's own count: a trainer that compiles with a backend by name), and graph breaks
+    (:func:`short_reason` → count)."""
 
     graphs: int = 0
+    unique_graphs: int = 0
     breaks: Counter = field(default_factory=Counter)
 
     @property
@@ -50,15 +53,17 @@ def counting_backend(report: CompileReport, backend: str | Callable = "aot_eager
 
 @contextmanager
 def compile_report() -> Iterator[CompileReport]:
-    """A :class:`CompileReport` of the block: compile with ``backend=counting_backend(report)`` inside it. Graph breaks
-    come from dynamo's counters (``torch._dynamo.utils.counters["graph_break"]``), counted from the block's start."""
+    """A :class:`CompileReport` of the block: compile with ``backend=counting_backend(report)`` inside it (or with any
+    backend, and read ``unique_graphs``). Graph breaks and unique graphs come from dynamo's counters
+    (``torch._dynamo.utils.counters``), counted from the block's start."""
     from torch._dynamo.utils import counters
 
     report = CompileReport()
-    before = Counter(counters["graph_break"])
+    before, graphs_before = Counter(counters["graph_break"]), counters["stats"]["unique_graphs"]
     try:
         yield report
     finally:
+        report.unique_graphs = counters["stats"]["unique_graphs"] - graphs_before
         after = Counter(counters["graph_break"])
         after.subtract(before)
         for reason, count in after.items():

@@ -8,7 +8,9 @@ Both leave a model run on one example alone exactly as it was, and change only p
   example;
 * :func:`completions_see_a_sibling` and :func:`completion_positions_restart`: the two ways a row with shared prefixes
   (:mod:`padfree_plugins.packing.prefixes`) can go wrong — a completion that sees a token of its sibling, a
-  completion whose positions restart at 0 instead of continuing from its prompt.
+  completion whose positions restart at 0 instead of continuing from its prompt;
+* :func:`examples_merge_under_compile` and :func:`boundary_guard_silenced`: the two ways a compiled forward can go
+  wrong — attention that lets an example see its neighbour, a guard that no longer refuses wrong boundaries.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from unittest import mock
 import torch
 
 from padfree_plugins.modeling import attention, patching
+from padfree_plugins.modeling.attention import backends
 from padfree_plugins.modeling.patching import unwrap_model
 from padfree_plugins.packing.batch import restarts
 from padfree_plugins.packing.prefixes import SharedPrefixes
@@ -170,4 +173,26 @@ def completion_positions_restart() -> Iterator[None]:
                 position_ids[..., start:end] = torch.arange(end - start, device=position_ids.device)
 
     with mock.patch.object(patching, "_check_shared_prefixes", restarting):
+        yield
+
+
+@contextmanager
+def examples_merge_under_compile() -> Iterator[None]:
+    """Within the block, the compiled path of ``exact`` (:func:`~padfree_plugins.modeling.attention.backends.
+    row_masked_varlen`) sees the first two examples of a row as one: the second attends to the first. An eager forward
+    is unchanged; compile inside the block (a graph traced before it keeps the right boundaries)."""
+    original = backends._token_places
+
+    def merged(cu_seq_lens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return original(torch.cat([cu_seq_lens[:1], cu_seq_lens[2:]]), total)  # no shape test: n is symbolic
+
+    with mock.patch.object(backends, "_token_places", merged):
+        yield
+
+
+@contextmanager
+def boundary_guard_silenced() -> Iterator[None]:
+    """Within the block, the guard's device-side check (a compiled forward's, an accelerator's) passes whatever the
+    boundaries: a forward given boundaries that would mix examples runs."""
+    with mock.patch.object(patching, "_assert_packed_boundaries", lambda cu, cu_k, position_ids: None):
         yield

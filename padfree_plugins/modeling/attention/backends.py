@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -321,8 +320,9 @@ def one_head_dim(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
 # -- torch varlen_attn (CUDA, FlashAttention-2 inside ATen) -----------------------------------------------------
 
 
-@lru_cache(maxsize=1)
 def _torch_varlen_parameters() -> frozenset[str]:
+    """The parameters of torch's ``varlen_attn`` (read per call, as ``torch.compile`` traces it; a cache would not
+    be traced)."""
     from torch.nn.attention.varlen import varlen_attn
 
     return frozenset(inspect.signature(varlen_attn).parameters)
