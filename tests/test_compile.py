@@ -246,3 +246,32 @@ def test_a_padded_batch_under_unpad_off_compiled_behaves_as_eager():
     for run in (model, compiled):
         with pytest.raises(BoundaryError, match="restart inside a row but no cu_seq_lens_q"):
             run(**packed)
+
+
+@pytest.mark.parametrize("case", ["causal", "bidirectional", "window", "gqa", "shared keys"])
+def test_the_exact_op_and_its_backward_equal_eager_exact_attention(case):
+    """``padfree::exact_varlen`` (the compiled graph's call of ``exact``) and its hand-written backward against
+    eager ``exact_varlen`` differentiated by autograd, float64: outputs and gradients within 1e-12. ``opcheck``
+    checks the op's registration (its fake tensor, its autograd) as torch.compile relies on it."""
+    from padfree_plugins.modeling.attention.backends import exact_varlen, exact_varlen_op
+
+    generator = torch.Generator().manual_seed(0)
+    lengths_q = [1, 7, 7, 30, 3]
+    lengths_k = [length + 4 * (i % 2) for i, length in enumerate(lengths_q)] if case == "shared keys" else lengths_q
+    heads_k = 2 if case == "gqa" else 4
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32)
+                  for ls in (lengths_q, lengths_k))
+    query = torch.randn(sum(lengths_q), 4, 8, dtype=torch.float64, generator=generator, requires_grad=True)
+    key, value = (torch.randn(sum(lengths_k), heads_k, 8, dtype=torch.float64, generator=generator,
+                              requires_grad=True) for _ in range(2))
+    causal, window, scale = case != "bidirectional", 5 if case == "window" else None, 0.3
+    grad = torch.randn(sum(lengths_q), 4, 8, dtype=torch.float64, generator=generator)
+    got = exact_varlen_op(query, key, value, cu_q, cu_k, causal, scale, -1 if window is None else window)
+    want = exact_varlen(query, key, value, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal, scale=scale,
+                        window=window)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    for a, b in zip(torch.autograd.grad(got, (query, key, value), grad),
+                    torch.autograd.grad(want, (query, key, value), grad)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    torch.library.opcheck(exact_varlen_op, (query, key, value, cu_q, cu_k, causal, scale, -1),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Callable, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 from rich.table import Table
@@ -185,10 +185,15 @@ def bench_sft(
                                                 "OpenMP barriers on contended cores otherwise dominate small "
                                                 "kernels); on CUDA: torch's choice.")] = None,
     out: Annotated[Path, typer.Option(help="Directory for bench_sft.json and bench_sft.png.")] = Path("out/bench-sft"),
+    compile_: Annotated[bool, typer.Option("--compile", help="Time torch.compile instead: eager padfree vs compiled "
+                                                            "padfree, compiled padded and compiled HF native, with "
+                                                            "graphs, breaks, recompiles and compile seconds.")] = False,
+    compile_backend: Annotated[str, typer.Option(help="torch.compile backend of --compile (inductor; aot_eager "
+                                                      "traces without code generation).")] = "inductor",
     as_json: JsonFlag = False,
 ) -> None:
     """Causal-LM training step: padded vs HF native packing vs padfree-plugins (its collator, and unpad: the padded
-    batch packed inside the model), same model and batches, one run."""
+    batch packed inside the model), same model and batches, one run; with --compile, compiled vs eager."""
     sizes = positive_ints(batch_sizes, "--batch-sizes")
     import torch
 
@@ -203,6 +208,12 @@ def bench_sft(
                              batches=batches, rounds=rounds, warmup=warmup, max_length=max_length,
                              peak_tflops=peak_tflops, model_config=model_config, dataset=dataset,
                              dataset_split=dataset_split, tokenizer=tokenizer, prompt_share=prompt_share)
+    if compile_:
+        try:
+            bench_compiled(settings, compile_backend, out, as_json)
+        finally:
+            torch.set_num_threads(previous_threads)
+        return
     stdout = console()
     try:
         result = run_sft_benchmark(settings, progress=progress_lines("bench sft", not as_json))
@@ -248,6 +259,44 @@ def bench_sft(
                      "speedup over 1 / (1 - padding).", highlight=False)
     stdout.print(f"environment: {result.environment}", highlight=False)
     stdout.print(f"wrote {paths['json']} and {paths['png']}", highlight=False)
+
+
+def bench_compiled(settings: Any, backend: str, out: Path, as_json: bool) -> None:
+    """``bench sft --compile``: run :mod:`padfree_plugins.benchmarks.compiled`, print its table, write its JSON."""
+    from padfree_plugins.benchmarks.compiled import run_compile_benchmark
+    from padfree_plugins.benchmarks.lengths import DATASET_LAW
+
+    if settings.dataset is not None or DATASET_LAW in settings.laws:
+        fail("--compile times the built-in length laws (lognormal, mix); drop --dataset")
+    try:
+        result = run_compile_benchmark(settings, backend, progress=progress_lines("bench sft --compile", not as_json))
+    except PadfreeError as error:
+        fail(error)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "bench_sft_compile.json"
+    path.write_text(json.dumps(result.as_dict(), indent=2))
+    if as_json:
+        print(json.dumps(result.as_dict(), indent=2))
+        return
+    table = Table(title=f"SFT step (fwd + bwd) under torch.compile ({result.backend}), "
+                        f"{settings.model_config or 'Llama ' + settings.model_size}, {settings.dtype}, "
+                        f"{result.environment['device']}: real tokens/s, medians of interleaved rounds")
+    for column in ("law", "batch", "variant", "tokens/s", "step ms", "vs eager padfree", "graphs", "breaks",
+                   "recompiles", "compile s", "loss rel. diff"):
+        table.add_column(column, justify="right")
+    for r in result.rows:
+        compiled = r.variant.endswith("+compile")
+        table.add_row(r.law, str(r.batch_size), r.variant, f"{r.tokens_per_s:,.0f}", f"{r.step_ms:,.1f}",
+                      f"{r.speedup_vs_eager:.2f}x", *((str(r.graphs), str(r.breaks), str(r.recompiles),
+                                                       f"{r.compile_s:.1f}") if compiled else ("-",) * 4),
+                      f"{r.loss_rel_diff:.1e}")
+    stdout = console()
+    stdout.print(table)
+    for r in result.rows:
+        for reason, count in r.break_reasons.items():
+            stdout.print(f"{r.variant} {r.law} bs{r.batch_size}: {count} graph break(s): {reason}", highlight=False)
+    stdout.print(f"environment: {result.environment}", highlight=False)
+    stdout.print(f"wrote {path}", highlight=False)
 
 
 @app.command("batching")

@@ -178,15 +178,20 @@ def completion_positions_restart() -> Iterator[None]:
 
 @contextmanager
 def examples_merge_under_compile() -> Iterator[None]:
-    """Within the block, the compiled path of ``exact`` (:func:`~padfree_plugins.modeling.attention.backends.
-    row_masked_varlen`) sees the first two examples of a row as one: the second attends to the first. An eager forward
-    is unchanged; compile inside the block (a graph traced before it keeps the right boundaries)."""
-    original = backends._token_places
+    """Within the block, the compiled paths of ``exact`` (the ``padfree::exact_varlen`` op and the row-masked call,
+    :mod:`padfree_plugins.modeling.attention.backends`) move the row's first inner boundary one token late: the first
+    example attends to the first token of the next one. An eager forward is unchanged; compile inside the block (a
+    graph traced before it keeps the right boundaries)."""
+    op, places = backends.exact_varlen_op, backends._token_places
 
-    def merged(cu_seq_lens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return original(torch.cat([cu_seq_lens[:1], cu_seq_lens[2:]]), total)  # no shape test: n is symbolic
+    def merged(cu_seq_lens: torch.Tensor) -> torch.Tensor:  # tensor ops only (n is symbolic): T stays the end
+        return torch.cat([cu_seq_lens[:1], torch.minimum(cu_seq_lens[1:2] + 1, cu_seq_lens[-1:]), cu_seq_lens[2:]])
 
-    with mock.patch.object(backends, "_token_places", merged):
+    def merged_op(query, key, value, cu_seq_lens_q, cu_seq_lens_k, *options):
+        return op(query, key, value, merged(cu_seq_lens_q), merged(cu_seq_lens_k), *options)
+
+    with mock.patch.object(backends, "exact_varlen_op", merged_op), \
+            mock.patch.object(backends, "_token_places", lambda cu, total: places(merged(cu), total)):
         yield
 
 

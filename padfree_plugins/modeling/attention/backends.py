@@ -139,12 +139,18 @@ def exact_varlen(
 
     Examples of equal length are stacked into one call, so the number of kernel launches is the number of
     distinct lengths, not of examples. No work is spent on padding; nothing crosses an example boundary.
-    Under ``torch.compile`` the row runs as one masked call instead (:func:`row_masked_varlen`): the grouping reads
-    the boundaries on the host, which a compiled graph cannot hold.
+
+    Under ``torch.compile`` the grouping, which reads the boundaries on the host, cannot be traced: the call is
+    the custom op ``padfree::exact_varlen`` (:func:`exact_varlen_op`, this function run eagerly inside the op, with
+    its own backward), and with soft-capping, sinks, bidirectional blocks or dropout one masked call over the
+    whole row (:func:`row_masked_varlen`, ``T × T`` scores). Either way the graph holds no break.
     """
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})")
     if torch.compiler.is_compiling():
+        if softcap is None and sinks is None and blocks is None and not dropout:
+            return exact_varlen_op(query, key, value, cu_seq_lens_q, cu_seq_lens_k, causal,
+                                   query.shape[-1] ** -0.5 if scale is None else scale, -1 if window is None else window)
         return row_masked_varlen(query, key, value, cu_seq_lens_q, cu_seq_lens_k, causal=causal, scale=scale,
                                  window=window, softcap=softcap, dropout=dropout, sinks=sinks, blocks=blocks)
     if cu_seq_lens_k is cu_seq_lens_q or (cu_seq_lens_k.shape == cu_seq_lens_q.shape
@@ -207,6 +213,88 @@ def row_masked_varlen(query, key, value, cu_seq_lens_q, cu_seq_lens_k, max_lengt
     out = attend(q, k, v, causal=False, scale=scale, softcap=softcap, dropout=dropout, mask=allowed[None, None],
                  sinks=sinks)
     return out[0].transpose(0, 1)  # [T, H, D]
+
+
+@torch.library.custom_op("padfree::exact_varlen", mutates_args=())
+def exact_varlen_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_lens_q: torch.Tensor,
+                    cu_seq_lens_k: torch.Tensor, causal: bool, scale: float, window: int) -> torch.Tensor:
+    """:func:`exact_varlen` (causal or not, a ``window`` of ``-1`` for none) as one op a compiled graph calls: it
+    runs eagerly inside (per-length calls, ``Σ L²`` work), so the graph needs neither the examples' lengths nor a
+    ``T × T`` mask. Its backward is :func:`exact_varlen_backward`."""
+    return exact_varlen(query, key, value, cu_seq_lens_q, cu_seq_lens_k, 0, 0, causal=causal, scale=scale,
+                        window=None if window < 0 else window).contiguous()
+
+
+@exact_varlen_op.register_fake
+def _(query, key, value, cu_seq_lens_q, cu_seq_lens_k, causal, scale, window):
+    return query.new_empty(query.shape[0], query.shape[1], value.shape[-1])
+
+
+@torch.library.custom_op("padfree::exact_varlen_backward", mutates_args=())
+def exact_varlen_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor, causal: bool, scale: float,
+                          window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`exact_varlen_op` for ``query``, ``key`` and ``value``: the attention of each group of
+    examples of one shape recomputed (as flash attention does) and differentiated by hand, in float32 at least."""
+    grads = [torch.zeros_like(t) for t in (query, key, value)]
+    for index_q, index_k in _shape_groups(cu_seq_lens_q, cu_seq_lens_k, query.device):
+        parts = _attention_grads(query[index_q], key[index_k], value[index_k], grad[index_q], causal, scale,
+                                 None if window < 0 else window)
+        for target, index, part in zip(grads, (index_q, index_k, index_k), parts):
+            target[index] = part.to(target.dtype)
+    return tuple(grads)
+
+
+@exact_varlen_backward.register_fake
+def _(grad, query, key, value, cu_seq_lens_q, cu_seq_lens_k, causal, scale, window):
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def _save_for_exact_varlen_backward(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs[:5])
+    ctx.options = inputs[5:]
+
+
+def _exact_varlen_op_backward(ctx, grad):
+    grads = exact_varlen_backward(grad.contiguous(), *ctx.saved_tensors, *ctx.options)
+    return *grads, None, None, None, None, None
+
+
+exact_varlen_op.register_autograd(_exact_varlen_op_backward, setup_context=_save_for_exact_varlen_backward)
+
+
+def _shape_groups(cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor, device: torch.device):
+    """For each shape ``(L_q, L_k)`` of the row's examples, the token indices of its examples' queries and keys,
+    ``[m, L_q]`` and ``[m, L_k]`` (read on the host, inside an op)."""
+    bounds_q, bounds_k = cu_seq_lens_q.tolist(), cu_seq_lens_k.tolist()
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i in range(len(bounds_q) - 1):
+        groups.setdefault((bounds_q[i + 1] - bounds_q[i], bounds_k[i + 1] - bounds_k[i]), []).append(i)
+    for (length_q, length_k), members in groups.items():
+        starts_q = torch.tensor([bounds_q[i] for i in members], device=device)
+        starts_k = torch.tensor([bounds_k[i] for i in members], device=device)
+        yield (starts_q[:, None] + torch.arange(length_q, device=device),
+               starts_k[:, None] + torch.arange(length_k, device=device))
+
+
+def _attention_grads(q, k, v, grad, causal: bool, scale: float, window: int | None):
+    """``(dq, dk, dv)`` of ``softmax(q kᵀ · scale, masked) v`` for ``[m, L, H, D]`` examples (``k`` / ``v`` with
+    ``H_kv`` heads, GQA: their gradients summed over the query heads that share them), queries aligned to the end of
+    their keys as :func:`segment_mask` aligns them."""
+    work = torch.promote_types(q.dtype, torch.float32)
+    q, k, v, grad = (t.to(work) for t in (q, k, v, grad))
+    repeat = q.shape[2] // k.shape[2]
+    k_all, v_all = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k_all) * scale
+    mask = segment_mask(q.shape[1], k.shape[1], causal, window, q.device, always=True)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    dv = torch.einsum("bhqk,bqhd->bkhd", probs, grad)
+    dprobs = torch.einsum("bqhd,bkhd->bhqk", grad, v_all)
+    dscores = probs * (dprobs - (dprobs * probs).sum(-1, keepdim=True)) * scale
+    dq = torch.einsum("bhqk,bkhd->bqhd", dscores, k_all)
+    dk = torch.einsum("bhqk,bqhd->bkhd", dscores, q)
+    fold = (*k.shape[:2], k.shape[2], repeat)
+    return dq, dk.reshape(*fold, dk.shape[-1]).sum(3), dv.reshape(*fold, dv.shape[-1]).sum(3)
 
 
 def _self_attention_by_length(query, key, value, cu_seq_lens, blocks=None, **options) -> torch.Tensor:
