@@ -164,3 +164,27 @@ def test_flash_attn_over_shared_prompts_equals_exact(window):
     assert (flash - exact).abs().max().item() < 2e-2
     for mine, theirs in zip(flash_grads, exact_grads):
         assert (mine - theirs).abs().max().item() < 5e-2 * max(theirs.abs().max().item(), 1.0)
+
+
+@pytest.mark.parametrize("attention", ["varlen", "repad"])
+def test_a_compiled_training_step_waits_for_the_device_nowhere(attention):
+    """Issue 26 on a GPU: the compiled patched model (bf16, ``varlen`` / ``repad``) trains steps on rows of changing
+    length with ``torch.cuda.set_sync_debug_mode("error")``: any host sync in the forward or backward raises. The
+    first steps compile (dynamo may sync then); the steps after it are the ones checked."""
+    model = tiny_model("llama", "causal_lm", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=512).to("cuda", torch.bfloat16 if attention == "varlen" else torch.float32)
+    model.train()
+    assembly = assemble(model, {"task": "causal_lm", "attention": attention})
+    compiled = torch.compile(model, fullgraph=True)
+    batches = [assembly.collator([dict(ex, labels=ex["input_ids"]) for ex in make_examples(lengths, seed=i)])
+               .to("cuda") for i, lengths in enumerate([[40, 7], [200, 3, 64], [9, 9, 9, 30], [120], [5, 77, 2]])]
+    for batch in batches[:2]:
+        assembly.forward(compiled, batch).loss.backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for batch in batches[2:]:
+            assembly.forward(compiled, batch).loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

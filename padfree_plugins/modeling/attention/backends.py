@@ -234,12 +234,14 @@ def _(query, key, value, cu_seq_lens_q, cu_seq_lens_k, causal, scale, window):
 def exact_varlen_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor, causal: bool, scale: float,
                           window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of :func:`exact_varlen_op` for ``query``, ``key`` and ``value``: the attention of each group of
-    examples of one shape recomputed (as flash attention does) and differentiated by hand, in float32 at least."""
+    """The gradients of :func:`exact_varlen_op` for ``query``, ``key`` and ``value``, for each group of examples of
+    one shape: on the CPU by the fused kernels sdpa uses there (the attention recomputed, then its backward); on other
+    devices (or value heads narrower than the query's) recomputed and differentiated by hand, in float32 at least."""
     grads = [torch.zeros_like(t) for t in (query, key, value)]
+    fused = query.device.type == "cpu" and query.shape[-1] == value.shape[-1]
     for index_q, index_k in _shape_groups(cu_seq_lens_q, cu_seq_lens_k, query.device):
-        parts = _attention_grads(query[index_q], key[index_k], value[index_k], grad[index_q], causal, scale,
-                                 None if window < 0 else window)
+        parts = (_attention_grads_cpu if fused else _attention_grads)(
+            query[index_q], key[index_k], value[index_k], grad[index_q], causal, scale, None if window < 0 else window)
         for target, index, part in zip(grads, (index_q, index_k, index_k), parts):
             target[index] = part.to(target.dtype)
     return tuple(grads)
@@ -265,16 +267,37 @@ exact_varlen_op.register_autograd(_exact_varlen_op_backward, setup_context=_save
 
 def _shape_groups(cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor, device: torch.device):
     """For each shape ``(L_q, L_k)`` of the row's examples, the token indices of its examples' queries and keys,
-    ``[m, L_q]`` and ``[m, L_k]`` (read on the host, inside an op)."""
+    ``[m, L_q]`` and ``[m, L_k]`` (read on the host, inside an op); empty examples, which have no gradient, left
+    out."""
     bounds_q, bounds_k = cu_seq_lens_q.tolist(), cu_seq_lens_k.tolist()
     groups: dict[tuple[int, int], list[int]] = {}
     for i in range(len(bounds_q) - 1):
         groups.setdefault((bounds_q[i + 1] - bounds_q[i], bounds_k[i + 1] - bounds_k[i]), []).append(i)
     for (length_q, length_k), members in groups.items():
+        if not (length_q and length_k):
+            continue
         starts_q = torch.tensor([bounds_q[i] for i in members], device=device)
         starts_k = torch.tensor([bounds_k[i] for i in members], device=device)
         yield (starts_q[:, None] + torch.arange(length_q, device=device),
                starts_k[:, None] + torch.arange(length_k, device=device))
+
+
+def _attention_grads_cpu(q, k, v, grad, causal: bool, scale: float, window: int | None):
+    """:func:`_attention_grads` by ATen's CPU flash-attention kernels (forward recomputed for its log-sum-exp, then
+    its backward): 2-3× faster than by hand on long examples."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    repeat = q.shape[2] // k.shape[2]
+    q, k, v, grad = (t.transpose(1, 2) for t in (q, k.repeat_interleave(repeat, dim=2),
+                                                  v.repeat_interleave(repeat, dim=2), grad))  # [m, H, L, D]
+    mask = segment_mask(q.shape[2], k.shape[2], causal, window, q.device)
+    flag = causal and mask is None and q.shape[2] > 1
+    bias = None if mask is None else q.new_zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    out, logsumexp = flash(q, k, v, 0.0, flag, attn_mask=bias, scale=scale)
+    dq, dk, dv = flash_backward(grad.contiguous(), q, k, v, out, logsumexp, 0.0, flag, attn_mask=bias, scale=scale)
+    fold = (dk.shape[0], k.shape[2], dk.shape[1] // repeat, repeat, dk.shape[-1])
+    return (dq.transpose(1, 2), dk.transpose(1, 2).reshape(fold).sum(3),
+            dv.transpose(1, 2).reshape(*fold[:4], dv.shape[-1]).sum(3))
 
 
 def _attention_grads(q, k, v, grad, causal: bool, scale: float, window: int | None):
