@@ -30,7 +30,8 @@ def test_compiled_variants_agree_and_padfree_compiles_once_or_twice_without_a_br
 def test_the_command_prints_the_table_and_writes_json(tmp_path):
     result = CliRunner().invoke(app, ["bench", "sft", "--compile", "--compile-backend", "aot_eager", "--model-size",
                                       "micro", "--batch-sizes", "2", "--laws", "lognormal", "--batches", "2",
-                                      "--rounds", "1", "--max-length", "64", "--out", str(tmp_path)])
+                                      "--rounds", "1", "--max-length", "64", "--out", str(tmp_path)],
+                                 env={"COLUMNS": "220"})  # the whole table, whatever the terminal
     assert result.exit_code == 0, result.output
     assert "padfree+compile" in result.output and "recompiles" in result.output
     rows = json.loads((tmp_path / "bench_sft_compile.json").read_text())["rows"]
