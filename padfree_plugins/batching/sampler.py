@@ -456,10 +456,12 @@ def token_budget_dataloader(dataset: Any, collator: Any, config: PadfreeConfig |
 
 
 def trainer_train_dataloader(trainer: Any, config: PadfreeConfig | BatchingConfig | dict | str | None,
-                             collator: Any = None) -> DataLoader | None:
+                             collator: Any = None, lengths: Sequence[int] | np.ndarray | None = None
+                             ) -> DataLoader | None:
     """For an HF ``Trainer`` (or a subclass: TRL, sentence-transformers): its training dataloader under the token
     budget, prepared by ``trainer.accelerator``; ``None`` when ``batching.strategy`` is ``examples`` (keep the
-    trainer's own). Call it from ``get_train_dataloader``."""
+    trainer's own). Call it from ``get_train_dataloader``. ``lengths``: every row's tokens, for rows that are not
+    one ``input_ids`` (a preference pair: what its forwards compute); read from the dataset otherwise."""
     if not uses_token_budget(config):
         return None
     if trainer.train_dataset is None:
@@ -475,11 +477,12 @@ def trainer_train_dataloader(trainer: Any, config: PadfreeConfig | BatchingConfi
     if args.dataloader_num_workers > 0:
         kwargs.update(persistent_workers=args.dataloader_persistent_workers,
                       prefetch_factor=args.dataloader_prefetch_factor)
-    dataset, lengths = trainer.train_dataset, None
+    dataset = trainer.train_dataset
     if hasattr(dataset, "column_names") and hasattr(trainer, "_remove_unused_columns"):
         # lengths first (the length column, if any, is not a model input), then drop what the model does not take,
         # as Trainer's own get_train_dataloader does
-        lengths = example_lengths(dataset, length_column=batching_config(config).length_column)
+        if lengths is None:
+            lengths = example_lengths(dataset, length_column=batching_config(config).length_column)
         dataset = trainer._remove_unused_columns(dataset, description="training")
     if isinstance(trainer.__dict__.get("_get_dataloader"), IndexingDataloaders):  # rows named as the trainer's are
         dataset = indexed_rows(dataset)

@@ -290,10 +290,12 @@ def note_trl_eval_packing(trainer: Any) -> None:
                   "too) or eval_packing=False to compare like with like.", stacklevel=3)
 
 
-def refuse_own_batches_options(trainer: Any, config: Any, name: str, batches: str, noise: str) -> None:
+def refuse_own_batches_options(trainer: Any, config: Any, name: str, batches: str, noise: str,
+                               budgets: bool = False) -> None:
     """Refuse what a trainer that keeps its own padded batches cannot do packed: a token budget (``batches``
-    says whose batches they are) and NEFTune (``noise`` says where the trainer's hook would see the packed row)."""
-    if config.batching.strategy == "tokens":
+    says whose batches they are; unless the plugin ``budgets`` its rows itself) and NEFTune (``noise`` says where the
+    trainer's hook would see the packed row)."""
+    if config.batching.strategy == "tokens" and not budgets:
         raise ConfigError(
             f"batching.strategy: tokens fills packed batches up to a token budget, but {name} keeps {batches}: use "
             "batching.strategy: examples")

@@ -20,7 +20,12 @@ its normalisation and the metrics are TRL's, as under data parallelism.
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+
 from padfree_plugins.contract.hookspecs import hookimpl
+from padfree_plugins.errors import BatchError
 from padfree_plugins.integrations.trl_fused import FusedTrainerPatch
 
 
@@ -32,6 +37,30 @@ class DPOTrainerPatch(FusedTrainerPatch):
     kept_methods = ("compute_loss", "_compute_loss", "prediction_step", "compute_ref_log_probs")
     packs_media = True
     sequence_parallel = True
+    budgets_rows = True
+
+    def row_lengths(self) -> np.ndarray:
+        """Every pair's tokens as its forwards compute them: prompt + chosen and prompt + rejected, each cut to
+        ``max_length`` as TRL's collator cuts it, the prompt counted once when the pair shares it (and neither text
+        was cut: otherwise twice, an upper bound)."""
+        return pair_lengths(self.trainer.train_dataset, self.trainer.args.max_length, self.shares_prefixes)
+
+
+def pair_lengths(dataset: Any, max_length: int | None, shared: bool) -> np.ndarray:
+    """The tokens of every row of a tokenized DPO dataset (``prompt_ids``, ``chosen_ids``, ``rejected_ids``): see
+    :meth:`DPOTrainerPatch.row_lengths`."""
+    columns = {}
+    for key in ("prompt_ids", "chosen_ids", "rejected_ids"):
+        if key not in getattr(dataset, "column_names", ()):
+            raise BatchError(f"batching.strategy: tokens plans DPO pairs from {key!r}, which the training dataset "
+                             f"lacks (its columns: {', '.join(getattr(dataset, 'column_names', ()))})")
+        columns[key] = np.asarray([len(ids) for ids in dataset[key]], dtype=np.int64)
+    prompt, chosen, rejected = columns["prompt_ids"], columns["chosen_ids"], columns["rejected_ids"]
+    limit = np.iinfo(np.int64).max if max_length is None else max_length
+    with_chosen, with_rejected = np.minimum(prompt + chosen, limit), np.minimum(prompt + rejected, limit)
+    whole = (prompt + chosen <= limit) & (prompt + rejected <= limit)
+    once = np.minimum(prompt, np.minimum(with_chosen, with_rejected) - 1) if shared else 0
+    return with_chosen + with_rejected - np.where(whole, once, 0)
 
 
 @hookimpl(trylast=True)

@@ -46,11 +46,13 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from padfree_plugins.assembly import Assembly, assemble
-from padfree_plugins.errors import ConfigError, PadfreeError
+from padfree_plugins.batching.sampler import check_whole_micro_batches, trainer_train_dataloader, uses_token_budget
+from padfree_plugins.errors import BatchError, ConfigError, PadfreeError
 from padfree_plugins.integrations.base import keeps_methods, library_class
 from padfree_plugins.integrations.checks import check_parallelism, refuse_own_batches_options, \
     sequence_parallel_size, shares_prefixes
@@ -317,6 +319,9 @@ class FusedTrainerPatch:
     #: Whether the plugin trains under ``sequence_parallel.size > 1`` (its fused calls through
     #: :func:`fused_on_slice`); refused otherwise.
     sequence_parallel: ClassVar[bool] = False
+    #: Whether the plugin plans token-budget batches of the trainer's rows (``batching.strategy: tokens``, with
+    #: :meth:`row_lengths`); refused otherwise.
+    budgets_rows: ClassVar[bool] = False
 
     trainer: Any
     assembly: Assembly
@@ -325,6 +330,8 @@ class FusedTrainerPatch:
     active: bool = True
     #: Whether the text calls share repeated prompts (``prefix_sharing``, decided by :meth:`check`).
     shares_prefixes: bool = False
+    #: The trainer's attributes :meth:`install` replaced (the token-budget dataloader), for :meth:`undo`.
+    saved: dict = field(default_factory=dict)
 
     @classmethod
     def claims(cls, trainer: Any) -> bool:
@@ -359,11 +366,44 @@ class FusedTrainerPatch:
         refuse_own_batches_options(
             trainer, config, name,
             batches="TRL's own batches (its collator, its generation), which padfree-plugins packs at every forward",
-            noise="packed is the row of every sequence (far weaker noise than padded): train without NEFTune")
+            noise="packed is the row of every sequence (far weaker noise than padded): train without NEFTune",
+            budgets=self.budgets_rows)
         if self.assembly.plan.architecture.kind != "decoder":
             raise PadfreeError(f"{name} trains a causal language model; {type(self.assembly.model).__name__} is an "
                                f"{self.assembly.plan.architecture.kind}")
         self.shares_prefixes = shares_prefixes(trainer, self.assembly)
+        if uses_token_budget(config):
+            self.check_budget(vision)
+
+    def row_lengths(self) -> Any:
+        """Every training row's tokens as its forwards compute them (a plugin with :attr:`budgets_rows`)."""
+        raise NotImplementedError
+
+    def check_budget(self, vision: bool) -> None:
+        """``batching.strategy: tokens``: every row (never split) within the budget, before anything changes."""
+        trainer, batching, name = self.trainer, self.assembly.config.batching, type(self.trainer).__name__
+        check_whole_micro_batches(trainer.accelerator)
+        if vision:
+            raise ConfigError(f"{name} on images with batching.strategy: tokens: a budget of image-text pairs is not "
+                              "planned yet; use batching.strategy: examples")
+        if batching.on_overlong_example == "split":
+            raise ConfigError(f"batching.on_overlong_example: split cannot cut {name}'s rows (each is trained whole: "
+                              "a pair's two texts are compared); use error, with a budget of at least the longest row")
+        if trainer.train_dataset is None or not hasattr(trainer.train_dataset, "__len__"):
+            return
+        lengths = self.row_lengths()
+        over = np.flatnonzero(lengths > batching.max_tokens_per_batch)
+        if over.size:
+            raise BatchError(f"row {int(over[0])} of {name}'s dataset computes {int(lengths[over[0]])} tokens, more "
+                             f"than batching.max_tokens_per_batch={batching.max_tokens_per_batch} ({over.size} such "
+                             f"row(s), the longest {int(lengths[over].max())}); a row is never split: raise the budget "
+                             "or set max_length")
+
+    def train_dataloader(self) -> Any:
+        """``batching.strategy: tokens``: micro-batches of whole rows up to the budget, TRL's collator padding them
+        (its fused calls are packed at every forward)."""
+        return trainer_train_dataloader(self.trainer, self.assembly.config, self.trainer.data_collator,
+                                        lengths=self.row_lengths())
 
     @classmethod
     def wrap(cls, trainer: Any, assembly: Assembly) -> FusedTrainerPatch | None:
@@ -386,6 +426,9 @@ class FusedTrainerPatch:
     def install(self) -> None:
         media = self.packs_media
         share = self.shares_prefixes
+        if uses_token_budget(self.assembly.config):
+            self.saved["get_train_dataloader"] = own_attribute(self.trainer, "get_train_dataloader")
+            self.trainer.get_train_dataloader = self.train_dataloader
         self.heads.append(PackedFusedHead.install(self.assembly.model,
                                                   media_collator(self.assembly) if media else None, share))
         ref_model = getattr(self.trainer, "ref_model", None)
@@ -400,6 +443,7 @@ class FusedTrainerPatch:
         twice."""
         if not self.active:
             return
+        restore_attributes(self.trainer, self.saved)
         for head in reversed(self.heads):
             head.remove()
         self.heads.clear()

@@ -1,0 +1,110 @@
+"""``batching.strategy: tokens`` for TRL's ``DPOTrainer`` (issue 27, first part): micro-batches of whole pairs up to
+the budget, a pair counted as its forwards compute it (prompt + chosen and prompt + rejected, the prompt once when
+shared). Training equals TRL's padded run on the very same micro-batches; every pair is used once per epoch, no
+micro-batch goes over the budget; a pair longer than the budget is refused at ``accelerate()``."""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+
+import pytest
+import torch
+
+from padfree_plugins import BatchError, ConfigError, accelerate
+from padfree_plugins.batching.sampler import trainer_train_dataloader
+from padfree_plugins.integrations import trl_dpo
+from tests.test_trl_preference import assert_same_run, pairs, policy, tokenizer
+
+trl = pytest.importorskip("trl")
+
+BUDGET = 160
+STEPS = 20
+
+
+def dpo_trainer(out: str, **settings):
+    model = policy()
+    options = dict(per_device_train_batch_size=4, max_steps=STEPS, learning_rate=1e-3, logging_steps=1, report_to=[],
+                   seed=0, beta=0.1, save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True)
+    options.update(settings)
+    return trl.DPOTrainer(model=model, ref_model=copy.deepcopy(model).eval(), args=trl.DPOConfig(output_dir=out, **options),
+                          train_dataset=pairs(), processing_class=copy.deepcopy(tokenizer()))
+
+
+def budget_config(sharing: str = "auto") -> dict:
+    return {"task": "causal_lm", "prefix_sharing": sharing,
+            "batching": {"strategy": "tokens", "max_tokens_per_batch": BUDGET}}
+
+
+def planned_like(trainer, shared: bool):
+    """``trainer`` (padded, not accelerated) fed the token-budget micro-batches the accelerated run plans."""
+    config = budget_config()
+    lengths = trl_dpo.pair_lengths(trainer.train_dataset, trainer.args.max_length, shared)
+    trainer.get_train_dataloader = lambda: trainer_train_dataloader(trainer, config, trainer.data_collator,
+                                                                    lengths=lengths)
+    return trainer
+
+
+@pytest.mark.parametrize("sharing", ["auto", "off"])
+def test_token_budget_dpo_trains_as_trls_padded_run_on_the_same_micro_batches(sharing, packed_calls):
+    """20 steps of micro-batches of whole pairs (as many as fit 160 tokens): every logged value within 1e-4 of TRL's
+    padded run on the same micro-batches (DPO's loss is a mean over the pairs of a micro-batch, as TRL defines it:
+    a pair weighs more in a micro-batch of few pairs, padded or not)."""
+    with tempfile.TemporaryDirectory() as out:
+        reference = planned_like(dpo_trainer(out), shared=sharing == "auto")
+        reference.train()
+        trainer = dpo_trainer(out)
+        accelerate(trainer, budget_config(sharing))
+        trainer.train()
+    assert packed_calls and all(packed_calls)
+    assert_same_run(trainer.state.log_history, reference.state.log_history)
+
+
+def micro_batches(trainer) -> list[dict]:
+    return list(trainer.get_train_dataloader())
+
+
+def test_every_pair_once_an_epoch_and_no_micro_batch_over_the_budget():
+    """Prompts not shared, so a micro-batch's tokens are exactly its padded rows' real tokens (TRL's mask): each at
+    most the budget, every pair in exactly one micro-batch of the epoch, more than one size of micro-batch."""
+    with tempfile.TemporaryDirectory() as out:
+        trainer = dpo_trainer(out)
+        accelerate(trainer, budget_config("off"))
+        batches = micro_batches(trainer)
+    tokens = [int(batch["attention_mask"].sum()) for batch in batches]
+    assert max(tokens) <= BUDGET, tokens
+    sizes = [batch["input_ids"].shape[0] // 2 for batch in batches]  # chosen rows, then rejected rows
+    assert sum(sizes) == len(pairs()) and len(set(sizes)) > 1, sizes
+    sampler = trainer.get_train_dataloader().batch_sampler
+    seen = sorted(index for batch in sampler for index in batch)
+    assert seen == list(range(len(pairs())))
+
+
+def test_a_budget_that_counts_half_a_pair_is_caught(monkeypatch):
+    """The deliberate fault: the budget counts only prompt + chosen. Micro-batches then go over the budget, and the
+    test above fails."""
+    original = trl_dpo.pair_lengths
+
+    def chosen_only(dataset, max_length, shared):
+        return original(dataset, max_length, shared) // 2
+
+    monkeypatch.setattr(trl_dpo, "pair_lengths", chosen_only)
+    with pytest.raises(AssertionError):
+        test_every_pair_once_an_epoch_and_no_micro_batch_over_the_budget()
+
+
+@pytest.mark.parametrize("case", ["pair over the budget", "split"])
+def test_bad_budgets_are_refused_at_accelerate_and_leave_the_trainer_alone(case):
+    with tempfile.TemporaryDirectory() as out:
+        trainer = dpo_trainer(out)
+        config = budget_config()
+        if case == "split":
+            config["batching"]["on_overlong_example"] = "split"
+            error, message = ConfigError, "cannot cut DPOTrainer's rows"
+        else:
+            config["batching"]["max_tokens_per_batch"] = 20
+            error, message = BatchError, "more than batching.max_tokens_per_batch=20 .* a row is never split"
+        with pytest.raises(error, match=message):
+            accelerate(trainer, config)
+        assert "get_train_dataloader" not in vars(trainer)
+        assert type(trainer.data_collator).__name__ == "DataCollatorForPreference"
