@@ -20,6 +20,9 @@ trl = pytest.importorskip("trl")
 
 BUDGET = 160
 STEPS = 20
+#: Plain SGD at a constant rate for the 2-process comparison: Adam would turn float-level gradient differences (the
+#: ranks' all-reduce order) into weight differences up to its learning rate.
+SGD = dict(optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_steps=8)
 
 
 def dpo_trainer(out: str, **settings):
@@ -108,3 +111,33 @@ def test_bad_budgets_are_refused_at_accelerate_and_leave_the_trainer_alone(case)
             accelerate(trainer, config)
         assert "get_train_dataloader" not in vars(trainer)
         assert type(trainer.data_collator).__name__ == "DataCollatorForPreference"
+
+
+def logged(trainer, key: str = "loss") -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if key in entry and "train_runtime" not in entry]
+
+
+def test_two_processes_train_as_one_on_the_same_global_batches(tmp_path):
+    """2 processes (DDP, gloo), each its rank's micro-batches of the plan, against one padded process that trains
+    both micro-batches of every step with gradient accumulation 2, in the plan's order (the DPO loss is a mean over
+    a micro-batch's pairs: DDP averages the ranks' gradients, accumulation averages the micro-batches'): losses,
+    reward margins and final weights within 1e-5."""
+    from padfree_plugins.batching.sampler import token_budget_dataloader
+    from tests.test_sharded_tasks import launch
+
+    run = launch(tmp_path, "token_budget_dpo_run.py", out_name="dpo-budget.pt", timeout=300)
+    reference = dpo_trainer(str(tmp_path / "reference"), gradient_accumulation_steps=2, **SGD)
+    initial = {name: p.detach().clone() for name, p in reference.model.named_parameters()}
+    lengths = trl_dpo.pair_lengths(reference.train_dataset, reference.args.max_length, True)
+    dataset = reference._remove_unused_columns(reference.train_dataset, description="training")
+    reference.get_train_dataloader = lambda: token_budget_dataloader(
+        dataset, reference.data_collator, budget_config(), num_replicas=2, lengths=lengths, seed=0)
+    reference.train()
+    losses = max(abs(a - b) for a, b in zip(run["losses"], logged(reference)))
+    margins = max(abs(a - b) for a, b in zip(run["margins"], logged(reference, "rewards/margins")))
+    weights = max((run["state"][k] - p.detach()).abs().max().item() for k, p in reference.model.named_parameters())
+    moved = max((p.detach() - initial[k]).abs().max().item() for k, p in reference.model.named_parameters())
+    print(f"losses {losses:.1e}, margins {margins:.1e}, weights {weights:.1e} (moved {moved:.1e})")
+    assert len(run["losses"]) == len(logged(reference)) == SGD["max_steps"]
+    assert losses < 1e-5 and margins < 1e-5 and weights < 1e-5
+    assert moved > 1e-3
