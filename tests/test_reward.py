@@ -156,12 +156,41 @@ def test_compute_metrics_gets_what_trls_padded_evaluation_gives_it(prompts):
     assert results[1]["eval_mean_score"] == pytest.approx(results[0]["eval_mean_score"], abs=1e-5)
 
 
-def test_token_budget_batching_is_refused_before_training():
-    """A token budget plans batches from each row's ``input_ids``; a RewardTrainer's rows are chosen/rejected pairs
-    (it failed inside ``train()`` with "neither a 'length' column nor 'input_ids'")."""
+BUDGET = {"strategy": "tokens", "max_tokens_per_batch": 48}
+
+
+@pytest.mark.parametrize("prompts", [False, True], ids=["pairs", "prompts shared"])
+def test_token_budget_trains_as_trls_padded_run_on_the_same_micro_batches(prompts):
+    """``batching.strategy: tokens``: micro-batches of whole pairs up to 48 tokens, a pair counted as its packed row
+    holds it (what its texts share, once); every logged value within 1e-4 of TRL's padded run fed the very same
+    micro-batches; no micro-batch over the budget, pairs of several counts per micro-batch."""
+    from padfree_plugins.batching.sampler import trainer_train_dataloader
+    from padfree_plugins.integrations import trl_reward
+
+    trainer, _ = reward_trainer(False, prompts=prompts)
+    accelerate(trainer, {"batching": BUDGET})
+    share, pad = trainer.data_collator.share_prefixes, trainer.data_collator.pad_token_id
+    batches = list(trainer.get_train_dataloader())
+    assert max(int(batch["input_ids"].shape[-1]) for batch in batches) <= BUDGET["max_tokens_per_batch"]
+    assert len({int(batch["cu_seq_lens_q"].numel()) for batch in batches}) > 1
+    trainer.train()
+    reference, _ = reward_trainer(False, prompts=prompts)
+    lengths = trl_reward.pair_lengths(reference.train_dataset, share, pad)
+    reference.get_train_dataloader = lambda: trainer_train_dataloader(reference, {"batching": BUDGET},
+                                                                      reference.data_collator, lengths=lengths)
+    reference.train()
+    got, want = logged(trainer), logged(reference)
+    assert len(got) == len(want) == STEPS
+    for key in ("loss", "accuracy", "margin", "mean_reward", "num_tokens"):
+        scale = max(max(abs(entry[key]) for entry in want), 1e-3)
+        worst = max(abs(a[key] - b[key]) for a, b in zip(got, want)) / scale
+        assert worst < 1e-4, (key, worst)
+
+
+def test_a_pair_over_the_budget_is_refused_before_training():
     trainer, _ = reward_trainer(False)
-    with pytest.raises(PadfreeError, match="strategy: examples"):
-        accelerate(trainer, {"batching": {"strategy": "tokens", "max_tokens_per_batch": 64}})
+    with pytest.raises(PadfreeError, match="a pair is never split"):
+        accelerate(trainer, {"batching": {"strategy": "tokens", "max_tokens_per_batch": 12}})
     assert type(trainer.data_collator).__name__ == "DataCollatorForPreference"  # nothing was changed
 
 

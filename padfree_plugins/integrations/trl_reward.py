@@ -22,9 +22,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from padfree_plugins.batching.sampler import check_whole_micro_batches, trainer_train_dataloader
 from padfree_plugins.contract.hookspecs import hookimpl
 from padfree_plugins.errors import BatchError, ConfigError
 from padfree_plugins.integrations.base import TrainerPatch, keeps_methods, library_class
@@ -46,6 +48,21 @@ def scored_token(text: list[int], pad_token_id: int | None) -> int:
     return next((i for i in range(len(text) - 1, -1, -1) if text[i] != pad_token_id), 0)
 
 
+def shared_length(a: list[int], b: list[int], pad_token_id: int | None) -> int:
+    """How many tokens a pair's texts ``a`` and ``b`` share: those both begin with, up to (not including) either
+    text's scored token."""
+    common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return min(common, scored_token(a, pad_token_id), scored_token(b, pad_token_id))
+
+
+def pair_lengths(dataset: Any, share: bool, pad_token_id: int | None) -> np.ndarray:
+    """The tokens of every pair of a tokenized preference dataset as its packed row holds them: both texts, what
+    they share once when ``share``."""
+    lengths = [len(a) + len(b) - (shared_length(a, b, pad_token_id) if share else 0)
+               for a, b in zip(*(dataset[key] for key in PREFERENCE_COLUMNS))]
+    return np.asarray(lengths, dtype=np.int64)
+
+
 def pair_prefixes(batch: Mapping, pad_token_id: int | None) -> list[tuple[int, tuple] | None]:
     """What each text of a packed batch of ``n`` chosen then ``n`` rejected texts may share with its pair's other
     text (as :func:`padfree_plugins.packing.prefixes.shared_layout` takes it): the tokens both begin with, up to
@@ -56,8 +73,7 @@ def pair_prefixes(batch: Mapping, pad_token_id: int | None) -> list[tuple[int, t
     prefixes: list[tuple[int, tuple] | None] = [None] * len(texts)
     for chosen, rejected in zip(range(pairs), range(pairs, 2 * pairs)):
         a, b = texts[chosen], texts[rejected]
-        common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        length = min(common, scored_token(a, pad_token_id), scored_token(b, pad_token_id))
+        length = shared_length(a, b, pad_token_id)
         if length > 0:
             prefixes[chosen] = prefixes[rejected] = (length, tuple(a[:length]))
     return prefixes
@@ -142,16 +158,37 @@ class RewardTrainerPatch(TrainerPatch):
         """The pairs packed, sharing what each pair's texts begin with where ``prefix_sharing`` applies (a
         :class:`ConfigError` under ``on`` where it cannot, before anything changes)."""
         share = shares_prefixes(self.trainer, self.assembly, prompt_column=False)
-        return PreferenceCollator(self.assembly.collator, share,
-                                  self.assembly.model.config.get_text_config().pad_token_id)
+        self.pairs = PreferenceCollator(self.assembly.collator, share,
+                                        self.assembly.model.config.get_text_config().pad_token_id)
+        return self.pairs
+
+    def pair_lengths(self) -> np.ndarray:
+        """Every training pair's tokens as its packed row holds them (:func:`pair_lengths`)."""
+        return pair_lengths(self.trainer.train_dataset, self.pairs.share_prefixes, self.pairs.pad_token_id)
 
     def check(self) -> None:
-        """``batching.strategy: tokens`` plans batches from each row's ``input_ids``; a RewardTrainer's rows are
-        pairs."""
-        if self.assembly.config.batching.strategy == "tokens":
-            raise ConfigError("batching.strategy: tokens plans batches from each row's input_ids, and a "
-                              "RewardTrainer's rows are chosen/rejected pairs: use batching.strategy: examples "
-                              "(per_device_train_batch_size pairs per batch, as TRL)")
+        """``batching.strategy: tokens``: every pair (never split) within the budget."""
+        batching = self.assembly.config.batching
+        if batching.strategy != "tokens":
+            return
+        check_whole_micro_batches(self.trainer.accelerator)
+        if batching.on_overlong_example == "split":
+            raise ConfigError("batching.on_overlong_example: split cannot cut RewardTrainer's rows (a pair's texts "
+                              "are compared): use error, with a budget of at least the longest pair")
+        if self.trainer.train_dataset is None or not hasattr(self.trainer.train_dataset, "__len__"):
+            return
+        lengths = self.pair_lengths()
+        over = np.flatnonzero(lengths > batching.max_tokens_per_batch)
+        if over.size:
+            raise BatchError(f"pair {int(over[0])} of RewardTrainer's dataset holds {int(lengths[over[0]])} tokens, "
+                             f"more than batching.max_tokens_per_batch={batching.max_tokens_per_batch} ({over.size} "
+                             f"such pair(s), the longest {int(lengths[over].max())}); a pair is never split: raise "
+                             "the budget or lower max_length")
+
+    def train_dataloader(self) -> Any:
+        """``batching.strategy: tokens``: micro-batches of whole pairs up to the budget."""
+        return trainer_train_dataloader(self.trainer, self.assembly.config, self.trainer.data_collator,
+                                        lengths=self.pair_lengths())
 
     def compute_loss(self, model: Any, inputs: Mapping, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
