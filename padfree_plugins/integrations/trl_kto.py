@@ -8,7 +8,12 @@ desirable / undesirable weights and metrics unchanged.
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+
 from padfree_plugins.contract.hookspecs import hookimpl
+from padfree_plugins.errors import BatchError
 from padfree_plugins.integrations.trl_fused import FusedTrainerPatch
 
 
@@ -19,6 +24,30 @@ class KTOTrainerPatch(FusedTrainerPatch):
     kind = "kto"
     kept_methods = ("compute_loss", "_compute_loss", "prediction_step", "compute_ref_log_probs",
                     "_compute_kl_logps")
+    budgets_rows = True
+
+    def row_lengths(self) -> np.ndarray:
+        """Every row's tokens as its forwards compute them: prompt + completion, and prompt + its mismatched KL
+        completion when TRL computes the KL term (TRL builds it into the row, rotating completions within chunks of
+        ``per_device_train_batch_size`` of the dataset), each cut to ``max_length`` as TRL's collator cuts it."""
+        return kto_row_lengths(self.trainer.train_dataset, self.trainer.args.max_length,
+                               bool(getattr(self.trainer, "calculate_KL", False)))
+
+
+def kto_row_lengths(dataset: Any, max_length: int | None, with_kl: bool) -> np.ndarray:
+    """See :meth:`KTOTrainerPatch.row_lengths`: ``dataset`` tokenized by TRL (``prompt_ids``, ``completion_ids``,
+    ``KL_completion_ids``)."""
+    keys = ("prompt_ids", "completion_ids", *(("KL_completion_ids",) if with_kl else ()))
+    missing = [key for key in keys if key not in getattr(dataset, "column_names", ())]
+    if missing:
+        raise BatchError(f"batching.strategy: tokens plans KTO rows from {', '.join(keys)}; the training dataset lacks "
+                         f"{', '.join(missing)} (its columns: {', '.join(getattr(dataset, 'column_names', ()))})")
+    lengths = {key: np.asarray([len(ids) for ids in dataset[key]], dtype=np.int64) for key in keys}
+    limit = np.iinfo(np.int64).max if max_length is None else max_length
+    tokens = np.minimum(lengths["prompt_ids"] + lengths["completion_ids"], limit)
+    if with_kl:
+        tokens = tokens + np.minimum(lengths["prompt_ids"] + lengths["KL_completion_ids"], limit)
+    return tokens
 
 
 @hookimpl(trylast=True)

@@ -1,7 +1,8 @@
-"""``batching.strategy: tokens`` for TRL's ``DPOTrainer`` (issue 27, first part): micro-batches of whole pairs up to
-the budget, a pair counted as its forwards compute it (prompt + chosen and prompt + rejected, the prompt once when
-shared). Training equals TRL's padded run on the very same micro-batches; every pair is used once per epoch, no
-micro-batch goes over the budget; a pair longer than the budget is refused at ``accelerate()``."""
+"""``batching.strategy: tokens`` for TRL's ``DPOTrainer`` and ``KTOTrainer`` (issue 27): micro-batches of whole rows
+up to the budget, a row counted as its forwards compute it (DPO: prompt + chosen and prompt + rejected, the prompt
+once when shared; KTO: prompt + completion and prompt + its KL completion, as TRL builds it into the row). Training
+equals TRL's padded run on the very same micro-batches (DPO on 2 processes too); every pair is used once per epoch,
+no micro-batch goes over the budget; a row longer than the budget is refused at ``accelerate()``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 from padfree_plugins import BatchError, ConfigError, accelerate
 from padfree_plugins.batching.sampler import trainer_train_dataloader
 from padfree_plugins.integrations import trl_dpo
-from tests.test_trl_preference import assert_same_run, pairs, policy, tokenizer
+from tests.test_trl_preference import assert_same_run, pairs, policy, tokenizer, unpaired
 
 trl = pytest.importorskip("trl")
 
@@ -125,7 +126,7 @@ def test_two_processes_train_as_one_on_the_same_global_batches(tmp_path):
     from padfree_plugins.batching.sampler import token_budget_dataloader
     from tests.test_sharded_tasks import launch
 
-    run = launch(tmp_path, "token_budget_dpo_run.py", out_name="dpo-budget.pt", timeout=300)
+    run = launch(tmp_path, "token_budget_preference_run.py", out_name="dpo-budget.pt", timeout=300)
     reference = dpo_trainer(str(tmp_path / "reference"), gradient_accumulation_steps=2, **SGD)
     initial = {name: p.detach().clone() for name, p in reference.model.named_parameters()}
     lengths = trl_dpo.pair_lengths(reference.train_dataset, reference.args.max_length, True)
@@ -141,3 +142,36 @@ def test_two_processes_train_as_one_on_the_same_global_batches(tmp_path):
     assert len(run["losses"]) == len(logged(reference)) == SGD["max_steps"]
     assert losses < 1e-5 and margins < 1e-5 and weights < 1e-5
     assert moved > 1e-3
+
+
+def kto_trainer(out: str, **settings):
+    model = policy()
+    options = dict(per_device_train_batch_size=4, max_steps=STEPS, learning_rate=1e-3, logging_steps=1, report_to=[],
+                   seed=0, beta=0.1, save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True)
+    options.update(settings)
+    return trl.KTOTrainer(model=model, ref_model=copy.deepcopy(model).eval(), args=trl.KTOConfig(output_dir=out, **options),
+                          train_dataset=unpaired(), processing_class=copy.deepcopy(tokenizer()))
+
+
+def test_token_budget_kto_trains_as_trls_padded_run_on_the_same_micro_batches(packed_calls):
+    """KTO with its KL term: 20 steps of micro-batches of whole rows up to 160 tokens (each row's completion and KL
+    completion counted), every logged value within 1e-4 of TRL's padded run on the same micro-batches; no
+    micro-batch's two calls together over the budget."""
+    from padfree_plugins.integrations import trl_kto
+
+    with tempfile.TemporaryDirectory() as out:
+        reference = kto_trainer(out)
+        assert reference.calculate_KL
+        lengths = trl_kto.kto_row_lengths(reference.train_dataset, reference.args.max_length, True)
+        reference.get_train_dataloader = lambda: trainer_train_dataloader(reference, budget_config(),
+                                                                          reference.data_collator, lengths=lengths)
+        reference.train()
+        trainer = kto_trainer(out)
+        accelerate(trainer, budget_config())
+        batches = list(trainer.get_train_dataloader())
+        trainer.train()
+    tokens = [int(batch["attention_mask"].sum() + batch["KL_attention_mask"].sum()) for batch in batches]
+    assert max(tokens) <= BUDGET and len({batch["input_ids"].shape[0] for batch in batches}) > 1, tokens
+    # a call of one row has no padding, and runs as TRL's own (packing it would change nothing); the others pack
+    assert sum(packed_calls) > len(packed_calls) / 2, packed_calls
+    assert_same_run(trainer.state.log_history, reference.state.log_history)

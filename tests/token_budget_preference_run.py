@@ -1,8 +1,8 @@
-"""Run by tests/test_token_budget_dpo.py under torchrun (2 CPU processes, gloo): TRL ``DPOTrainer`` with
+"""Run by tests/test_token_budget_preference.py under torchrun (2 CPU processes, gloo): TRL ``DPOTrainer`` with
 ``batching.strategy: tokens`` through the ``trl_dpo`` plugin, SGD. Rank 0 writes the logged losses and reward margins
 and the final weights to ``OUT`` (torch.save).
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/token_budget_dpo_run.py OUT
+    python -m torch.distributed.run --nproc_per_node 2 tests/token_budget_preference_run.py OUT
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import tempfile
 import torch
 
 from padfree_plugins import accelerate
-from tests.test_token_budget_dpo import SGD, budget_config, dpo_trainer, logged
+from tests.test_token_budget_preference import SGD, budget_config, dpo_trainer, logged
 
 
 def main(out: str) -> None:
