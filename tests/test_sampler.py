@@ -395,7 +395,7 @@ def test_bench_batching_command_meets_the_balance_target():
     report = json.loads(result.output)
     token_rows = [r for r in report["balance"] if r["batching"].startswith("tokens")]
     example_rows = [r for r in report["balance"] if r["batching"].startswith("examples")]
-    assert {(r["law"], r["ranks"]) for r in token_rows} == {(law, n) for law in ("lognormal", "mix") for n in (2, 8)}
+    assert {(r["law"], r["ranks"]) for r in token_rows} == {(law, n) for law in ("lognormal", "mix", "dpo-pairs") for n in (2, 8)}
     for r in token_rows:
         assert r["spread_max"] <= 1.05 and r["idle"] < 0.01, r
     assert all(r["spread_mean"] > 1.05 for r in example_rows)  # what token budgets fix

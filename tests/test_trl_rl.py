@@ -317,3 +317,14 @@ def test_use_vllm_without_cuda_is_refused_and_the_trainer_left_alone(kind, tmp_p
     assert [forward_hooks(model) for model in models] == hooks
     assert [model.config._attn_implementation for model in models] == attention
     assert all(patch_of(model) is None for model in models)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_a_token_budget_is_refused_with_the_reason_and_the_trainer_left_alone(kind, tmp_path):
+    """GRPO / RLOO under ``batching.strategy: tokens``: TRL's rollout buffer has fixed sizes that its schedule and
+    advantages assume, so the budget is refused at accelerate(), saying so; the models keep TRL's fused forwards."""
+    trainer = build(kind, str(tmp_path))
+    with pytest.raises(ConfigError, match="rollout buffer .* steps_per_generation equal micro-batches"):
+        accelerate(trainer, {"task": "causal_lm", "batching": {"strategy": "tokens", "max_tokens_per_batch": 256}})
+    assert all(patch_of(model) is None for model in (trainer.model, trainer.ref_model))
+    assert "get_train_dataloader" not in vars(trainer)

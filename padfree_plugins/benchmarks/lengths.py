@@ -97,10 +97,22 @@ def short_texts_and_long_documents(n: int, seed: int = 0) -> list[int]:
     return np.where(is_long, long, short).tolist()
 
 
-#: bench batching's length laws by name: ``n, seed -> lengths``.
+def preference_pairs(n: int, seed: int = 0) -> list[int]:
+    """bench batching's ``dpo-pairs``: the tokens of DPO pairs as a packed row holds them (the prompt once, then the
+    chosen and the rejected completion): prompts lognormal median 300, sigma 1.0 (8..3000: a question to a RAG
+    context), completions median 200, sigma 0.8 (8..1500) each; a pair is clipped to 4096 tokens (the default budget:
+    no pair is longer)."""
+    prompt = np.asarray(lognormal_lengths(n, 300, 1.0, 8, 3000, seed))
+    chosen = np.asarray(lognormal_lengths(n, 200, 0.8, 8, 1500, seed + 1))
+    rejected = np.asarray(lognormal_lengths(n, 200, 0.8, 8, 1500, seed + 2))
+    return np.minimum(prompt + chosen + rejected, 4096).tolist()
+
+
+#: bench batching's length laws by name: ``n, seed -> lengths`` (for ``dpo-pairs``, an example is a pair).
 BATCHING_LAWS: dict[str, Callable[[int, int], list[int]]] = {
     "lognormal": lambda n, seed: lognormal_lengths(n, 120, 0.6, 8, 2048, seed),  # as bench sft's, float32 draws
     "mix": short_texts_and_long_documents,
+    "dpo-pairs": preference_pairs,
 }
 
 

@@ -305,7 +305,8 @@ def bench_batching(
     max_tokens: Annotated[int, positive("Token budget per micro-batch (balance part).")] = 4096,
     ranks: Annotated[str, typer.Option(help="Comma-separated simulated rank counts.")] = "2,8",
     laws: Annotated[str, typer.Option(help="Comma-separated length laws: lognormal (median 120, sigma 0.6), mix "
-                                           "(80% median 40, 20% median 1000).")] = "lognormal,mix",
+                                           "(80% median 40, 20% median 1000), dpo-pairs (a DPO pair's packed "
+                                           "tokens: token budget vs pair count).")] = "lognormal,mix,dpo-pairs",
     time_steps: Annotated[int, typer.Option(help="Steps timed per batching (throughput part; 0 skips it).")] = 8,
     time_max_tokens: Annotated[int, positive("Token budget of the timed micro-batches.")] = 2048,
     time_law: Annotated[str, typer.Option(help="Length law of the timed run.")] = "lognormal",

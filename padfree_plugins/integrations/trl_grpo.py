@@ -9,6 +9,7 @@ importance sampling and metrics unchanged.
 from __future__ import annotations
 
 from padfree_plugins.contract.hookspecs import hookimpl
+from padfree_plugins.errors import ConfigError
 from padfree_plugins.integrations.trl_fused import FusedTrainerPatch, refuse_vllm_without_cuda
 
 
@@ -21,6 +22,16 @@ class GRPOTrainerPatch(FusedTrainerPatch):
 
     def check(self) -> None:
         refuse_vllm_without_cuda(self.trainer)
+        if self.assembly.config.batching.strategy == "tokens":
+            name = type(self.trainer).__name__
+            raise ConfigError(
+                f"batching.strategy: tokens with {name}: TRL samples a fixed number of prompts per generation "
+                "(its RepeatSampler repeats each num_generations times), fills a rollout buffer of "
+                "generation_batch_size completions, computes the advantages over each group, then cuts the buffer "
+                "into steps_per_generation equal micro-batches. A token budget would change those sizes, which TRL's "
+                "schedule and advantage code assume fixed, so it is not planned for this trainer: use "
+                "batching.strategy: examples (every log-probability forward is still packed). To bound the memory "
+                "of long completions, lower per_device_train_batch_size or max_completion_length.")
         super().check()
 
 
