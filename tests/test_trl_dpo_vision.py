@@ -212,3 +212,16 @@ def test_prefix_sharing_on_is_refused_for_image_text_pairs_and_auto_packs_them_w
     acceleration = accelerate(trainer, {"task": "causal_lm"})
     assert acceleration.trainer_patch.shares_prefixes is False
     acceleration.undo()
+
+
+def test_a_token_budget_for_image_text_pairs_is_refused_and_the_models_left_alone():
+    """A budget of image-text pairs is not planned yet (an image's tokens and pixels are not counted): a
+    ConfigError at accelerate(), the models as they were."""
+    from padfree_plugins import ConfigError
+
+    trainer = trainer_for(preferences(4))
+    forwards = (vars(trainer.model)["forward"], vars(trainer.ref_model)["forward"])
+    with pytest.raises(ConfigError, match="on images with batching.strategy: tokens"):
+        accelerate(trainer, {"task": "causal_lm", "batching": {"strategy": "tokens", "max_tokens_per_batch": 4096}})
+    assert (vars(trainer.model)["forward"], vars(trainer.ref_model)["forward"]) == forwards
+    assert patch_of(trainer.model) is None and "get_train_dataloader" not in vars(trainer)

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from padfree_plugins.batching.sampler import column_lengths
 from padfree_plugins.contract.hookspecs import hookimpl
 from padfree_plugins.errors import BatchError
 from padfree_plugins.integrations.trl_fused import FusedTrainerPatch
@@ -54,7 +55,7 @@ def pair_lengths(dataset: Any, max_length: int | None, shared: bool) -> np.ndarr
         if key not in getattr(dataset, "column_names", ()):
             raise BatchError(f"batching.strategy: tokens plans DPO pairs from {key!r}, which the training dataset "
                              f"lacks (its columns: {', '.join(getattr(dataset, 'column_names', ()))})")
-        columns[key] = np.asarray([len(ids) for ids in dataset[key]], dtype=np.int64)
+        columns[key] = column_lengths(dataset, key)
     prompt, chosen, rejected = columns["prompt_ids"], columns["chosen_ids"], columns["rejected_ids"]
     limit = np.iinfo(np.int64).max if max_length is None else max_length
     with_chosen, with_rejected = np.minimum(prompt + chosen, limit), np.minimum(prompt + rejected, limit)

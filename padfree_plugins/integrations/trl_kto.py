@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from padfree_plugins.batching.sampler import column_lengths
 from padfree_plugins.contract.hookspecs import hookimpl
 from padfree_plugins.errors import BatchError
 from padfree_plugins.integrations.trl_fused import FusedTrainerPatch
@@ -42,7 +43,7 @@ def kto_row_lengths(dataset: Any, max_length: int | None, with_kl: bool) -> np.n
     if missing:
         raise BatchError(f"batching.strategy: tokens plans KTO rows from {', '.join(keys)}; the training dataset lacks "
                          f"{', '.join(missing)} (its columns: {', '.join(getattr(dataset, 'column_names', ()))})")
-    lengths = {key: np.asarray([len(ids) for ids in dataset[key]], dtype=np.int64) for key in keys}
+    lengths = {key: column_lengths(dataset, key) for key in keys}
     limit = np.iinfo(np.int64).max if max_length is None else max_length
     tokens = np.minimum(lengths["prompt_ids"] + lengths["completion_ids"], limit)
     if with_kl:
