@@ -26,13 +26,23 @@ STEPS = 20
 SGD = dict(optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_steps=8)
 
 
-def dpo_trainer(out: str, **settings):
+#: The trainers' arguments (those of tests/test_trl_preference.py).
+OPTIONS = dict(per_device_train_batch_size=4, max_steps=STEPS, learning_rate=1e-3, logging_steps=1, report_to=[],
+               seed=0, beta=0.1, save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True)
+
+
+def preference_trainer(kind: str, out: str, **settings):
+    """A DPO trainer on :func:`pairs` or a KTO trainer on :func:`unpaired`, with a reference model, padded."""
     model = policy()
-    options = dict(per_device_train_batch_size=4, max_steps=STEPS, learning_rate=1e-3, logging_steps=1, report_to=[],
-                   seed=0, beta=0.1, save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True)
-    options.update(settings)
-    return trl.DPOTrainer(model=model, ref_model=copy.deepcopy(model).eval(), args=trl.DPOConfig(output_dir=out, **options),
-                          train_dataset=pairs(), processing_class=copy.deepcopy(tokenizer()))
+    trainer_class, config_class, data = ((trl.DPOTrainer, trl.DPOConfig, pairs()) if kind == "dpo"
+                                         else (trl.KTOTrainer, trl.KTOConfig, unpaired()))
+    return trainer_class(model=model, ref_model=copy.deepcopy(model).eval(),
+                         args=config_class(output_dir=out, **{**OPTIONS, **settings}), train_dataset=data,
+                         processing_class=copy.deepcopy(tokenizer()))
+
+
+def dpo_trainer(out: str, **settings):
+    return preference_trainer("dpo", out, **settings)
 
 
 def budget_config(sharing: str = "auto") -> dict:
@@ -144,15 +154,6 @@ def test_two_processes_train_as_one_on_the_same_global_batches(tmp_path):
     assert moved > 1e-3
 
 
-def kto_trainer(out: str, **settings):
-    model = policy()
-    options = dict(per_device_train_batch_size=4, max_steps=STEPS, learning_rate=1e-3, logging_steps=1, report_to=[],
-                   seed=0, beta=0.1, save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True)
-    options.update(settings)
-    return trl.KTOTrainer(model=model, ref_model=copy.deepcopy(model).eval(), args=trl.KTOConfig(output_dir=out, **options),
-                          train_dataset=unpaired(), processing_class=copy.deepcopy(tokenizer()))
-
-
 def test_token_budget_kto_trains_as_trls_padded_run_on_the_same_micro_batches(packed_calls):
     """KTO with its KL term: 20 steps of micro-batches of whole rows up to 160 tokens (each row's completion and KL
     completion counted), every logged value within 1e-4 of TRL's padded run on the same micro-batches; no
@@ -160,13 +161,13 @@ def test_token_budget_kto_trains_as_trls_padded_run_on_the_same_micro_batches(pa
     from padfree_plugins.integrations import trl_kto
 
     with tempfile.TemporaryDirectory() as out:
-        reference = kto_trainer(out)
+        reference = preference_trainer("kto", out)
         assert reference.calculate_KL
         lengths = trl_kto.kto_row_lengths(reference.train_dataset, reference.args.max_length, True)
         reference.get_train_dataloader = lambda: trainer_train_dataloader(reference, budget_config(),
                                                                           reference.data_collator, lengths=lengths)
         reference.train()
-        trainer = kto_trainer(out)
+        trainer = preference_trainer("kto", out)
         accelerate(trainer, budget_config())
         batches = list(trainer.get_train_dataloader())
         trainer.train()

@@ -18,8 +18,10 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from padfree_plugins.batching.sampler import check_whole_micro_batches
 from padfree_plugins.errors import BatchError, ConfigError, PadfreeError
@@ -347,3 +349,23 @@ def shares_prefixes(trainer: Any, assembly: Any, prompt_column: bool = True) -> 
     if reason:
         logger.info("padfree-plugins: prompts are not shared for %s: %s", name, reason)
     return reason is None
+
+
+def check_whole_rows_budget(trainer: Any, batching: Any, lengths: Callable[[], Any], rows: str) -> None:
+    """``batching.strategy: tokens`` for a trainer whose rows are trained whole (preference pairs, KTO rows):
+    ``split_batches`` and ``on_overlong_example: split`` refused, and every row's tokens (``lengths()``, read only for
+    a dataset with a length) within the budget — a :class:`BatchError` naming the first row over it."""
+    name = type(trainer).__name__
+    check_whole_micro_batches(trainer.accelerator)
+    if batching.on_overlong_example == "split":
+        raise ConfigError(f"batching.on_overlong_example: split cannot cut {name}'s {rows}s (each is trained whole: "
+                          f"its texts are compared): use error, with a budget of at least the longest {rows}")
+    if trainer.train_dataset is None or not hasattr(trainer.train_dataset, "__len__"):
+        return
+    tokens = np.asarray(lengths())
+    over = np.flatnonzero(tokens > batching.max_tokens_per_batch)
+    if over.size:
+        raise BatchError(f"{rows} {int(over[0])} of {name}'s dataset holds {int(tokens[over[0]])} tokens, more than "
+                         f"batching.max_tokens_per_batch={batching.max_tokens_per_batch} ({over.size} such {rows}(s), "
+                         f"the longest {int(tokens[over].max())}); a {rows} is never split: raise the budget or lower "
+                         "max_length")

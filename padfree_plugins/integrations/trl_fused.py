@@ -46,16 +46,15 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from padfree_plugins.assembly import Assembly, assemble
-from padfree_plugins.batching.sampler import check_whole_micro_batches, trainer_train_dataloader, uses_token_budget
-from padfree_plugins.errors import BatchError, ConfigError, PadfreeError
+from padfree_plugins.batching.sampler import trainer_train_dataloader, uses_token_budget
+from padfree_plugins.errors import ConfigError, PadfreeError
 from padfree_plugins.integrations.base import keeps_methods, library_class
-from padfree_plugins.integrations.checks import check_parallelism, refuse_own_batches_options, \
-    sequence_parallel_size, shares_prefixes
+from padfree_plugins.integrations.checks import check_parallelism, check_whole_rows_budget, \
+    refuse_own_batches_options, sequence_parallel_size, shares_prefixes
 from padfree_plugins.modeling import unpad
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup, gather_sequence
 from padfree_plugins.modeling.patching import own_attribute, patch_of, restore_attributes, unwrap_model
@@ -382,22 +381,10 @@ class FusedTrainerPatch:
     def check_budget(self, vision: bool) -> None:
         """``batching.strategy: tokens``: every row (never split) within the budget, before anything changes."""
         trainer, batching, name = self.trainer, self.assembly.config.batching, type(self.trainer).__name__
-        check_whole_micro_batches(trainer.accelerator)
         if vision:
             raise ConfigError(f"{name} on images with batching.strategy: tokens: a budget of image-text pairs is not "
                               "planned yet; use batching.strategy: examples")
-        if batching.on_overlong_example == "split":
-            raise ConfigError(f"batching.on_overlong_example: split cannot cut {name}'s rows (each is trained whole: "
-                              "a pair's two texts are compared); use error, with a budget of at least the longest row")
-        if trainer.train_dataset is None or not hasattr(trainer.train_dataset, "__len__"):
-            return
-        lengths = self.row_lengths()
-        over = np.flatnonzero(lengths > batching.max_tokens_per_batch)
-        if over.size:
-            raise BatchError(f"row {int(over[0])} of {name}'s dataset computes {int(lengths[over[0]])} tokens, more "
-                             f"than batching.max_tokens_per_batch={batching.max_tokens_per_batch} ({over.size} such "
-                             f"row(s), the longest {int(lengths[over].max())}); a row is never split: raise the budget "
-                             "or set max_length")
+        check_whole_rows_budget(trainer, batching, self.row_lengths, "row")
 
     def train_dataloader(self) -> Any:
         """``batching.strategy: tokens``: micro-batches of whole rows up to the budget, TRL's collator padding them

@@ -26,11 +26,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from padfree_plugins.batching.sampler import check_whole_micro_batches, trainer_train_dataloader
+from padfree_plugins.batching.sampler import trainer_train_dataloader
 from padfree_plugins.contract.hookspecs import hookimpl
 from padfree_plugins.errors import BatchError, ConfigError
 from padfree_plugins.integrations.base import TrainerPatch, keeps_methods, library_class
-from padfree_plugins.integrations.checks import check_sequence_parallel, shares_prefixes
+from padfree_plugins.integrations.checks import check_sequence_parallel, check_whole_rows_budget, shares_prefixes
 from padfree_plugins.packing.collator import as_examples
 from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, share_packed
 
@@ -171,19 +171,7 @@ class RewardTrainerPatch(TrainerPatch):
         batching = self.assembly.config.batching
         if batching.strategy != "tokens":
             return
-        check_whole_micro_batches(self.trainer.accelerator)
-        if batching.on_overlong_example == "split":
-            raise ConfigError("batching.on_overlong_example: split cannot cut RewardTrainer's rows (a pair's texts "
-                              "are compared): use error, with a budget of at least the longest pair")
-        if self.trainer.train_dataset is None or not hasattr(self.trainer.train_dataset, "__len__"):
-            return
-        lengths = self.pair_lengths()
-        over = np.flatnonzero(lengths > batching.max_tokens_per_batch)
-        if over.size:
-            raise BatchError(f"pair {int(over[0])} of RewardTrainer's dataset holds {int(lengths[over[0]])} tokens, "
-                             f"more than batching.max_tokens_per_batch={batching.max_tokens_per_batch} ({over.size} "
-                             f"such pair(s), the longest {int(lengths[over].max())}); a pair is never split: raise "
-                             "the budget or lower max_length")
+        check_whole_rows_budget(self.trainer, batching, self.pair_lengths, "pair")
 
     def train_dataloader(self) -> Any:
         """``batching.strategy: tokens``: micro-batches of whole pairs up to the budget."""
