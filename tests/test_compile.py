@@ -248,12 +248,18 @@ def test_a_padded_batch_under_unpad_off_compiled_behaves_as_eager():
             run(**packed)
 
 
+@pytest.mark.parametrize("backward", ["cpu kernels", "by hand"])
 @pytest.mark.parametrize("case", ["causal", "bidirectional", "window", "gqa", "shared keys"])
-def test_the_exact_op_and_its_backward_equal_eager_exact_attention(case):
-    """``padfree::exact_varlen`` (the compiled graph's call of ``exact``) and its hand-written backward against
-    eager ``exact_varlen`` differentiated by autograd, float64: outputs and gradients within 1e-12. ``opcheck``
-    checks the op's registration (its fake tensor, its autograd) as torch.compile relies on it."""
+def test_the_exact_op_and_its_backward_equal_eager_exact_attention(case, backward, monkeypatch):
+    """``padfree::exact_varlen`` (the compiled graph's call of ``exact``) and its backward — ATen's CPU flash kernels,
+    or the hand-written one other devices use — against eager ``exact_varlen`` differentiated by autograd, float64:
+    outputs and gradients within 1e-12. ``opcheck`` checks the op's registration (its fake tensor, its autograd) as
+    torch.compile relies on it."""
+    from padfree_plugins.modeling.attention import backends
     from padfree_plugins.modeling.attention.backends import exact_varlen, exact_varlen_op
+
+    if backward == "by hand":
+        monkeypatch.setattr(backends, "_attention_grads_cpu", backends._attention_grads)
 
     generator = torch.Generator().manual_seed(0)
     lengths_q = [1, 7, 7, 30, 3]

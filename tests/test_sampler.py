@@ -400,3 +400,16 @@ def test_bench_batching_command_meets_the_balance_target():
         assert r["spread_max"] <= 1.05 and r["idle"] < 0.01, r
     assert all(r["spread_mean"] > 1.05 for r in example_rows)  # what token budgets fix
     assert {r["ranks"] for r in report["throughput"]} == {2, 8} and set(report["gain"]) == {"2", "8"}
+
+
+def test_column_lengths_reads_list_lengths_and_names_a_missing_column():
+    import datasets
+
+    from padfree_plugins.batching.sampler import column_lengths
+
+    rows = datasets.Dataset.from_list([{"prompt_ids": [1, 2], "chosen_ids": [3]}, {"prompt_ids": [4], "chosen_ids": []}])
+    got = column_lengths(rows, ("prompt_ids", "chosen_ids"), "DPO pairs")
+    assert got["prompt_ids"].tolist() == [2, 1] and got["chosen_ids"].tolist() == [1, 0]
+    with pytest.raises(BatchError, match="plans DPO pairs from prompt_ids, rejected_ids; the training dataset lacks "
+                                         "rejected_ids"):
+        column_lengths(rows, ("prompt_ids", "rejected_ids"), "DPO pairs")

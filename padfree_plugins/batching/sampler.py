@@ -105,14 +105,22 @@ def token_count(ids: Any) -> int:
     return sum(_text_length(text) for text in ids) if holds_several_texts(ids) else _text_length(ids)
 
 
-def column_lengths(dataset: Any, key: str) -> np.ndarray:
-    """The length of every row's ``key`` (a list of token ids), int64: one vectorised Arrow pass for a
-    ``datasets.Dataset``, one pass over the rows otherwise."""
+def column_lengths(dataset: Any, keys: Sequence[str], rows: str) -> dict[str, np.ndarray]:
+    """The length of every row's ``keys`` (lists of token ids), int64 each: one vectorised Arrow pass for a
+    ``datasets.Dataset``, one pass over the rows otherwise. A missing column is a :class:`BatchError` that says what
+    the budget plans (``rows``, e.g. "DPO pairs")."""
+    columns = tuple(getattr(dataset, "column_names", ()))
+    missing = [key for key in keys if key not in columns]
+    if missing:
+        raise BatchError(f"batching.strategy: tokens plans {rows} from {', '.join(keys)}; the training dataset lacks "
+                         f"{', '.join(missing)} (its columns: {', '.join(columns)})")
     if hasattr(dataset, "with_format"):
         import pyarrow.compute as pc
 
-        return pc.list_value_length(dataset.with_format("arrow")[key]).to_numpy(zero_copy_only=False).astype(np.int64)
-    return np.fromiter((len(dataset[i][key]) for i in range(len(dataset))), dtype=np.int64, count=len(dataset))
+        table = dataset.with_format("arrow")
+        return {key: pc.list_value_length(table[key]).to_numpy(zero_copy_only=False).astype(np.int64) for key in keys}
+    return {key: np.fromiter((len(dataset[i][key]) for i in range(len(dataset))), dtype=np.int64, count=len(dataset))
+            for key in keys}
 
 
 def _arrow_token_counts(column: Any) -> np.ndarray:

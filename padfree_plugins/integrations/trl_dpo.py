@@ -26,7 +26,6 @@ import numpy as np
 
 from padfree_plugins.batching.sampler import column_lengths
 from padfree_plugins.contract.hookspecs import hookimpl
-from padfree_plugins.errors import BatchError
 from padfree_plugins.integrations.trl_fused import FusedTrainerPatch
 
 
@@ -50,12 +49,7 @@ class DPOTrainerPatch(FusedTrainerPatch):
 def pair_lengths(dataset: Any, max_length: int | None, shared: bool) -> np.ndarray:
     """The tokens of every row of a tokenized DPO dataset (``prompt_ids``, ``chosen_ids``, ``rejected_ids``): see
     :meth:`DPOTrainerPatch.row_lengths`."""
-    columns = {}
-    for key in ("prompt_ids", "chosen_ids", "rejected_ids"):
-        if key not in getattr(dataset, "column_names", ()):
-            raise BatchError(f"batching.strategy: tokens plans DPO pairs from {key!r}, which the training dataset "
-                             f"lacks (its columns: {', '.join(getattr(dataset, 'column_names', ()))})")
-        columns[key] = column_lengths(dataset, key)
+    columns = column_lengths(dataset, ("prompt_ids", "chosen_ids", "rejected_ids"), "DPO pairs")
     prompt, chosen, rejected = columns["prompt_ids"], columns["chosen_ids"], columns["rejected_ids"]
     limit = np.iinfo(np.int64).max if max_length is None else max_length
     with_chosen, with_rejected = np.minimum(prompt + chosen, limit), np.minimum(prompt + rejected, limit)

@@ -14,7 +14,6 @@ import numpy as np
 
 from padfree_plugins.batching.sampler import column_lengths
 from padfree_plugins.contract.hookspecs import hookimpl
-from padfree_plugins.errors import BatchError
 from padfree_plugins.integrations.trl_fused import FusedTrainerPatch
 
 
@@ -39,11 +38,7 @@ def kto_row_lengths(dataset: Any, max_length: int | None, with_kl: bool) -> np.n
     """See :meth:`KTOTrainerPatch.row_lengths`: ``dataset`` tokenized by TRL (``prompt_ids``, ``completion_ids``,
     ``KL_completion_ids``)."""
     keys = ("prompt_ids", "completion_ids", *(("KL_completion_ids",) if with_kl else ()))
-    missing = [key for key in keys if key not in getattr(dataset, "column_names", ())]
-    if missing:
-        raise BatchError(f"batching.strategy: tokens plans KTO rows from {', '.join(keys)}; the training dataset lacks "
-                         f"{', '.join(missing)} (its columns: {', '.join(getattr(dataset, 'column_names', ()))})")
-    lengths = {key: column_lengths(dataset, key) for key in keys}
+    lengths = column_lengths(dataset, keys, "KTO rows")
     limit = np.iinfo(np.int64).max if max_length is None else max_length
     tokens = np.minimum(lengths["prompt_ids"] + lengths["completion_ids"], limit)
     if with_kl:

@@ -160,23 +160,13 @@ def exact_varlen(
                                          blocks=blocks)
     if blocks is not None:
         raise ValueError("bidirectional blocks are for self-attention only (cu_seq_lens_k == cu_seq_lens_q)")
-    q_all, k_all, v_all = (t.transpose(0, 1) for t in (query, key, value))  # [H, T, D]
-    bounds_q = cu_seq_lens_q.tolist()
-    bounds_k = bounds_q if cu_seq_lens_k is cu_seq_lens_q else cu_seq_lens_k.tolist()
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i in range(len(bounds_q) - 1):
-        shape = (bounds_q[i + 1] - bounds_q[i], bounds_k[i + 1] - bounds_k[i])
-        groups.setdefault(shape, []).append(i)
-    pieces: list[torch.Tensor | None] = [None] * (len(bounds_q) - 1)
-    for (length_q, length_k), members in groups.items():
-        q = torch.stack([q_all[:, bounds_q[i] : bounds_q[i] + length_q] for i in members])
-        k = torch.stack([k_all[:, bounds_k[i] : bounds_k[i] + length_k] for i in members])
-        v = torch.stack([v_all[:, bounds_k[i] : bounds_k[i] + length_k] for i in members])
-        out = attend(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, dropout=dropout,
-                     sinks=sinks)
-        for j, i in enumerate(members):
-            pieces[i] = out[j]
-    return torch.cat(pieces, dim=1).transpose(0, 1)  # [T, H, D]
+    out = query.new_zeros(query.shape[0], query.shape[1], value.shape[-1])
+    for index_q, index_k in _shape_groups(cu_seq_lens_q, cu_seq_lens_k, query.device):
+        q, k, v = (t[index].transpose(1, 2) for t, index in ((query, index_q), (key, index_k), (value, index_k)))
+        piece = attend(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, dropout=dropout,
+                       sinks=sinks)  # [m, H, L_q, D]
+        out = out.index_put((index_q,), piece.transpose(1, 2))
+    return out  # [T, H, D]
 
 
 def _token_places(cu_seq_lens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
