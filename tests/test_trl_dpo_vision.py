@@ -2,13 +2,13 @@
 rows (every pair's prompt with its images + chosen, then + rejected) with the rows' images concatenated in row order;
 the plugin splits every fused log-probability call into its rows — each row's images with it, by its placeholder
 runs and the grids — packs them with the family's multimodal collator (per-example mRoPE positions) and scatters the
-per-token outputs back. The packed call gives TRL's padded log-probabilities (1e-5) and gradients (1e-4), a swap of
-two rows' images is caught, and 20 steps of DPO give TRL's padded run within 1e-4 relative per logged value."""
+per-token outputs back. 20 steps of DPO give TRL's padded run within 1e-4 relative per logged value; a call that
+cannot be split runs padded; what is not packed yet is refused. Every family's single call, and the swap of two rows'
+images: tests/test_trl_vision_families.py."""
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import tempfile
 
@@ -18,11 +18,11 @@ import torch
 
 from padfree_plugins import PadfreeError, accelerate, patch_of
 from padfree_plugins.integrations import trl_fused
-from padfree_plugins.packing.multimodal import MultimodalCollator
 from padfree_plugins.testing.vision import synthetic_image
 from tests.conftest import counted_packings
 from tests.test_trl_preference import assert_same_run, differences
 from tests.test_vision_trainers import images, model, processor, words
+from tests.vision_trl import fused_call
 
 pytest.importorskip("PIL")
 trl = pytest.importorskip("trl")
@@ -61,75 +61,11 @@ def media_calls(monkeypatch):
 
 
 # -- one fused call ----------------------------------------------------------------------------------------------------
+# (the packed call against TRL's padded one, and with two rows' images swapped: tests/test_trl_vision_families.py)
 
-#: Rows with 0, 1, 2 and 1 images; the images of pairs 1 and 2 (first) share a grid, with other pixels.
+#: Rows with 0, 1, 2 and 1 images.
 CALL_PAIRS = [[], [synthetic_image(56, 56, seed=1)], [synthetic_image(56, 56, seed=2), synthetic_image(28, 56, seed=3)],
               [synthetic_image(42, 28, seed=4)]]
-
-
-def fused_call(trainer, batch: dict) -> tuple[dict, dict]:
-    """TRL's fused call of ``_compute_loss`` on ``batch``: the per-token outputs and the policy's gradients."""
-    trainer.model.zero_grad()
-    kwargs = {key: value for key, value in batch.items() if key != "completion_mask"}
-    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
-    output = trainer.model(**kwargs, use_cache=False, labels=labels, fused_lm_head=True)
-    (output.log_probs.sum() + output.log_probs[:, ::3].sum()).backward()
-    values = {key: output[key].detach().clone() for key in ("log_probs", "entropy") if output.get(key) is not None}
-    grads = {name: param.grad.clone() for name, param in trainer.model.named_parameters() if param.grad is not None}
-    return values, grads
-
-
-class SwappedImages(MultimodalCollator):
-    """The multimodal collator, the first images of the examples 1 and 2 (same grid) swapped: a wrong split."""
-
-    def __call__(self, examples):
-        examples = [dict(example) for example in examples]
-        one, two = examples[1]["pixel_values"], examples[2]["pixel_values"]
-        size = one.shape[0]
-        assert examples[1]["image_grid_thw"][0].tolist() == examples[2]["image_grid_thw"][0].tolist()
-        examples[1]["pixel_values"], examples[2]["pixel_values"] = two[:size], torch.cat([one, two[size:]])
-        return super().__call__(examples)
-
-
-@pytest.mark.parametrize("swap", [False, True], ids=["exact", "images-swapped"])
-def test_the_packed_fused_call_gives_trls_padded_one(swap, media_calls):
-    """A padded DPO batch (4 pairs: 8 rows with 0, 1, 2 and 1 images, ~40% padding): the packed fused call gives TRL's
-    padded log-probabilities and entropy (1e-5) and gradients (1e-4) — and, with two rows' images swapped in the pack,
-    fails that comparison."""
-    trainer = trainer_for(datasets.Dataset.from_list([pair(i, p) for i, p in enumerate(CALL_PAIRS)]))
-    batch = trainer.data_collator([dict(trainer.train_dataset[i]) for i in range(len(CALL_PAIRS))])
-    assert batch["image_grid_thw"].shape[0] == 2 * 4 and (batch["attention_mask"] == 0).any()
-    want, want_grads = fused_call(trainer, batch)
-    acceleration = accelerate(trainer, {"task": "causal_lm"})
-    assert acceleration.trainer_plugin == "trl_dpo"
-    head = acceleration.trainer_patch.heads[0]
-    if swap:
-        head.collator = SwappedImages(**{f.name: getattr(head.collator, f.name)
-                                         for f in dataclasses.fields(MultimodalCollator)})
-    media_calls.clear()
-    seen = []
-    layer = next(module for name, module in trainer.model.named_modules() if name.endswith("language_model.layers.0"))
-    hook = layer.register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append((args[0] if args else kwargs["hidden_states"]).shape[0] == 1 and
-                                                 "cu_seq_lens_q" in kwargs), with_kwargs=True)
-    try:
-        got, grads = fused_call(trainer, batch)
-    finally:
-        hook.remove()
-    acceleration.undo()
-    assert media_calls == [True] and seen and all(seen), "the fused call ran padded"
-    if swap:
-        with pytest.raises(AssertionError):
-            torch.testing.assert_close(got["log_probs"], want["log_probs"], atol=1e-5, rtol=0)
-        return
-    assert got.keys() == want.keys()
-    print("largest differences:", {key: float((got[key] - want[key]).abs().max()) for key in want},
-          "gradients:", max(float((grads[name] - want_grads[name]).abs().max()) for name in want_grads))
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=0)
-    assert grads.keys() == want_grads.keys() and any("visual" in name for name in grads)
-    for name in want_grads:
-        torch.testing.assert_close(grads[name], want_grads[name], atol=1e-4, rtol=0, msg=name)
 
 
 def test_a_call_that_cannot_be_split_runs_padded(media_calls):

@@ -179,8 +179,9 @@ def test_a_vision_dataset_is_refused_and_the_trainer_left_alone():
                                  processing_class=copy.deepcopy(tokenizer()))
     trainer._is_vision_dataset = True
     forward = model.forward
-    with pytest.raises(PadfreeError, match="does not pack vision-language batches yet"):
+    with pytest.raises(PadfreeError, match="plugin packs text only") as error:
         accelerate(trainer, {"task": "causal_lm"})
+    assert "gemma3_vl" in str(error.value) and "qwen2_5_vl" in str(error.value) and "wrap_collator" in str(error.value)
     assert model.forward == forward and patch_of(model) is None and patch_of(trainer.ref_model) is None
 
 

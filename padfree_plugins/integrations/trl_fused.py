@@ -20,14 +20,15 @@ or right padding) and at least one pad; labels that give no pad a token to predi
 without padding, which so costs nothing extra; a mask with holes), and every call without ``fused_lm_head``
 (``generate()``, TRL's extra logits forward for ``compute_metrics``) runs TRL's own forward, padded.
 
-Image-text calls (TRL's ``DataCollatorForVisionPreference``: padded rows, every row's images concatenated in row
-order as ``pixel_values`` / ``image_grid_thw``), for a family whose assembly packs grid media (Qwen-VL): with the
-assembly's :class:`~padfree_plugins.packing.multimodal.MultimodalCollator` given at install, every fused call is
-split into its rows (:func:`pack_media_call`: the real tokens by the mask; each row's images by its placeholder runs,
-each run the length of the next grid's ``t·h·w / merge²``, the pixels split by ``t·h·w``), the rows packed by that
-collator (each row's mRoPE positions as if it ran alone, its images beside its tokens), and the packed row run
-through TRL's fused forward as for text. A call that cannot be split exactly (placeholders that do not match the
-grids, video, other per-token inputs, an empty row) runs TRL's forward, padded.
+Image-text calls (TRL's vision collators: padded rows, the rows' media given together as the processor makes them
+for a batch), for every vision-language family (its assembly's
+:class:`~padfree_plugins.packing.multimodal.MultimodalCollator` given at install): every fused call is split into its
+rows (:func:`pack_media_call`: the real tokens by the mask; each row's media by the family's own
+:meth:`~padfree_plugins.packing.multimodal.MultimodalCollator.split_call` — Qwen's grids, Gemma 3's images, Idefics3's
+tiles batched per row, LLaVA-OneVision's images by size), the rows packed by that collator (each row's positions as if
+it ran alone, its media beside its tokens, every example checked as in SFT), and the packed row run through TRL's
+fused forward as for text. A call that cannot be split exactly (placeholders that do not match the media, per-token
+modalities that are not the placeholders', other per-token inputs, an empty row) runs TRL's forward, padded.
 
 Under sequence parallelism (``sequence_parallel.size: N``, the model's patch holding a
 :class:`~padfree_plugins.modeling.attention.ulysses.SequenceGroup`), each rank packs its own fused call (a batch
@@ -60,7 +61,7 @@ from padfree_plugins.modeling.attention.ulysses import SequenceGroup, gather_seq
 from padfree_plugins.modeling.patching import own_attribute, patch_of, restore_attributes, unwrap_model
 from padfree_plugins.modeling.sequence_parallel import gather_rows
 from padfree_plugins.packing.batch import BOUNDARY_KEYS, MEDIA_KEYS, MODEL_INPUT_KEYS, packed_tokens
-from padfree_plugins.packing.multimodal import TOKEN_TYPES_KEY, MultimodalCollator
+from padfree_plugins.packing.multimodal import MODALITY_KEYS, MultimodalCollator
 from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY
 from padfree_plugins.packing.sequence_parallel import MAX_KEYS, join_rows, slice_row
 
@@ -127,106 +128,77 @@ def fused_on_slice(original: Any, inputs: dict, group: SequenceGroup) -> Any:
 
 
 def media_collator(assembly: Assembly | None) -> MultimodalCollator | None:
-    """The assembly's multimodal collator where it packs grid media (Qwen-VL: images split by their grids), the
-    collator :func:`pack_media_call` runs; ``None`` for a text-only family or media without grids."""
+    """The assembly's multimodal collator (a vision-language family's), the collator :func:`pack_media_call` runs;
+    ``None`` for a text-only family."""
     collator = getattr(assembly, "collator", None)
-    if isinstance(collator, MultimodalCollator) and any(media.grid is not None for media in collator.media):
-        return collator
-    return None
+    return collator if isinstance(collator, MultimodalCollator) else None
 
 
-def _placeholder_runs(ids: torch.Tensor, token: int) -> list[int]:
-    """The lengths of the runs of ``token`` in ``ids`` (1-D, on the CPU), in order."""
-    marks = torch.cat([torch.zeros(1, dtype=torch.bool), ids == token, torch.zeros(1, dtype=torch.bool)])
-    edges = torch.nonzero(marks[1:] != marks[:-1]).reshape(-1)
-    return (edges[1::2] - edges[::2]).tolist()
+def _modalities_match(inputs: dict, spans: list, real: list[torch.Tensor], collator: MultimodalCollator,
+                      shape: torch.Size) -> bool:
+    """Whether the call's per-token modalities (``mm_token_type_ids``, Gemma's ``token_type_ids``), where given, are
+    those the collator reads off the tokens (0 text, the media's number at its placeholders) at every real token."""
+    for key in MODALITY_KEYS:
+        types = inputs.get(key)
+        if not isinstance(types, torch.Tensor):
+            continue
+        if types.shape != shape:
+            return False
+        flat = types.detach().cpu()
+        for row, ((start, length), tokens) in enumerate(zip(spans, real)):
+            want = torch.zeros_like(tokens)
+            for media in collator.media:
+                want[tokens == collator.token_ids[media.name]] = media.modality
+            if not torch.equal(flat[row, start:start + length].long(), want):
+                return False
+    return True
 
 
 def pack_media_call(inputs: dict, mask: torch.Tensor, labels: torch.Tensor,
                     collator: MultimodalCollator) -> tuple[dict, unpad.Unpadded] | None:
-    """A padded fused call with grid media (``inputs``: its keyword arguments but the labels) split into its rows —
-    each row's real tokens and its own images — and packed by ``collator`` as those examples alone would be; and
-    where its tokens went. ``None`` when the call cannot be split exactly: it then runs padded."""
+    """A padded fused call with media (``inputs``: its keyword arguments but the labels) split into its rows — each
+    row's real tokens and, by the family's :meth:`~padfree_plugins.packing.multimodal.MultimodalCollator.split_call`,
+    its own media — and packed by ``collator`` as those examples alone would be; and where its tokens went. ``None``
+    when the call cannot be split exactly: it then runs padded."""
     ids = inputs.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape != mask.shape or \
             inputs.get("position_ids") is not None:
         return None
-    rows, width = mask.shape
-    grid_media = [media for media in collator.media if media.grid is not None]
-    media_keys = {key for media in grid_media for key in media.keys}
-    for key, value in inputs.items():  # anything per token, or media the collator does not split by grids, refused
-        if key in ("input_ids", "attention_mask", TOKEN_TYPES_KEY) or value is None:
+    media_keys = set(collator.media_keys)
+    for key, value in inputs.items():  # anything per token, or media the collator does not know, refused
+        if key in ("input_ids", "attention_mask", *MODALITY_KEYS, *media_keys) or value is None:
             continue
-        if key not in media_keys and (key in MEDIA_KEYS or key in BOUNDARY_KEYS or isinstance(value, torch.Tensor)):
+        if key in MEDIA_KEYS or key in BOUNDARY_KEYS or isinstance(value, torch.Tensor):
             return None
     spans = unpad.contiguous_rows(mask, labels)
     if spans is None or not all(length for _, length in spans):
         return None
     flat = ids.detach().cpu()
     real = [flat[row, start:start + length] for row, (start, length) in enumerate(spans)]
-    examples: list[dict] = [{"input_ids": tokens.tolist()} for tokens in real]
-    for media in grid_media:
-        pixels, grid = inputs.get(media.pixels), inputs.get(media.grid)
-        token = collator.token_ids[media.name]
-        placeholders = int((flat == token).sum())
-        if pixels is None and grid is None:
-            if placeholders:
-                return None
-            continue
-        if pixels is None or grid is None or not media.one_run_per_item or media.per_row:
-            return None
-        grid = grid.detach().cpu().long().reshape(-1, 3)
-        cells = grid.prod(-1)
-        # every placeholder in a row's real tokens (none at pads), every pixel row in a grid
-        if int(cells.sum()) != pixels.shape[0] or placeholders != sum(int((tokens == token).sum()) for tokens in real):
-            return None
-        extras = {key: inputs[key] for key in media.extra if inputs.get(key) is not None}
-        if any(len(value) != len(grid) for value in extras.values()):
-            return None
-        item, row_start = 0, 0
-        for example, tokens in zip(examples, real):
-            runs = _placeholder_runs(tokens, token)
-            count = len(runs)
-            if item + count > len(grid) or runs != (cells[item:item + count] // collator.merge ** 2).tolist():
-                return None
-            if count:
-                pixel_rows = int(cells[item:item + count].sum())
-                example[media.pixels] = pixels[row_start:row_start + pixel_rows]
-                example[media.grid] = grid[item:item + count]
-                for key, value in extras.items():
-                    example[key] = value[item:item + count]
-                row_start += pixel_rows
-            item += count
-        if item != len(grid):
-            return None
-    types = inputs.get(TOKEN_TYPES_KEY)
-    if isinstance(types, torch.Tensor):  # the padded forward's modalities: those the collator reads off the tokens
-        if types.shape != mask.shape:
-            return None
-        flat_types = types.detach().cpu()
-        for row, ((start, length), tokens) in enumerate(zip(spans, real)):
-            want = torch.zeros_like(tokens)
-            for media in collator.media:
-                want[tokens == collator.token_ids[media.name]] = media.modality
-            if not torch.equal(flat_types[row, start:start + length].long(), want):
-                return None
+    placeholders = list(collator.token_ids.values())
+    # every placeholder in a row's real tokens (none at pads), every modality the tokens' own
+    if int(torch.isin(flat, torch.tensor(placeholders)).sum()) != \
+            sum(int(torch.isin(tokens, torch.tensor(placeholders)).sum()) for tokens in real) or \
+            not _modalities_match(inputs, spans, real, collator, mask.shape):
+        return None
     try:
-        batch = collator(examples)
+        media = collator.split_call(inputs, real)
+        batch = collator([{"input_ids": tokens.tolist(), **own} for tokens, own in zip(real, media)])
     except PadfreeError:
         return None
-    index = torch.cat([torch.arange(length) + row * width + start for row, (start, length) in enumerate(spans)])
+    index = torch.cat([torch.arange(length) + row * mask.shape[1] + start for row, (start, length) in enumerate(spans)])
     lengths = [length for _, length in spans]
     if batch["cu_seq_lens_q"].diff().tolist() != lengths or \
             not torch.equal(batch["input_ids"].reshape(-1).cpu(), flat.reshape(-1).index_select(0, index)):
         return None
     device = mask.device
     packed = {key: value for key, value in inputs.items()
-              if key not in ("input_ids", "attention_mask", TOKEN_TYPES_KEY) and key not in media_keys}
+              if key not in ("input_ids", "attention_mask", *MODALITY_KEYS) and key not in media_keys}
     for key in (*MODEL_INPUT_KEYS, *media_keys):
         if key in batch:
             value = batch[key]
             packed[key] = value.to(device) if isinstance(value, torch.Tensor) else value
-    return packed, unpad.Unpadded(rows, width, index)
+    return packed, unpad.Unpadded(mask.shape[0], mask.shape[1], index)
 
 
 @dataclass
@@ -312,8 +284,8 @@ class FusedTrainerPatch:
     kind: ClassVar[str] = "trl"
     #: The methods a subclass must keep for the plugin to claim it (one that overrides them gets ``any_trainer``).
     kept_methods: ClassVar[tuple[str, ...]] = ("compute_loss", "prediction_step", "_compute_loss")
-    #: Whether the plugin packs image-text calls (:func:`pack_media_call`) for a family whose assembly packs grid
-    #: media; the others refuse vision datasets.
+    #: Whether the plugin packs image-text calls (:func:`pack_media_call`) for a vision-language family; the others
+    #: refuse vision datasets.
     packs_media: ClassVar[bool] = False
     #: Whether the plugin trains under ``sequence_parallel.size > 1`` (its fused calls through
     #: :func:`fused_on_slice`); refused otherwise.
@@ -351,13 +323,13 @@ class FusedTrainerPatch:
                               f"size: {size}): the load-balancing loss is not a sum over tokens, and each rank "
                               "routes a slice of the group's row. Set router_aux_loss_coef=0.0, or train with "
                               "sequence_parallel.size: 1")
-        # packed with images: a vision dataset, on a family that packs grid media (a VLM on text alone: refused)
+        # packed with images: a vision dataset, on a vision-language family (a VLM on text alone: refused)
         if vision and self.packs_media and images and media_collator(self.assembly) is None:
             raise PadfreeError(
-                f"{name} on images: padfree-plugins does not pack vision-language batches yet for the "
-                f"{self.assembly.plan.architecture.name} plugin (TRL's image-text log-probability calls are packed "
-                "for families whose images are split by their grids: the Qwen-VL families); train this one padded, "
-                "without accelerate()")
+                f"{name} on images: the {self.assembly.plan.architecture.name} plugin packs text only (it declares "
+                "no multimodal collator, so its image tokens and pixels cannot be split by row). Vision-language "
+                f"plugins: {', '.join(vision_language_plugins(self.assembly))}; a family adds one with a "
+                "wrap_collator (docs/writing-a-plugin.md). Train this one padded, without accelerate()")
         if vision and not (self.packs_media and images):
             raise PadfreeError(
                 f"{name} on images: padfree-plugins does not pack vision-language batches yet (their image tokens "
@@ -437,6 +409,14 @@ class FusedTrainerPatch:
         if self.ref_assembly is not None:
             self.ref_assembly.undo()
         self.active = False
+
+
+def vision_language_plugins(assembly: Assembly) -> list[str]:
+    """The registered architectures that pack image-text batches (a ``wrap_collator``), by name."""
+    host = getattr(assembly, "host", None)
+    architectures = host.architectures().values() if host is not None else ()
+    return sorted({architecture.name for architecture, _ in architectures
+                   if getattr(architecture, "wrap_collator", None) is not None}) or ["none registered"]
 
 
 def refuse_vllm_without_cuda(trainer: Any) -> None:

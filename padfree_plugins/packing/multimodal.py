@@ -29,6 +29,9 @@ from padfree_plugins.packing.collator import as_examples
 
 #: The per-token modality of a processor's output (0 text, 1 image, 2 video), consumed for the positions.
 TOKEN_TYPES_KEY = "mm_token_type_ids"
+#: The per-token modalities a processor may make (Qwen's ``mm_token_type_ids``; Gemma 3's ``token_type_ids``, 1 at
+#: image tokens), both readable off the placeholders.
+MODALITY_KEYS = (TOKEN_TYPES_KEY, "token_type_ids")
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,69 @@ class MultimodalCollator:
         if getattr(batch, "model_keys", None) is not None:
             batch.model_keys = tuple(dict.fromkeys((*batch.model_keys, *keys)))
         return batch
+
+    def split_call(self, inputs: Mapping[str, Any], rows: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
+        """The media of a padded call split by row, each row's as :meth:`__call__` takes one example's.
+
+        ``inputs``: the call's keyword arguments, every row's media given together as a processor makes them for a
+        batch; ``rows``: each row's real tokens (1-D, on the CPU), in row order. Each row takes the next items
+        (images, videos, tiles) whose placeholders make its own count, and their pixel rows; every item and pixel
+        row must be taken. A :class:`~padfree_plugins.errors.BatchError` says why a call cannot be split (it then
+        runs padded). This is the one way a family declares how its padded media divide into rows: a family whose
+        media are laid out otherwise overrides it (:class:`~padfree_plugins.builtin.architectures.idefics3.
+        TiledCollator`: tiles batched per row; ``AnyResolutionCollator``: patches per image, sizes by image)."""
+        split: list[dict[str, Any]] = [{} for _ in rows]
+        for media in self.media:
+            counts = [int((tokens == self.token_ids[media.name]).sum()) for tokens in rows]
+            if inputs.get(media.pixels) is None:
+                if sum(counts) or any(inputs.get(key) is not None for key in media.keys):
+                    raise BatchError(f"a call with {sum(counts)} {media.name} tokens and no {media.pixels!r}")
+                continue
+            pixels = self._unbatched_pixels(media, inputs[media.pixels])
+            sizes = self._item_sizes(media, inputs, pixels)
+            per_item = {key: inputs[key] for key in (media.grid, *media.extra)
+                        if key is not None and inputs.get(key) is not None}
+            per_pixel_row = {key: self._unbatched_pixels(media, inputs[key]) for key in media.per_row
+                             if inputs.get(key) is not None}
+            item = pixel_row = 0
+            for example, count in zip(split, counts):
+                first, tokens = item, 0
+                while tokens < count and item < len(sizes):
+                    tokens, item = tokens + sizes[item][0], item + 1
+                if tokens != count:
+                    raise BatchError(f"a row's {count} {media.name} tokens are not whole {media.name}s of the call")
+                if item == first:
+                    continue
+                taken = sum(size[1] for size in sizes[first:item])
+                for key, value in (*per_pixel_row.items(), (media.pixels, pixels)):
+                    example[key] = value[pixel_row:pixel_row + taken]
+                for key, value in per_item.items():
+                    example[key] = value[first:item]
+                pixel_row += taken
+            if item != len(sizes) or pixel_row != pixels.shape[0]:
+                raise BatchError(f"the call's {media.name}s are more than its rows' {media.name} tokens")
+        return split
+
+    def _unbatched_pixels(self, media: Media, value: Any) -> torch.Tensor:
+        """A call's pixel rows (or per-row values) without the batch dimension of a ``batch_dim`` media."""
+        value = torch.as_tensor(value)
+        if media.batch_dim:
+            if value.shape[0] != 1:
+                raise BatchError(f"{media.pixels!r} of shape {tuple(value.shape)}: expected one batch row")
+            value = value[0]
+        return value
+
+    def _item_sizes(self, media: Media, inputs: Mapping[str, Any], pixels: torch.Tensor) -> list[tuple[int, int]]:
+        """Each item's placeholders and pixel rows, in the call's order."""
+        if media.grid is not None:
+            if inputs.get(media.grid) is None:
+                raise BatchError(f"a call with {media.pixels!r} and no {media.grid!r}")
+            cells = torch.as_tensor(inputs[media.grid]).detach().cpu().long().reshape(-1, 3).prod(-1).tolist()
+            return [(cell // self.merge ** 2, cell) for cell in cells]
+        if media.tokens_per_row is not None:
+            return [(self.row_tokens[media.name], 1)] * pixels.shape[0]
+        raise BatchError(f"{type(self).__name__} does not split a padded call's {media.name}s by row: its family "
+                         "declares neither grids nor tokens per pixel row, and overrides no split_call")
 
     def _labels_from_input_ids(self) -> bool:
         return bool(getattr(self.collator, "labels_from_input_ids", False))

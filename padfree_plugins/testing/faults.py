@@ -10,7 +10,9 @@ Both leave a model run on one example alone exactly as it was, and change only p
   (:mod:`padfree_plugins.packing.prefixes`) can go wrong — a completion that sees a token of its sibling, a
   completion whose positions restart at 0 instead of continuing from its prompt;
 * :func:`examples_merge_under_compile` and :func:`boundary_guard_silenced`: the two ways a compiled forward can go
-  wrong — attention that lets an example see its neighbour, a guard that no longer refuses wrong boundaries.
+  wrong — attention that lets an example see its neighbour, a guard that no longer refuses wrong boundaries;
+* :func:`rows_swap_media`: a padded image-text call split wrongly — two rows' media (of the same shapes, other
+  pixels) swapped, so each row's tokens get the other's images.
 """
 
 from __future__ import annotations
@@ -201,3 +203,42 @@ def boundary_guard_silenced() -> Iterator[None]:
     boundaries: a forward given boundaries that would mix examples runs."""
     with mock.patch.object(patching, "_assert_packed_boundaries", lambda cu, cu_k, position_ids: None):
         yield
+
+
+def _swappable(one: dict, two: dict) -> bool:
+    """Two rows' media of the same keys, shapes and numbers of non-zero items (tiles padded with zeros count as
+    none) whose pixels differ."""
+    if not one or one.keys() != two.keys():
+        return False
+    tensors = [(torch.as_tensor(one[key]), torch.as_tensor(two[key])) for key in one]
+
+    def items(value: torch.Tensor) -> int:
+        return int(value.reshape(value.shape[0], -1).ne(0).any(1).sum()) if value.ndim > 1 else value.numel()
+
+    return all(a.shape == b.shape and items(a) == items(b) for a, b in tensors) and \
+        not all(torch.equal(a, b) for a, b in tensors)
+
+
+@contextmanager
+def rows_swap_media(collator: Any) -> Iterator[list[int]]:
+    """``collator.split_call`` (a :class:`~padfree_plugins.packing.multimodal.MultimodalCollator`'s) giving the first
+    two rows whose media can be swapped (same keys and shapes, other pixels) each other's media. Yields the number
+    of calls swapped (one entry per call); a call with no such rows raises, so that a test cannot pass unswapped."""
+    original = collator.split_call
+    swapped: list[int] = []
+
+    def split_call(inputs: Any, rows: Any) -> list[dict]:
+        split = original(inputs, rows)
+        for first in range(len(split)):
+            for second in range(first + 1, len(split)):
+                if _swappable(split[first], split[second]):
+                    split[first], split[second] = split[second], split[first]
+                    swapped.append(1)
+                    return split
+        raise AssertionError("rows_swap_media: no two rows of this call have media to swap")
+
+    collator.split_call = split_call
+    try:
+        yield swapped
+    finally:
+        del collator.split_call

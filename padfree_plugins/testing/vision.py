@@ -18,6 +18,7 @@ images only; their text marks an image with ``<image>``, their own image token.
 from __future__ import annotations
 
 from functools import lru_cache
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -362,6 +363,10 @@ def _tiled_processor(model_type: str) -> Any:
             self.end_of_utterance_token, self.global_image_token = "<end_of_utterance>", "<global-img>"
             self.image_seq_len, self.video_token = image_seq_len, "<video>"
             ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+        @property
+        def video_processor(self):  # what apply_chat_template reads of it (its defaults), no video processor
+            return SimpleNamespace(num_frames=64, fps=1)
 
     return ImageTextProcessor(SmolVLMImageProcessorPil(**sizes), tokenizer, image_seq_len=TILE_TOKENS)
 

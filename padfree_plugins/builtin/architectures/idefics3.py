@@ -104,6 +104,29 @@ class TiledCollator(MultimodalCollator):
             masks = {key: mask[~zero] if mask.shape[0] == zero.shape[0] else mask for key, mask in masks.items()}
         return {**example, media.pixels: pixels, **masks}
 
+    def split_call(self, inputs: Any, rows: Any) -> list[dict[str, Any]]:
+        """A padded call's tiles by row: the processor batches them per row (``[rows, tiles, 3, S, S]``, each row's
+        tiles padded with all-zero tiles to the call's most), so row ``r`` takes ``pixel_values[r]`` and its
+        masks, its padding tiles dropped as for any example; a row without image tokens has padding tiles only."""
+        media = self.media[0]
+        if inputs.get(media.pixels) is None:
+            return super().split_call(inputs, rows)
+        pixels = torch.as_tensor(inputs[media.pixels])
+        masks = {key: torch.as_tensor(inputs[key]) for key in media.per_row if inputs.get(key) is not None}
+        if pixels.ndim != 5 or any(value.shape[0] != pixels.shape[0] for value in masks.values()):
+            raise BatchError(f"{media.pixels!r} of shape {tuple(pixels.shape)}: expected [rows, tiles, 3, S, S]")
+        if pixels.shape[0] != len(rows):
+            raise BatchError(f"{media.pixels!r} holds tiles for {pixels.shape[0]} rows, the call {len(rows)}")
+        split: list[dict[str, Any]] = []
+        for row, tokens in enumerate(rows):
+            if not bool((tokens == self.token_ids[media.name]).any()):
+                if bool(pixels[row].detach().ne(0).any()):
+                    raise BatchError(f"row {row} has tiles with pixels but no {media.name} tokens")
+                split.append({})
+                continue
+            split.append({media.pixels: pixels[row], **{key: value[row] for key, value in masks.items()}})
+        return split
+
     @staticmethod
     def _unbatched(value: torch.Tensor, key: str, ndim: int, index: int) -> torch.Tensor:
         """``value`` without the processor's batch dimension of one example (``[1, tiles, …]`` -> ``[tiles, …]``)."""

@@ -164,6 +164,50 @@ class AnyResolutionCollator(MultimodalCollator):
         expected = [self.layout.tokens(h, w, p) for (h, w), p in zip(sizes, patched)]
         return {**example, media.pixels: pixels, "batch_num_images": torch.tensor(numbers)}, expected
 
+    def split_call(self, inputs: Any, rows: Any) -> list[dict[str, Any]]:
+        """A padded call's images by row: ``pixel_values [images, patches, 3, S, S]`` and ``image_sizes`` one entry
+        per image; ``batch_num_images``, where given, one entry per row with images (the processor skips rows
+        without). Each row takes the next images whose tokens (by size, patched or not as the model will take
+        them) make its own count."""
+        media = self.media[0]
+        if any(inputs.get(key) is not None for key in VIDEO_KEYS):
+            raise BatchError("a call with videos: the llava_onevision plugin packs images only")
+        if inputs.get(media.pixels) is None:
+            return super().split_call(inputs, rows)
+        if inputs.get("image_sizes") is None:
+            raise BatchError(f"a call with {media.pixels!r} and no 'image_sizes'")
+        pixels = torch.as_tensor(inputs[media.pixels])
+        sizes = torch.as_tensor(inputs["image_sizes"]).detach().cpu().reshape(-1, 2).tolist()
+        numbers = inputs.get("batch_num_images")
+        numbers = None if numbers is None else [int(n) for n in torch.as_tensor(numbers).reshape(-1).tolist()]
+        if pixels.shape[0] != len(sizes):
+            raise BatchError(f"{media.pixels!r} holds {pixels.shape[0]} images, 'image_sizes' {len(sizes)}")
+        split: list[dict[str, Any]] = []
+        image = with_images = 0
+        for tokens in rows:
+            count = int((tokens == self.token_ids[media.name]).sum())
+            if not count:
+                split.append({})
+                continue
+            first, found = image, 0
+            if numbers is not None:
+                if with_images == len(numbers):
+                    raise BatchError("more rows with images than entries of 'batch_num_images'")
+                image += numbers[with_images]
+                found = sum(self.layout.tokens(h, w, numbers[with_images] == 1) for h, w in sizes[first:image])
+            while numbers is None and found < count and image < len(sizes):
+                found, image = found + self.layout.tokens(*sizes[image], True), image + 1
+            if found != count or image > len(sizes):
+                raise BatchError(f"a row's {count} image tokens are not whole images of the call")
+            example = {media.pixels: pixels[first:image], "image_sizes": torch.tensor(sizes[first:image])}
+            if numbers is not None:
+                example["batch_num_images"] = torch.tensor([numbers[with_images]])
+                with_images += 1
+            split.append(example)
+        if image != len(sizes) or (numbers is not None and with_images != len(numbers)):
+            raise BatchError("the call's images are more than its rows' image tokens")
+        return split
+
     def _check_tokens(self, example: Any, expected: list[int], placeholders: int, index: int) -> None:
         """The placeholders of each image one run of its own count, in the order of its pixels; the runs of images
         written next to each other may merge."""
