@@ -7,6 +7,7 @@ own; refusals leave the trainer as it was."""
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -200,7 +201,10 @@ def test_install_needs_trls_fused_head_and_remove_restores_it():
     fused(model)
     original = fused_forward_of(model)
     head = PackedFusedHead.install(model)
-    assert fused_forward_of(model) is None and model.forward == head.forward
+    assert fused_forward_of(model) is None and head.original == original
+    # the model's own signature, which generate() checks a VLM's pixel_values / image_grid_thw against
+    assert inspect.signature(model.forward) == inspect.signature(original) and "input_ids" in \
+        inspect.signature(model.forward).parameters
     head.remove()
     assert fused_forward_of(model) == original
 

@@ -118,6 +118,7 @@ def count_fused_calls(trainer) -> list[int]:
     for module in {id(m): m for model in models if model is not None for m in model.modules()}.values():
         forward = fused_forward_of(module)
         if forward is not None:
+            @functools.wraps(forward)  # the model's signature, which generate() checks its model kwargs against
             def counting(*args, _forward=forward, **kwargs):
                 counter[0] += bool(kwargs.get("fused_lm_head"))
                 return _forward(*args, **kwargs)

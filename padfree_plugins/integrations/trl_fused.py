@@ -83,7 +83,7 @@ def padded_per_token(value: Any, unpadded: unpad.Unpadded) -> Any:
     pads); anything else (the loss, the MoE aux loss, ``None``) as it is."""
     if not isinstance(value, torch.Tensor) or value.ndim != 2 or value.shape[0] != 1:
         return value
-    return unpadded.scatter(value)[:, :-1]
+    return unpadded.scatter(value)[:, :-1].contiguous()  # not a view (FSDP2 warns of views a module returns)
 
 
 def all_ranks_pack(packs: bool, group: SequenceGroup, device: Any) -> bool:
@@ -235,7 +235,12 @@ class PackedFusedHead:
                                "parallelism")
         head = cls(model, original, {"forward": own_attribute(model, "forward")}, collator, sequence,
                    share_prefixes)
-        model.forward = head.forward
+
+        @functools.wraps(original)  # the model's own signature, which generate() checks its model kwargs against
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return head.forward(*args, **kwargs)
+
+        model.forward = forward
         return head
 
     def forward(self, *args: Any, fused_lm_head: bool = False, labels: Any = None, shift_labels: Any = None,
@@ -311,7 +316,9 @@ class FusedTrainerPatch:
     def check(self) -> None:
         """Refuse, before anything changes, what this trainer cannot do packed (a subclass adds its own)."""
         trainer, config, name = self.trainer, self.assembly.config, type(self.trainer).__name__
-        images, vlm = getattr(trainer, "_is_vision_dataset", False), getattr(trainer, "_is_vlm", False)
+        # DPO / KTO say whether their dataset has images; GRPO / RLOO find images per batch, on a VLM
+        vlm = getattr(trainer, "_is_vlm", False)
+        images = getattr(trainer, "_is_vision_dataset", vlm)
         vision = images or vlm
         size = sequence_parallel_size(config)
         if size > 1 and vision:

@@ -32,8 +32,12 @@ from padfree_plugins.packing.prefixes import SharedPrefixes
 
 
 def layers_of(model: Any) -> torch.nn.ModuleList:
-    """The model's stack of transformer layers: its first ``ModuleList`` of ``num_hidden_layers`` modules."""
+    """The model's stack of transformer layers: its decoder's ``layers``, or else its first ``ModuleList`` of
+    ``num_hidden_layers`` modules."""
     inner = unwrap_model(model)
+    decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else None
+    if isinstance(getattr(decoder, "layers", None), torch.nn.ModuleList):  # a VLM: its language model's, not the tower's
+        return decoder.layers
     count = getattr(inner.config.get_text_config(), "num_hidden_layers", None)
     lists = [module for module in inner.modules() if isinstance(module, torch.nn.ModuleList) and len(module)]
     for candidate in lists:
