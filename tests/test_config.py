@@ -269,8 +269,9 @@ def test_every_described_key_is_accepted():
         node[leaf] = value
         if key == "batching.strategy":
             node["max_tokens_per_batch"] = 4  # required with strategy: tokens
-        if key == "batching.max_tokens_per_batch":
+        if key in ("batching.max_tokens_per_batch", "batching.max_pixels_per_batch"):
             node["strategy"] = "tokens"  # a budget is an error under strategy: examples, which ignores it
+            node.setdefault("max_tokens_per_batch", 4)
         config = load_config(data)
         target = config
         for part in key.split("."):

@@ -413,3 +413,25 @@ def test_column_lengths_reads_list_lengths_and_names_a_missing_column():
     with pytest.raises(BatchError, match="plans DPO pairs from prompt_ids, rejected_ids; the training dataset lacks "
                                          "rejected_ids"):
         column_lengths(rows, ("prompt_ids", "rejected_ids"), "DPO pairs")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(1, 100), st.integers(0, 5000)), min_size=2, max_size=60),
+       st.integers(100, 300), st.integers(5000, 20000), st.integers(1, 3))
+def test_combined_loads_keep_both_budgets(items, max_tokens, max_pixels, ranks):
+    """Planned by their combined loads, micro-batches hold at most ``max_tokens`` tokens and ``max_pixels`` pixels,
+    every item once; an item's load is its larger share, never less than its tokens."""
+    from padfree_plugins.batching.sampler import combined_loads
+
+    tokens, pixels = np.array([t for t, _ in items]), np.array([p for _, p in items])
+    loads = combined_loads(tokens, pixels, max_tokens, max_pixels)
+    assert (loads >= tokens).all() and (loads * max_pixels >= pixels * max_tokens).all()
+    try:
+        plan = plan_epoch(loads, max_tokens, order=np.arange(len(items)), rng=np.random.default_rng(0),
+                          num_replicas=ranks)
+    except ValueError as error:  # too few items to give every rank a micro-batch in every step
+        assume("cannot be spread" not in str(error) and "cannot give each" not in str(error))
+        raise
+    assert sorted(i for batch in plan for i in batch) == list(range(len(items)))
+    for batch in plan:
+        assert tokens[batch].sum() <= max_tokens and pixels[batch].sum() <= max_pixels

@@ -176,3 +176,15 @@ def test_token_budget_kto_trains_as_trls_padded_run_on_the_same_micro_batches(pa
     # a call of one row has no padding, and runs as TRL's own (packing it would change nothing); the others pack
     assert sum(packed_calls) > len(packed_calls) / 2, packed_calls
     assert_same_run(trainer.state.log_history, reference.state.log_history)
+
+
+def test_a_kto_dataset_too_small_for_its_kl_term_is_refused_under_a_budget():
+    """One row: its KL completion would be its own (TRL gives each row another row's completion), so a budget of it
+    is a ConfigError at accelerate() that says why, the trainer untouched."""
+    with tempfile.TemporaryDirectory() as out:
+        trainer = preference_trainer("kto", out)
+        trainer.train_dataset = trainer.train_dataset.select([0])
+        assert trainer.calculate_KL
+        with pytest.raises(ConfigError, match="dataset of 1 row.* too small for its KL term"):
+            accelerate(trainer, budget_config())
+        assert "get_train_dataloader" not in vars(trainer)

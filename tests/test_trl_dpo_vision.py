@@ -150,14 +150,118 @@ def test_prefix_sharing_on_is_refused_for_image_text_pairs_and_auto_packs_them_w
     acceleration.undo()
 
 
-def test_a_token_budget_for_image_text_pairs_is_refused_and_the_models_left_alone():
-    """A budget of image-text pairs is not planned yet (an image's tokens and pixels are not counted): a
-    ConfigError at accelerate(), the models as they were."""
-    from padfree_plugins import ConfigError
+# -- token budgets of image-text pairs --------------------------------------------------------------------------------
 
-    trainer = trainer_for(preferences(4))
+#: Budgets under which micro-batches hold 1 to 4 pairs (pairs of 41..90 tokens, 0..15,680 pixels), both binding.
+BUDGET = {"strategy": "tokens", "max_tokens_per_batch": 200, "max_pixels_per_batch": 25088}
+
+
+def budget_config(**batching) -> dict:
+    return {"task": "causal_lm", "batching": {**BUDGET, **batching}}
+
+
+def planned_batches(trainer) -> tuple[list[list[int]], list[dict]]:
+    """The accelerated trainer's plan for epoch 0 (pair ids per micro-batch) and its collated micro-batches."""
+    loader = trainer.get_train_dataloader()
+    sampler = loader.batch_sampler
+    sampler = getattr(sampler, "batch_sampler", sampler)
+    return sampler.plan(0), list(loader)
+
+
+def assert_within_budgets(batches: list[dict], collator, tokens: int, pixels: int) -> None:
+    """Every collated micro-batch: its real tokens (placeholders counted) and its rows' pixels within the budgets."""
+    for batch in batches:
+        mask = batch["attention_mask"].bool()
+        rows = [ids[keep] for ids, keep in zip(batch["input_ids"], mask)]
+        seen = sum(collator.media_pixels({"input_ids": row.tolist(), **own})
+                   for row, own in zip(rows, collator.split_call(batch, rows)) if own)
+        assert int(mask.sum()) <= tokens and seen <= pixels, (int(mask.sum()), seen)
+
+
+def test_every_pair_once_an_epoch_and_no_micro_batch_over_either_budget():
+    """Every pair in exactly one micro-batch of the epoch; every collated micro-batch within the token budget (image
+    placeholders counted) and the pixel budget (each row's images, as often as the rows compute them); micro-batches
+    of different numbers of pairs."""
+    trainer = trainer_for(preferences())
+    acceleration = accelerate(trainer, budget_config())
+    plan, batches = planned_batches(trainer)
+    collator = acceleration.trainer_patch.heads[0].collator
+    acceleration.undo()
+    assert sorted(pair for batch in plan for pair in batch) == list(range(16))
+    assert len({len(batch) for batch in plan}) > 1 and len(batches) == len(plan)
+    assert_within_budgets(batches, collator, BUDGET["max_tokens_per_batch"], BUDGET["max_pixels_per_batch"])
+
+
+def test_a_budget_that_counts_half_a_pair_is_caught(monkeypatch):
+    """The check can fail: sizes that count one row of each pair (half its tokens and pixels) plan micro-batches
+    over the budgets, which the collated batches show."""
+    from padfree_plugins.integrations.trl_fused import FusedTrainerPatch
+
+    counted = FusedTrainerPatch.image_text_sizes
+    monkeypatch.setattr(FusedTrainerPatch, "image_text_sizes",
+                        lambda self: tuple(sizes // 2 for sizes in counted(self)))
+    trainer = trainer_for(preferences())
+    acceleration = accelerate(trainer, budget_config())
+    _, batches = planned_batches(trainer)
+    collator = acceleration.trainer_patch.heads[0].collator
+    acceleration.undo()
+    with pytest.raises(AssertionError):
+        assert_within_budgets(batches, collator, BUDGET["max_tokens_per_batch"], BUDGET["max_pixels_per_batch"])
+
+
+def test_token_budget_dpo_on_image_text_pairs_trains_as_trls_padded_run(media_calls):
+    """20 steps of micro-batches planned under both budgets: every logged value within 1e-4 of its scale of TRL's
+    padded run fed the very same micro-batches, every fused call packed, images and all."""
+    from padfree_plugins.batching.sampler import trainer_train_dataloader
+
+    trainer = trainer_for(preferences())
+    acceleration = accelerate(trainer, budget_config())
+    loads = acceleration.trainer_patch.loads
+    media_calls.clear()
+    trainer.train()
+    acceleration.undo()
+    assert len(media_calls) == 2 * STEPS and all(media_calls)
+    reference = trainer_for(preferences())
+    reference.get_train_dataloader = lambda: trainer_train_dataloader(reference, budget_config(),
+                                                                      reference.data_collator, lengths=loads)
+    reference.train()
+    worst = differences(trainer.state.log_history, reference.state.log_history)
+    print("largest relative differences:", {key: f"{value:.1e}" for key, value in worst.items()})
+    assert_same_run(trainer.state.log_history, reference.state.log_history)
+
+
+BAD_BUDGETS = {
+    "pair over the token budget": (dict(max_tokens_per_batch=80), "BatchError",
+                                   r"row 2 of DPOTrainer's dataset holds 85 tokens .* never split"),
+    "pixels below one pair": (dict(max_pixels_per_batch=12000), "BatchError",
+                              r"row 2 of DPOTrainer's dataset holds 12544 pixels .*max_pixels_per_batch=12000"),
+    "split": (dict(on_overlong_example="split"), "ConfigError", "cannot cut DPOTrainer's image-text rows"),
+}
+
+
+@pytest.mark.parametrize("batching,error,message", BAD_BUDGETS.values(), ids=BAD_BUDGETS.keys())
+def test_bad_budgets_of_image_text_pairs_are_refused_and_the_models_left_alone(batching, error, message):
+    import padfree_plugins
+
+    trainer = trainer_for(preferences())
     forwards = (vars(trainer.model)["forward"], vars(trainer.ref_model)["forward"])
-    with pytest.raises(ConfigError, match="on images with batching.strategy: tokens"):
-        accelerate(trainer, {"task": "causal_lm", "batching": {"strategy": "tokens", "max_tokens_per_batch": 4096}})
+    with pytest.raises(getattr(padfree_plugins, error), match=message):
+        accelerate(trainer, budget_config(**batching))
     assert (vars(trainer.model)["forward"], vars(trainer.ref_model)["forward"]) == forwards
     assert patch_of(trainer.model) is None and "get_train_dataloader" not in vars(trainer)
+
+
+def test_a_pixel_budget_without_images_is_refused():
+    """``max_pixels_per_batch`` where no image-text rows are planned (here a text-only trainer): a ConfigError at
+    accelerate(), the model as it was."""
+    from padfree_plugins import ConfigError
+    from tests.test_trl_preference import pairs, policy, tokenizer
+
+    model = policy()
+    text = trl.DPOTrainer(model=model, ref_model=copy.deepcopy(model), train_dataset=pairs(8),
+                          processing_class=copy.deepcopy(tokenizer()),
+                          args=trl.DPOConfig(output_dir=tempfile.mkdtemp(), report_to=[], use_cpu=True, bf16=False))
+    forward = vars(model)["forward"]
+    with pytest.raises(ConfigError, match="plans token budgets without pixels"):
+        accelerate(text, budget_config())
+    assert vars(model)["forward"] == forward and patch_of(model) is None and "get_train_dataloader" not in vars(text)

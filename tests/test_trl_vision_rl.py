@@ -203,3 +203,16 @@ def test_kto_on_image_text_examples_gives_trls_padded_run(media_calls):
     worst = offline_differences(trainer.state.log_history, want)
     print("largest relative differences:", {key: f"{value:.1e}" for key, value in worst.items()})
     assert_same_offline_run(trainer.state.log_history, want)
+
+
+def test_a_token_budget_of_image_text_kto_rows_is_refused_with_the_reason():
+    """TRL's vision KTO collator makes each KL completion from another row of the micro-batch: a budget cannot count
+    a row before planning. A ConfigError at accelerate() that says so, the trainer untouched."""
+    from padfree_plugins import ConfigError, patch_of
+
+    trainer = kto_trainer("qwen2_5_vl")
+    forward = vars(trainer.model)["forward"]
+    with pytest.raises(ConfigError, match="KL completion from another row of the same micro-batch"):
+        accelerate(trainer, {"task": "causal_lm", "batching": {"strategy": "tokens", "max_tokens_per_batch": 400}})
+    assert vars(trainer.model)["forward"] == forward and patch_of(trainer.model) is None
+    assert "get_train_dataloader" not in vars(trainer)

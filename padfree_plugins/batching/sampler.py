@@ -447,6 +447,16 @@ def check_whole_micro_batches(accelerator: Any) -> None:
         )
 
 
+def combined_loads(tokens: Sequence[int] | np.ndarray, pixels: Sequence[int] | np.ndarray, max_tokens: int,
+                   max_pixels: int) -> np.ndarray:
+    """Each item's share of two budgets in token units, ``max(tokens, ⌈pixels × max_tokens / max_pixels⌉)``: a
+    micro-batch whose loads sum to at most ``max_tokens`` holds at most ``max_tokens`` tokens and ``max_pixels``
+    pixels (the larger share of each item counted whole: a plan within both budgets, a little looser where the two
+    bind in different items)."""
+    tokens, pixels = np.asarray(tokens, dtype=np.int64), np.asarray(pixels, dtype=np.int64)
+    return np.maximum(tokens, -((-pixels * max_tokens) // max_pixels))
+
+
 def token_budget_sampler(dataset: Any, config: PadfreeConfig | BatchingConfig | dict | str | None, *,
                          num_replicas: int = 1, rank: int | None = None, lengths: Sequence[int] | None = None,
                          seed: int | None = None) -> TokenBudgetBatchSampler:

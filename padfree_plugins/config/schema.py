@@ -41,6 +41,10 @@ class BatchingConfig:
         "max_tokens_per_batch by bin packing, balanced across ranks", default="examples")
     max_tokens_per_batch: int | None = _help(
         "token budget of one micro-batch on one rank (required with strategy: tokens)", default=None, minimum=1)
+    max_pixels_per_batch: int | None = _help(
+        "with strategy: tokens, also a budget of the pixels the vision tower embeds per micro-batch on one rank (every "
+        "image, tile or patch as the processor resized it, height x width, as often as the forwards compute it); "
+        "both budgets are kept. Image-text DPO pairs only", default=None, minimum=1)
     window: int = _help("examples shuffled and packed together at a time; more packs tighter, fewer mixes more "
                         "(raised to at least 4 steps' worth of tokens)", default=1024, minimum=1)
     on_overlong_example: Literal["error", "split"] = _help(
@@ -58,6 +62,10 @@ class BatchingConfig:
         if self.strategy == "tokens" and self.max_tokens_per_batch is None:
             raise ConfigError("batching.max_tokens_per_batch is not set: strategy: tokens needs the number of tokens "
                               "one rank processes per micro-batch (e.g. 4 x the longest example)")
+        if self.strategy == "examples" and self.max_pixels_per_batch is not None:
+            raise ConfigError(f"batching.max_pixels_per_batch: {self.max_pixels_per_batch} is set, but strategy is "
+                              "examples: a pixel budget is kept beside a token budget (strategy: tokens with "
+                              "max_tokens_per_batch); add them, or remove max_pixels_per_batch")
         if self.strategy == "examples" and self.max_tokens_per_batch is not None:
             raise ConfigError(f"batching.max_tokens_per_batch: {self.max_tokens_per_batch} is set, but strategy is "
                               "examples (the default), which keeps the trainer's fixed number of examples per batch "

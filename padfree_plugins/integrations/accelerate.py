@@ -25,7 +25,7 @@ from typing import Any
 from padfree_plugins.assembly import Assembly, assemble
 from padfree_plugins.config.schema import PadfreeConfig, load_config
 from padfree_plugins.contract.host import PluginHost
-from padfree_plugins.errors import PadfreeError, PluginError
+from padfree_plugins.errors import ConfigError, PadfreeError, PluginError
 from padfree_plugins.integrations.checks import check_model_given
 
 ACCELERATION_ATTRIBUTE = "_padfree_acceleration"
@@ -58,6 +58,17 @@ class Acceleration:
                 **self.assembly.describe()}
 
 
+def refuse_unplanned_pixels(trainer: Any, trainer_patch: Any, config: PadfreeConfig) -> None:
+    """``batching.max_pixels_per_batch`` where the trainer's plugin does not plan pixels: a ConfigError, the trainer
+    patch undone (a budget that is not kept is never ignored)."""
+    if config.batching.max_pixels_per_batch is None or getattr(trainer_patch, "budgets_pixels", False):
+        return
+    trainer_patch.undo()
+    raise ConfigError(f"batching.max_pixels_per_batch is set, but {type(trainer).__name__}'s plugin plans token "
+                      "budgets without pixels: a pixel budget is planned for image-text DPO pairs (DPOTrainer on a "
+                      "vision dataset). Remove max_pixels_per_batch")
+
+
 def accelerate(trainer: Any, config: PadfreeConfig | dict | str | None = None, *,
                host: PluginHost | None = None) -> Acceleration:
     """Make ``trainer`` (HF ``Trainer``, TRL ``SFTTrainer`` / ``RewardTrainer``, any other ``Trainer`` subclass
@@ -87,6 +98,7 @@ def accelerate(trainer: Any, config: PadfreeConfig | dict | str | None = None, *
                 "install a plugin implementing wrap_trainer (docs/writing-a-plugin.md), or use "
                 "padfree_plugins.assemble() and feed its collator and forward yourself."
             )
+        refuse_unplanned_pixels(trainer, trainer_patch, config)
     except BaseException:
         assembly.undo()
         raise

@@ -38,6 +38,7 @@ class DPOTrainerPatch(FusedTrainerPatch):
     packs_media = True
     sequence_parallel = True
     budgets_rows = True
+    image_budget_refusal = None
 
     def row_lengths(self) -> np.ndarray:
         """Every pair's tokens as its forwards compute them: prompt + chosen and prompt + rejected, each cut to

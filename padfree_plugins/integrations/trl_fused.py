@@ -47,12 +47,14 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from padfree_plugins.assembly import Assembly, assemble
-from padfree_plugins.batching.sampler import trainer_train_dataloader, uses_token_budget
-from padfree_plugins.errors import ConfigError, PadfreeError
+from padfree_plugins.batching.sampler import check_whole_micro_batches, combined_loads, trainer_train_dataloader, \
+    uses_token_budget
+from padfree_plugins.errors import BatchError, ConfigError, PadfreeError
 from padfree_plugins.integrations.base import keeps_methods, library_class
 from padfree_plugins.integrations.checks import check_parallelism, check_whole_rows_budget, \
     refuse_own_batches_options, sequence_parallel_size, shares_prefixes
@@ -298,6 +300,9 @@ class FusedTrainerPatch:
     #: Whether the plugin plans token-budget batches of the trainer's rows (``batching.strategy: tokens``, with
     #: :meth:`row_lengths`); refused otherwise.
     budgets_rows: ClassVar[bool] = False
+    #: Why a token budget of image-text rows is not planned for this trainer (``None``: planned, each row's tokens
+    #: and pixels counted by :meth:`image_text_sizes`).
+    image_budget_refusal: ClassVar[str | None] = "a budget of image-text rows is not planned for this trainer yet"
 
     trainer: Any
     assembly: Assembly
@@ -308,6 +313,11 @@ class FusedTrainerPatch:
     shares_prefixes: bool = False
     #: The trainer's attributes :meth:`install` replaced (the token-budget dataloader), for :meth:`undo`.
     saved: dict = field(default_factory=dict)
+    #: Whether the token budget also keeps ``batching.max_pixels_per_batch`` (image-text rows, decided by
+    #: :meth:`check`); ``accelerate()`` refuses a pixel budget otherwise.
+    budgets_pixels: bool = False
+    #: Every row's share of the budget, once counted (:meth:`planned_lengths`).
+    loads: Any = None
 
     @classmethod
     def claims(cls, trainer: Any) -> bool:
@@ -358,18 +368,61 @@ class FusedTrainerPatch:
         raise NotImplementedError
 
     def check_budget(self, vision: bool) -> None:
-        """``batching.strategy: tokens``: every row (never split) within the budget, before anything changes."""
+        """``batching.strategy: tokens``: every row (never split) within the budget — and, for image-text rows,
+        within ``max_pixels_per_batch`` — before anything changes."""
         trainer, batching, name = self.trainer, self.assembly.config.batching, type(self.trainer).__name__
-        if vision:
-            raise ConfigError(f"{name} on images with batching.strategy: tokens: a budget of image-text pairs is not "
-                              "planned yet; use batching.strategy: examples")
-        check_whole_rows_budget(trainer, batching, self.row_lengths, "row")
+        if vision and self.image_budget_refusal is not None:
+            raise ConfigError(f"{name} on images with batching.strategy: tokens: {self.image_budget_refusal}; use "
+                              "batching.strategy: examples")
+        if not vision:
+            check_whole_rows_budget(trainer, batching, self.row_lengths, "row")
+            return
+        check_whole_micro_batches(trainer.accelerator)
+        if batching.on_overlong_example == "split":
+            raise ConfigError(f"batching.on_overlong_example: split cannot cut {name}'s image-text rows (each is "
+                              "trained whole): use error, with a budget of at least the longest row")
+        tokens, pixels = self.image_text_sizes()
+        remedies = {"tokens": "raise the budget or lower max_length",
+                    "pixels": "raise the budget, or resize the images (the processor's max_pixels / size)"}
+        for sizes, limit, what in ((tokens, batching.max_tokens_per_batch, "tokens"),
+                                   (pixels, batching.max_pixels_per_batch, "pixels")):
+            over = np.flatnonzero(sizes > limit) if limit is not None else np.zeros(0, dtype=np.int64)
+            if over.size:
+                raise BatchError(f"row {int(over[0])} of {name}'s dataset holds {int(sizes[over[0]])} {what} (image "
+                                 f"placeholders are tokens), more than batching.max_{what}_per_batch={limit} "
+                                 f"({over.size} such row(s), the largest {int(sizes[over].max())}); a row is never "
+                                 f"split: {remedies[what]}")
+        self.budgets_pixels = batching.max_pixels_per_batch is not None
+        self.loads = tokens if not self.budgets_pixels else combined_loads(
+            tokens, pixels, batching.max_tokens_per_batch, batching.max_pixels_per_batch)
+
+    def image_text_sizes(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every image-text row's tokens and pixels as its forwards compute them: TRL's collator run on the row alone
+        (texts rendered and images processed as in training, cut to ``max_length``), its padded rows' real tokens
+        (image placeholders counted as tokens) and the pixels of each padded row's media (the family's
+        :meth:`~padfree_plugins.packing.multimodal.MultimodalCollator.split_call`; a prompt's images once per row
+        that computes them). One pass over the dataset, at ``accelerate()``."""
+        collator, media, dataset = self.trainer.data_collator, media_collator(self.assembly), self.trainer.train_dataset
+        tokens, pixels = np.zeros(len(dataset), dtype=np.int64), np.zeros(len(dataset), dtype=np.int64)
+        for index in range(len(dataset)):
+            batch = collator([dict(dataset[index])])
+            mask = batch["attention_mask"].bool()
+            rows = [ids[keep] for ids, keep in zip(batch["input_ids"], mask)]
+            tokens[index] = int(mask.sum())
+            pixels[index] = sum(media.media_pixels({"input_ids": row.tolist(), **own})
+                                for row, own in zip(rows, media.split_call(batch, rows)) if own)
+        return tokens, pixels
+
+    def planned_lengths(self) -> Any:
+        """Every row's share of the budget: its tokens (:meth:`row_lengths`), or for image-text rows the loads
+        counted at :meth:`check` (tokens, and pixels where ``max_pixels_per_batch`` is set)."""
+        return self.loads if self.loads is not None else self.row_lengths()
 
     def train_dataloader(self) -> Any:
         """``batching.strategy: tokens``: micro-batches of whole rows up to the budget, TRL's collator padding them
         (its fused calls are packed at every forward)."""
         return trainer_train_dataloader(self.trainer, self.assembly.config, self.trainer.data_collator,
-                                        lengths=self.row_lengths())
+                                        lengths=self.planned_lengths())
 
     @classmethod
     def wrap(cls, trainer: Any, assembly: Assembly) -> FusedTrainerPatch | None:

@@ -14,6 +14,7 @@ import numpy as np
 
 from padfree_plugins.batching.sampler import column_lengths
 from padfree_plugins.contract.hookspecs import hookimpl
+from padfree_plugins.errors import ConfigError
 from padfree_plugins.integrations.trl_fused import FusedTrainerPatch
 
 
@@ -26,6 +27,22 @@ class KTOTrainerPatch(FusedTrainerPatch):
     kept_methods = ("compute_loss", "_compute_loss", "prediction_step", "compute_ref_log_probs",
                     "_compute_kl_logps")
     budgets_rows = True
+    image_budget_refusal = (
+        "TRL's vision KTO collator builds each row's KL completion from another row of the same micro-batch (it "
+        "cycles the completions), so a row's tokens depend on which rows meet and cannot be counted before planning")
+
+    def check_budget(self, vision: bool) -> None:
+        """As every row budget; and with the KL term, at least two rows: TRL gives each row the completion of another
+        row for its KL term, and a dataset of one row would pair a completion with itself (the KL term would be the
+        implied reward)."""
+        dataset = self.trainer.train_dataset
+        if getattr(self.trainer, "calculate_KL", False) and dataset is not None and hasattr(dataset, "__len__") \
+                and len(dataset) < 2:
+            raise ConfigError(
+                f"KTOTrainer with batching.strategy: tokens on a dataset of {len(dataset)} row(s): too small for its "
+                "KL term, which pairs each prompt with another row's completion. Add rows, or train without the KL "
+                "term (a loss_type that does not use it)")
+        super().check_budget(vision)
 
     def row_lengths(self) -> np.ndarray:
         """Every row's tokens as its forwards compute them: prompt + completion, and prompt + its mismatched KL

@@ -91,6 +91,8 @@ class MultimodalCollator:
     positions: Callable[..., torch.Tensor] | None = None
     #: Placeholders per pixel row of each ``tokens_per_row`` media, resolved from the config.
     row_tokens: Mapping[str, int] = field(default_factory=dict)
+    #: Pixels of one grid cell (the vision tower's patch, ``patch_size²``), for :meth:`media_pixels`.
+    patch_area: int = 1
 
     @property
     def packing(self) -> Any:
@@ -175,6 +177,20 @@ class MultimodalCollator:
             if item != len(sizes) or pixel_row != pixels.shape[0]:
                 raise BatchError(f"the call's {media.name}s are more than its rows' {media.name} tokens")
         return split
+
+    def media_pixels(self, example: Mapping[str, Any]) -> int:
+        """The pixels the vision tower embeds for one example (its media as :meth:`__call__` takes them): height ×
+        width of every image, tile, patch or temporal patch as the processor resized it — grid cells × the patch's
+        pixels, or each pixel row's last two dimensions."""
+        found, _ = self._media_of(example, 0)
+        pixels = 0
+        for media in self.media:
+            if media.grid is not None and media.grid in found:
+                pixels += int(found[media.grid].prod(-1).sum()) * self.patch_area
+            elif media.pixels in found:
+                value = found[media.pixels]
+                pixels += value.numel() // value.shape[-3] if value.ndim >= 3 else 0
+        return pixels
 
     def _unbatched_pixels(self, media: Media, value: Any) -> torch.Tensor:
         """A call's pixel rows (or per-row values) without the batch dimension of a ``batch_dim`` media."""
@@ -323,7 +339,8 @@ class MultimodalPacking:
                       for media in self.media if media.tokens_per_row is not None}
         positions = self.positions(model_config) if self.positions is not None else None
         merge = int(config_value(model_config, self.merge_size) or 1)
-        return MultimodalCollator(collator, self.media, token_ids, merge, positions, row_tokens)
+        patch = int(config_value(model_config, "vision_config.patch_size") or 1)
+        return MultimodalCollator(collator, self.media, token_ids, merge, positions, row_tokens, patch * patch)
 
 
 def config_value(config: Any, path: str) -> Any:
