@@ -142,3 +142,72 @@ def test_dpo_on_image_text_pairs_gives_trls_padded_run(family, settings, media_c
     worst = differences(trainer.state.log_history, want)
     print("largest relative differences:", {key: f"{value:.1e}" for key, value in worst.items()})
     assert_same_run(trainer.state.log_history, want)
+
+
+# -- videos (Qwen) -------------------------------------------------------------------------------------------------
+
+
+def padded_call(model, examples: list[dict]) -> tuple[dict, torch.Tensor]:
+    """A right-padded fused call of ``examples`` (the processor's outputs) as a custom collator would give it: every
+    row's media concatenated in row order, the per-token modalities, the second half of every row labelled."""
+    from tests.test_vision_language import token_types
+
+    width = max(len(example["input_ids"]) for example in examples)
+    ids = torch.zeros(len(examples), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, example in enumerate(examples):
+        ids[row, :len(example["input_ids"])] = torch.tensor(example["input_ids"])
+        mask[row, :len(example["input_ids"])] = 1
+    call = {"input_ids": ids, "attention_mask": mask, "mm_token_type_ids": token_types(model, ids) * mask}
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+        values = [torch.as_tensor(example[key]) for example in examples if key in example]
+        if values:
+            call[key] = torch.cat(values)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, : width // 2] = -100
+    labels[call["mm_token_type_ids"] != 0] = -100
+    return call, labels
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_fused_call_with_videos_packs_as_trls_padded_one(family, media_calls):
+    """Rows with a video (Qwen2.5-VL: one run of placeholders and its seconds per temporal patch; Qwen3-VL: frame by
+    frame after timestamps), an image, text only and another video: the packed call gives TRL's padded
+    log-probabilities (1e-5); two rows' videos swapped fail it."""
+    from trl.trainer import utils as trl_utils
+
+    from padfree_plugins import assemble
+    from padfree_plugins.integrations.trl_fused import PackedFusedHead, media_collator
+    from padfree_plugins.testing.vision import (
+        image_text_example,
+        image_text_processor,
+        synthetic_video_example,
+        tiny_vision_language_model,
+    )
+
+    processor = image_text_processor(family)
+    model = tiny_vision_language_model(family, processor).train()
+    config = model.config
+    examples = [synthetic_video_example(processor, config, "a clip <image> and its words", frames=4, height=2,
+                                        width=4, seed=1),
+                image_text_example(processor, "a picture <image> of words", [synthetic_image(56, 84, 2)]),
+                image_text_example(processor, "no image here, only words and more words"),
+                synthetic_video_example(processor, config, "another <image> clip", frames=4, height=2, width=4,
+                                        seed=3)]
+    call, labels = padded_call(model, examples)
+    trl_utils.add_fused_lm_head(model)
+    want = model(**call, labels=labels, fused_lm_head=True, use_cache=False).log_probs
+    assembly = assemble(model, {"task": "causal_lm"})
+    head = PackedFusedHead.install(model, media_collator(assembly))
+    try:
+        media_calls.clear()
+        got = model(**call, labels=labels, fused_lm_head=True, use_cache=False).log_probs
+        with rows_swap_media(head.collator) as swapped:
+            wrong = model(**call, labels=labels, fused_lm_head=True, use_cache=False).log_probs
+    finally:
+        head.remove()
+        assembly.undo()
+    assert media_calls == [True, True] and swapped == [1]
+    print("largest difference:", float((got - want).abs().max()))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert float((wrong - want).abs().max()) > 1e-3
