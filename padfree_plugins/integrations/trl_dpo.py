@@ -8,10 +8,12 @@ TRL's metrics.
 ``accelerate()`` can patch anything, so that pass runs padded; the reference passes of an ``evaluate()`` on a new
 dataset, and every reference forward without precomputation, run packed.
 
-Image-text preference data (TRL's ``DataCollatorForVisionPreference``) for the Qwen-VL families, whose assemblies
-pack images by their grids: every fused call is split into its rows, each row's images with it, and packed by the
-family's multimodal collator (:func:`~padfree_plugins.integrations.trl_fused.pack_media_call`). Other
-vision-language families are refused at ``accelerate()``.
+Image-text preference data (TRL's ``DataCollatorForVisionPreference``) for every vision-language family: every fused
+call is split into its rows, each row's media with it (the family's ``split_call``), and packed by the family's
+multimodal collator (:func:`~padfree_plugins.integrations.trl_fused.pack_media_call`). Under ``batching.strategy:
+tokens`` each pair's tokens and pixels are counted once by TRL's collator on the pair alone
+(:meth:`~padfree_plugins.integrations.trl_fused.FusedTrainerPatch.image_text_sizes`), and
+``batching.max_pixels_per_batch`` is kept beside the token budget.
 
 Under ``sequence_parallel.size: N`` (text only) every fused call's packed row is split across the group and each rank
 keeps its own examples' log-probabilities (:func:`~padfree_plugins.integrations.trl_fused.fused_on_slice`): the loss,
