@@ -1,4 +1,5 @@
-"""TRL ``DPOTrainer`` on image-text pairs, padding-free, for every vision-language family: Qwen2.5-VL (grids),
+"""TRL ``DPOTrainer`` on image-text pairs, padding-free, for every vision-language family: the Qwen families (grids;
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE, whose language model is a hybrid),
 Gemma 3 (a fixed number of soft tokens per image, bidirectional among themselves, ``token_type_ids``), Idefics3 and
 SmolVLM (tiles batched per row with their pixel masks, padded with all-zero tiles), LLaVA-OneVision (any-resolution
 patches per image, ``image_sizes``, ``batch_num_images`` for rows with images only).
@@ -35,7 +36,10 @@ pytest.importorskip("PIL")
 trl = pytest.importorskip("trl")
 
 STEPS = 20
-FAMILIES = ("qwen2_5_vl", "gemma3", "idefics3", "smolvlm", "llava_onevision")
+#: Every vision-language family (Qwen3.5's language model a gated-DeltaNet hybrid; Qwen3-VL-MoE and Qwen3.5-MoE with
+#: routed experts).
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "gemma3", "idefics3",
+            "smolvlm", "llava_onevision")
 #: Rows with 0, 1, 2 and 1 images: the images of pairs 1 and 3 have one size and other pixels (swappable).
 CALL_PAIRS = [[], [synthetic_image(56, 56, seed=1)], [synthetic_image(56, 56, seed=2), synthetic_image(28, 56, seed=3)],
               [synthetic_image(56, 56, seed=4)]]

@@ -20,8 +20,10 @@ from padfree_plugins.testing.vision import (
 )
 
 #: The text each family's processor expands to an image's placeholders.
-IMAGE_MARKS = {"qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>", "gemma3": "<start_of_image>",
-               "idefics3": "<image>", "smolvlm": "<image>", "llava_onevision": "<image>"}
+QWEN_MARK = "<|vision_start|><|image_pad|><|vision_end|>"
+IMAGE_MARKS = {**{family: QWEN_MARK for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
+                                                   "qwen3_5_moe")},
+               "gemma3": "<start_of_image>", "idefics3": "<image>", "smolvlm": "<image>", "llava_onevision": "<image>"}
 WORDS = "a tiny picture of the red square on a green field with some words about it and more".split()
 
 
