@@ -155,8 +155,9 @@ def test_bench_runs_dpo_and_grpo(monkeypatch):
         monkeypatch.setattr(bench, name, lambda name=name, **options: calls.append(
             (name, options.get("prompt_share")) if options else name))
     bench.bench_all(SimpleNamespace(invoked_subcommand=None))
-    assert calls == ["bench_collator", "bench_sft", "bench_hybrids", "bench_dpo", ("bench_dpo", 0.1), "bench_grpo",
-                     ("bench_grpo", 0.1), "bench_vlm", "bench_embedding", "bench_batching"]
+    assert calls == ["bench_collator", "bench_sft", "bench_hybrids", "bench_dpo", ("bench_dpo", 0.1),
+                     ("bench_dpo", None), "bench_grpo", ("bench_grpo", 0.1), ("bench_grpo", None), "bench_vlm",
+                     "bench_embedding", "bench_batching"]
 
 
 def test_shared_is_held_to_its_target_at_the_default_prompt_share_and_to_no_cost_elsewhere():

@@ -482,7 +482,13 @@ def _batches(settings: PreferenceSettings, variants: list[Variant], config: Any)
 
 def _measure(settings: PreferenceSettings, variants: list[Variant], config: Any,
              say: Callable[[str], None]) -> list[PreferenceRow]:
-    batches = _batches(settings, variants, config)
+    return measure_batches(settings, variants, _batches(settings, variants, config), say)
+
+
+def measure_batches(settings: PreferenceSettings, variants: list[Variant], batches: list[dict],
+                    say: Callable[[str], None]) -> list[PreferenceRow]:
+    """The untimed checked steps, then ``settings.rounds`` interleaved timed rounds of every variant on
+    ``batches``; a row per variant (the first is the padded baseline, one is ``native``)."""
     masks = [attention_mask_of(settings.trainer, inputs) for inputs in batches]
     real = [int(mask.sum()) for mask in masks]
     padding = 1 - sum(real) / sum(mask.numel() for mask in masks)

@@ -50,7 +50,7 @@ PROMPT_LIGHT = 0.1
 @app.callback(invoke_without_command=True)
 def bench_all(ctx: typer.Context) -> None:
     """Run every benchmark with its defaults: collator, sft, sft on the hybrid configs, dpo, grpo (each also with
-    prompts of 10%, where sharing them must cost nothing), vlm, embedding, batching."""
+    prompts of 10%, where sharing them must cost nothing, and on image-text batches), vlm, embedding, batching."""
     if ctx.invoked_subcommand is not None:
         return
     for title, command in (("collator", bench_collator), ("sft (causal LM)", bench_sft),
@@ -65,6 +65,8 @@ def bench_all(ctx: typer.Context) -> None:
             name = "dpo" if command is bench_dpo else "grpo"
             console().rule(f"bench {name}, prompt-light (prompts 10%)")
             command(prompt_share=PROMPT_LIGHT, out=Path(f"out/bench-{name}-prompt-light"))
+            console().rule(f"bench {name} --vision (image-text batches)")
+            command(vision=True, out=Path(f"out/bench-{name}-vision"))
 
 
 @app.command("collator")
@@ -373,11 +375,18 @@ def preference_command(trainer: str) -> Callable[..., None]:
         prompt_share: Annotated[Optional[float], typer.Option(
             min=0.01, max=0.95, help="Share of each sequence that is prompt (default: DPO 0.6, GRPO 0.75); the "
                                      "shared variant holds each prompt once.")] = None,
+        vision: Annotated[bool, typer.Option(
+            "--vision", help="Image-text batches on a Qwen2.5-VL-shaped model (prompts with 0-2 images of 16-96 "
+                             "visual tokens; GRPO 1-2): TRL padded vs packed, real tokens/s and activation memory "
+                             "(targets 2x and 0.5x). --model-size, --dtype and --prompt-share do not apply.")] = False,
         out: Annotated[Optional[Path], typer.Option(
-            help="Directory for bench_dpo.json and bench_dpo.md (grpo: bench_grpo.*). Default out/bench-dpo "
-                 "(out/bench-grpo).")] = None,
+            help="Directory for bench_dpo.json and bench_dpo.md (grpo: bench_grpo.*; --vision: "
+                 "bench_dpo_vision.*). Default out/bench-dpo (out/bench-grpo, out/bench-dpo-vision …).")] = None,
         as_json: JsonFlag = False,
     ) -> None:
+        if vision:
+            vision_command(trainer, quick, batch_size, batches, rounds, seed, threads, out, as_json)
+            return
         from padfree_plugins.benchmarks.preference import (
             COLUMNS,
             TARGETS,
@@ -423,6 +432,34 @@ def preference_command(trainer: str) -> Callable[..., None]:
                        f"vs the generic path (plugin trl_{trainer} blocked) vs the native plugin, same batches, one "
                        "run.")
     return command
+
+
+def vision_command(trainer: str, quick: bool, batch_size: int | None, batches: int, rounds: int, seed: int,
+                   threads: int, out: Path | None, as_json: bool) -> None:
+    """``bench dpo --vision`` / ``bench grpo --vision``."""
+    from padfree_plugins.benchmarks.vision_preference import (
+        QUICK,
+        VisionPreferenceSettings,
+        markdown,
+        run_vision_preference_benchmark,
+        write_outputs,
+    )
+
+    settings = VisionPreferenceSettings(trainer=trainer, batch_size=batch_size, batches=batches, rounds=rounds,
+                                        seed=seed, threads=threads)
+    if quick:
+        settings = VisionPreferenceSettings(**{**vars(settings), **QUICK, "batch_size": batch_size})
+    try:
+        result = run_vision_preference_benchmark(settings, progress=progress_lines(f"bench {trainer} --vision",
+                                                                                   not as_json))
+    except PadfreeError as error:
+        fail(error)
+    paths = write_outputs(result, out or Path(f"out/bench-{trainer}-vision"))
+    if as_json:
+        print(result.to_json())
+        return
+    console().print(markdown(result), highlight=False)
+    console().print(f"wrote {paths['json']} and {paths['markdown']}", highlight=False)
 
 
 bench_dpo = app.command("dpo")(preference_command("dpo"))

@@ -1,0 +1,56 @@
+"""Smoke test of ``padfree-plugins bench dpo --vision`` / ``bench grpo --vision`` at minimal sizes: each runs
+through the CLI and writes its outputs, the packed variant computes the padded losses and gradients, every packed
+forward ran on the packed row (a fused call left padded stops the benchmark), and real tokens are the padded batch's
+non-pad tokens. Nothing here is timed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from padfree_plugins.benchmarks import vision_preference
+from padfree_plugins.benchmarks.preference import NotPacked
+from padfree_plugins.benchmarks.vision_preference import QUICK, VisionPreferenceSettings, dpo_batch
+from padfree_plugins.cli.app import app
+from padfree_plugins.integrations import trl_fused
+
+pytest.importorskip("PIL")
+pytest.importorskip("trl")
+
+
+@pytest.mark.parametrize("trainer,batch_size", [("dpo", "3"), ("grpo", "8")])
+def test_the_command_runs_packed_and_writes_its_outputs(trainer, batch_size, tmp_path):
+    result = CliRunner().invoke(app, ["bench", trainer, "--vision", "--quick", "--batch-size", batch_size, "--out",
+                                      str(tmp_path)], env={"COLUMNS": "220"})
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / f"bench_{trainer}_vision.json").read_text())
+    padded, native = data["rows"]
+    assert (padded["variant"], native["variant"]) == ("padded", "native") and data["images"] > 0
+    assert native["packed"] == ("policy + reference" if trainer == "dpo" else "policy")
+    assert native["loss_rel_diff"] < 1e-5 and native["grad_rel_diff"] < 1e-4
+    assert padded["real_tokens"] == native["real_tokens"] and 0 < padded["padding_fraction"] < 1
+    assert native["tokens_per_s"] > 0 and native["memory_ratio"] > 0 and set(data["targets met"]) == {"speed",
+                                                                                                       "memory"}
+    assert "native" in result.output and "targets" in result.output
+
+
+def test_real_tokens_are_the_padded_batchs_non_pad_tokens():
+    """The DPO batch is TRL's layout: chosen rows then rejected rows, each prompt's images in both."""
+    from padfree_plugins.testing.vision import image_text_processor, tiny_vision_language_model
+
+    processor = image_text_processor("qwen2_5_vl", min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 96)
+    config = tiny_vision_language_model("qwen2_5_vl", processor).config
+    batch = dpo_batch(processor, config, VisionPreferenceSettings(batch_size=3), 0)
+    assert batch["input_ids"].shape[0] == 6 and (batch["attention_mask"] == 0).any()
+    images = (batch["input_ids"] == config.image_token_id).sum(1)
+    assert images[:3].tolist() == images[3:].tolist() and images.sum() > 0
+    assert int(batch["image_grid_thw"].prod(-1).sum()) // 4 == int(images.sum())
+    assert not ((batch["completion_mask"] == 1) & (batch["input_ids"] == config.image_token_id)).any()
+
+
+def test_a_packed_call_left_padded_stops_the_benchmark(monkeypatch):
+    monkeypatch.setattr(trl_fused, "pack_media_call", lambda *args: None)
+    with pytest.raises(NotPacked, match="native policy forward did not run on one packed row"):
+        vision_preference.run_vision_preference_benchmark(VisionPreferenceSettings(**{**QUICK, "batch_size": 2}))
