@@ -44,7 +44,8 @@ class BatchingConfig:
     max_pixels_per_batch: int | None = _help(
         "with strategy: tokens, also a budget of the pixels the vision tower embeds per micro-batch on one rank (every "
         "image, tile or patch as the processor resized it, height x width, as often as the forwards compute it); "
-        "both budgets are kept. Image-text DPO pairs only", default=None, minimum=1)
+        "both budgets are kept. Image-text examples of HF Trainer / SFTTrainer and DPO pairs", default=None,
+        minimum=1)
     window: int = _help("examples shuffled and packed together at a time; more packs tighter, fewer mixes more "
                         "(raised to at least 4 steps' worth of tokens)", default=1024, minimum=1)
     on_overlong_example: Literal["error", "split"] = _help(

@@ -65,8 +65,9 @@ def refuse_unplanned_pixels(trainer: Any, trainer_patch: Any, config: PadfreeCon
         return
     trainer_patch.undo()
     raise ConfigError(f"batching.max_pixels_per_batch is set, but {type(trainer).__name__}'s plugin plans token "
-                      "budgets without pixels: a pixel budget is planned for image-text DPO pairs (DPOTrainer on a "
-                      "vision dataset). Remove max_pixels_per_batch")
+                      "budgets without pixels: a pixel budget is planned for image-text examples (HF Trainer and "
+                      "SFTTrainer on a vision-language model, DPOTrainer on a vision dataset). Remove "
+                      "max_pixels_per_batch")
 
 
 def accelerate(trainer: Any, config: PadfreeConfig | dict | str | None = None, *,

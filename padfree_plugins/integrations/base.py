@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from padfree_plugins.assembly import Assembly
@@ -42,6 +43,7 @@ from padfree_plugins.integrations.checks import (
     check_collator,
     check_datasets,
     check_parallelism,
+    image_text_loads,
     trainer_datasets,
 )
 from padfree_plugins.modeling.neftune import PackedNeftune
@@ -49,6 +51,7 @@ from padfree_plugins.modeling.patching import own_attribute, restore_attributes,
 from padfree_plugins.packing.batch import INDEX_KEY, packed_tokens
 from padfree_plugins.packing.collator import collate_naming_examples, split_packed_rows
 from padfree_plugins.packing.labelled_logits import hold_labelled_logits, take_labelled_logits
+from padfree_plugins.packing.multimodal import MultimodalCollator
 
 __all__ = ["TrainerCollator", "TrainerPatch", "WholeBatches", "library_class", "keeps_methods", "own_attribute",
            "restore_attributes", "signature_columns"]
@@ -184,6 +187,11 @@ class TrainerPatch:
     own_training_step: Any = None
     in_step: tuple[Any, dict[str, Any]] | None = None
     active: bool = True
+    #: Every row's share of a token budget, counted at :meth:`wrap` for image-text rows
+    #: (:meth:`count_image_text_rows`); ``None``: the dataset's own lengths.
+    loads: Any = None
+    #: Whether the token budget also keeps ``batching.max_pixels_per_batch``; ``accelerate()`` refuses it otherwise.
+    budgets_pixels: bool = False
 
     # -- what a subclass says ----------------------------------------------------------------------------------
 
@@ -232,6 +240,7 @@ class TrainerPatch:
         collator = patch.make_collator()
         check_datasets(trainer, collator.collator if isinstance(collator, TrainerCollator) else collator)
         patch.check()
+        patch.count_image_text_rows(collator)
         patch.whole_batches = WholeBatches.apply(trainer)
         try:
             patch.install(collator)
@@ -320,7 +329,31 @@ class TrainerPatch:
     def train_dataloader(self) -> Any:
         """``batching.strategy: tokens``: micro-batches filled up to a token budget
         (:mod:`padfree_plugins.batching`)."""
-        return trainer_train_dataloader(self.trainer, self.assembly.config, self.trainer.data_collator)
+        return trainer_train_dataloader(self.trainer, self.assembly.config, self.trainer.data_collator,
+                                        lengths=self.loads)
+
+    def count_image_text_rows(self, collator: Any) -> None:
+        """A token budget of image-text rows, where the dataset's ``input_ids`` do not say it all — rows processed at
+        collate time (TRL's vision rows: no token ids yet), or ``max_pixels_per_batch`` set: each row's tokens
+        (image placeholders counted) and pixels counted once here, by the collator's own per-example processing
+        (``collator``'s ``example``, else the row as it is) and the family's
+        :meth:`~padfree_plugins.packing.multimodal.MultimodalCollator.media_pixels`. A row over either budget is
+        refused (:func:`~padfree_plugins.integrations.checks.image_text_loads`)."""
+        config, media, dataset = self.assembly.config, self.assembly.collator, self.trainer.train_dataset
+        if not uses_token_budget(config) or not isinstance(media, MultimodalCollator) or dataset is None or \
+                not hasattr(dataset, "__len__"):
+            return
+        columns = getattr(dataset, "column_names", None) or ()
+        if "input_ids" in columns and config.batching.max_pixels_per_batch is None:
+            return  # the placeholders are in the token ids, which the sampler counts
+        example_of = getattr(getattr(collator, "collator", collator), "example", dict)
+        tokens, pixels = np.zeros(len(dataset), dtype=np.int64), np.zeros(len(dataset), dtype=np.int64)
+        for index in range(len(dataset)):
+            example = example_of(dict(dataset[index]))
+            tokens[index] = int(np.asarray(example["input_ids"]).size)
+            pixels[index] = media.media_pixels(example)
+        self.loads = image_text_loads(type(self.trainer).__name__, tokens, pixels, config.batching)
+        self.budgets_pixels = config.batching.max_pixels_per_batch is not None
 
     def neftune_scope(self, inputs: Mapping) -> Any:
         """The block in which the embeddings' forwards belong to ``inputs`` (for packed NEFTune, when on)."""

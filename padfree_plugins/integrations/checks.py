@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from padfree_plugins.batching.sampler import check_whole_micro_batches
+from padfree_plugins.batching.sampler import check_whole_micro_batches, combined_loads
 from padfree_plugins.errors import BatchError, ConfigError, PadfreeError
 from padfree_plugins.modeling.mixers import sequence_mixers
 from padfree_plugins.packing.datacheck import check_dataset
@@ -369,3 +369,22 @@ def check_whole_rows_budget(trainer: Any, batching: Any, lengths: Callable[[], A
                          f"batching.max_tokens_per_batch={batching.max_tokens_per_batch} ({over.size} such {rows}(s), "
                          f"the longest {int(tokens[over].max())}); a {rows} is never split: raise the budget or lower "
                          "max_length")
+
+
+def image_text_loads(name: str, tokens: np.ndarray, pixels: np.ndarray, batching: Any) -> np.ndarray:
+    """Every image-text row's share of the budgets (its tokens, or with ``max_pixels_per_batch`` its combined load,
+    :func:`~padfree_plugins.batching.sampler.combined_loads`); a :class:`BatchError` naming the first row over
+    either budget (``name``: the trainer's, for the message)."""
+    remedies = {"tokens": "raise the budget or lower max_length",
+                "pixels": "raise the budget, or resize the images (the processor's max_pixels / size)"}
+    for sizes, limit, what in ((tokens, batching.max_tokens_per_batch, "tokens"),
+                               (pixels, batching.max_pixels_per_batch, "pixels")):
+        over = np.flatnonzero(sizes > limit) if limit is not None else np.zeros(0, dtype=np.int64)
+        if over.size:
+            raise BatchError(f"row {int(over[0])} of {name}'s dataset holds {int(sizes[over[0]])} {what} (image "
+                             f"placeholders are tokens), more than batching.max_{what}_per_batch={limit} "
+                             f"({over.size} such row(s), the largest {int(sizes[over].max())}); a row with images "
+                             f"is never split: {remedies[what]}")
+    if batching.max_pixels_per_batch is None:
+        return tokens
+    return combined_loads(tokens, pixels, batching.max_tokens_per_batch, batching.max_pixels_per_batch)

@@ -52,11 +52,10 @@ import torch
 import torch.distributed as dist
 
 from padfree_plugins.assembly import Assembly, assemble
-from padfree_plugins.batching.sampler import check_whole_micro_batches, combined_loads, trainer_train_dataloader, \
-    uses_token_budget
-from padfree_plugins.errors import BatchError, ConfigError, PadfreeError
+from padfree_plugins.batching.sampler import check_whole_micro_batches, trainer_train_dataloader, uses_token_budget
+from padfree_plugins.errors import ConfigError, PadfreeError
 from padfree_plugins.integrations.base import keeps_methods, library_class
-from padfree_plugins.integrations.checks import check_parallelism, check_whole_rows_budget, \
+from padfree_plugins.integrations.checks import check_parallelism, check_whole_rows_budget, image_text_loads, \
     refuse_own_batches_options, sequence_parallel_size, shares_prefixes
 from padfree_plugins.modeling import unpad
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup, gather_sequence
@@ -382,19 +381,8 @@ class FusedTrainerPatch:
             raise ConfigError(f"batching.on_overlong_example: split cannot cut {name}'s image-text rows (each is "
                               "trained whole): use error, with a budget of at least the longest row")
         tokens, pixels = self.image_text_sizes()
-        remedies = {"tokens": "raise the budget or lower max_length",
-                    "pixels": "raise the budget, or resize the images (the processor's max_pixels / size)"}
-        for sizes, limit, what in ((tokens, batching.max_tokens_per_batch, "tokens"),
-                                   (pixels, batching.max_pixels_per_batch, "pixels")):
-            over = np.flatnonzero(sizes > limit) if limit is not None else np.zeros(0, dtype=np.int64)
-            if over.size:
-                raise BatchError(f"row {int(over[0])} of {name}'s dataset holds {int(sizes[over[0]])} {what} (image "
-                                 f"placeholders are tokens), more than batching.max_{what}_per_batch={limit} "
-                                 f"({over.size} such row(s), the largest {int(sizes[over].max())}); a row is never "
-                                 f"split: {remedies[what]}")
         self.budgets_pixels = batching.max_pixels_per_batch is not None
-        self.loads = tokens if not self.budgets_pixels else combined_loads(
-            tokens, pixels, batching.max_tokens_per_batch, batching.max_pixels_per_batch)
+        self.loads = image_text_loads(name, tokens, pixels, batching)
 
     def image_text_sizes(self) -> tuple[np.ndarray, np.ndarray]:
         """Every image-text row's tokens and pixels as its forwards compute them: TRL's collator run on the row alone
