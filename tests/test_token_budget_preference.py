@@ -136,7 +136,7 @@ def test_two_processes_train_as_one_on_the_same_global_batches(tmp_path):
     from padfree_plugins.batching.sampler import token_budget_dataloader
     from tests.test_sharded_tasks import launch
 
-    run = launch(tmp_path, "token_budget_preference_run.py", out_name="dpo-budget.pt", timeout=300)
+    run = launch(tmp_path, "token_budget_preference_run.py", "dpo", out_name="dpo-budget.pt", timeout=300)
     reference = dpo_trainer(str(tmp_path / "reference"), gradient_accumulation_steps=2, **SGD)
     initial = {name: p.detach().clone() for name, p in reference.model.named_parameters()}
     lengths = trl_dpo.pair_lengths(reference.train_dataset, reference.args.max_length, True)
@@ -188,3 +188,20 @@ def test_a_kto_dataset_too_small_for_its_kl_term_is_refused_under_a_budget():
         with pytest.raises(ConfigError, match="dataset of 1 row.* too small for its KL term"):
             accelerate(trainer, budget_config())
         assert "get_train_dataloader" not in vars(trainer)
+
+
+def test_two_processes_of_kto_train_as_trls_padded_run_on_the_same_micro_batches(tmp_path):
+    """KTO with its KL term on 2 processes (DDP, gloo) under a budget: TRL's padded KTO on the same 2 processes, fed
+    the very same micro-batches, gives the same losses, reward margins and final weights (1e-5). KTO's KL term is
+    gathered across the ranks (TRL's), which one process with accumulation would not reproduce."""
+    from tests.test_sharded_tasks import launch
+
+    run = launch(tmp_path, "token_budget_preference_run.py", "kto", out_name="kto-budget.pt", timeout=300)
+    want = run["reference"]
+    losses = max(abs(a - b) for a, b in zip(run["losses"], want["losses"]))
+    margins = max(abs(a - b) for a, b in zip(run["margins"], want["margins"]))
+    weights = max((run["state"][k] - want["state"][k]).abs().max().item() for k in want["state"])
+    print(f"losses {losses:.1e}, margins {margins:.1e}, weights {weights:.1e}")
+    assert len(run["losses"]) == len(want["losses"]) == SGD["max_steps"]
+    assert losses < 1e-5 and margins < 1e-5 and weights < 1e-5
+    assert max(want["losses"]) - min(want["losses"]) > 1e-3, "the reference did not train"
