@@ -69,14 +69,16 @@ CALL_PAIRS = [[], [synthetic_image(56, 56, seed=1)], [synthetic_image(56, 56, se
 
 
 def test_a_call_that_cannot_be_split_runs_padded(media_calls):
-    """Grids that do not match the rows' placeholders (one grid dropped): no pack, TRL's padded forward (its error)."""
+    """Grids that do not match the rows' placeholders (one grid dropped): no pack, said in a warning, and TRL's
+    padded forward (its error)."""
     trainer = trainer_for(datasets.Dataset.from_list([pair(i, p) for i, p in enumerate(CALL_PAIRS)]))
     batch = trainer.data_collator([dict(trainer.train_dataset[i]) for i in range(len(CALL_PAIRS))])
     last = int(batch["image_grid_thw"][-1].prod())
     batch["image_grid_thw"], batch["pixel_values"] = batch["image_grid_thw"][:-1], batch["pixel_values"][:-last]
     acceleration = accelerate(trainer, {"task": "causal_lm"})
     media_calls.clear()
-    with pytest.raises(Exception):  # noqa: B017 — the model's own complaint, padded
+    said = pytest.warns(UserWarning, match="runs padded .* cannot be split by row")
+    with pytest.raises(Exception), said:  # noqa: B017 — the model's own complaint, padded
         fused_call(trainer, batch)
     acceleration.undo()
     assert media_calls == [False]

@@ -5,9 +5,10 @@ untouched. Against TRL's padded run, built the same way, over 20 steps: every lo
 (the comparison of tests/test_trl_rl.py and tests/test_trl_preference.py), every fused call packed.
 
 * GRPO (``grpo`` loss, 4 generations, ``beta`` 0.1) and RLOO on Qwen2.5-VL and Gemma 3, prompts with 1 or 2
-  images (TRL cannot mix prompts without images into a generation batch); GRPO on Qwen2.5-VL with gradient accumulation 2 and LoRA. The tiny models are saved to a directory (TRL
-  builds the reference model from it) with their EOS logit scaled up, so that completions end after 1…10 tokens:
-  prompts left-padded, completions right-padded, both of many lengths.
+  images (TRL cannot mix prompts without images into a generation batch); GRPO on Qwen2.5-VL with gradient
+  accumulation 2 and LoRA. The tiny models are saved to a directory (TRL builds the reference model from it) with
+  their EOS logit scaled up, so that completions end after 1…10 tokens: prompts left-padded, completions
+  right-padded, both of many lengths.
 * KTO with its KL term on Qwen2.5-VL.
 * A leak of one token across packed boundaries fails the GRPO comparison.
 """

@@ -44,6 +44,7 @@ Image-text calls are not packed under sequence parallelism (refused at ``acceler
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -185,7 +186,9 @@ def pack_media_call(inputs: dict, mask: torch.Tensor, labels: torch.Tensor,
     try:
         media = collator.split_call(inputs, real)
         batch = collator([{"input_ids": tokens.tolist(), **own} for tokens, own in zip(real, media)])
-    except PadfreeError:
+    except PadfreeError as error:  # correct but padded: said (once per reason), not silent
+        warnings.warn(f"an image-text log-probability call runs padded (TRL's own forward): its media cannot be "
+                      f"split by row: {error}", stacklevel=2)
         return None
     index = torch.cat([torch.arange(length) + row * mask.shape[1] + start for row, (start, length) in enumerate(spans)])
     lengths = [length for _, length in spans]

@@ -36,7 +36,7 @@ def layers_of(model: Any) -> torch.nn.ModuleList:
     ``num_hidden_layers`` modules."""
     inner = unwrap_model(model)
     decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else None
-    if isinstance(getattr(decoder, "layers", None), torch.nn.ModuleList):  # a VLM: its language model's, not the tower's
+    if isinstance(getattr(decoder, "layers", None), torch.nn.ModuleList):  # a VLM: its language model's layers
         return decoder.layers
     count = getattr(inner.config.get_text_config(), "num_hidden_layers", None)
     lists = [module for module in inner.modules() if isinstance(module, torch.nn.ModuleList) and len(module)]
