@@ -50,6 +50,18 @@ def test_real_tokens_are_the_padded_batchs_non_pad_tokens():
     assert not ((batch["completion_mask"] == 1) & (batch["input_ids"] == config.image_token_id)).any()
 
 
+def test_the_reported_real_tokens_are_the_batches_attention_mask_sums():
+    """Both rows report the padded batches' non-pad tokens (their attention masks' sum), built as the run builds them."""
+    from padfree_plugins.testing.vision import image_text_processor, tiny_vision_language_model
+
+    settings = VisionPreferenceSettings(**{**QUICK, "batch_size": 3})
+    result = vision_preference.run_vision_preference_benchmark(settings)
+    processor = image_text_processor("qwen2_5_vl", min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 96)
+    config = tiny_vision_language_model("qwen2_5_vl", processor, **settings.text).config
+    masks = [dpo_batch(processor, config, settings, index)["attention_mask"] for index in range(settings.batches)]
+    assert [row.real_tokens for row in result.rows] == [int(sum(mask.sum() for mask in masks))] * 2
+
+
 def test_a_packed_call_left_padded_stops_the_benchmark(monkeypatch):
     monkeypatch.setattr(trl_fused, "pack_media_call", lambda *args: None)
     with pytest.raises(NotPacked, match="native policy forward did not run on one packed row"):
