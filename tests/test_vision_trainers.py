@@ -27,6 +27,7 @@ from padfree_plugins.testing.vision import (
     synthetic_image,
     tiny_vision_language_model,
 )
+from tests.vision_trl import QWEN_MARK, chat_template
 
 pytest.importorskip("PIL")
 trl = pytest.importorskip("trl")
@@ -40,24 +41,7 @@ WORDS = "a tiny picture of the red square on a green field with some words about
 #: A chat template for the tiny processor: ``role: content`` lines, an image entry as Qwen-VL writes one (the
 #: processor expands its ``<|image_pad|>`` to the image's tokens), the assistant's turn (with its ``</s>``) marked for
 #: TRL's assistant-only loss.
-CHAT_TEMPLATE = (
-    "{%- macro render(content) -%}"
-    "{%- if content is string -%}{{ content }}{%- else -%}"
-    "{%- for part in content -%}"
-    "{%- if part['type'] == 'image' -%}<|vision_start|><|image_pad|><|vision_end|>"
-    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{%- endmacro -%}"
-    "{%- for message in messages -%}"
-    "{{ message['role'] }}: "
-    "{%- if message['role'] == 'assistant' -%}"
-    "{% generation %}{{ render(message['content']) }}</s>{% endgeneration %}"
-    "{%- else -%}{{ render(message['content']) }}{%- endif -%}"
-    "{{ '\\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}assistant: {%- endif -%}"
-)
+CHAT_TEMPLATE = chat_template(QWEN_MARK)
 
 
 @functools.lru_cache(maxsize=1)
