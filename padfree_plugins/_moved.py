@@ -18,7 +18,7 @@ import types
 import warnings
 from typing import Any
 
-#: old module path -> the module it is now (the layout by layer, CHANGELOG "session 6").
+#: old module path -> the module it is now (the layout by layer, CHANGELOG 0.2.0).
 MOVED_MODULES: dict[str, str] = {
     "padfree_plugins.hookspecs": "padfree_plugins.contract.hookspecs",
     "padfree_plugins.specs": "padfree_plugins.contract.declarations",

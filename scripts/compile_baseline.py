@@ -1,6 +1,7 @@
-"""Where torch.compile stands on packed rows (issue 26): host reads in one eager forward + backward of a patched
-4-layer Llama on the exact backend, and graphs / graph breaks by cause over 12 compiled steps on rows of changing
-length and example count (``aot_eager``: dynamo's graphs as inductor gets them, without its C++ compile time).
+"""Where torch.compile stood on packed rows before compile support (docs/compile.md): host reads in one eager
+forward + backward of a patched 4-layer Llama on the exact backend, and graphs / graph breaks by cause over 12
+compiled steps on rows of changing length and example count (``aot_eager``: dynamo's graphs as inductor gets them,
+without its C++ compile time).
 
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/compile_baseline.py
 """

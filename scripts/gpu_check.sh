@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check, run on the device machine in one call (see docs/benchmarks.md):
-#   run(command="bash scripts/gpu_check.sh", carry=[".whl", ".gpu"], timeout_s=590)
-# Prepare the carried folders with scripts/gpu_prepare.sh:
+# The GPU check, run on a GPU machine in one go (see docs/benchmarks.md): bash scripts/gpu_check.sh from the
+# checkout, with the ignored folders .whl and .gpu copied along (under 10 minutes).
+# Prepare those folders with scripts/gpu_prepare.sh:
 # .whl: wheels the GPU image lacks or has older (transformers 5.23, sentence-transformers 6.2)
 # .gpu: copies of ../shared/bench/gpu_anchor.py and gpu_anchor_encoder.py (the shared folder does not travel).
 # Writes everything under $OUT (or out/gpu when run by hand).

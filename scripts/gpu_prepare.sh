@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepare the two ignored folders scripts/gpu_check.sh carries to the device machine (run here, once):
+# Prepare the two ignored folders scripts/gpu_check.sh needs on the GPU machine (run here, once):
 #   .whl  wheels the GPU image lacks or has older (its python is 3.12; it has no network)
 #   .gpu  copies of ../shared/bench/gpu_anchor*.py (the shared folder does not travel)
 set -euo pipefail
@@ -11,4 +11,4 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   -d .whl transformers==5.23.0 sentence-transformers==6.2.0
 mkdir -p .gpu && cp ../shared/bench/gpu_anchor.py ../shared/bench/gpu_anchor_encoder.py .gpu/
 ls -la .whl .gpu
-echo 'then: run(command="bash scripts/gpu_check.sh", carry=[".whl", ".gpu"], timeout_s=590)'
+echo 'then, on the GPU machine, with .whl and .gpu copied along: bash scripts/gpu_check.sh'

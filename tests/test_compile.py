@@ -1,4 +1,4 @@
-"""torch.compile on packed rows (issue 26): a patched model compiles whole (``fullgraph=True``: no graph break), at
+"""torch.compile on packed rows: a patched model compiles whole (``fullgraph=True``: no graph break), at
 most twice for rows of every length and example count, trains as it does eagerly, still refuses boundaries that would
 mix examples, and reads nothing on the host on the varlen path. ``aot_eager`` traces forward and backward as inductor
 gets them, without its C++ compile time; ``exact`` is the CPU backend, ``cpu_varlen`` the built-in ``varlen``

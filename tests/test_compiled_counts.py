@@ -1,4 +1,4 @@
-"""The measures issue 26 (torch.compile on packed rows) is held to: graphs and graph breaks under ``torch.compile``,
+"""The measures torch.compile on packed rows is held to: graphs and graph breaks under ``torch.compile``,
 host reads and data-shaped ops in an eager forward. Each counter is shown to see what it counts, so that a count of 0
 means 0; the patched model's counts today are the baseline docs/compile.md records."""
 

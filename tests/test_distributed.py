@@ -57,9 +57,9 @@ def run_group(command: list[str], env: dict, timeout: float, results: list[Path]
     Never hangs: the output goes to a file (a worker that outlives the launcher would hold a pipe open), and when
     the launch ends, times out, or lingers past :data:`TEARDOWN_GRACE_S` after every result file is written, all
     its processes are killed — the workers too, found by a token in their environment (torch elastic starts them
-    in sessions of their own). A launch that lingers after writing its results hit torch's gloo teardown deadlock
-    (``~ProcessGroupGloo`` joins its worker thread while holding the GIL that thread waits for, when DDP's reducer
-    is freed): the run is judged on its results, with a warning. A launch with missing results fails.
+    outside the launcher's process group). A launch that lingers after writing its results hit torch's gloo teardown
+    deadlock (``~ProcessGroupGloo`` joins its worker thread while holding the GIL that thread waits for, when DDP's
+    reducer is freed): the run is judged on its results, with a warning. A launch with missing results fails.
     """
     token = uuid.uuid4().hex
     with tempfile.TemporaryFile("w+") as log:

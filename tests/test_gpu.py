@@ -168,7 +168,7 @@ def test_flash_attn_over_shared_prompts_equals_exact(window):
 
 @pytest.mark.parametrize("attention", ["varlen", "repad"])
 def test_a_compiled_training_step_waits_for_the_device_nowhere(attention):
-    """Issue 26 on a GPU: the compiled patched model (bf16, ``varlen`` / ``repad``) trains steps on rows of changing
+    """Compiled on a GPU: the compiled patched model (bf16, ``varlen`` / ``repad``) trains steps on rows of changing
     length with ``torch.cuda.set_sync_debug_mode("error")``: any host sync in the forward or backward raises. The
     first steps compile (dynamo may sync then); the steps after it are the ones checked."""
     model = tiny_model("llama", "causal_lm", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,

@@ -1,4 +1,4 @@
-"""``batching.strategy: tokens`` for TRL's ``DPOTrainer`` and ``KTOTrainer`` (issue 27): micro-batches of whole rows
+"""``batching.strategy: tokens`` for TRL's ``DPOTrainer`` and ``KTOTrainer``: micro-batches of whole rows
 up to the budget, a row counted as its forwards compute it (DPO: prompt + chosen and prompt + rejected, the prompt
 once when shared; KTO: prompt + completion and prompt + its KL completion, as TRL builds it into the row). Training
 equals TRL's padded run on the very same micro-batches (DPO on 2 processes too); every pair is used once per epoch,

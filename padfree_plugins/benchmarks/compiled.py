@@ -1,5 +1,5 @@
 """``bench sft --compile``: torch.compile on packed rows, beside eager padding-free and the compiled baselines, same
-model weights, same batches, one run (issue 26).
+model weights, same batches, one run (docs/compile.md).
 
 Variants (every batch runs all of them, in an order that rotates each round):
 

@@ -89,7 +89,7 @@ GRPO_GENERATIONS = 8
 GRPO_MAX_COMPLETION = 256
 #: The first ids of the tokenizer (:func:`tokenizer`): pad, bos, eos. Random token ids start above them.
 PAD, EOS, FIRST_TOKEN = 0, 2, 3
-#: The issue's targets: real tokens/s over padded as a share of the ideal speedup, activation memory over padded,
+#: The targets: real tokens/s over padded as a share of the ideal speedup, activation memory over padded,
 #: loss difference from padded (relative and absolute).
 TARGETS = {"of_ideal": 0.85, "memory_ratio": 0.5, "loss_diff": 1e-6}
 #: The ``shared`` variant's targets: real tokens/s over ``native`` (at the default prompt shares), activation memory

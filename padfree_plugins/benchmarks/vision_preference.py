@@ -63,7 +63,7 @@ ANSWERS: Mixture = ((1.0, 48, 1.0),)
 LONGEST_ANSWER = 384
 #: Image sizes in pixels (height, width): 16 to 96 visual tokens each (28-pixel merged cells).
 IMAGE_SIZES = ((112, 112), (112, 224), (168, 224), (224, 224), (224, 336))
-#: The issue's targets: real tokens/s over padded, activation memory over padded.
+#: The targets: real tokens/s over padded, activation memory over padded.
 TARGETS = {"speedup": 2.0, "memory_ratio": 0.5}
 #: ``--quick``: the test suite's size.
 QUICK = dict(batch_size=None, batches=1, rounds=1, text=dict(num_hidden_layers=1), longest_answer=64)
