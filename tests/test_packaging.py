@@ -22,6 +22,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from filelock import FileLock  # a dependency of transformers (huggingface_hub)
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
@@ -54,18 +55,29 @@ def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     return result
 
 
+def shared_dir(tmp_path_factory) -> Path:
+    """This run's temporary folder, shared by the xdist workers (so that only one of them builds)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> dict[str, Path]:
     """The sdist and the wheel ``python -m build`` makes (the wheel built from the unpacked sdist)."""
     require("build")
-    work = tmp_path_factory.mktemp("packaging")
-    source = work / "source"
-    shutil.copytree(ROOT, source, ignore=NOT_SOURCES)
-    run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(work / "dist"), str(source)])
+    root = shared_dir(tmp_path_factory)
+    work = root / "packaging"
+    with FileLock(str(root / "packaging.lock")):
+        if not (work / "built").exists():
+            shutil.rmtree(work, ignore_errors=True)
+            shutil.copytree(ROOT, work / "source", ignore=NOT_SOURCES)
+            run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(work / "dist"),
+                 str(work / "source")])
+            (work / "built").touch()
     sdists = list((work / "dist").glob("*.tar.gz"))
     wheels = list((work / "dist").glob("*.whl"))
     assert len(sdists) == 1 and len(wheels) == 1, sorted(p.name for p in (work / "dist").iterdir())
-    return {"sdist": sdists[0], "wheel": wheels[0], "work": work}
+    return {"sdist": sdists[0], "wheel": wheels[0], "work": work, "lock": root / "packaging.lock"}
 
 
 def test_build_makes_an_sdist_and_a_wheel_of_this_version(built):
@@ -113,8 +125,15 @@ def clean_venv(built) -> Path:
     that no editable install of the checkout is reachable)."""
     work = built["work"]
     venv = work / "venv"
+    with FileLock(str(built["lock"])):
+        if not (work / "venv-ready").exists():
+            make_clean_venv(venv, work / "dependencies", built["wheel"])
+            (work / "venv-ready").touch()
+    return venv
+
+
+def make_clean_venv(venv: Path, dependencies: Path, wheel: Path) -> None:
     run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
-    dependencies = work / "dependencies"
     dependencies.mkdir()
     for directory in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
         for entry in Path(directory).iterdir():
@@ -123,10 +142,8 @@ def clean_venv(built) -> Path:
                 continue
             (dependencies / entry.name).symlink_to(entry)
     (site_packages(venv) / "zz_suite_dependencies.pth").write_text(f"{dependencies}\n")
-    python = venv / "bin" / "python"
-    run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "--disable-pip-version-check", "-q",
-         str(built["wheel"])], env=clean_env(), cwd=work)
-    return venv
+    run([str(venv / "bin" / "python"), "-m", "pip", "install", "--no-deps", "--no-index",
+         "--disable-pip-version-check", "-q", str(wheel)], env=clean_env(), cwd=venv.parent)
 
 
 def clean_env() -> dict[str, str]:
