@@ -1,6 +1,6 @@
-"""What a new user found calling a packed batch by hand (the lower-level recipe of docs/lower-level.md): every key the task's model
-needs reaches it (``token_type_ids`` of sentence pairs, causal-LM ``labels``), keys a bare model would misread never
-do, and a head that pools one token per row refuses a packed row instead of answering once for all its examples."""
+"""What a new user found calling a packed batch by hand (the recipe of docs/lower-level.md): every key the task's
+model needs reaches it (``token_type_ids`` of sentence pairs, causal-LM ``labels``), keys a bare model would misread
+never do, and a head that pools one token per row refuses a packed row instead of answering once for all its examples."""
 
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ def page_recipe() -> str:
 
 
 def test_the_documented_recipe_runs_sentence_pairs_exactly():
-    """The recipe as docs/lower-level.md prints it, on BERT sentence pairs: the pair vectors equal the padded model's."""
+    """The recipe as docs/lower-level.md prints it, on BERT sentence pairs: the pair vectors equal padded ones."""
     model = tiny_model("bert")
     examples = sentence_pairs()
     padded = pad_examples(examples, ("input_ids", "token_type_ids"), pad_token_id=0)
