@@ -57,7 +57,10 @@ def rewrite(match: re.Match, page, config) -> str:
     docs = Path(config.docs_dir).resolve()
     if path == docs or docs in path.parents:  # a page of the site: relative to this page's place in it
         page_dir = posixpath.dirname(page.file.src_uri)
-        relative = posixpath.relpath(path.relative_to(docs).as_posix(), page_dir or ".")
+        inside = path.relative_to(docs).as_posix()
+        if path.is_dir():  # a folder of pages: its index page
+            inside = posixpath.join(inside, "index.md") if inside != "." else "index.md"
+        relative = posixpath.relpath(inside, page_dir or ".")
         return f"[{text}]({relative}{'#' + anchor if anchor else ''})"
     shown = GENERATED.get(page.file.src_uri) if not page.file.abs_src_path else page.file.src_uri
     if ROOT not in path.parents or not path.exists():

@@ -1,6 +1,6 @@
 """What a new user found calling a packed batch by hand (the recipe of docs/lower-level.md): every key the task's
 model needs reaches it (``token_type_ids`` of sentence pairs, causal-LM ``labels``), keys a bare model would misread
-never do, and a head that pools one token per row refuses a packed row instead of answering once for all its examples."""
+never do, and a head that pools one token per row refuses a packed row instead of answering once for all examples."""
 
 from __future__ import annotations
 
