@@ -148,3 +148,17 @@ def test_no_page_points_outside_the_repository(path):
         resolved = (path.parent / target).resolve()
         assert resolved == ROOT or ROOT in resolved.parents, f"{path.name} links to {target}, outside the repository"
         assert resolved.exists(), f"{path.name} links to {target}, which does not exist"
+
+
+def test_every_builtin_task_option_is_explained_on_the_tasks_page():
+    """The configuration page lists the options (generated); docs/tasks.md says what each does."""
+    from padfree_plugins.builtin.tasks import causal_lm, embedding, reranker, seq_cls
+
+    page = (ROOT / "docs" / "tasks.md").read_text(encoding="utf-8")
+    section = page.split("## Task options", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]+) \|", section, flags=re.M)
+    explained = {(task, option) for task, cell in rows for option in re.findall(r"`(\w+)`", cell)}
+    for module in (causal_lm, embedding, reranker, seq_cls):
+        (task,) = module.register_tasks()
+        missing = [option for option in task.options if (task.name, option) not in explained]
+        assert not missing, f"docs/tasks.md (Task options) does not explain {task.name}'s {missing}"
