@@ -162,3 +162,14 @@ def test_every_builtin_task_option_is_explained_on_the_tasks_page():
         (task,) = module.register_tasks()
         missing = [option for option in task.options if (task.name, option) not in explained]
         assert not missing, f"docs/tasks.md (Task options) does not explain {task.name}'s {missing}"
+
+
+def test_every_error_class_is_on_the_errors_page():
+    from padfree_plugins import errors
+
+    page = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
+    classes = [name for name, value in vars(errors).items()
+               if isinstance(value, type) and issubclass(value, errors.PadfreeError)]
+    assert len(classes) >= 7
+    missing = [name for name in classes if f"| `{name}` |" not in page]
+    assert not missing, f"docs/errors.md does not describe {missing}"
