@@ -1,7 +1,7 @@
 # The two commands a fresh machine needs (each sets up .venv itself):
 #   make bench  the main job: every benchmark on embedded defaults (tiny models and the shipped MiniLM, no downloads)
 #   make test   the test suite
-.PHONY: setup bench demo train test
+.PHONY: setup bench demo train test docs
 setup:
 	./scripts/setup.sh
 
@@ -16,3 +16,6 @@ train: setup
 
 test: setup
 	HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -n 2 -q
+
+docs: setup
+	NO_MKDOCS_2_WARNING=1 .venv/bin/python -m mkdocs build --strict

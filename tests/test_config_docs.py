@@ -1,5 +1,8 @@
 """The config's documentation: ``configs/padfree.yaml`` shows every key of the schema with its default and a
-comment, and the README's batching figures are those of the benchmark table in ``docs/scaling.md``."""
+comment, and the batching figures of ``docs/scaling.md``'s summary are those of its benchmark table.
+
+The documentation site's configuration page, generated from the
+schema: tests/test_docs_site.py."""
 
 from __future__ import annotations
 
@@ -59,14 +62,15 @@ def test_every_key_of_padfree_yaml_has_a_comment():
     assert not undocumented, f"keys without a comment in {DOCUMENTED.name}: {undocumented}"
 
 
-def test_readme_batching_figures_are_the_benchmark_table():
-    """The README's "against 1.15 / 1.43 on average for fixed N-example batches" is the lognormal rows of the
+def test_scaling_summary_batching_figures_are_the_benchmark_table():
+    """The summary's "against 1.15 / 1.43 on average for fixed N-example batches" is the lognormal rows of the
     balance table of ``padfree-plugins bench batching`` in docs/scaling.md (2 and 8 ranks)."""
-    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
-    claim = re.search(r"against ([\d.]+) / ([\d.]+) on average for fixed (\d+)-example batches", readme)
-    assert claim, "the README's Scaling out section no longer states the example-count batches' spread"
+    page = (ROOT / "docs" / "scaling.md").read_text(encoding="utf-8")
+    summary = " ".join(page.split("## At a glance", 1)[1].split("\n## ", 1)[0].split())
+    claim = re.search(r"against ([\d.]+) / ([\d.]+) on average for fixed (\d+)-example batches", summary)
+    assert claim, "docs/scaling.md's At a glance section no longer states the example-count batches' spread"
     rows = re.findall(r"^\| lognormal \| (\d+) \| examples \(bs=(\d+)\) \| [^|]+\| [^|]+\| ([\d.]+) \|",
-                      (ROOT / "docs" / "scaling.md").read_text(encoding="utf-8"), flags=re.M)
+                      page, flags=re.M)
     table = {int(ranks): (int(bs), float(spread)) for ranks, bs, spread in rows}
     assert set(table) == {2, 8}, rows
     assert {bs for bs, _ in table.values()} == {int(claim.group(3))}

@@ -1,6 +1,6 @@
-"""What a new user found calling a packed batch by hand (the README's lower-level recipe): every key the task's model
-needs reaches it (``token_type_ids`` of sentence pairs, causal-LM ``labels``), keys a bare model would misread never
-do, and a head that pools one token per row refuses a packed row instead of answering once for all its examples."""
+"""What a new user found calling a packed batch by hand (the recipe of docs/lower-level.md): every key the task's
+model needs reaches it (``token_type_ids`` of sentence pairs, causal-LM ``labels``), keys a bare model would misread
+never do, and a head that pools one token per row refuses a packed row instead of answering once for all examples."""
 
 from __future__ import annotations
 
@@ -152,22 +152,21 @@ def test_a_sequence_classifier_refuses_a_packed_row_in_its_own_forward(model_typ
         assembly.undo()
 
 
-def readme_recipe() -> str:
-    """The code block of the README's "Lower level: assemble a model yourself" section."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text.split("## Lower level: assemble a model yourself", 1)[1]
-    return section.split("```python\n", 1)[1].split("```", 1)[0]
+def page_recipe() -> str:
+    """The first code block of docs/lower-level.md ("Assemble a model yourself")."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "lower-level.md").read_text()
+    return text.split("```python\n", 1)[1].split("```", 1)[0]
 
 
-def test_the_readme_recipe_runs_sentence_pairs_exactly():
-    """The recipe as the README prints it, on BERT sentence pairs: the pair vectors equal the padded model's."""
+def test_the_documented_recipe_runs_sentence_pairs_exactly():
+    """The recipe as docs/lower-level.md prints it, on BERT sentence pairs: the pair vectors equal padded ones."""
     model = tiny_model("bert")
     examples = sentence_pairs()
     padded = pad_examples(examples, ("input_ids", "token_type_ids"), pad_token_id=0)
     with torch.no_grad():
         want = model(**padded).last_hidden_state
         namespace = {"model": model, "examples": examples}
-        exec(compile(readme_recipe(), "README.md", "exec"), namespace)  # noqa: S102 - the README's own code
+        exec(compile(page_recipe(), "docs/lower-level.md", "exec"), namespace)  # noqa: S102 - the page's own code
     padded_out, mask = namespace["padded"], namespace["mask"]
     torch.testing.assert_close(padded_out * mask[..., None], want * mask[..., None], atol=1e-5, rtol=0)
     assert patch_of(model) is None  # the recipe ends with undo()

@@ -345,8 +345,7 @@ def run_train(argv: Sequence[str] = (), print_fn: Callable[[str], None] | None =
             f"--acceleration_config {acceleration_args.acceleration_config} sets task: {config.task}, but "
             "padfree-plugins train fine-tunes causal LMs only (task: causal_lm). For other tasks build the trainer "
             "in Python (HF Trainer, or sentence-transformers' trainers for embeddings) and call "
-            f"padfree_plugins.accelerate(trainer, {acceleration_args.acceleration_config!r}): see the README, "
-            "section Embeddings, rerankers, classifiers")
+            f"padfree_plugins.accelerate(trainer, {acceleration_args.acceleration_config!r}): see docs/tasks.md")
     say = print_fn or (lambda _: None)
     if script.model_name_or_path and script.model_config:
         raise ConfigError("give either --model_name_or_path or --model_config, not both")
