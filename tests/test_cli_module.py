@@ -29,7 +29,9 @@ def pyproject_version() -> str:
 
 def test_the_version_is_pyprojects_as_installed():
     """One version: pyproject.toml's, read back from the installed distribution (reinstall after changing it)."""
-    assert padfree_plugins.__version__ == importlib.metadata.version("padfree-plugins") == pyproject_version()
+    installed, source = importlib.metadata.version("padfree-plugins"), pyproject_version()
+    assert installed == source, f"installed {installed}, pyproject.toml {source}: reinstall (make setup)"
+    assert padfree_plugins.__version__ == source
 
 
 def test_python_m_padfree_plugins_runs_the_command_line():
