@@ -26,13 +26,17 @@ import torch.distributed as dist
 TRAINER_CONFIG = {"task": "causal_lm", "batching": {"strategy": "tokens", "max_tokens_per_batch": 128, "seed": 0}}
 SP_CONFIG = {**TRAINER_CONFIG, "sequence_parallel": {"size": 2}}
 #: The trainer cases: the trainer, gradient accumulation, gradient checkpointing, the batching strategy (token
-#: budgets balance the ranks' micro-batches, often to the token: ``examples`` puts the cut inside examples).
+#: budgets balance the ranks' micro-batches, often to the token: ``examples`` puts the cut inside examples), and
+#: accelerate's ``split_batches`` (each global batch of :data:`SPLIT_BATCH` examples split across the ranks).
 CASES = {
     "hf-checkpointing": {"kind": "hf", "accumulation": 1, "checkpointing": True, "strategy": "examples"},
+    "hf-split-batches": {"kind": "hf", "accumulation": 1, "checkpointing": False, "strategy": "examples",
+                         "split_batches": True},
     "hf-accumulation": {"kind": "hf", "accumulation": 2, "checkpointing": False, "strategy": "tokens"},
     "sft": {"kind": "sft", "accumulation": 2, "checkpointing": True, "strategy": "tokens"},
 }
 EVAL_BATCH = 2  # per rank; the reference evaluates the group's 2 x 2 examples as one batch
+SPLIT_BATCH = 4  # split_batches=True: the examples of a global batch, 2 per rank (training and evaluation)
 
 
 def rows(n: int, seed: int, longest: int = 40) -> list[dict]:
@@ -49,7 +53,8 @@ def rows(n: int, seed: int, longest: int = 40) -> list[dict]:
 
 def make_trainer(case: str, output_dir: str, config: dict, *, ranks: int | None = None):
     """The trainer of ``case``, accelerated with ``config``. ``ranks``: the one-process reference, trained on the
-    global batches of that many ranks (their plan, every rank's micro-batches of a step accumulated)."""
+    global batches of that many ranks (their plan, every rank's micro-batches of a step accumulated; under
+    ``split_batches``, the global batch itself)."""
     import datasets
     import trl
     from transformers import Trainer, TrainingArguments
@@ -60,12 +65,16 @@ def make_trainer(case: str, output_dir: str, config: dict, *, ranks: int | None 
     from tests.test_distributed import load_example
 
     spec = CASES[case]
-    accumulation = spec["accumulation"] * (ranks or 1)
+    split = spec.get("split_batches", False)
+    accumulation = spec["accumulation"] * (1 if split else ranks or 1)
     settings = dict(output_dir=output_dir, num_train_epochs=1, learning_rate=1e-3, lr_scheduler_type="constant",
                     gradient_accumulation_steps=accumulation, gradient_checkpointing=spec["checkpointing"],
-                    per_device_train_batch_size=2,
-                    per_device_eval_batch_size=EVAL_BATCH * (ranks or 1), logging_steps=1, save_strategy="no",
+                    per_device_train_batch_size=SPLIT_BATCH if split else 2,
+                    per_device_eval_batch_size=SPLIT_BATCH if split else EVAL_BATCH * (ranks or 1),
+                    logging_steps=1, save_strategy="no",
                     report_to="none", seed=0, disable_tqdm=True, use_cpu=True, dataloader_pin_memory=False)
+    if split and ranks is None:  # the run on 2 processes: accelerate splits every global batch across the ranks
+        settings["accelerator_config"] = {"split_batches": True}
     if spec["strategy"] == "examples":  # per_device_train_batch_size examples per micro-batch, 4 steps
         config = {key: value for key, value in config.items() if key != "batching"}
         settings["max_steps"] = 4
@@ -95,11 +104,11 @@ def trainer_result(trainer) -> dict:
 
 
 class TokenCounts:
-    """The tokens each call of the embeddings and of the LM head saw on this rank, in training, and those of the
-    rank's own micro-batches (:meth:`own`)."""
+    """The tokens each call of the embeddings and of the LM head saw on this rank, in training, and the tokens and
+    examples of the rank's own micro-batches (:meth:`own`)."""
 
     def __init__(self, model) -> None:
-        self.embedded, self.projected, self.micro_batches = [], [], []
+        self.embedded, self.projected, self.micro_batches, self.examples = [], [], [], []
         self.handles = [
             model.get_input_embeddings().register_forward_hook(
                 lambda module, args, output: self.embedded.append(args[0].shape[-1]) if module.training else None),
@@ -109,11 +118,13 @@ class TokenCounts:
 
     def own(self, batch) -> None:
         self.micro_batches.append(batch["input_ids"].shape[-1])
+        self.examples.append(batch["cu_seq_lens_q"].numel() - 1)
 
     def remove(self) -> dict:
         for handle in self.handles:
             handle.remove()
-        return {"embedded": self.embedded, "projected": self.projected, "micro_batches": self.micro_batches}
+        return {"embedded": self.embedded, "projected": self.projected, "micro_batches": self.micro_batches,
+                "examples": self.examples}
 
 
 def run_trainer(case: str) -> dict:
@@ -126,6 +137,7 @@ def run_trainer(case: str) -> dict:
     seen = counts.remove()
     result = trainer_result(trainer)
     result["labelled_logits"] = bool(getattr(trainer.data_collator, "labelled_logits", False))
+    result["split_batches"] = trainer.accelerator.split_batches
     if CASES[case]["kind"] == "sft":
         result["uncounted"] = uncounted_sft_loss(trainer)
     result["seen"] = gathered(seen)

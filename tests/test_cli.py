@@ -100,17 +100,38 @@ def test_check_reports_errors_with_exit_code_2(tmp_path):
 
 
 def test_demo_outputs_equal_and_reports_speed_and_its_progress():
-    result = run("demo", "--batch-size", "3", "--median", "12", "--repeats", "1", "--json")
+    result = run("demo", "--batch-size", "3", "--median", "12", "--repeats", "2", "--json")
     assert result.exit_code == 0, result.output
     progress = result.stderr.splitlines()  # a line per stage, on stderr: stdout holds the JSON only
     assert progress[0] == "building a tiny Llama and a tiny BERT (random weights)..."
-    for model in ("llama", "bert"):
-        assert any(line.startswith(f"{model}: 3 examples") for line in progress), progress
-        assert f"{model}: timing padding-free vs padded, round 2/2 (1 steps each)..." in progress
     rows = json.loads(result.stdout)
     assert {row["model"] for row in rows} == {"llama", "bert"}
     for row in rows:
-        assert row["max_abs_diff"] < 1e-4 and row["padfree_tokens_per_s"] > 0 and row["speedup"] > 0
+        assert any(line.startswith(f"{row['model']}: 3 examples, {row['real_tokens']} real tokens, "
+                                   f"{row['padding_fraction']:.0%} of the padded batch is padding (ideal speed-up "
+                                   f"{row['ideal']:.2f}x)") for line in progress), progress
+        assert f"{row['model']}: warming up, then 2 interleaved rounds of padding-free and padded (forward + " \
+               "backward, 1 thread(s))..." in progress
+        assert row["max_abs_diff"] < 1e-4 and row["padfree_tokens_per_s"] > 0 and row["threads"] == 1
+        # the ratio with its spread over the rounds, and the ideal of the batch (no timing is asserted)
+        assert row["rounds"] == 2 and 0 < row["speedup_low"] <= row["speedup"] <= row["speedup_high"]
+        assert row["ideal"] == pytest.approx(1 / (1 - row["padding_fraction"])) and row["ideal"] >= 1
+
+
+def test_demo_table_states_the_ideal_and_the_ratio_with_its_spread():
+    result = run("demo", "--batch-size", "3", "--median", "12", "--repeats", "2", env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    lines = [re.split(r"[│┃]", line)[1:-1] for line in result.stdout.splitlines() if line.count("│") > 5
+             or line.count("┃") > 5]  # the header's rule is heavy, the rows' light
+    columns = [cell.strip() for cell in lines[0]]
+    rows = {cells[0].strip(): dict(zip(columns, (cell.strip() for cell in cells))) for cells in lines[1:]}
+    assert set(rows) == {"llama", "bert"}, result.stdout
+    for row in rows.values():
+        assert re.fullmatch(r"\d+\.\d\dx", row["ideal"]), row
+        assert re.fullmatch(r"\d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\)", row["speed-up (range)"]), row
+    text = " ".join(result.stdout.split())
+    assert "within each of 2 interleaved rounds: the median and (lowest-highest); 1 thread(s)" in text
+    assert "ideal: the padded batch's tokens over its real tokens" in text
 
 
 @pytest.mark.parametrize("args, message", [

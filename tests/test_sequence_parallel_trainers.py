@@ -2,7 +2,8 @@
 (gloo): each rank loads its own micro-batch, the group trains their joined row, each rank computing half of it.
 
 One launch (tests/sequence_parallel_trainer_run.py) trains HF ``Trainer`` (gradient checkpointing; gradient
-accumulation 2), TRL ``SFTTrainer`` (accumulation 2 and checkpointing) and examples/accelerate_loop.py's loop; each
+accumulation 2; accelerate's ``split_batches=True``, each global batch split across the ranks), TRL ``SFTTrainer``
+(accumulation 2 and checkpointing) and examples/accelerate_loop.py's loop; each
 equals one process on the same global batches (both ranks' micro-batches of a step), to 1e-5: the logged losses
 (the trainer logs the mean over ranks of ``2 x slice losses / global label count``: the one-process loss), the final
 weights and the loss-only ``eval_loss``. Refusals (trainer untouched) are checked in one process, with the
@@ -24,7 +25,7 @@ from transformers import Trainer, TrainingArguments
 
 from padfree_plugins import ConfigError, PadfreeError, accelerate, load_config, patch_of
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup
-from tests.sequence_parallel_trainer_run import CASES, SP_CONFIG, TRAINER_CONFIG, make_trainer, rows, \
+from tests.sequence_parallel_trainer_run import CASES, SP_CONFIG, SPLIT_BATCH, TRAINER_CONFIG, make_trainer, rows, \
     trainer_result
 from tests.test_distributed import ROOT, free_port, load_example, reference_training, run_group
 
@@ -77,6 +78,12 @@ def test_trainer_under_sequence_parallelism_equals_one_process(launched, case):
     assert embedded[0] == embedded[1] == [-(-sum(sizes) // 2) for sizes in own] and len(own) >= 3
     if CASES[case]["strategy"] == "examples":  # the cut falls inside a rank's micro-batch, not between them
         assert any(a != b for a, b in own), own
+    # split_batches=True is accepted: each rank trained half of every global batch (not all of it, which would give
+    # the same loss on duplicated examples), and the group's row is the one process's batch
+    split = [seen["examples"] for seen in run["seen"]]
+    assert run["split_batches"] == CASES[case].get("split_batches", False)
+    if run["split_batches"]:
+        assert split[0] == split[1] == [SPLIT_BATCH // 2] * len(own), split
     if CASES[case]["kind"] == "hf":  # the LM head on the slice's labelled positions only (recomputed on the slice)
         assert run["labelled_logits"]
         projected = [seen["projected"] for seen in run["seen"]]

@@ -4,7 +4,7 @@ Workloads (a training step = forward + backward of the loss, same weights, same 
 
 * ``embedding`` — mean-pooled, L2-normalised embeddings with an in-batch contrastive loss (temperature 0.05,
   i.e. ``MultipleNegativesRankingLoss`` with scale 20): texts ``2i`` and ``2i + 1`` of a batch are a pair
-  (anchor, positive), as in ``shared/bench/gpu_anchor_encoder.py``.
+  (anchor, positive), as in the reference encoder harness ``scripts/gpu_check.sh`` can run beside it.
   Padded: one ``[bs, L_max]`` forward with an attention mask, mean over the mask. Padding-free: the
   ``embedding`` task (every text of both columns in one packed row).
 * ``reranker`` — a cross-encoder (``*ForSequenceClassification``, one logit) on (query, document) pairs with
@@ -62,7 +62,7 @@ class Workload:
 #: What ``bench embedding`` runs by default on each device.
 DEFAULT_WORKLOADS = {
     "cpu": (Workload("embedding", "minilm", 64, 20), Workload("reranker", "minilm", 32, 40)),
-    # the length law of shared/bench/gpu_anchor_encoder.py: lognormal sigma 0.7, 8 to 512 tokens
+    # the length law of the reference encoder harness (scripts/gpu_check.sh): lognormal sigma 0.7, 8 to 512 tokens
     "cuda": (Workload("embedding", "bert-base", 128, 60, 0.7, 8), Workload("embedding", "bert-base", 32, 120, 0.7, 8),
              Workload("reranker", "bert-base", 128, 60, 0.7, 8)),
 }

@@ -33,10 +33,10 @@ relative loss difference from ``padded`` over the batches), padding share of the
 
 MFU counts ``6 × N`` FLOPs per real token (forward + backward, attention left out), ``N`` being the parameters
 that multiply: all of them except the input embedding table (a lookup), unless it is tied to the LM head.
-``../shared/bench/gpu_anchor.py`` counts every parameter, which reads ~6% higher on its 1.1B shape. The peak: on
-CUDA ``--peak-tflops`` (default 790, the anchor's figure for an H100 / H200 in bf16); on CPU the fp32
-matrix-multiply rate measured on the spot at the benchmark's thread count, so that the figure says how close a
-step runs to what this CPU's matmuls can do.
+The reference GPU harness that ``scripts/gpu_check.sh`` can run beside this one counts every parameter, which reads
+~6% higher on the 1.1B shape. The peak: on CUDA ``--peak-tflops`` (default 790, for an H100 / H200 in bf16); on CPU
+the fp32 matrix-multiply rate measured on the spot at the benchmark's thread count, so that the figure says how
+close a step runs to what this CPU's matmuls can do.
 
 Memory: on CUDA, ``torch.cuda.max_memory_allocated`` during the timed steps (weights + gradients + activations +
 transients). On CPU there is no allocator counter (RSS keeps freed memory, ``tracemalloc`` does not see torch), so
@@ -105,7 +105,7 @@ MODEL_SIZES = {
     # CPU default: 4 layers, d=256, GQA 8 / 2
     "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048),
-    # TinyLlama 1.1B shape (the GPU run, next to ../shared/bench/gpu_anchor.py)
+    # TinyLlama 1.1B shape (the GPU run; scripts/gpu_check.sh runs it beside a reference harness you pass in)
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048),
 }
@@ -201,7 +201,7 @@ def build_model(settings: BenchSettings) -> torch.nn.Module:
     return model.to(settings.device).train()
 
 
-#: MFU peak on CUDA when none is given: the figure ``../shared/bench/gpu_anchor.py`` uses (bf16, H100 / H200).
+#: MFU peak on CUDA when none is given: bf16 on an H100 / H200 (the figure of the reference GPU harness).
 CUDA_PEAK_TFLOPS = 790.0
 
 

@@ -47,7 +47,7 @@ def test_packed_forward_equals_each_example_alone(model_class, task):
 
     Every example's packed outputs within ``ATOL`` (absolute: ``rtol=0``) of the example run alone through the
     unpatched model, and every parameter's gradient as the sum over the examples alone (default tolerances)."""
-    model = tiny_model(MODEL_TYPE, model_class, attn_implementation="sdpa", **TINY)
+    model = tiny_model(MODEL_TYPE, task=model_class, attn_implementation="sdpa", **TINY)  # a task name or a class
     examples = random_examples(LENGTHS)
     report = assert_packed_matches_alone(model, {"task": task}, examples, atol=ATOL, rtol=0, plugin=PLUGIN)
     assert report.parameters_compared > 5, report
