@@ -9,6 +9,10 @@ undone by :meth:`TrainerPatch.undo`:
 * refuses, while the trainer is unchanged, what cannot train padding-free (:mod:`.checks`): parallelism that
   splits rows, a custom collator (unless the plugin :meth:`~TrainerPatch.runs_trainer_collator` per example, as
   TRL's vision-language one), bad examples, a token budget the trainer cannot keep;
+* **train_dataset** / **eval_dataset** without the rows that ``on_overlong: truncate`` leaves without a label, with
+  a warning naming them (:meth:`~TrainerPatch.drop_unlabelled`, as TRL drops them);
+* **train**: a checkpoint of another batching plan is refused on resuming, and every checkpoint keeps the plan
+  (:mod:`.resume`);
 * **data_collator** becomes :meth:`~TrainerPatch.make_collator`'s (by default the assembly's packing collator as a
   :class:`TrainerCollator`);
 * **batches stay whole**: accelerate's ``dispatch_batches``, left unset, is turned off (:class:`WholeBatches`);

@@ -274,8 +274,8 @@ def check_tokenized(dataset: Any, collator: Any, name: str = "train") -> None:
 def check_token_budget(trainer: Any, config: Any) -> None:
     """``batching.strategy: tokens`` on this trainer: accelerate's ``split_batches=True`` would cut the planned
     micro-batches across ranks; a length column (``batching.length_column``) must hold every row's own token count
-    (:func:`~padfree_plugins.batching.sampler.example_lengths` checks it); TRL ``packing=True`` rows (up to ``max_length`` tokens) are the examples, and cannot
-    be split without losing the sequence boundaries inside them."""
+    (:func:`~padfree_plugins.batching.sampler.example_lengths` checks it); TRL ``packing=True`` rows (up to
+    ``max_length`` tokens) are the examples, and cannot be split without losing the sequence boundaries inside them."""
     batching = getattr(config, "batching", None)
     if getattr(batching, "strategy", "examples") != "tokens":
         return

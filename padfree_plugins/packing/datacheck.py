@@ -1,17 +1,21 @@
 """Check a whole dataset against a packing collator before training starts.
 
-The collator refuses bad examples anyway, but only when a batch reaches it, possibly hours into a run. This
-check finds the same problems up front: empty examples, examples longer than the collator accepts (the model's
+The collator refuses bad examples anyway, but only when a batch reaches it, possibly hours into a run. This check
+finds the same problems up front: empty examples, examples longer than the collator accepts (the model's
 ``max_position_embeddings`` or the config's ``max_length``), and per-token keys (``labels``) whose length differs
 from ``input_ids`` — for the embedding task, in every ``<column>_input_ids`` column — token ids below 0 or not in
-the model's input embeddings (the collator's ``vocab_size``), an ``attention_mask`` with zeros (a padded example),
-and images or video (the :data:`~padfree_plugins.packing.batch.MEDIA_KEYS` columns) for a model whose plugin packs
-text only: a trainer's column removal would drop them silently, their placeholder tokens left in the text. Every
-error names the example by its index in the dataset. It reads lengths and the least and greatest value of each
-column's chunk: a vectorised pass over Arrow columns for a ``datasets.Dataset`` (the values are copied out only to
-find a bad row), a Python pass for an in-memory list; streaming
-datasets, on-the-fly transforms and rows without ``input_ids`` (TRL's vision rows: messages and images, processed
-at collate time) are left to the collator.
+the model's input embeddings (the collator's ``vocab_size``), per-token labels other than -100 outside the
+vocabulary, per-example class labels outside ``num_labels`` (or multi-label targets of another width), an
+``attention_mask`` with zeros (a padded example), ``position_ids`` / ``cache_position`` other than the collator's
+own (one per token, restarting at every example: it never replaces them), and images or video (the
+:data:`~padfree_plugins.packing.batch.MEDIA_KEYS` columns) for a model whose plugin packs text only: a trainer's
+column removal would drop them silently, their placeholder tokens left in the text. Every error names the example by
+its index in the dataset. With ``on_overlong: truncate`` it also reports the rows whose every label truncation
+erases (:func:`inspect_dataset`), which the trainers drop with a warning. It reads lengths and the least and
+greatest value of each column's chunk: a vectorised pass over Arrow columns for a ``datasets.Dataset`` (the values
+are copied out only to find a bad row, to compare a positions column, or to find truncated rows' labels), a Python
+pass for an in-memory list; streaming datasets, on-the-fly transforms and rows without ``input_ids`` (TRL's vision
+rows: messages and images, processed at collate time) are left to the collator.
 """
 
 from __future__ import annotations
