@@ -104,6 +104,23 @@ def test_rows_whose_labels_truncation_erases_are_dropped_with_a_warning_and_trai
     torch.testing.assert_close(torch.tensor(packed), torch.tensor(losses(reference)), atol=1e-5, rtol=0)
 
 
+def test_sft_trainer_truncated_by_padfree_equals_trls_own_truncation():
+    """TRL's SFTTrainer truncating to max_length drops the rows left without a label; padfree's truncation of an
+    untruncated SFTTrainer (TRL's max_length=None) drops the same rows, and trains TRL's padded curve."""
+    pytest.importorskip("trl")
+    from tests.test_trainer import make_trainer
+
+    train = datasets.Dataset.from_list(truncation_rows())
+    reference, _ = make_trainer("sft", packed=False, train=train, max_steps=6, max_length=MAX_LENGTH)
+    assert len(reference.train_dataset) == len(train) - len(PROMPT_ONLY)  # TRL dropped them itself
+    reference.train()
+    trainer, _ = make_trainer("sft", packed=False, train=train, max_steps=6, max_length=None)
+    with pytest.warns(UserWarning, match="examples 3, 11, 20 of the train dataset keep no label"):
+        accelerate(trainer, {"task": "causal_lm", "max_length": MAX_LENGTH, "on_overlong": "truncate"})
+    trainer.train()
+    torch.testing.assert_close(torch.tensor(losses(trainer)), torch.tensor(losses(reference)), atol=1e-5, rtol=0)
+
+
 def test_rows_keeping_a_label_and_untruncated_rows_are_kept():
     """A row that keeps one label past the collator's masked first token stays; without truncation nothing is
     dropped (a prompt-only row then trains as padded: on nothing, as there)."""
@@ -367,3 +384,44 @@ def test_undo_takes_the_plan_check_off():
     assert "train" in vars(trainer) and len(trainer.callback_handler.callbacks) == callbacks + 1
     acceleration.undo()
     assert "train" not in vars(trainer) and len(trainer.callback_handler.callbacks) == callbacks
+
+
+@pytest.mark.parametrize("change,difference", [
+    ("processes", "the number of processes: 2 -> 1"),
+    ("dataset", "the training set's rows: 20 -> 21"),
+])
+def test_a_checkpoint_of_other_processes_or_another_dataset_is_refused(tmp_path, checkpoint, change, difference):
+    """A checkpoint saved by 2 processes (its plan edited to say so) or over another dataset: another plan."""
+    import shutil
+
+    copied = tmp_path / "checkpoint-2"
+    shutil.copytree(checkpoint, copied)
+    if change == "processes":
+        saved = json.loads((copied / FINGERPRINT_FILE).read_text())
+        (copied / FINGERPRINT_FILE).write_text(json.dumps({**saved, "processes": 2}))
+    trainer = trainer_of(datasets.Dataset.from_list(rows(21 if change == "dataset" else 20)),
+                         output_dir=str(tmp_path / "run"), max_steps=3)
+    accelerate(trainer, {"task": "causal_lm", "batching": PLAN})
+    with pytest.raises(ConfigError, match=rf"another batching plan \(.*{difference}"):
+        trainer.train(resume_from_checkpoint=str(copied))
+    assert trainer.state.global_step == 0
+
+
+def test_a_dpo_checkpoint_keeps_its_plan_and_refuses_another(tmp_path):
+    """TRL's DPOTrainer (the fused-head plugins) keeps and checks the plan of its pairs' token budget too."""
+    pytest.importorskip("trl")
+    from tests.test_token_budget_preference import budget_config, dpo_trainer
+
+    first = dpo_trainer(str(tmp_path / "a"), max_steps=2, save_strategy="steps", save_steps=1)
+    accelerate(first, budget_config())
+    first.train()
+    saved = json.loads((tmp_path / "a" / "checkpoint-1" / FINGERPRINT_FILE).read_text())
+    assert saved["strategy"] == "tokens" and saved["max_tokens_per_batch"] == budget_config()["batching"][
+        "max_tokens_per_batch"]
+    second = dpo_trainer(str(tmp_path / "b"), max_steps=2)
+    config = budget_config()
+    config["batching"]["max_tokens_per_batch"] += 40
+    accelerate(second, config)
+    with pytest.raises(ConfigError, match="another batching plan .*batching.max_tokens_per_batch"):
+        second.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-1"))
+    assert second.state.global_step == 0
