@@ -59,8 +59,9 @@ MAX_REDRAWS = 16
 def example_lengths(dataset: Any = None, *, lengths: Sequence[int] | np.ndarray | None = None,
                     length_column: str = "length", input_key: str = "input_ids") -> np.ndarray:
     """Token count of every example, int64, computed once: from ``lengths``, else the dataset's
-    ``length_column``, else from ``input_ids`` (one vectorised Arrow pass for a ``datasets.Dataset``, one pass
-    over the examples otherwise)."""
+    ``length_column`` (checked against ``input_ids`` when both are there: a :class:`BatchError` names the first wrong
+    row), else from ``input_ids`` (one vectorised Arrow pass for a ``datasets.Dataset``, one pass over the examples
+    otherwise)."""
     if lengths is not None:
         array = np.asarray(lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)
     elif dataset is None:
