@@ -35,7 +35,7 @@ def batches(draw, max_examples: int = 20, max_len: int = 50):
     for length in lengths:
         ex = {"input_ids": rng.integers(0, 32000, length).tolist()}
         if options["labels"]:
-            ex["labels"] = rng.integers(-100, 32000, length).tolist()
+            ex["labels"] = np.where(rng.random(length) < 0.3, -100, rng.integers(0, 32000, length)).tolist()
         if options["token_type_ids"]:
             ex["token_type_ids"] = rng.integers(0, 2, length).tolist()
         if options["int_key"]:

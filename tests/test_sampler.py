@@ -296,8 +296,10 @@ def test_lengths_from_list_column_input_ids_and_rows():
     table = datasets.Dataset.from_dict({"input_ids": ids})
     assert example_lengths(table).tolist() == [3, 1, 2]
     assert example_lengths(table.select([2, 0])).tolist() == [2, 3]  # respects the indices mapping
-    with_column = table.add_column("length", [30, 10, 20])
-    assert example_lengths(with_column).tolist() == [30, 10, 20]  # the column wins: no pass over input_ids
+    with_column = table.add_column("length", [3, 1, 2])
+    assert example_lengths(with_column).tolist() == [3, 1, 2]  # the column, checked against input_ids
+    with pytest.raises(BatchError, match="'length' column .* says example 0 has 30 tokens, but its input_ids hold 3"):
+        example_lengths(table.add_column("length", [30, 1, 2]))
     with pytest.raises(BatchError, match="2 lengths for a dataset of 3"):
         example_lengths(rows, lengths=[1, 2])
     with pytest.raises(BatchError, match="example 1 has no tokens"):

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, 
 from padfree_plugins import BatchError, ConfigError, PadfreeError, PluginError, accelerate, patch_of
 from padfree_plugins.data.tokenizer import train_tokenizer
 from padfree_plugins.integrations.base import TrainerCollator
+from padfree_plugins.integrations.resume import FINGERPRINT_FILE
 from padfree_plugins.modeling.neftune import PackedNeftune
 from padfree_plugins.packing.collator import split_packed_row
 from padfree_plugins.packing.labelled_logits import HELD_KEY
@@ -643,6 +644,7 @@ def test_resume_from_checkpoint_continues_the_same_curve(tmp_path, batching, kin
     accelerate(full, config)
     full.train()
     assert 1 < full.state.log_history[6]["epoch"] < 2  # step 7 is inside the second epoch
+    assert (tmp_path / "full" / "checkpoint-7" / FINGERPRINT_FILE).is_file()  # resumed below with its plan checked
     resumed, _ = make_trainer(kind, packed=False, max_steps=9, output_dir=str(tmp_path / "resumed"), train=train)
     accelerate(resumed, config)
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-7"))

@@ -59,8 +59,9 @@ MAX_REDRAWS = 16
 def example_lengths(dataset: Any = None, *, lengths: Sequence[int] | np.ndarray | None = None,
                     length_column: str = "length", input_key: str = "input_ids") -> np.ndarray:
     """Token count of every example, int64, computed once: from ``lengths``, else the dataset's
-    ``length_column``, else from ``input_ids`` (one vectorised Arrow pass for a ``datasets.Dataset``, one pass
-    over the examples otherwise)."""
+    ``length_column`` (checked against ``input_ids`` when both are there: a :class:`BatchError` names the first wrong
+    row), else from ``input_ids`` (one vectorised Arrow pass for a ``datasets.Dataset``, one pass over the examples
+    otherwise)."""
     if lengths is not None:
         array = np.asarray(lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)
     elif dataset is None:
@@ -68,7 +69,9 @@ def example_lengths(dataset: Any = None, *, lengths: Sequence[int] | np.ndarray 
     elif hasattr(dataset, "column_names") and hasattr(dataset, "with_format"):  # a datasets.Dataset
         table = dataset.with_format("arrow")
         if length_column in dataset.column_names:
-            array = table[length_column].to_numpy()
+            array = _length_column(table[length_column], length_column)
+            if input_key in dataset.column_names:
+                _check_length_column(array, _arrow_token_counts(table[input_key]), length_column, input_key)
         elif input_key in dataset.column_names:
             array = _arrow_token_counts(table[input_key])
         else:
@@ -88,6 +91,32 @@ def example_lengths(dataset: Any = None, *, lengths: Sequence[int] | np.ndarray 
     if array.size and array.min() < 1:
         raise BatchError(f"example {int(np.argmin(array))} has no tokens; filter empty examples out of the dataset")
     return array
+
+
+def _length_column(column: Any, name: str) -> np.ndarray:
+    """The token counts of a dataset's length column (an Arrow column); a :class:`BatchError` naming it when it
+    holds anything but integers."""
+    import pyarrow as pa
+
+    if not pa.types.is_integer(column.type) or column.null_count:
+        what = "missing values" if pa.types.is_integer(column.type) else f"{column.type} values"
+        raise BatchError(f"the dataset's {name!r} column (batching.length_column) holds {what}, not token counts: "
+                         f"cast it (dataset.cast_column({name!r}, datasets.Value('int64'))), recompute it, or remove "
+                         "it (the lengths are then read from input_ids)")
+    return column.to_numpy()
+
+
+def _check_length_column(claimed: np.ndarray, real: np.ndarray, name: str, input_key: str) -> None:
+    """Refuse a length column that differs from the rows' own token counts (a token budget planned from it would be
+    exceeded), naming the first wrong row."""
+    wrong = np.flatnonzero(claimed != real)
+    if wrong.size:
+        row = int(wrong[0])
+        raise BatchError(f"the dataset's {name!r} column (batching.length_column) says example {row} has "
+                         f"{int(claimed[row])} tokens, but its {input_key} hold {int(real[row])} ({wrong.size} such "
+                         "example(s)): token budgets planned from it would be exceeded. Recompute it "
+                         f"(dataset.map(lambda row: {{{name!r}: len(row[{input_key!r}])}})) or remove it (the lengths "
+                         f"are then read from {input_key})")
 
 
 def _one_row(ids: Any) -> bool:

@@ -56,8 +56,9 @@ class BatchingConfig:
     drop_last: bool = _help("cut every epoch to the fewest steps its shuffles pack into, dropping the last, lightest "
                             "steps; their examples sit out that epoch (default: every example once per epoch, the "
                             "last steps lighter)", default=False)
-    length_column: str = _help("dataset column with example lengths, used when present (otherwise lengths are "
-                               "computed once from input_ids)", default="length")
+    length_column: str = _help("dataset column with example lengths, used when present and checked against "
+                               "input_ids at accelerate() (otherwise lengths are computed once from input_ids)",
+                               default="length")
 
     def __post_init__(self) -> None:
         if self.strategy == "tokens" and self.max_tokens_per_batch is None:
@@ -114,7 +115,8 @@ class PadfreeConfig:
         "attention backend takes shared prefixes, the model is a decoder without sequence mixers and the batch "
         "holds a repeated prompt); on (the same, refused where it cannot apply); off", default="auto")
     max_length: int | None = _help("longest example in tokens (default: no limit)", default=None, minimum=1)
-    on_overlong: Literal["error", "truncate"] = _help("what to do with an example longer than max_length",
+    on_overlong: Literal["error", "truncate"] = _help("what to do with an example longer than max_length (truncate: "
+                                                      "rows left without a label are dropped, with a warning)",
                                                       default="error")
     pooling: str | None = _help("per-example pooling for the embedding and hidden_states tasks: first (cls), last, "
                                 "mean, max, weighted_mean, mean_sqrt_len, or a plugin's (default: the model's)",

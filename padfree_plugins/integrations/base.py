@@ -9,6 +9,10 @@ undone by :meth:`TrainerPatch.undo`:
 * refuses, while the trainer is unchanged, what cannot train padding-free (:mod:`.checks`): parallelism that
   splits rows, a custom collator (unless the plugin :meth:`~TrainerPatch.runs_trainer_collator` per example, as
   TRL's vision-language one), bad examples, a token budget the trainer cannot keep;
+* **train_dataset** / **eval_dataset** without the rows that ``on_overlong: truncate`` leaves without a label, with
+  a warning naming them (:meth:`~TrainerPatch.drop_unlabelled`, as TRL drops them);
+* **train**: a checkpoint of another batching plan is refused on resuming, and every checkpoint keeps the plan
+  (:mod:`.resume`);
 * **data_collator** becomes :meth:`~TrainerPatch.make_collator`'s (by default the assembly's packing collator as a
   :class:`TrainerCollator`);
 * **batches stay whole**: accelerate's ``dispatch_batches``, left unset, is turned off (:class:`WholeBatches`);
@@ -29,6 +33,7 @@ A plugin that patches a trainer some other way (its own attributes, say) saves a
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -45,11 +50,13 @@ from padfree_plugins.integrations.checks import (
     check_parallelism,
     image_text_loads,
     trainer_datasets,
+    without_rows,
 )
+from padfree_plugins.integrations.resume import ResumeGuard, plan_fingerprint
 from padfree_plugins.modeling.neftune import PackedNeftune
 from padfree_plugins.modeling.patching import own_attribute, restore_attributes, unwrap_model
 from padfree_plugins.packing.batch import INDEX_KEY, packed_tokens
-from padfree_plugins.packing.collator import collate_naming_examples, split_packed_rows
+from padfree_plugins.packing.collator import collate_naming_examples, split_packed_rows, unlabelled_message
 from padfree_plugins.packing.labelled_logits import hold_labelled_logits, take_labelled_logits
 from padfree_plugins.packing.multimodal import MultimodalCollator
 
@@ -192,6 +199,8 @@ class TrainerPatch:
     loads: Any = None
     #: Whether the token budget also keeps ``batching.max_pixels_per_batch``; ``accelerate()`` refuses it otherwise.
     budgets_pixels: bool = False
+    #: The batching plan written into checkpoints and checked on resuming (:mod:`.resume`).
+    resume: ResumeGuard | None = None
 
     # -- what a subclass says ----------------------------------------------------------------------------------
 
@@ -238,16 +247,39 @@ class TrainerPatch:
             check_collator(trainer.data_collator)
         patch = cls(trainer, assembly)
         collator = patch.make_collator()
-        check_datasets(trainer, collator.collator if isinstance(collator, TrainerCollator) else collator)
+        unlabelled = check_datasets(trainer, collator.collator if isinstance(collator, TrainerCollator) else collator)
         patch.check()
-        patch.count_image_text_rows(collator)
         patch.whole_batches = WholeBatches.apply(trainer)
         try:
+            patch.drop_unlabelled(unlabelled)
+            patch.count_image_text_rows(collator)
             patch.install(collator)
         except BaseException:  # an error part-way leaves the trainer as it was
             patch.undo()
             raise
         return patch
+
+    def drop_unlabelled(self, unlabelled: Mapping[str, np.ndarray]) -> None:
+        """Drop, with a warning naming them, the rows whose every label truncation to ``max_length`` erases
+        (``on_overlong: truncate``; ``unlabelled``: their indices by dataset name, from
+        :func:`~padfree_plugins.integrations.checks.check_datasets`), as TRL drops such examples: they would train
+        on nothing. The datasets are put back by :meth:`undo`."""
+        if not unlabelled:
+            return
+        trainer, max_length = self.trainer, getattr(self.assembly.collator, "max_length", None)
+        for name in ("train_dataset", "eval_dataset"):
+            self.saved[name] = own_attribute(trainer, name)
+        for what, rows in unlabelled.items():
+            warnings.warn(unlabelled_message(rows.tolist(), rows.size, max_length, f" of the {what} dataset",
+                                             dropped=True), stacklevel=4)
+        if "train" in unlabelled:
+            trainer.train_dataset = without_rows(trainer.train_dataset, unlabelled["train"])
+        evals = trainer.eval_dataset
+        if isinstance(evals, Mapping):
+            trainer.eval_dataset = {key: without_rows(dataset, unlabelled[f"eval ({key})"])
+                                    if f"eval ({key})" in unlabelled else dataset for key, dataset in evals.items()}
+        elif "eval" in unlabelled:
+            trainer.eval_dataset = without_rows(evals, unlabelled["eval"])
 
     def install(self, collator: Any) -> None:
         """Put ``collator``, the signature columns, the loss, evaluation, token counting, the token-budget dataloader
@@ -275,6 +307,8 @@ class TrainerPatch:
         if uses_token_budget(self.assembly.config):
             self.saved["get_train_dataloader"] = own_attribute(trainer, "get_train_dataloader")
             trainer.get_train_dataloader = self.train_dataloader
+        self.resume = ResumeGuard.install(trainer, lambda: plan_fingerprint(trainer, self.assembly.config,
+                                                                            lambda: self.loads), self.saved)
         if getattr(trainer, "neftune_noise_alpha", None) is not None:  # NEFTune scaled per example, as padded
             self.saved["neftune_noise_alpha"] = own_attribute(trainer, "neftune_noise_alpha")
             embeddings = unwrap_model(trainer.model).get_input_embeddings()
@@ -286,6 +320,8 @@ class TrainerPatch:
         if not self.active:
             return
         restore_attributes(self.trainer, self.saved)
+        if self.resume is not None:
+            self.resume.remove()
         if self.whole_batches is not None:
             self.whole_batches.undo()
         if self.neftune is not None:

@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from padfree_plugins.batching.sampler import check_whole_micro_batches, combined_loads
+from padfree_plugins.batching.sampler import check_whole_micro_batches, combined_loads, example_lengths
 from padfree_plugins.errors import BatchError, ConfigError, PadfreeError
 from padfree_plugins.modeling.mixers import sequence_mixers
-from padfree_plugins.packing.datacheck import check_dataset
+from padfree_plugins.packing.datacheck import inspect_dataset
 from padfree_plugins.packing.prefixes import SHARED_PREFIXES_FEATURE
 
 logger = logging.getLogger("padfree_plugins")
@@ -195,17 +195,30 @@ def trainer_datasets(trainer: Any) -> list[tuple[str, Any]]:
     return [(what, dataset) for what, dataset in datasets if dataset is not None]
 
 
-def check_datasets(trainer: Any, collator: Any) -> None:
+def check_datasets(trainer: Any, collator: Any) -> dict[str, np.ndarray]:
     """Find over-long, empty or misaligned examples before training starts (see
     :mod:`padfree_plugins.packing.datacheck`),
     and a training or evaluation set laid out in a way the trainer's batches would break (the collator's
-    ``check_trainer_dataset``)."""
+    ``check_trainer_dataset``). Returns, by the dataset's name (:func:`trainer_datasets`), the rows truncation leaves
+    without a label (``on_overlong: truncate``), for datasets that have any."""
     layout_check = getattr(collator, "check_trainer_dataset", None)
+    unlabelled = {}
     for what, dataset in trainer_datasets(trainer):
         check_tokenized(dataset, collator, what)
-        check_dataset(dataset, collator, what)
+        report = inspect_dataset(dataset, collator, what)
+        if report.unlabelled.size:
+            unlabelled[what] = report.unlabelled
         if layout_check is not None:
             layout_check(dataset)
+    return unlabelled
+
+
+def without_rows(dataset: Any, rows: np.ndarray) -> Any:
+    """``dataset`` without ``rows``: a ``datasets.Dataset`` selected (no copy), a list of rows as a new list."""
+    kept = np.setdiff1d(np.arange(len(dataset)), rows)
+    if hasattr(dataset, "select"):
+        return dataset.select(kept)
+    return [dataset[int(i)] for i in kept]
 
 
 def _text_columns(dataset: Any) -> tuple[list[str], list[str]]:
@@ -260,12 +273,16 @@ def check_tokenized(dataset: Any, collator: Any, name: str = "train") -> None:
 
 def check_token_budget(trainer: Any, config: Any) -> None:
     """``batching.strategy: tokens`` on this trainer: accelerate's ``split_batches=True`` would cut the planned
-    micro-batches across ranks; TRL ``packing=True`` rows (up to ``max_length`` tokens) are the examples, and cannot
-    be split without losing the sequence boundaries inside them."""
+    micro-batches across ranks; a length column (``batching.length_column``) must hold every row's own token count
+    (:func:`~padfree_plugins.batching.sampler.example_lengths` checks it); TRL ``packing=True`` rows (up to
+    ``max_length`` tokens) are the examples, and cannot be split without losing the sequence boundaries inside them."""
     batching = getattr(config, "batching", None)
     if getattr(batching, "strategy", "examples") != "tokens":
         return
     check_whole_micro_batches(trainer.accelerator)
+    dataset = trainer.train_dataset
+    if batching.length_column in (getattr(dataset, "column_names", None) or ()):
+        example_lengths(dataset, length_column=batching.length_column)  # checked against the rows' own lengths
     if not getattr(trainer.args, "packing", False):
         return
     longest = getattr(trainer.args, "max_length", None)

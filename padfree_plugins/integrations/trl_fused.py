@@ -58,6 +58,7 @@ from padfree_plugins.errors import ConfigError, PadfreeError
 from padfree_plugins.integrations.base import keeps_methods, library_class
 from padfree_plugins.integrations.checks import check_parallelism, check_whole_rows_budget, image_text_loads, \
     refuse_own_batches_options, sequence_parallel_size, shares_prefixes
+from padfree_plugins.integrations.resume import ResumeGuard, plan_fingerprint
 from padfree_plugins.modeling import unpad
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup, gather_sequence
 from padfree_plugins.modeling.patching import own_attribute, patch_of, restore_attributes, unwrap_model
@@ -320,6 +321,8 @@ class FusedTrainerPatch:
     budgets_pixels: bool = False
     #: Every row's share of the budget, once counted (:meth:`planned_lengths`).
     loads: Any = None
+    #: The batching plan written into checkpoints and checked on resuming (:mod:`.resume`).
+    resume: ResumeGuard | None = None
 
     @classmethod
     def claims(cls, trainer: Any) -> bool:
@@ -439,6 +442,8 @@ class FusedTrainerPatch:
         if uses_token_budget(self.assembly.config):
             self.saved["get_train_dataloader"] = own_attribute(self.trainer, "get_train_dataloader")
             self.trainer.get_train_dataloader = self.train_dataloader
+        self.resume = ResumeGuard.install(self.trainer, lambda: plan_fingerprint(
+            self.trainer, self.assembly.config, self.planned_lengths), self.saved)
         self.heads.append(PackedFusedHead.install(self.assembly.model,
                                                   media_collator(self.assembly) if media else None, share))
         ref_model = getattr(self.trainer, "ref_model", None)
@@ -454,6 +459,8 @@ class FusedTrainerPatch:
         if not self.active:
             return
         restore_attributes(self.trainer, self.saved)
+        if self.resume is not None:
+            self.resume.remove()
         for head in reversed(self.heads):
             head.remove()
         self.heads.clear()

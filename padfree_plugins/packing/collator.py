@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -27,6 +28,10 @@ HANDLED_KEYS = (*MODEL_INPUT_KEYS, "attention_mask", "seq_idx", *DEFAULT_TOKEN_K
                 "return_dict", "output_attentions", "output_hidden_states", "use_cache", "past_key_values",
                 "cache_position", "logits_to_keep", "head_mask")
 
+
+#: Per-token inputs the collator builds itself: an example may carry them only as the collator would build them
+#: (key -> where its values start: ``None`` for the architecture's first position), never to be replaced silently.
+BUILT_POSITION_KEYS = {"position_ids": None, "cache_position": 0}
 
 #: How a collator's error names an example (or a row) by its position in the list the collator was given.
 POSITION_NAME = re.compile(r"\b(example|row) (\d+)\b(?! of )")
@@ -77,6 +82,37 @@ def outside_vocabulary_message(example: str, token: int, vocab_size: int | None)
     limit = f"ids 0 to {vocab_size - 1}" if vocab_size is not None else "ids from 0"
     return (f"{example} has token id {token}, outside the model's vocabulary ({limit}): was it tokenized with "
             "another tokenizer, or were tokens added without resizing the embeddings (resize_token_embeddings)?")
+
+
+def label_outside_vocabulary_message(example: str, label: int, vocab_size: int | None,
+                                     ignore_index: int = -100) -> str:
+    """The error for a per-token label the model's LM head has no logit for (``example`` names the example)."""
+    limit = f"ids 0 to {vocab_size - 1}" if vocab_size is not None else "ids from 0"
+    return (f"{example} has label {label} ('labels'), outside the model's vocabulary ({limit}; {ignore_index} marks "
+            "a token without a label): were the labels made with another tokenizer, or masked with another value "
+            f"than {ignore_index}?")
+
+
+def positions_message(example: str, key: str, start: int, token: int, value: int) -> str:
+    """The error for an example whose ``position_ids`` / ``cache_position`` are not ``start, start+1, …``."""
+    return (f"{example} carries {key!r} that differ from the positions the collator builds (token {token} has "
+            f"{value}, not {start + token}): a packed example's {key} are always {start}, {start + 1}, … (one per "
+            f"token, restarting at every example), and custom ones are not honoured. Remove the {key!r} column, or "
+            "train these examples padded")
+
+
+def unlabelled_message(rows: Sequence[int], count: int, max_length: int, where: str = "",
+                       dropped: bool = False) -> str:
+    """The warning for examples (``rows``, the first of ``count``) whose every label truncation to ``max_length``
+    erases; ``dropped``: the dataset check drops them."""
+    named = ", ".join(str(int(row)) for row in rows[:8])
+    more = f" ({count} in all)" if count > len(rows[:8]) else ""
+    subject = f"example {named}{where} keeps" if count == 1 else f"examples {named}{where}{more} keep"
+    action = ("dropped from training, as TRL drops such examples" if dropped else
+              "trained on nothing (no loss, no gradient)")
+    return (f"{subject} no label once truncated to max_length={max_length} (on_overlong: truncate; the prompt "
+            f"fills it): {'it is' if count == 1 else 'they are'} {action}. Raise max_length, or shorten the prompts, "
+            "to train on them")
 
 
 def padded_message(example: str) -> str:
@@ -281,6 +317,7 @@ class PackingCollator:
         self._check_masks(examples, full_lengths)
         self._check_lengths(full_lengths)
         self._check_token_ids(ids, full_lengths)
+        self._check_positions(examples, full_lengths)
         keep = self._kept_tokens(full_lengths)
         lengths = full_lengths if keep is None else np.minimum(full_lengths, self.max_length)
         if keep is not None:
@@ -296,6 +333,8 @@ class PackingCollator:
             values = self._token_key(examples, key, full_lengths, keep)
             if values is not None:
                 columns[key] = values
+        if "labels" in columns:
+            self._check_label_ids(columns["labels"], lengths)
         for key in self.input_token_keys:
             if key not in columns and self._present(examples, key):
                 rows = [_token_rows(ex[key], key, i, int(n)) for i, (ex, n) in enumerate(zip(examples, full_lengths))]
@@ -307,6 +346,8 @@ class PackingCollator:
         for key in self.masked_first_keys:
             if key in columns:
                 columns[key][cu[:-1]] = self.ignore_index
+        if keep is not None and "labels" in columns:
+            self._note_unlabelled(columns["labels"], cu, full_lengths, dataset_indices(examples))
         batch = PackedBatch({key: torch.from_numpy(values[None]) for key, values in columns.items()})
         batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.from_numpy(cu.astype(np.int32))
         batch["max_length_q"] = batch["max_length_k"] = int(lengths.max())
@@ -418,6 +459,49 @@ class PackingCollator:
         bad = low if low < 0 else high
         example = int(np.searchsorted(np.cumsum(lengths), int(np.flatnonzero(ids == bad)[0]), side="right"))
         raise BatchError(outside_vocabulary_message(f"example {example}", bad, self.vocab_size))
+
+    def _check_label_ids(self, labels: np.ndarray, lengths: np.ndarray) -> None:
+        """Refuse per-token labels the LM head has no logit for: ``ignore_index`` or ``0 .. vocab_size - 1``."""
+        vocab = self.vocab_size
+        if not labels.size or int(labels.min()) >= 0 and (vocab is None or int(labels.max()) < vocab):
+            return
+        bad = (labels < 0) if vocab is None else (labels < 0) | (labels >= vocab)
+        bad &= labels != self.ignore_index
+        if not bad.any():
+            return
+        at = int(np.flatnonzero(bad)[0])
+        example = int(np.searchsorted(np.cumsum(lengths), at, side="right"))
+        raise BatchError(label_outside_vocabulary_message(f"example {example}", int(labels[at]), vocab,
+                                                          self.ignore_index))
+
+    def _note_unlabelled(self, labels: np.ndarray, cu: np.ndarray, full_lengths: np.ndarray,
+                         indices: Sequence[int] | None) -> None:
+        """Warn about truncated examples left without a label (their prompt fills ``max_length``): they train on
+        nothing. The trainers' dataset check drops them before training (as TRL does); this is for the rest."""
+        counts = np.add.reduceat((labels != self.ignore_index).astype(np.int64), cu[:-1])
+        empty = np.flatnonzero((counts == 0) & (full_lengths > self.max_length)).tolist()
+        if empty:
+            rows, where = ([indices[i] for i in empty], " of the dataset") if indices is not None else \
+                (empty, " (by position in this batch)")
+            warnings.warn(unlabelled_message(rows, len(rows), self.max_length, where), stacklevel=4)
+
+    def _check_positions(self, examples: Sequence[Mapping[str, Any]], lengths: np.ndarray) -> None:
+        """An example's ``position_ids`` / ``cache_position``, when it carries them, are those the collator builds
+        (one per token, from the architecture's start / from 0): anything else would be replaced, so it is refused."""
+        for key, start in BUILT_POSITION_KEYS.items():
+            if not self._present(examples, key):
+                continue
+            start = self.position_start if start is None else start
+            for i, (ex, n) in enumerate(zip(examples, lengths)):
+                values = _as_int_array(ex[key], key, i)
+                if values.size != n:
+                    raise BatchError(f"example {i}: {key!r} has {values.size} values but input_ids has {int(n)} "
+                                     f"tokens; they must be the same length (or leave {key!r} out: the collator "
+                                     "builds every example's positions)")
+                wrong = np.flatnonzero(values != np.arange(start, start + n))
+                if wrong.size:
+                    raise BatchError(positions_message(f"example {i}", key, start, int(wrong[0]),
+                                                       int(values[wrong[0]])))
 
     def overlong_message(self, index: int, length: int, where: str = "") -> str:
         """The error for an example longer than ``max_length`` (also used by the dataset check)."""

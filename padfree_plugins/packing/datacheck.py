@@ -1,22 +1,27 @@
 """Check a whole dataset against a packing collator before training starts.
 
-The collator refuses bad examples anyway, but only when a batch reaches it, possibly hours into a run. This
-check finds the same problems up front: empty examples, examples longer than the collator accepts (the model's
+The collator refuses bad examples anyway, but only when a batch reaches it, possibly hours into a run. This check
+finds the same problems up front: empty examples, examples longer than the collator accepts (the model's
 ``max_position_embeddings`` or the config's ``max_length``), and per-token keys (``labels``) whose length differs
 from ``input_ids`` — for the embedding task, in every ``<column>_input_ids`` column — token ids below 0 or not in
-the model's input embeddings (the collator's ``vocab_size``), an ``attention_mask`` with zeros (a padded example),
-and images or video (the :data:`~padfree_plugins.packing.batch.MEDIA_KEYS` columns) for a model whose plugin packs
-text only: a trainer's column removal would drop them silently, their placeholder tokens left in the text. Every
-error names the example by its index in the dataset. It reads lengths and the least and greatest value of each
-column's chunk: a vectorised pass over Arrow columns for a ``datasets.Dataset`` (the values are copied out only to
-find a bad row), a Python pass for an in-memory list; streaming
-datasets, on-the-fly transforms and rows without ``input_ids`` (TRL's vision rows: messages and images, processed
-at collate time) are left to the collator.
+the model's input embeddings (the collator's ``vocab_size``), per-token labels other than -100 outside the
+vocabulary, per-example class labels outside ``num_labels`` (or multi-label targets of another width), an
+``attention_mask`` with zeros (a padded example), ``position_ids`` / ``cache_position`` other than the collator's
+own (one per token, restarting at every example: it never replaces them), and images or video (the
+:data:`~padfree_plugins.packing.batch.MEDIA_KEYS` columns) for a model whose plugin packs text only: a trainer's
+column removal would drop them silently, their placeholder tokens left in the text. Every error names the example by
+its index in the dataset. With ``on_overlong: truncate`` it also reports the rows whose every label truncation
+erases (:func:`inspect_dataset`), which the trainers drop with a warning. It reads lengths and the least and
+greatest value of each column's chunk: a vectorised pass over Arrow columns for a ``datasets.Dataset`` (the values
+are copied out only to find a bad row, to compare a positions column, or to find truncated rows' labels), a Python
+pass for an in-memory list; streaming datasets, on-the-fly transforms and rows without ``input_ids`` (TRL's vision
+rows: messages and images, processed at collate time) are left to the collator.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +29,13 @@ import numpy as np
 
 from padfree_plugins.errors import BatchError
 from padfree_plugins.packing.batch import MEDIA_KEYS
-from padfree_plugins.packing.collator import outside_vocabulary_message, padded_message
+from padfree_plugins.packing.collator import (
+    BUILT_POSITION_KEYS,
+    label_outside_vocabulary_message,
+    outside_vocabulary_message,
+    padded_message,
+    positions_message,
+)
 
 #: Plain Python datasets longer than this are left to the collator (a Python pass would take too long).
 MAX_PYTHON_ROWS = 200_000
@@ -164,17 +175,104 @@ def _text_columns(dataset: Any, collator: Any) -> list[tuple[str, str]]:
     return [(f"{prefix}input_ids", prefix) for prefix in prefixes]
 
 
+@dataclass
+class DatasetReport:
+    """What :func:`inspect_dataset` found that is not an error: ``rows`` checked (``None``: the dataset cannot be
+    checked up front), and the ``unlabelled`` rows, whose every label truncation to ``max_length`` erases
+    (``on_overlong: truncate``)."""
+
+    rows: int | None = None
+    unlabelled: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+
 def check_dataset(dataset: Any, collator: Any, name: str = "train") -> int | None:
     """Raise :class:`BatchError` for the first problem the collator would find in ``dataset``.
 
     Returns the number of rows checked, or ``None`` when the dataset cannot be checked up front.
     """
+    return inspect_dataset(dataset, collator, name).rows
+
+
+def inspect_dataset(dataset: Any, collator: Any, name: str = "train") -> DatasetReport:
+    """:func:`check_dataset`, also reporting the rows truncation leaves without a label (:class:`DatasetReport`)."""
     _check_media(dataset, collator, name)
-    checked = None
+    _check_example_labels(dataset, collator, name)
+    report = DatasetReport()
     for ids_key, prefix in _text_columns(dataset, collator):
-        rows = _check_texts(dataset, _packing(collator), ids_key, prefix, name)
-        checked = rows if rows is not None else checked
-    return checked
+        found = _check_texts(dataset, _packing(collator), ids_key, prefix, name)
+        if found is not None:
+            report = DatasetReport(found.rows, np.union1d(report.unlabelled, found.unlabelled))
+    return report
+
+
+#: Names a per-example label may have in a row (the task collators read the first present).
+LABEL_COLUMNS = ("labels", "label", "score")
+
+
+def _label_chunks(dataset: Any, key: str) -> Iterator[Any] | None:
+    """``key`` of every row, a chunk at a time: Arrow arrays for a ``datasets.Dataset``, one list of Python values for
+    a list of rows; ``None`` when not read cheaply."""
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover - datasets is a dependency of the train extra
+        datasets = None
+    if datasets is not None and isinstance(dataset, datasets.Dataset):
+        if dataset.format.get("type") == "custom":
+            return None
+        tables = dataset.select_columns([key]).with_format("arrow").iter(batch_size=50_000)
+        return (table.column(key).combine_chunks() for table in tables)
+    if isinstance(dataset, Sequence) and 0 < len(dataset) <= MAX_PYTHON_ROWS and isinstance(dataset[0], Mapping):
+        return iter([[dataset[i].get(key) for i in range(len(dataset))]])
+    return None
+
+
+def _label_widths_and_classes(chunk: Any) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``(widths, classes)`` of a chunk of labels: how many values each list label holds, or the integer labels
+    (``None`` for what the chunk does not hold: float scores, say)."""
+    if isinstance(chunk, list):
+        arrays = [np.asarray(value) for value in chunk]
+        if all(a.ndim == 1 for a in arrays):
+            return np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays)), None
+        if all(a.ndim == 0 and np.issubdtype(a.dtype, np.integer) for a in arrays):
+            return None, np.asarray([int(a) for a in arrays], dtype=np.int64)
+        return None, None
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_list(chunk.type) or pa.types.is_large_list(chunk.type):
+        return pc.list_value_length(chunk).fill_null(-1).to_numpy(zero_copy_only=False), None
+    if pa.types.is_integer(chunk.type):
+        return None, chunk.fill_null(-100).to_numpy(zero_copy_only=False)
+    return None, None
+
+
+def _check_example_labels(dataset: Any, collator: Any, name: str) -> None:
+    """A per-example class label (a collator with ``num_labels``: ``seq_cls``) names one of the model's classes
+    (or is -100, ignored); multi-label targets (a list per row) are ``num_labels`` wide."""
+    num_labels = int(getattr(collator, "num_labels", 0) or 0)
+    key = next((k for k in LABEL_COLUMNS if k in _column_names(dataset)), None)
+    chunks = None if num_labels < 1 or getattr(collator, "float_labels", False) or key is None else \
+        _label_chunks(dataset, key)
+    offset = 0
+    for chunk in chunks or ():
+        widths, classes = _label_widths_and_classes(chunk)
+        if widths is not None:
+            bad = np.flatnonzero((widths >= 0) & (widths != num_labels))
+            if bad.size:
+                row = int(bad[0])
+                raise BatchError(
+                    f"example {offset + row} of the {name} dataset has {int(widths[row])} multi-label targets in "
+                    f"{key!r}, but the model has num_labels={num_labels} ({bad.size} such example(s)): give one target "
+                    f"per class, or load the model with num_labels={int(widths[row])}")
+        if classes is not None and num_labels >= 2:
+            bad = np.flatnonzero(((classes < 0) | (classes >= num_labels)) & (classes != -100))
+            if bad.size:
+                row = int(bad[0])
+                raise BatchError(
+                    f"example {offset + row} of the {name} dataset has label {int(classes[row])} ({key!r}), but the "
+                    f"model has num_labels={num_labels} (classes 0 to {num_labels - 1}; -100 is ignored; {bad.size} "
+                    "such example(s)): load the model with num_labels set to the number of classes, or fix the label")
+        offset += len(chunk)
 
 
 def _media_columns(dataset: Any) -> list[str]:
@@ -211,18 +309,23 @@ def _check_media(dataset: Any, collator: Any, name: str) -> None:
             "the image tokens) from the dataset")
 
 
-def _check_texts(dataset: Any, packing: Any, ids_key: str, prefix: str, name: str) -> int | None:
+def _check_texts(dataset: Any, packing: Any, ids_key: str, prefix: str, name: str) -> DatasetReport | None:
     """:func:`check_dataset` for the texts of one column (``ids_key``; ``prefix`` + ``labels`` … per token): lengths,
-    token ids the model's embeddings have, and (for ``input_ids``) masks without zeros."""
+    token ids the model's embeddings have, labels its LM head has, positions as the collator builds them, and (for
+    ``input_ids``) masks without zeros; the rows whose labels truncation erases."""
     token_keys = [key for key in getattr(packing, "token_keys", ()) if key != "input_ids"]
-    mask_key = MASK_KEY if ids_key == "input_ids" else None  # only the plain texts' own masks reach the collator
-    token_keys += [MASK_KEY] if mask_key else []
-    value_keys = [ids_key, mask_key] if mask_key else [ids_key]
-    batches = _chunks(dataset, [ids_key, *(prefix + key for key in token_keys)], value_keys)
+    plain = ids_key == "input_ids"  # only the plain texts' own masks and positions reach the collator
+    label_key = prefix + "labels" if "labels" in token_keys else None
+    extra = [MASK_KEY, *BUILT_POSITION_KEYS] if plain else []
+    token_keys += extra
+    value_keys = [ids_key, *extra, *([label_key] if label_key else [])]
+    batches = _chunks(dataset, [ids_key, *(prefix + key for key in dict.fromkeys(token_keys))], value_keys)
     if batches is None:
         return None
-    limit = getattr(packing, "max_length", None) if getattr(packing, "on_overlong", "error") == "error" else None
-    offset = 0
+    max_length = getattr(packing, "max_length", None)
+    truncates = getattr(packing, "on_overlong", "error") == "truncate" and max_length is not None
+    limit = None if truncates else max_length
+    offset, unlabelled = 0, []
     where = f" of the {name} dataset" + (f" ({ids_key})" if ids_key != "input_ids" else "")
     for lengths, values in batches:
         ids = lengths[ids_key]
@@ -238,7 +341,7 @@ def _check_texts(dataset: Any, packing: Any, ids_key: str, prefix: str, name: st
                            if hasattr(packing, "overlong_message") else
                            f"example {offset + row}{where} has {int(ids[row])} tokens, more than max_length={limit}")
                 raise BatchError(f"{message} ({over.size} example(s) too long in this chunk)")
-        for key in token_keys:
+        for key in dict.fromkeys(token_keys):
             if prefix + key not in lengths:
                 continue
             present = lengths[prefix + key] >= 0
@@ -252,10 +355,67 @@ def _check_texts(dataset: Any, packing: Any, ids_key: str, prefix: str, name: st
                 )
         if ids_key in values:
             _check_token_ids(values[ids_key], getattr(packing, "vocab_size", None), offset, where)
-        if mask_key in values:
-            _check_unpadded(values[mask_key], offset, where)
+        if plain and MASK_KEY in values:
+            _check_unpadded(values[MASK_KEY], offset, where)
+        for key, start in BUILT_POSITION_KEYS.items():
+            if plain and key in values:
+                _check_positions(values[key], key, getattr(packing, "position_start", 0) if start is None else start,
+                                 offset, where)
+        if label_key in values:
+            ignore = getattr(packing, "ignore_index", -100)
+            _check_label_ids(values[label_key], getattr(packing, "vocab_size", None), ignore, offset, where)
+            if truncates and (ids > max_length).any():
+                first = 1 if "labels" in getattr(packing, "masked_first_keys", ()) else 0
+                erased = _erased_by_truncation(values[label_key], ids, max_length, first, ignore)
+                unlabelled.append(offset + erased)
         offset += ids.size
-    return offset
+    return DatasetReport(offset, np.concatenate(unlabelled) if unlabelled else np.zeros(0, dtype=np.int64))
+
+
+def _flat_numpy(values: _Values) -> np.ndarray:
+    return values.flat if isinstance(values.flat, np.ndarray) else values.flat.to_numpy(zero_copy_only=False)
+
+
+def _erased_by_truncation(labels: _Values, ids: np.ndarray, max_length: int, first: int, ignore: int) -> np.ndarray:
+    """The rows (of this chunk) longer than ``max_length`` with no label among their first ``max_length`` tokens
+    (the first token's not counted when ``first`` is 1: the collator masks it)."""
+    flat = _flat_numpy(labels)
+    owners = np.repeat(np.arange(labels.counts.size), labels.counts)
+    position = np.arange(flat.size) - np.repeat(np.cumsum(labels.counts) - labels.counts, labels.counts)
+    kept = (flat != ignore) & (position >= first) & (position < max_length)
+    labelled = np.bincount(owners[kept], minlength=labels.counts.size) > 0
+    return np.flatnonzero((ids > max_length) & (labels.counts > 0) & ~labelled)
+
+
+def _check_label_ids(values: _Values, vocab_size: int | None, ignore: int, offset: int, where: str) -> None:
+    """Refuse per-token labels other than ``ignore`` below 0 or at or above ``vocab_size``."""
+    bounds = values.bounds()
+    if bounds is None or bounds[0] >= 0 and (vocab_size is None or bounds[1] < vocab_size):
+        return
+
+    def bad(labels: np.ndarray) -> np.ndarray:
+        outside = (labels < 0) if vocab_size is None else (labels < 0) | (labels >= vocab_size)
+        return outside & (labels != ignore)
+
+    if not bad(_flat_numpy(values)).any():
+        return
+    row, label, count = values.first(bad)
+    raise BatchError(f"{label_outside_vocabulary_message(f'example {offset + row}{where}', label, vocab_size, ignore)}"
+                     f" ({count} such example(s) in this chunk)")
+
+
+def _check_positions(values: _Values, key: str, start: int, offset: int, where: str) -> None:
+    """Refuse ``position_ids`` / ``cache_position`` other than the collator's own: ``start, start + 1, …`` per row."""
+    flat = _flat_numpy(values)
+    expected = np.arange(flat.size) - np.repeat(np.cumsum(values.counts) - values.counts, values.counts) + start
+    wrong = np.flatnonzero(flat != expected)
+    if not wrong.size:
+        return
+    rows = np.searchsorted(np.cumsum(values.counts), wrong, side="right")
+    row = int(rows[0])
+    token = int(wrong[0] - (np.cumsum(values.counts)[row] - values.counts[row]))
+    raise BatchError(f"{positions_message(f'example {offset + row}{where}', key, start, token, int(flat[wrong[0]]))}"
+                     f" ({np.unique(rows).size} such example(s) in this chunk)")
 
 
 def _check_token_ids(values: _Values, vocab_size: int | None, offset: int, where: str) -> None:

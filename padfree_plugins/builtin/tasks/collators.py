@@ -113,7 +113,12 @@ class ExampleCollator(WrapsPackingCollator):
             )
 
     def _check_classes(self, labels: torch.Tensor) -> None:
-        """Class-index labels (integers, one per example) must name one of the model's classes."""
+        """Class-index labels (integers, one per example) must name one of the model's classes; multi-label targets
+        (a list per example) must be ``num_labels`` wide."""
+        if labels.ndim == 2 and self.num_labels >= 1 and not self.float_labels and labels.shape[1] != self.num_labels:
+            raise BatchError(
+                f"example 0 has {labels.shape[1]} multi-label targets, but the model has num_labels={self.num_labels}: "
+                f"give one target per class, or load the model with num_labels={labels.shape[1]}")
         if self.num_labels < 2 or labels.ndim != 1 or labels.is_floating_point():
             return
         bad = ((labels < 0) | (labels >= self.num_labels)) & (labels != -100)
