@@ -9,6 +9,9 @@ untouched. Against TRL's padded run, built the same way, over 20 steps: every lo
   accumulation 2 and LoRA. The tiny models are saved to a directory (TRL builds the reference model from it) with
   their EOS logit scaled up, so that completions end after 1…10 tokens: prompts left-padded, completions
   right-padded, both of many lengths.
+* GRPO and RLOO on Qwen2.5-VL whose completions hold generated ``<|video_pad|>`` tokens (one image a prompt,
+  left-padded, 8 generations, completions of 1…8 tokens, some clipped, 6 steps): TRL types them text and its forward
+  treats them as text; every forward is packed (none padded, no warning), the run equals TRL's.
 * KTO with its KL term on Qwen2.5-VL.
 * A leak of one token across packed boundaries fails the GRPO comparison.
 """
@@ -132,8 +135,8 @@ def build(kind: str, family: str, output_dir: str, *, lora: bool = False, seen: 
     # prompts padded left, as TRL pads its prompt ids: the processor's per-token modalities line up with them
     processor.tokenizer.padding_side = "left"
     return trainer_class(model=model, reward_funcs=length_reward, args=config_class(**settings),
-                         train_dataset=one_image_prompts() if generated_video else prompts(), processing_class=processor,
-                         **extra)
+                         train_dataset=one_image_prompts() if generated_video else prompts(),
+                         processing_class=processor, **extra)
 
 
 def train(kind: str, family: str, accelerated: bool, media_calls: list | None = None, *, leak: float = 0.0,

@@ -27,8 +27,16 @@ rows (:func:`pack_media_call`: the real tokens by the mask; each row's media by 
 :meth:`~padfree_plugins.packing.multimodal.MultimodalCollator.split_call` — Qwen's grids, Gemma 3's images, Idefics3's
 tiles batched per row, LLaVA-OneVision's images by size), the rows packed by that collator (each row's positions as if
 it ran alone, its media beside its tokens, every example checked as in SFT), and the packed row run through TRL's
-fused forward as for text. A call that cannot be split exactly (placeholders that do not match the media, per-token
-modalities that are not the placeholders', other per-token inputs, an empty row) runs TRL's forward, padded.
+fused forward as for text. A placeholder token of a media the call has none of, typed text by the call's
+``mm_token_type_ids`` (one the policy generated in a completion: TRL types completions text, and the model, given no
+such media, embeds and positions it as text), is packed as text. A call that cannot be split exactly (placeholders
+that do not match the media, per-token modalities that are not the placeholders' — TRL's ``mm_token_type_ids`` laid
+out for right-padded prompts, say —, other per-token inputs, an empty row) runs TRL's forward, padded.
+
+Every fused call that runs padded says why in a warning, the first time for each reason (per trainer patch:
+:class:`FusedCalls`), and every fused call is counted, packed or padded by reason: ``Acceleration.describe()``
+(``fused calls``) and the trainer's log (``padfree/packed_calls``, ``padfree/padded_calls``, so far) show the counts.
+A call without any pad runs as it is (nothing to gain), counted apart and not said.
 
 Under sequence parallelism (``sequence_parallel.size: N``, the model's patch holding a
 :class:`~padfree_plugins.modeling.attention.ulysses.SequenceGroup`), each rank packs its own fused call (a batch
@@ -178,10 +186,10 @@ def modality_mismatch(inputs: dict, spans: list, real: list[torch.Tensor], colla
             if outside == 0 and bool((given[wrong] == 0).all()):  # only placeholders typed text
                 names = sorted({media.name for media in collator.media for column in wrong.tolist()
                                 if int(tokens[column]) == collator.token_ids[media.name]})
-                return (f"a {'/'.join(names)} placeholder token is typed text by its {key} while the call has "
-                        f"{'/'.join(names)} media: the model fills every such placeholder with media features, so "
-                        "the call is not well formed (a completion that holds a generated placeholder token: TRL's "
-                        "forward fails on it; suppress those tokens in generation)",
+                return (f"{'/'.join(names)} placeholder tokens typed text by its {key} while the call has that "
+                        "media: the model fills every such placeholder with media features, so the call is not well "
+                        "formed (a completion that holds a generated placeholder token: TRL's forward fails on it; "
+                        "suppress those tokens in generation)",
                         f"row {row}, columns {_spans_text(wrong + start)}")
             typed = torch.nonzero(flat[row]).flatten()
             placed = torch.nonzero(want).flatten() + start
@@ -196,12 +204,11 @@ def modality_mismatch(inputs: dict, spans: list, real: list[torch.Tensor], colla
 
 
 def pack_media_call(inputs: dict, mask: torch.Tensor, labels: torch.Tensor, collator: MultimodalCollator,
-                    refused: unpad.Refused | None = None) -> tuple[dict, unpad.Unpadded] | None:
+                    refused: unpad.Refused = unpad.ignore_refusal) -> tuple[dict, unpad.Unpadded] | None:
     """A padded fused call with media (``inputs``: its keyword arguments but the labels) split into its rows — each
     row's real tokens and, by the family's :meth:`~padfree_plugins.packing.multimodal.MultimodalCollator.split_call`,
     its own media — and packed by ``collator`` as those examples alone would be; and where its tokens went. ``None``
     when the call cannot be split exactly: it then runs padded, and ``refused(reason, detail)`` is told why."""
-    refused = refused or (lambda reason, detail="": None)
     ids = inputs.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape != mask.shape:
         refused("its input_ids are not [rows, width] of its attention_mask", "")

@@ -43,7 +43,7 @@ NO_PADDING = "it holds no pad"
 Refused = Callable[[str, str], None]
 
 
-def _no_refusal(reason: str, detail: str = "") -> None:
+def ignore_refusal(reason: str, detail: str = "") -> None:
     """A :data:`Refused` that is told nothing (the caller does not ask why)."""
 
 
@@ -80,7 +80,7 @@ class Unpadded:
 
 
 def contiguous_rows(mask: torch.Tensor, labels: torch.Tensor | None = None,
-                    refused: Refused = _no_refusal) -> list[tuple[int, int]] | None:
+                    refused: Refused = ignore_refusal) -> list[tuple[int, int]] | None:
     """``(first, length)`` of each row's ones, read in one transfer from the device; ``None`` when a row's ones are
     not contiguous (a mask with holes), the mask is not 0 / 1, or ``labels`` (the head's, ``[rows, width]``) give
     a pad a token to predict: the padded loss then holds a term computed from a pad, which a packed row has not
@@ -113,7 +113,7 @@ def contiguous_rows(mask: torch.Tensor, labels: torch.Tensor | None = None,
 
 def pack_padded_call(inputs: dict, mask: torch.Tensor, labels: torch.Tensor | None = None,
                      without_padding: bool = False, share_prefixes: bool = False,
-                     refused: Refused = _no_refusal) -> tuple[dict, Unpadded] | None:
+                     refused: Refused = ignore_refusal) -> tuple[dict, Unpadded] | None:
     """The packed call of a padded one (``inputs``: the base model's keyword arguments; ``labels``: those the
     model's head got), and where its tokens went; ``None`` when the call is not one to unpad (see the module
     docstring). ``without_padding``: a call without any pad is packed too (sequence parallelism splits its row).
