@@ -107,6 +107,7 @@ class Run:
     plugin: str = ""
     has_ref_model: bool = False  # False under LoRA: the reference is the policy with its adapter disabled
     shared_prompts: list[int] = field(default_factory=list)  # per packed attention call: the prompts its row shares
+    calls: Any = None  # the trainer patch's FusedCalls (accelerated runs): packed, padded by reason
 
 
 def count_fused_calls(trainer) -> list[int]:
@@ -187,10 +188,11 @@ def padded(kind: str, **options) -> Run:
     return train(kind, False, **options)
 
 
-def differences(got: list[dict], want: list[dict], steps=None) -> dict[str, tuple[float, float]]:
-    """Per logged quantity: the largest difference over the steps (all, or those given), and its tolerance there."""
-    assert len(got) == len(want) == STEPS
-    steps = range(STEPS) if steps is None else steps
+def differences(got: list[dict], want: list[dict], steps=None, count: int = STEPS) -> dict[str, tuple[float, float]]:
+    """Per logged quantity: the largest difference over the steps (all ``count``, or those given), and its tolerance
+    there."""
+    assert len(got) == len(want) == count
+    steps = range(count) if steps is None else steps
     out = {}
     for key in sorted({key for entry in want for key in entry} - NOT_COMPARED):
         assert [key in entry for entry in got] == [key in entry for entry in want], key
@@ -207,8 +209,8 @@ def differences(got: list[dict], want: list[dict], steps=None) -> dict[str, tupl
     return out
 
 
-def beyond_tolerance(got: Run, want: Run, steps=None) -> dict[str, tuple[float, float]]:
-    return {key: value for key, value in differences(got.history, want.history, steps).items()
+def beyond_tolerance(got: Run, want: Run, steps=None, count: int = STEPS) -> dict[str, tuple[float, float]]:
+    return {key: value for key, value in differences(got.history, want.history, steps, count).items()
             if value[0] > value[1]}
 
 

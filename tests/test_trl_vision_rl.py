@@ -9,6 +9,9 @@ untouched. Against TRL's padded run, built the same way, over 20 steps: every lo
   accumulation 2 and LoRA. The tiny models are saved to a directory (TRL builds the reference model from it) with
   their EOS logit scaled up, so that completions end after 1…10 tokens: prompts left-padded, completions
   right-padded, both of many lengths.
+* GRPO and RLOO on Qwen2.5-VL whose completions hold generated ``<|video_pad|>`` tokens (one image a prompt,
+  left-padded, 8 generations, completions of 1…8 tokens, some clipped, 6 steps): TRL types them text and its forward
+  treats them as text; every forward is packed (none padded, no warning), the run equals TRL's.
 * KTO with its KL term on Qwen2.5-VL.
 * A leak of one token across packed boundaries fails the GRPO comparison.
 """
@@ -21,6 +24,7 @@ import copy
 import functools
 import shutil
 import tempfile
+import warnings
 
 import datasets
 import pytest
@@ -67,13 +71,45 @@ def prompts() -> datasets.Dataset:
                                        for index in range(16)])
 
 
-def build(kind: str, family: str, output_dir: str, *, lora: bool = False, seen: list | None = None, **overrides):
+@functools.lru_cache(maxsize=None)
+def video_pad_model_dir() -> str:
+    """Qwen2.5-VL's tiny model of :func:`model_dir` whose ``<|video_pad|>`` output row is 0.9 × its EOS row: its
+    completions hold generated video placeholders (text to the model: the prompts have images only)."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir("qwen2_5_vl"))
+    with torch.no_grad():
+        weight = model.get_output_embeddings().weight
+        weight[model.config.video_token_id] = 0.9 * weight[vision_trl.processor("qwen2_5_vl").tokenizer.eos_token_id]
+    path = tempfile.mkdtemp(prefix="padfree-trl-vision-video-pad-")
+    atexit.register(shutil.rmtree, path, True)
+    model.save_pretrained(path)
+    return path
+
+
+def one_image_prompts() -> datasets.Dataset:
+    """16 prompts of 1…6 words, each with one image of its own size (28…70 pixels a side): prompts of many lengths."""
+    return datasets.Dataset.from_list([
+        vision_trl.prompt(index, [vision_trl.synthetic_image(28 + 14 * (index % 4), 28 + 14 * (index * 3 % 4),
+                                                             seed=index)]) for index in range(16)])
+
+
+#: What :func:`build` trains on: ``mixed``, the tests' usual (prompts with 1 or 2 images, special tokens other than
+#: EOS never generated); ``generated video placeholders`` (one image a prompt, :func:`video_pad_model_dir`'s model,
+#: which generates ``<|video_pad|>`` tokens in its completions).
+SCENARIOS = ("mixed", "generated video placeholders")
+
+
+def build(kind: str, family: str, output_dir: str, *, lora: bool = False, seen: list | None = None,
+          scenario: str = "mixed", **overrides):
     """A GRPO / RLOO trainer on the family's tiny model, seeded; its reward (longer completions are better) records
     the completion ids in ``seen``."""
     from transformers import AutoModelForImageTextToText
 
     torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_pretrained(model_dir(family), attn_implementation="sdpa")
+    generated_video = scenario == SCENARIOS[1]
+    path = video_pad_model_dir() if generated_video else model_dir(family)
+    model = AutoModelForImageTextToText.from_pretrained(path, attn_implementation="sdpa")
     config_class, trainer_class = (trl.GRPOConfig, trl.GRPOTrainer) if kind == "grpo" else (
         trl.RLOOConfig, trl.RLOOTrainer)
 
@@ -84,7 +120,8 @@ def build(kind: str, family: str, output_dir: str, *, lora: bool = False, seen: 
 
     tokenizer = vision_trl.processor(family).tokenizer
     # no image tokens generated: TRL would take them for an image's in its padded forward (and fail)
-    special = sorted(set(tokenizer.all_special_ids) - {tokenizer.eos_token_id})
+    allowed = {tokenizer.eos_token_id, model.config.video_token_id} if generated_video else {tokenizer.eos_token_id}
+    special = sorted(set(tokenizer.all_special_ids) - allowed)
     settings = dict(output_dir=output_dir, per_device_train_batch_size=8, num_generations=4,
                     max_completion_length=10, max_steps=STEPS, learning_rate=1e-4, logging_steps=1, report_to=[],
                     seed=0, beta=0.1, save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True,
@@ -98,7 +135,8 @@ def build(kind: str, family: str, output_dir: str, *, lora: bool = False, seen: 
     # prompts padded left, as TRL pads its prompt ids: the processor's per-token modalities line up with them
     processor.tokenizer.padding_side = "left"
     return trainer_class(model=model, reward_funcs=length_reward, args=config_class(**settings),
-                         train_dataset=prompts(), processing_class=processor, **extra)
+                         train_dataset=one_image_prompts() if generated_video else prompts(),
+                         processing_class=processor, **extra)
 
 
 def train(kind: str, family: str, accelerated: bool, media_calls: list | None = None, *, leak: float = 0.0,
@@ -122,6 +160,7 @@ def train(kind: str, family: str, accelerated: bool, media_calls: list | None = 
             trainer.train()
         if acceleration is not None:
             acceleration.undo()
+            run.calls = acceleration.trainer_patch.calls
     run.history = [entry for entry in trainer.state.log_history if "loss" in entry]
     run.completions = completions
     run.fused_calls = counter[0] if counter is not None else 0
@@ -158,6 +197,37 @@ def test_rl_on_image_text_prompts_trains_the_padded_run(kind, family, options, m
     worst = differences(got.history, want.history)
     print("largest differences (difference, tolerance):", {key: f"{d:.1e}/{t:.1e}" for key, (d, t) in worst.items()})
     assert beyond_tolerance(got, want) == {}
+
+
+#: The scenario of :data:`SCENARIOS` ``generated video placeholders``: 6 steps, 8 generations a prompt, completions
+#: of 1…8 tokens (some clipped), two prompts a generation (left-padded) split into two calls of 8 rows.
+GENERATED_VIDEO = dict(scenario=SCENARIOS[1], num_generations=8, max_completion_length=8, max_steps=6,
+                       steps_per_generation=2)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_completions_with_generated_video_placeholders_are_packed(kind, media_calls):
+    """Prompts with one image each, left-padded, 8 generations; the model generates ``<|video_pad|>`` in its
+    completions. TRL types those tokens text (``mm_token_type_ids`` 0) and its forward, given no video, embeds and
+    positions them as text: a well-formed call, which is packed the same way (each such token text). Every fused
+    forward packed, none padded, no warning; every logged value of the 6 steps within 1e-4 of its scale."""
+    options = dict(GENERATED_VIDEO, **({"loss_type": "grpo"} if kind == "grpo" else {}))
+    want = padded(kind, "qwen2_5_vl", **options)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*runs padded")
+        got = train(kind, "qwen2_5_vl", True, media_calls, **options)
+    video_pad = vision_trl.processor("qwen2_5_vl").tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    generated = sum(video_pad in ids for batch in want.completions for ids in batch)
+    assert generated >= 4, f"too few completions hold a generated <|video_pad|> ({generated}) to test them"
+    lengths = {len(ids) for batch in want.completions for ids in batch}
+    assert min(lengths) == 1 and max(lengths) == 8 and len(lengths) > 4, lengths
+    assert want.fused_calls > 0 and len(got.packed) == want.fused_calls and all(got.packed), got.packed
+    assert (got.calls.packed, got.calls.padded) == (want.fused_calls, {})
+    assert got.history[-1]["padfree/packed_calls"] == want.fused_calls and got.history[-1]["padfree/padded_calls"] == 0
+    assert got.completions == want.completions, "completions diverged between the padded and the packed run"
+    worst = differences(got.history, want.history, count=6)
+    print("largest differences (difference, tolerance):", {key: f"{d:.1e}/{t:.1e}" for key, (d, t) in worst.items()})
+    assert beyond_tolerance(got, want, count=6) == {}
 
 
 def test_a_leak_across_boundaries_fails_the_grpo_comparison(media_calls):

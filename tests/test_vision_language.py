@@ -106,6 +106,33 @@ def test_a_text_only_batch_equals_each_example_alone(family):
         torch.testing.assert_close(logits[cu[index]:cu[index + 1]], reference, atol=1e-5, rtol=1e-5)
 
 
+def test_a_placeholder_of_an_absent_media_typed_text_is_text(family):
+    """Video placeholders in examples without video (one with an image, one text only), typed text by the examples' own
+    ``mm_token_type_ids`` — tokens a model generated in a completion: packed as text, each example equal to the model
+    run on it alone with those types; without the types, refused as placeholders without their video."""
+    name, processor, model = family
+    video = model.config.video_token_id
+    examples = []
+    for base in (image_text_example(processor, "a picture <image> of words", [synthetic_image(60, 90, 0)]),
+                 image_text_example(processor, "no image here, only words")):
+        ids = torch.tensor([*base["input_ids"], video, int(base["input_ids"][-1]), video])
+        types = token_types(model, ids).masked_fill(ids == video, 0)
+        examples.append({**base, "input_ids": ids.tolist(), "mm_token_type_ids": types.tolist()})
+    reference, packed = copy.deepcopy(model), copy.deepcopy(model)
+    assembly = assemble(packed, {"task": "causal_lm"})
+    batch = assembly.collator(examples)
+    logits = assembly.forward(packed, batch).logits[0]
+    cu = batch["cu_seq_lens_q"].tolist()
+    for index, example in enumerate(examples):
+        media = {key: value for key, value in example.items() if key not in ("input_ids", "mm_token_type_ids")}
+        alone = reference(input_ids=torch.tensor([example["input_ids"]]),
+                          mm_token_type_ids=torch.tensor([example["mm_token_type_ids"]]), **media).logits[0]
+        torch.testing.assert_close(logits[cu[index]:cu[index + 1]], alone, atol=1e-5, rtol=1e-5)
+    with pytest.raises(BatchError, match="video tokens but no"):
+        assembly.collator([{key: value for key, value in examples[0].items() if key != "mm_token_type_ids"}])
+    assembly.undo()
+
+
 def assert_examples_match(logits, batch, alone) -> None:
     cu = batch["cu_seq_lens_q"].tolist()
     for index, reference in enumerate(alone):

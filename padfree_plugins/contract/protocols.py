@@ -172,6 +172,13 @@ class TrainerPatchLike(Protocol):
     def undo(self) -> None: ...
 
 
+class ReportsRun(Protocol):
+    """Optional: ``describe()`` says what the trainer patch did so far (e.g. how many log-probability calls ran
+    packed and how many padded, by reason); ``Acceleration.describe()`` shows it."""
+
+    def describe(self) -> dict[str, Any]: ...
+
+
 def _attributes(*protocols: type) -> tuple[str, ...]:
     names: list[str] = []
     for protocol in protocols:
@@ -186,4 +193,5 @@ OPTIONAL_ATTRIBUTES: dict[str, tuple[str, ...]] = {
                            AsksLabelledLogits, DerivesLabels, PacksMedia),
     "task_forward": _attributes(ChecksModel, RunsInsideModelForward, UsesAssemblyPooler, ChoosesMetrics,
                                 SaysLossScaling),
+    "wrap_trainer": _attributes(ReportsRun),
 }

@@ -53,9 +53,10 @@ class Acceleration:
 
     def describe(self) -> dict[str, Any]:
         wrapper = type(self.trainer_patch).__name__
+        reported = getattr(self.trainer_patch, "describe", None)  # what it did so far (fused calls run padded …)
         return {"trainer": type(self.trainer).__name__,
                 "wrapper": f"{wrapper} (plugin {self.trainer_plugin})" if self.trainer_plugin else wrapper,
-                **self.assembly.describe()}
+                **self.assembly.describe(), **(reported() if callable(reported) else {})}
 
 
 def refuse_unplanned_pixels(trainer: Any, trainer_patch: Any, config: PadfreeConfig) -> None:

@@ -27,8 +27,16 @@ rows (:func:`pack_media_call`: the real tokens by the mask; each row's media by 
 :meth:`~padfree_plugins.packing.multimodal.MultimodalCollator.split_call` — Qwen's grids, Gemma 3's images, Idefics3's
 tiles batched per row, LLaVA-OneVision's images by size), the rows packed by that collator (each row's positions as if
 it ran alone, its media beside its tokens, every example checked as in SFT), and the packed row run through TRL's
-fused forward as for text. A call that cannot be split exactly (placeholders that do not match the media, per-token
-modalities that are not the placeholders', other per-token inputs, an empty row) runs TRL's forward, padded.
+fused forward as for text. A placeholder token of a media the call has none of, typed text by the call's
+``mm_token_type_ids`` (one the policy generated in a completion: TRL types completions text, and the model, given no
+such media, embeds and positions it as text), is packed as text. A call that cannot be split exactly (placeholders
+that do not match the media, per-token modalities that are not the placeholders' — TRL's ``mm_token_type_ids`` laid
+out for right-padded prompts, say —, other per-token inputs, an empty row) runs TRL's forward, padded.
+
+Every fused call that runs padded says why in a warning, the first time for each reason (per trainer patch:
+:class:`FusedCalls`), and every fused call is counted, packed or padded by reason: ``Acceleration.describe()``
+(``fused calls``) and the trainer's log (``padfree/packed_calls``, ``padfree/padded_calls``, so far) show the counts.
+A call without any pad runs as it is (nothing to gain), counted apart and not said.
 
 Under sequence parallelism (``sequence_parallel.size: N``, the model's patch holding a
 :class:`~padfree_plugins.modeling.attention.ulysses.SequenceGroup`), each rank packs its own fused call (a batch
@@ -64,7 +72,7 @@ from padfree_plugins.modeling.attention.ulysses import SequenceGroup, gather_seq
 from padfree_plugins.modeling.patching import own_attribute, patch_of, restore_attributes, unwrap_model
 from padfree_plugins.modeling.sequence_parallel import gather_rows
 from padfree_plugins.packing.batch import BOUNDARY_KEYS, MEDIA_KEYS, MODEL_INPUT_KEYS, packed_tokens
-from padfree_plugins.packing.multimodal import MODALITY_KEYS, MultimodalCollator
+from padfree_plugins.packing.multimodal import MODALITY_KEYS, TOKEN_TYPES_KEY, MultimodalCollator
 from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY
 from padfree_plugins.packing.sequence_parallel import MAX_KEYS, join_rows, slice_row
 
@@ -137,64 +145,119 @@ def media_collator(assembly: Assembly | None) -> MultimodalCollator | None:
     return collator if isinstance(collator, MultimodalCollator) else None
 
 
-def _modalities_match(inputs: dict, spans: list, real: list[torch.Tensor], collator: MultimodalCollator,
-                      shape: torch.Size) -> bool:
-    """Whether the call's per-token modalities (``mm_token_type_ids``, Gemma's ``token_type_ids``), where given, are
-    those the collator reads off the tokens (0 text, the media's number at its placeholders) at every real token."""
+def _spans_text(columns: torch.Tensor) -> str:
+    """Column indices as runs: ``5-68, 70``."""
+    runs, values = [], columns.tolist()
+    for column in values:
+        if runs and column == runs[-1][1] + 1:
+            runs[-1][1] = column
+        else:
+            runs.append([column, column])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs) or "none"
+
+
+def modality_mismatch(inputs: dict, spans: list, real: list[torch.Tensor], collator: MultimodalCollator,
+                      shape: torch.Size) -> tuple[str, str] | None:
+    """Why the call's per-token modalities (``mm_token_type_ids``, Gemma's ``token_type_ids``), where given, are not
+    those the collator reads off the tokens (0 text, the media's number at its placeholders) at every real token:
+    ``(reason, detail)``, or ``None`` when they agree. A placeholder of a media the call has none of, typed text
+    (``mm_token_type_ids`` 0), agrees: the model embeds and positions it as text (a placeholder generated in a
+    completion; the collator packs it as text, :meth:`~padfree_plugins.packing.multimodal.MultimodalCollator.
+    placeholders`)."""
+    absent = [media for media in collator.media if inputs.get(media.pixels) is None]
     for key in MODALITY_KEYS:
         types = inputs.get(key)
         if not isinstance(types, torch.Tensor):
             continue
         if types.shape != shape:
-            return False
-        flat = types.detach().cpu()
+            return (f"its {key} are not one per token", f"{key} {tuple(types.shape)}, attention_mask {tuple(shape)}")
+        flat = types.detach().cpu().long()
         for row, ((start, length), tokens) in enumerate(zip(spans, real)):
+            given = flat[row, start:start + length]
             want = torch.zeros_like(tokens)
             for media in collator.media:
                 want[tokens == collator.token_ids[media.name]] = media.modality
-            if not torch.equal(flat[row, start:start + length].long(), want):
-                return False
-    return True
+            if key == TOKEN_TYPES_KEY:  # placeholders of an absent media typed text: text to the model
+                for media in absent:
+                    want[(tokens == collator.token_ids[media.name]) & (given == 0)] = 0
+            outside = int(flat[row].count_nonzero()) - int(given.count_nonzero())  # typed media at pads
+            if outside == 0 and torch.equal(given, want):
+                continue
+            wrong = torch.nonzero(given != want).flatten()
+            if outside == 0 and bool((given[wrong] == 0).all()):  # only placeholders typed text
+                names = sorted({media.name for media in collator.media for column in wrong.tolist()
+                                if int(tokens[column]) == collator.token_ids[media.name]})
+                return (f"{'/'.join(names)} placeholder tokens typed text by its {key} while the call has that "
+                        "media: the model fills every such placeholder with media features, so the call is not well "
+                        "formed (a completion that holds a generated placeholder token: TRL's forward fails on it; "
+                        "suppress those tokens in generation)",
+                        f"row {row}, columns {_spans_text(wrong + start)}")
+            typed = torch.nonzero(flat[row]).flatten()
+            placed = torch.nonzero(want).flatten() + start
+            detail = (f"row {row}: its {key} mark columns {_spans_text(typed)}, its placeholders are at columns "
+                      f"{_spans_text(placed)}")
+            if start and len(typed) and len(placed) and int(typed[0]) - int(placed[0]) == -start:
+                detail += (f" (shifted by its {start} left pads: the processor padded the prompts on the right, "
+                           "TRL pads them on the left; set processor.tokenizer.padding_side = 'left')")
+            return (f"its {key} do not line up with its tokens: TRL's input is not consistent, and its padded "
+                    "forward computes positions from these modalities", detail)
+    return None
 
 
-def pack_media_call(inputs: dict, mask: torch.Tensor, labels: torch.Tensor,
-                    collator: MultimodalCollator) -> tuple[dict, unpad.Unpadded] | None:
+def pack_media_call(inputs: dict, mask: torch.Tensor, labels: torch.Tensor, collator: MultimodalCollator,
+                    refused: unpad.Refused = unpad.ignore_refusal) -> tuple[dict, unpad.Unpadded] | None:
     """A padded fused call with media (``inputs``: its keyword arguments but the labels) split into its rows — each
     row's real tokens and, by the family's :meth:`~padfree_plugins.packing.multimodal.MultimodalCollator.split_call`,
     its own media — and packed by ``collator`` as those examples alone would be; and where its tokens went. ``None``
-    when the call cannot be split exactly: it then runs padded."""
+    when the call cannot be split exactly: it then runs padded, and ``refused(reason, detail)`` is told why."""
     ids = inputs.get("input_ids")
-    if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape != mask.shape or \
-            inputs.get("position_ids") is not None:
+    if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape != mask.shape:
+        refused("its input_ids are not [rows, width] of its attention_mask", "")
+        return None
+    if inputs.get("position_ids") is not None:
+        refused("it is given position_ids (the collator computes each row's own)", "")
         return None
     media_keys = set(collator.media_keys)
     for key, value in inputs.items():  # anything per token, or media the collator does not know, refused
         if key in ("input_ids", "attention_mask", *MODALITY_KEYS, *media_keys) or value is None:
             continue
         if key in MEDIA_KEYS or key in BOUNDARY_KEYS or isinstance(value, torch.Tensor):
+            refused(f"it holds an input the {type(collator).__name__} does not split by row", repr(key))
             return None
-    spans = unpad.contiguous_rows(mask, labels)
-    if spans is None or not all(length for _, length in spans):
+    spans = unpad.contiguous_rows(mask, labels, refused)
+    if spans is None:
+        return None
+    if not all(length for _, length in spans):
+        refused("a row holds no real token", f"row {[length for _, length in spans].index(0)}")
         return None
     flat = ids.detach().cpu()
     real = [flat[row, start:start + length] for row, (start, length) in enumerate(spans)]
-    placeholders = list(collator.token_ids.values())
-    # every placeholder in a row's real tokens (none at pads), every modality the tokens' own
-    if int(torch.isin(flat, torch.tensor(placeholders)).sum()) != \
-            sum(int(torch.isin(tokens, torch.tensor(placeholders)).sum()) for tokens in real) or \
-            not _modalities_match(inputs, spans, real, collator, mask.shape):
+    placeholders = torch.tensor(list(collator.token_ids.values()))
+    at_pads = int(torch.isin(flat, placeholders).sum()) - sum(int(torch.isin(tokens, placeholders).sum())
+                                                              for tokens in real)
+    if at_pads:  # every placeholder in a row's real tokens, none at pads
+        refused("media placeholder tokens sit at padded positions", f"{at_pads} of them")
         return None
+    mismatch = modality_mismatch(inputs, spans, real, collator, mask.shape)
+    if mismatch is not None:
+        refused(*mismatch)
+        return None
+    types = inputs.get(TOKEN_TYPES_KEY)
+    types = [types.detach().cpu()[row, start:start + length].tolist() for row, (start, length) in enumerate(spans)] \
+        if isinstance(types, torch.Tensor) else [None] * len(real)
     try:
         media = collator.split_call(inputs, real)
-        batch = collator([{"input_ids": tokens.tolist(), **own} for tokens, own in zip(real, media)])
-    except PadfreeError as error:  # correct but padded: said (once per reason), not silent
-        warnings.warn(f"an image-text log-probability call runs padded (TRL's own forward): its media cannot be "
-                      f"split by row: {error}", stacklevel=2)
+        batch = collator([{"input_ids": tokens.tolist(), **own, **({TOKEN_TYPES_KEY: kinds} if kinds else {})}
+                          for tokens, own, kinds in zip(real, media, types)])
+    except PadfreeError as error:
+        refused("its media cannot be split by row", str(error))
         return None
     index = torch.cat([torch.arange(length) + row * mask.shape[1] + start for row, (start, length) in enumerate(spans)])
     lengths = [length for _, length in spans]
     if batch["cu_seq_lens_q"].diff().tolist() != lengths or \
             not torch.equal(batch["input_ids"].reshape(-1).cpu(), flat.reshape(-1).index_select(0, index)):
+        refused("the collator did not keep every real token of its rows (max_length?)",
+                f"rows of {lengths} tokens, packed {batch['cu_seq_lens_q'].diff().tolist()}")
         return None
     device = mask.device
     packed = {key: value for key, value in inputs.items()
@@ -204,6 +267,50 @@ def pack_media_call(inputs: dict, mask: torch.Tensor, labels: torch.Tensor,
             value = batch[key]
             packed[key] = value.to(device) if isinstance(value, torch.Tensor) else value
     return packed, unpad.Unpadded(mask.shape[0], mask.shape[1], index)
+
+
+@dataclass
+class FusedCalls:
+    """How a trainer's fused log-probability calls ran: ``packed``; ``unpadded`` (no pad: run as they are, nothing
+    to gain); ``padded`` (TRL's own forward), counted by reason. The first call of each reason says it in a warning;
+    later ones are counted only. One per trainer patch, shared by its policy's and reference model's heads."""
+
+    #: Who runs the calls, for the warnings (the trainer's class name).
+    owner: str = "a trainer"
+    packed: int = 0
+    unpadded: int = 0
+    padded: dict[str, int] = field(default_factory=dict)
+
+    def ran_packed(self) -> None:
+        self.packed += 1
+
+    def ran_padded(self, reason: str, detail: str = "") -> None:
+        """One call ran padded (or without padding, ``reason`` :data:`~padfree_plugins.modeling.unpad.NO_PADDING`)
+        for ``reason``; said in a warning the first time."""
+        if reason == unpad.NO_PADDING:
+            self.unpadded += 1
+            return
+        if reason not in self.padded:
+            warnings.warn(f"{self.owner}: a log-probability call runs padded (TRL's own forward), not packed: "
+                          f"{reason}{f' [{detail}]' if detail else ''}. Later calls padded for this reason are "
+                          "counted, not said again (Acceleration.describe(), the trainer's log "
+                          "padfree/padded_calls)", UserWarning, stacklevel=4)
+        self.padded[reason] = self.padded.get(reason, 0) + 1
+
+    @property
+    def padded_total(self) -> int:
+        return sum(self.padded.values())
+
+    def metrics(self) -> dict[str, int]:
+        """The counts so far, as the trainer's log reports them."""
+        return {"padfree/packed_calls": self.packed, "padfree/padded_calls": self.padded_total}
+
+    def describe(self) -> str:
+        """``"12 packed, 0 padded"``, then each reason's count."""
+        text = f"{self.packed} packed, {self.padded_total} padded"
+        if self.unpadded:
+            text += f", {self.unpadded} without padding (run as they are)"
+        return text + "".join(f"; {count} padded: {reason}" for reason, count in self.padded.items())
 
 
 @dataclass
@@ -221,10 +328,12 @@ class PackedFusedHead:
     sequence: SequenceGroup | None = None
     #: Whether text calls share their rows' repeated prompts (:func:`~padfree_plugins.modeling.unpad.shared_rows`).
     share_prefixes: bool = False
+    #: Where the fused calls are counted, packed or padded (by reason): the trainer patch's, shared by its heads.
+    calls: FusedCalls = field(default_factory=FusedCalls)
 
     @classmethod
-    def install(cls, model: Any, collator: MultimodalCollator | None = None,
-                share_prefixes: bool = False) -> PackedFusedHead:
+    def install(cls, model: Any, collator: MultimodalCollator | None = None, share_prefixes: bool = False,
+                calls: FusedCalls | None = None) -> PackedFusedHead:
         original = fused_forward_of(model)
         if original is None:
             raise PadfreeError(
@@ -239,7 +348,7 @@ class PackedFusedHead:
             raise PadfreeError("shared prefixes are not split across ranks: set prefix_sharing: off under sequence "
                                "parallelism")
         head = cls(model, original, {"forward": own_attribute(model, "forward")}, collator, sequence,
-                   share_prefixes)
+                   share_prefixes, calls if calls is not None else FusedCalls())
 
         @functools.wraps(original)  # the model's own signature, which generate() checks its model kwargs against
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -250,23 +359,15 @@ class PackedFusedHead:
 
     def forward(self, *args: Any, fused_lm_head: bool = False, labels: Any = None, shift_labels: Any = None,
                 **kwargs: Any) -> Any:
-        packed = None
-        mask = kwargs.get("attention_mask")
-        fused = fused_lm_head and not args and shift_labels is None and isinstance(labels, torch.Tensor) and \
-            isinstance(mask, torch.Tensor) and labels.shape == mask.shape
-        if fused and self.collator is not None:
-            if not any(kwargs.get(key) is not None for key in ("past_key_values", "inputs_embeds")):
-                packed = pack_media_call(kwargs, mask, labels.to(mask.device), self.collator)
-        elif fused and not any(kwargs.get(key) is not None for key in UNPACKED_INPUTS):
-            # under sequence parallelism a call without padding is packed too (the group exchanges every call)
-            packed = unpad.pack_padded_call(kwargs, mask, labels.to(mask.device), self.sequence is not None,
-                                            self.share_prefixes)
+        packed = self.pack(args, labels, shift_labels, kwargs) if fused_lm_head else None
         if fused_lm_head and self.sequence is not None:  # every rank of the group packs its call, or none does
-            if not all_ranks_pack(packed is not None, self.sequence, self.model.device):
+            if not all_ranks_pack(packed is not None, self.sequence, self.model.device) and packed is not None:
                 packed = None
+                self.calls.ran_padded("another rank of the sequence-parallel group runs its call padded")
         if packed is None:
             return self.original(*args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
                                  **kwargs)
+        self.calls.ran_packed()
         inputs, unpadded = packed
         # the label each packed token predicts: the padded row's next column (-100 past the row's end)
         shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
@@ -278,6 +379,35 @@ class PackedFusedHead:
         for key in list(output.keys()):
             output[key] = padded_per_token(output[key], unpadded)
         return output
+
+    def pack(self, args: tuple, labels: Any, shift_labels: Any, kwargs: dict) -> tuple[dict, unpad.Unpadded] | None:
+        """The packed form of a fused call, or ``None`` (then :attr:`calls` is told why: it runs padded)."""
+        why: list[tuple[str, str]] = []
+        packed = None
+
+        def refused(reason: str, detail: str = "") -> None:
+            why.append((reason, detail))
+
+        mask = kwargs.get("attention_mask")
+        if args or shift_labels is not None:
+            refused("it is given positional arguments or shift_labels (TRL's calls give neither)")
+        elif not isinstance(labels, torch.Tensor) or not isinstance(mask, torch.Tensor) or labels.shape != mask.shape:
+            refused("it has no labels and attention_mask of one shape")
+        elif any(kwargs.get(key) is not None for key in ("past_key_values", "inputs_embeds")):
+            refused("it is given past_key_values or inputs_embeds")
+        elif self.collator is not None:
+            packed = pack_media_call(kwargs, mask, labels.to(mask.device), self.collator, refused)
+        elif any(kwargs.get(key) is not None for key in UNPACKED_INPUTS):
+            refused("it holds media, boundaries or shared prefixes, which this trainer's text calls do not pack",
+                    ", ".join(key for key in UNPACKED_INPUTS if kwargs.get(key) is not None))
+        else:
+            # under sequence parallelism a call without padding is packed too (the group exchanges every call)
+            packed = unpad.pack_padded_call(kwargs, mask, labels.to(mask.device), self.sequence is not None,
+                                            self.share_prefixes, refused)
+        if why or packed is None:
+            self.calls.ran_padded(*(why[0] if why else ("it was not packed", "")))
+            return None
+        return packed
 
     def remove(self) -> None:
         restore_attributes(self.model, self.saved)
@@ -323,6 +453,11 @@ class FusedTrainerPatch:
     loads: Any = None
     #: The batching plan written into checkpoints and checked on resuming (:mod:`.resume`).
     resume: ResumeGuard | None = None
+    #: How the policy's and the reference model's fused calls ran (packed, padded by reason), in the trainer's log
+    #: and :meth:`describe`.
+    calls: FusedCalls = field(default_factory=FusedCalls)
+    #: The trainer's own ``log`` (bound), which :meth:`log` calls.
+    trainer_log: Any = None
 
     @classmethod
     def claims(cls, trainer: Any) -> bool:
@@ -439,19 +574,34 @@ class FusedTrainerPatch:
     def install(self) -> None:
         media = self.packs_media
         share = self.shares_prefixes
+        self.calls = FusedCalls(type(self.trainer).__name__)
         if uses_token_budget(self.assembly.config):
             self.saved["get_train_dataloader"] = own_attribute(self.trainer, "get_train_dataloader")
             self.trainer.get_train_dataloader = self.train_dataloader
         self.resume = ResumeGuard.install(self.trainer, lambda: plan_fingerprint(
             self.trainer, self.assembly.config, self.planned_lengths), self.saved)
+        self.saved["log"], self.trainer_log = own_attribute(self.trainer, "log"), self.trainer.log
+        self.trainer.log = self.log
         self.heads.append(PackedFusedHead.install(self.assembly.model,
-                                                  media_collator(self.assembly) if media else None, share))
+                                                  media_collator(self.assembly) if media else None, share,
+                                                  self.calls))
         ref_model = getattr(self.trainer, "ref_model", None)
         if ref_model is not None:
             inner = unwrap_model(ref_model)
             self.ref_assembly = assemble(inner, self.assembly.config, host=self.assembly.host)
             self.heads.append(PackedFusedHead.install(inner, media_collator(self.ref_assembly) if media else None,
-                                                      share))
+                                                      share, self.calls))
+
+    def log(self, logs: dict, *args: Any, **kwargs: Any) -> Any:
+        """The trainer's ``log``, every entry with the fused calls counted so far (``padfree/packed_calls``,
+        ``padfree/padded_calls``) once there are any."""
+        if self.calls.packed or self.calls.padded or self.calls.unpadded:
+            logs = {**logs, **self.calls.metrics()}
+        return self.trainer_log(logs, *args, **kwargs)
+
+    def describe(self) -> dict[str, str]:
+        """What the patch did so far, for ``Acceleration.describe()``: how the fused calls ran."""
+        return {"fused calls": self.calls.describe()}
 
     def undo(self) -> None:
         """TRL's fused forwards back on the policy and the reference model, the reference model unpatched. Safe

@@ -21,7 +21,7 @@ collator instead.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +36,15 @@ from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, Segment, Share
 UNPAD_MODES = ("auto", "always", "off")
 #: Keys of the padded call that the packed call replaces or drops.
 REPLACED_KEYS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "cache_position")
+#: Why a call without any pad is not packed: nothing to gain (it runs as it is, padded by nothing).
+NO_PADDING = "it holds no pad"
+#: Told why a call is not packed: ``refused(reason, detail)`` (``reason`` a short fixed phrase, one per kind of
+#: refusal; ``detail`` this call's particulars, or ``""``).
+Refused = Callable[[str, str], None]
+
+
+def ignore_refusal(reason: str, detail: str = "") -> None:
+    """A :data:`Refused` that is told nothing (the caller does not ask why)."""
 
 
 @dataclass(frozen=True)
@@ -70,10 +79,12 @@ class Unpadded:
         return grid.index_copy(0, self.index.to(tokens.device), tokens)
 
 
-def contiguous_rows(mask: torch.Tensor, labels: torch.Tensor | None = None) -> list[tuple[int, int]] | None:
+def contiguous_rows(mask: torch.Tensor, labels: torch.Tensor | None = None,
+                    refused: Refused = ignore_refusal) -> list[tuple[int, int]] | None:
     """``(first, length)`` of each row's ones, read in one transfer from the device; ``None`` when a row's ones are
     not contiguous (a mask with holes), the mask is not 0 / 1, or ``labels`` (the head's, ``[rows, width]``) give
-    a pad a token to predict: the padded loss then holds a term computed from a pad, which a packed row has not."""
+    a pad a token to predict: the padded loss then holds a term computed from a pad, which a packed row has not
+    (``refused`` is told which)."""
     ones = mask != 0
     width = mask.shape[1]
     lengths = ones.sum(1)
@@ -85,33 +96,48 @@ def contiguous_rows(mask: torch.Tensor, labels: torch.Tensor | None = None) -> l
         from_a_pad = ((labels[:, 1:] != -100) & ~ones[:, :-1]).any(1)
     stats = torch.stack([lengths, first, last, binary.long(), from_a_pad.long()], 1).tolist()
     rows = []
-    for length, start, end, is_binary, predicted_from_a_pad in stats:
-        if not is_binary or predicted_from_a_pad or (length and end - start + 1 != length):
+    for row, (length, start, end, is_binary, predicted_from_a_pad) in enumerate(stats):
+        if not is_binary:
+            refused("its attention_mask holds values other than 0 and 1", f"row {row}")
+            return None
+        if predicted_from_a_pad:
+            refused("its labels give a pad a token to predict (padded, a pad's logits score it; packed, no pad "
+                    "exists)", f"row {row}")
+            return None
+        if length and end - start + 1 != length:
+            refused("its attention_mask has holes (a row's real tokens are not one run)", f"row {row}")
             return None
         rows.append((start, length))
     return rows
 
 
 def pack_padded_call(inputs: dict, mask: torch.Tensor, labels: torch.Tensor | None = None,
-                     without_padding: bool = False, share_prefixes: bool = False) -> tuple[dict, Unpadded] | None:
+                     without_padding: bool = False, share_prefixes: bool = False,
+                     refused: Refused = ignore_refusal) -> tuple[dict, Unpadded] | None:
     """The packed call of a padded one (``inputs``: the base model's keyword arguments; ``labels``: those the
     model's head got), and where its tokens went; ``None`` when the call is not one to unpad (see the module
     docstring). ``without_padding``: a call without any pad is packed too (sequence parallelism splits its row).
     ``share_prefixes``: rows that begin with the same unlabelled tokens at the same positions (a DPO pair's prompt,
     a GRPO group's) hold them once, as a prefix segment their rests continue (:func:`shared_rows`); such a call is
-    packed even without a pad."""
+    packed even without a pad. ``refused`` is told why a call is not packed (:data:`NO_PADDING` for a call without
+    a pad)."""
     tokens = inputs.get("input_ids")
     tokens = inputs.get("inputs_embeds") if tokens is None else tokens
     if tokens is None or mask.ndim != 2 or tuple(tokens.shape[:2]) != tuple(mask.shape):
+        refused("its attention_mask is not 2-D with the shape of its tokens", "")
         return None
     rows, width = mask.shape
-    spans = contiguous_rows(mask, labels)
-    if spans is None or not any(length for _, length in spans):
+    spans = contiguous_rows(mask, labels, refused)
+    if spans is None:
+        return None
+    if not any(length for _, length in spans):
+        refused("no row holds a real token", "")
         return None
     given = inputs.get("position_ids")
     given = given if isinstance(given, torch.Tensor) and given.shape == mask.shape else None
     segments = shared_rows(inputs.get("input_ids"), given, labels, spans) if share_prefixes else None
     if segments is None and not without_padding and all(length == width for _, length in spans):
+        refused(NO_PADDING, "")
         return None
     if segments is None:
         segments = [Segment(row, 0, length) for row, (_, length) in enumerate(spans) if length]

@@ -12,7 +12,10 @@ image's grid (``image_grid_thw``: ``[images, 3]``). :class:`MultimodalCollator` 
   tokens per item, ``t·h·w`` pixel rows), a grid comes with its pixels, and nothing is truncated;
 * positions: with a per-example position function (Qwen's mRoPE), ``position_ids`` becomes ``[4, 1, T]`` — the text
   row first (transformers' layout, which says where examples start), then the three rotary rows of every example
-  computed as if it ran alone.
+  computed as if it ran alone;
+* a placeholder token of a media the example has none of, typed text (0) by the example's own
+  ``mm_token_type_ids`` — one a model generated in a completion — is text: the model fills placeholders only with
+  the media it is given, so it embeds that token and positions it as text (:meth:`MultimodalCollator.placeholders`).
 """
 
 from __future__ import annotations
@@ -148,11 +151,12 @@ class MultimodalCollator:
         TiledCollator`: tiles batched per row; ``AnyResolutionCollator``: patches per image, sizes by image)."""
         split: list[dict[str, Any]] = [{} for _ in rows]
         for media in self.media:
-            counts = [int((tokens == self.token_ids[media.name]).sum()) for tokens in rows]
             if inputs.get(media.pixels) is None:
-                if sum(counts) or any(inputs.get(key) is not None for key in media.keys):
-                    raise BatchError(f"a call with {sum(counts)} {media.name} tokens and no {media.pixels!r}")
-                continue
+                given = [key for key in media.keys if inputs.get(key) is not None]
+                if given:
+                    raise BatchError(f"a call with {', '.join(map(repr, given))} and no {media.pixels!r}")
+                continue  # its placeholders, if any, are checked per example (:meth:`placeholders`)
+            counts = [int((tokens == self.token_ids[media.name]).sum()) for tokens in rows]
             pixels = self._unbatched_pixels(media, inputs[media.pixels])
             sizes = self._item_sizes(media, inputs, pixels)
             per_item = {key: inputs[key] for key in (media.grid, *media.extra)
@@ -224,13 +228,28 @@ class MultimodalCollator:
         labels = np.where(np.isin(ids, list(self.token_ids.values())), -100, ids)
         return {**example, "labels": labels.tolist()}
 
+    def placeholders(self, example: Mapping[str, Any], media: Media) -> np.ndarray:
+        """Where ``example``'s tokens are ``media``'s placeholders (bool, one per token). Where the example has none
+        of that media and gives its own ``mm_token_type_ids``, the tokens it types as text (0) are left out: a
+        placeholder a model generated in a completion, which the model, given no such media, embeds and positions
+        as text (Qwen-VL's forward fills placeholders only with the media it is given)."""
+        ids = np.asarray(example["input_ids"]).reshape(-1)
+        found = ids == self.token_ids[media.name]
+        types = example.get(TOKEN_TYPES_KEY)
+        if types is None or any(example.get(key) is not None for key in media.keys):
+            return found
+        types = np.asarray(types).reshape(-1)
+        if types.shape != ids.shape:
+            raise BatchError(f"{TOKEN_TYPES_KEY!r} of {types.shape[0]} tokens for {ids.shape[0]} input_ids")
+        return found & (types != 0)
+
     def _media_of(self, example: Mapping[str, Any], index: int) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
         """An example's media tensors (by key) and its placeholder count per media, checked against each other."""
         ids = np.asarray(example["input_ids"]).reshape(-1)
         found: dict[str, torch.Tensor] = {}
         counts: dict[str, int] = {}
         for media in self.media:
-            placeholders = int((ids == self.token_ids[media.name]).sum())
+            placeholders = int(self.placeholders(example, media).sum())
             counts[media.name] = placeholders
             pixels = example.get(media.pixels)
             grid = example.get(media.grid) if media.grid is not None else None
@@ -310,7 +329,7 @@ class MultimodalCollator:
             ids = torch.as_tensor(np.asarray(example["input_ids"]).reshape(-1)[:length], dtype=torch.long)
             types = torch.zeros_like(ids)
             for media in self.media:
-                types[ids == self.token_ids[media.name]] = media.modality
+                types[torch.as_tensor(self.placeholders(example, media)[:length])] = media.modality
             grids = {media.grid: found.get(media.grid) for media in self.media if media.grid is not None}
             grids.update({key: found[key] for media in self.media for key in media.extra if key in found})
             rows.append(self.positions(ids, types, grids))
