@@ -419,7 +419,7 @@ class PackingCollator:
         example = int(np.searchsorted(np.cumsum(lengths), int(np.flatnonzero(ids == bad)[0]), side="right"))
         raise BatchError(outside_vocabulary_message(f"example {example}", bad, self.vocab_size))
 
-    def overlong_message(self, index: int, length: int, where: str = "") -> str:
+    def overlong_message(self, index: int | str, length: int, where: str = "") -> str:
         """The error for an example longer than ``max_length`` (also used by the dataset check)."""
         if self.limit_source:
             return (
