@@ -503,10 +503,34 @@ def split_packed_rows(rows: Sequence[Mapping[str, Any]]) -> list:
     return list(rows)
 
 
-def model_token_limit(model_config, position_start: int = 0) -> int | None:
-    """The longest example the model's position table takes (``None`` when the config states no limit)."""
+def rope_tables(text_config) -> list[dict]:
+    """The config's RoPE parameter tables (``rope_parameters``, else the older ``rope_scaling``): one, or one per
+    layer type; ``[]`` for a model without them."""
+    for name in ("rope_parameters", "rope_scaling"):
+        value = getattr(text_config, name, None)
+        if isinstance(value, dict) and value:
+            tables = list(value.values()) if all(isinstance(v, dict) for v in value.values()) else [value]
+            return [table for table in tables if isinstance(table, dict)]
+    return []
+
+
+def extends_positions(text_config) -> bool:
+    """Whether the model's RoPE serves examples longer than ``max_position_embeddings``: dynamic NTK scaling
+    (``rope_type`` ``dynamic``, in every layer type) recomputes its frequencies for the longest position of the call
+    beyond it. (``yarn``, ``llama3`` and ``longrope`` scale up to ``max_position_embeddings``, already the extended
+    length; ``linear`` and ``default`` do not extend.)"""
+    tables = rope_tables(text_config)
+    return bool(tables) and all("dynamic" in str(t.get("rope_type", t.get("type", ""))) for t in tables)
+
+
+def model_token_limit(model_config, position_start: int = 0, sequence_parallel: int = 1) -> int | None:
+    """The longest example the model's positions take (``None`` when the config states no limit, or its dynamic
+    RoPE extends them (:func:`extends_positions`), except under sequence parallelism, where each rank's slice would
+    scale its frequencies by its own longest position)."""
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     limit = getattr(text_config, "max_position_embeddings", None)
+    if sequence_parallel <= 1 and extends_positions(text_config):
+        return None
     return int(limit) - int(position_start) if isinstance(limit, int) and limit > 0 else None
 
 
@@ -515,8 +539,12 @@ def packing_collator(task, architecture, model_config, config) -> PackingCollato
     and ``max_length`` from the config or else the model's own limit (so that an over-long example is a clear
     error, not an index error deep inside the position embeddings)."""
     start = int(architecture.position_start(model_config))
-    limit = model_token_limit(model_config, start)
+    size = getattr(getattr(config, "sequence_parallel", None), "size", 1)
+    limit = model_token_limit(model_config, start, size)
     source = f"{type(model_config).__name__}.max_position_embeddings={limit + start}" if limit else ""
+    if limit and size > 1 and model_token_limit(model_config, start) is None:
+        source += (f"; its dynamic RoPE serves longer examples, but not under sequence_parallel.size: {size}, where "
+                   "each rank would scale its frequencies by the longest position of its own slice")
     if config.max_length is not None and limit is not None and config.max_length > limit:
         raise ConfigError(
             f"max_length: {config.max_length} is more than the model takes ({limit} tokens, {source}); "
