@@ -372,10 +372,18 @@ def refuse_sequence_parallel(model: Any, config: PadfreeConfig, resolved: Plan, 
                           "parallelism over rows with images is not supported yet (train it with size 1)")
     text_config = model.config.get_text_config()
     heads = getattr(text_config, "num_attention_heads", None)
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    world = torch.distributed.get_world_size() if distributed else None
     if isinstance(heads, int) and heads % size:
-        divisors = [n for n in range(2, heads + 1) if heads % n == 0]
-        raise ConfigError(f"{where}: {type(model).__name__} has {heads} attention heads, which {size} ranks cannot "
-                          f"split (Ulysses gives each rank heads/size of them); use one of {divisors}")
+        problems = [f"{type(model).__name__} has {heads} attention heads, which {size} ranks cannot split (Ulysses "
+                    "gives each rank heads/size of them)"]
+        if world is not None and world % size:
+            problems.append(f"{size} does not divide the {world} processes")
+        valid = [n for n in range(2, heads + 1) if heads % n == 0 and (world is None or world % n == 0)]
+        advice = (f"use one of {valid}" if valid else
+                  f"no size above 1 divides both the {heads} heads and the {world} processes: set "
+                  f"sequence_parallel.size: 1, or launch a multiple of a divisor of {heads} as the number of processes")
+        raise ConfigError(f"{where}: {'; and '.join(problems)}; {advice}")
     if config.unpad == "always":
         raise ConfigError(f"{where} with unpad: always: padded calls are not split across ranks; use unpad: auto "
                           "(padded calls then run the model's own code on each rank) or off")
