@@ -312,7 +312,9 @@ class Assembly:
         self.patch.undo()
 
     def describe(self) -> dict[str, Any]:
-        return {**self.plan.describe(), **{f"patch {k}": v for k, v in self.patch.describe().items()},
+        devices = sorted({str(p.device) for p in self.model.parameters()})
+        return {**self.plan.describe(), "model device": ", ".join(devices) or "-",
+                **{f"patch {k}": v for k, v in self.patch.describe().items()},
                 "collator": type(self.collator).__name__, "forward": type(self.forward).__name__,
                 "pooler": type(self.pooler).__name__ if self.pooler else "-"}
 
@@ -324,6 +326,24 @@ def forward_parameters(model: Any) -> tuple[str, ...]:
     except (TypeError, ValueError):
         return ()
     return tuple(p.name for p in parameters if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+
+
+def refuse_meta_weights(model: Any) -> None:
+    """Weights on the ``meta`` device (built under ``init_empty_weights`` / ``torch.device("meta")``, never loaded)
+    have no values: any forward fails deep inside the model. Refused before anything is patched, saying how to
+    materialise them. Weights an accelerate offload hook loads at each call (``device_map`` with offloading) are
+    not refused."""
+    for module_name, module in model.named_modules():
+        if getattr(module, "_hf_hook", None) is not None:
+            continue  # accelerate's offload hook puts the weights on the execution device for each forward
+        for name, tensor in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)):
+            if tensor.is_meta:
+                where = f"{module_name}.{name}" if module_name else name
+                raise PadfreeError(
+                    f"{type(model).__name__}'s weights are on the meta device (not materialised; {where} is the "
+                    "first): load them before assemble() / accelerate(), e.g. from_pretrained without "
+                    "device_map='meta' or init_empty_weights, or model.to_empty(device=...) and then "
+                    "load_state_dict(...)")
 
 
 def refuse_prompt_learning(model: Any) -> None:
@@ -394,6 +414,7 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
     """Make ``model`` padding-free for ``config`` and return everything needed to feed it."""
     config = load_config(config)
     refuse_data_parallel(model)
+    refuse_meta_weights(model)
     refuse_prompt_learning(model)
     host = host or PluginHost(block=config.plugins.block)
     inner = unwrap_model(model)
