@@ -108,3 +108,24 @@ def test_under_sequence_parallelism_dynamic_rope_keeps_the_limit_and_says_why():
     assert collator.max_length == LIMIT
     message = collator.overlong_message(0, LIMIT + 1)
     assert "dynamic RoPE serves longer examples, but not under sequence_parallel.size: 2" in message
+
+
+def test_under_sequence_parallelism_longrope_keeps_its_original_length_and_says_why():
+    """``longrope`` picks its short or long factors for a whole call by the call's longest position; under sequence
+    parallelism each rank would pick them for its slice (a 2-process run of a row holding an example of 40 tokens
+    beside short ones, original length 32, differed from one process by 1.5e-4 in the loss): examples up to
+    ``original_max_position_embeddings`` only, which use the short factors on every rank. Without sequence
+    parallelism the limit is ``max_position_embeddings``."""
+    plain = tiny_config("phi3")
+    half = plain.hidden_size // plain.num_attention_heads // 2  # one factor per rotary frequency
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": LIMIT // 2,
+            "short_factor": [1.0] * half, "long_factor": [4.0] * half}
+    model_config = tiny_config("phi3", max_position_embeddings=LIMIT, original_max_position_embeddings=LIMIT // 2,
+                               rope_parameters=rope)
+    assert model_token_limit(model_config) == LIMIT and model_token_limit(model_config, 0, 2) == LIMIT // 2
+    config = load_config({"task": "causal_lm", "sequence_parallel": {"size": 2}})
+    resolved = plan(model_config, {"task": "causal_lm"})
+    collator = packing_collator(resolved.task, resolved.architecture, model_config, config)
+    assert collator.max_length == LIMIT // 2
+    message = collator.overlong_message(0, LIMIT // 2 + 1)
+    assert "longrope original_max_position_embeddings=32" in message and "sequence_parallel.size: 1" in message

@@ -523,15 +523,29 @@ def extends_positions(text_config) -> bool:
     return bool(tables) and all("dynamic" in str(t.get("rope_type", t.get("type", ""))) for t in tables)
 
 
+def switching_length(text_config) -> int | None:
+    """For ``longrope``: ``original_max_position_embeddings``, beyond which a call's longest position switches every
+    token of the call to the long factors (``None`` for other RoPE types)."""
+    lengths = [t.get("original_max_position_embeddings", getattr(text_config, "original_max_position_embeddings", None))
+               for t in rope_tables(text_config) if t.get("rope_type", t.get("type")) == "longrope"]
+    lengths = [int(n) for n in lengths if isinstance(n, int) and n > 0]
+    return min(lengths) if lengths else None
+
+
 def model_token_limit(model_config, position_start: int = 0, sequence_parallel: int = 1) -> int | None:
     """The longest example the model's positions take (``None`` when the config states no limit, or its dynamic
-    RoPE extends them (:func:`extends_positions`), except under sequence parallelism, where each rank's slice would
-    scale its frequencies by its own longest position)."""
+    RoPE extends them: :func:`extends_positions`). Under sequence parallelism each rank's slice would pick its RoPE
+    frequencies by its own longest position: dynamic RoPE keeps ``max_position_embeddings`` and ``longrope`` its
+    :func:`switching_length`, within which every call uses the same frequencies."""
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     limit = getattr(text_config, "max_position_embeddings", None)
+    limit = int(limit) if isinstance(limit, int) and limit > 0 else None
     if sequence_parallel <= 1 and extends_positions(text_config):
         return None
-    return int(limit) - int(position_start) if isinstance(limit, int) and limit > 0 else None
+    switch = switching_length(text_config) if sequence_parallel > 1 else None
+    if switch is not None:
+        limit = switch if limit is None else min(limit, switch)
+    return limit - int(position_start) if limit is not None else None
 
 
 def packing_collator(task, architecture, model_config, config) -> PackingCollator:
@@ -542,9 +556,15 @@ def packing_collator(task, architecture, model_config, config) -> PackingCollato
     size = getattr(getattr(config, "sequence_parallel", None), "size", 1)
     limit = model_token_limit(model_config, start, size)
     source = f"{type(model_config).__name__}.max_position_embeddings={limit + start}" if limit else ""
-    if limit and size > 1 and model_token_limit(model_config, start) is None:
+    alone = model_token_limit(model_config, start)
+    if limit and size > 1 and alone is None:
         source += (f"; its dynamic RoPE serves longer examples, but not under sequence_parallel.size: {size}, where "
                    "each rank would scale its frequencies by the longest position of its own slice")
+    elif limit and size > 1 and limit != alone:
+        source = (f"{type(model_config).__name__} longrope original_max_position_embeddings={limit + start}: past it "
+                  "a call switches every token to the long factors, and under sequence_parallel.size: "
+                  f"{size} each rank would pick its factors by the longest position of its own slice; train longer "
+                  "examples with sequence_parallel.size: 1")
     if config.max_length is not None and limit is not None and config.max_length > limit:
         raise ConfigError(
             f"max_length: {config.max_length} is more than the model takes ({limit} tokens, {source}); "
