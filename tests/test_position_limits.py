@@ -1,7 +1,9 @@
 """How long an example may be: ``max_position_embeddings`` bounds it, unless the model's RoPE serves longer ones
 (dynamic NTK scaling). A dynamic-RoPE model trains longer examples packed exactly as padded — its frequencies follow
 the longest position of each call, the same in the packed row as in the padded batch (and across calls: the rotary
-embedding keeps the largest length it has grown to)."""
+embedding keeps the largest length it has grown to). Under sequence parallelism, where each rank's slice would pick
+its frequencies by its own longest position, dynamic RoPE keeps ``max_position_embeddings`` and ``longrope`` its
+``original_max_position_embeddings`` (a 2-process launch: tests/position_limits_sp_run.py)."""
 
 from __future__ import annotations
 
@@ -112,8 +114,7 @@ def test_under_sequence_parallelism_dynamic_rope_keeps_the_limit_and_says_why():
 
 def test_under_sequence_parallelism_longrope_keeps_its_original_length_and_says_why():
     """``longrope`` picks its short or long factors for a whole call by the call's longest position; under sequence
-    parallelism each rank would pick them for its slice (a 2-process run of a row holding an example of 40 tokens
-    beside short ones, original length 32, differed from one process by 1.5e-4 in the loss): examples up to
+    parallelism each rank would pick them for its slice (the launch below shows the difference): examples up to
     ``original_max_position_embeddings`` only, which use the short factors on every rank. Without sequence
     parallelism the limit is ``max_position_embeddings``."""
     plain = tiny_config("phi3")
@@ -129,3 +130,24 @@ def test_under_sequence_parallelism_longrope_keeps_its_original_length_and_says_
     assert collator.max_length == LIMIT // 2
     message = collator.overlong_message(0, LIMIT // 2 + 1)
     assert "longrope original_max_position_embeddings=32" in message and "sequence_parallel.size: 1" in message
+
+
+def test_longrope_under_sequence_parallelism_equals_one_process_within_its_original_length(tmp_path):
+    """Two processes: within ``original_max_position_embeddings`` the sequence-parallel loss and gradients equal one
+    process's; a row with an example past it (fed without the limit) differs — the case the limit refuses, and the
+    real collator does refuse it on the rank that holds it."""
+    import os
+    import sys
+
+    from tests.test_distributed import ROOT, free_port, run_group
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(ROOT / "tests" / "position_limits_sp_run.py"), str(tmp_path)]
+    returncode, output = run_group(command, env, timeout=240, results=[tmp_path / "result.pt"])
+    assert returncode == 0, output[-4000:]
+    results = torch.load(tmp_path / "result.pt", weights_only=True)
+    within, beyond = results["within"], results["beyond"]
+    print(results)
+    assert within["loss"] < 1e-5 and within["grad"] < 1e-4 and within["refused"] == 0, within
+    assert beyond["loss"] > 1e-5 and beyond["grad"] > 1e-4 and beyond["refused"] == 1, beyond
