@@ -312,7 +312,9 @@ class Assembly:
         self.patch.undo()
 
     def describe(self) -> dict[str, Any]:
-        return {**self.plan.describe(), **{f"patch {k}": v for k, v in self.patch.describe().items()},
+        devices = sorted({str(p.device) for p in self.model.parameters()})
+        return {**self.plan.describe(), "model device": ", ".join(devices) or "-",
+                **{f"patch {k}": v for k, v in self.patch.describe().items()},
                 "collator": type(self.collator).__name__, "forward": type(self.forward).__name__,
                 "pooler": type(self.pooler).__name__ if self.pooler else "-"}
 
@@ -324,6 +326,24 @@ def forward_parameters(model: Any) -> tuple[str, ...]:
     except (TypeError, ValueError):
         return ()
     return tuple(p.name for p in parameters if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+
+
+def refuse_meta_weights(model: Any) -> None:
+    """Weights on the ``meta`` device (built under ``init_empty_weights`` / ``torch.device("meta")``, never loaded)
+    have no values: any forward fails deep inside the model. Refused before anything is patched, saying how to
+    materialise them. Weights an accelerate offload hook loads at each call (``device_map`` with offloading) are
+    not refused."""
+    for module_name, module in model.named_modules():
+        if getattr(module, "_hf_hook", None) is not None:
+            continue  # accelerate's offload hook puts the weights on the execution device for each forward
+        for name, tensor in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)):
+            if tensor.is_meta:
+                where = f"{module_name}.{name}" if module_name else name
+                raise PadfreeError(
+                    f"{type(model).__name__}'s weights are on the meta device (not materialised; {where} is the "
+                    "first): load them before assemble() / accelerate(), e.g. from_pretrained without "
+                    "device_map='meta' or init_empty_weights, or model.to_empty(device=...) and then "
+                    "load_state_dict(...)")
 
 
 def refuse_prompt_learning(model: Any) -> None:
@@ -372,10 +392,18 @@ def refuse_sequence_parallel(model: Any, config: PadfreeConfig, resolved: Plan, 
                           "parallelism over rows with images is not supported yet (train it with size 1)")
     text_config = model.config.get_text_config()
     heads = getattr(text_config, "num_attention_heads", None)
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    world = torch.distributed.get_world_size() if distributed else None
     if isinstance(heads, int) and heads % size:
-        divisors = [n for n in range(2, heads + 1) if heads % n == 0]
-        raise ConfigError(f"{where}: {type(model).__name__} has {heads} attention heads, which {size} ranks cannot "
-                          f"split (Ulysses gives each rank heads/size of them); use one of {divisors}")
+        problems = [f"{type(model).__name__} has {heads} attention heads, which {size} ranks cannot split (Ulysses "
+                    "gives each rank heads/size of them)"]
+        if world is not None and world % size:
+            problems.append(f"{size} does not divide the {world} processes")
+        valid = [n for n in range(2, heads + 1) if heads % n == 0 and (world is None or world % n == 0)]
+        advice = (f"use one of {valid}" if valid else
+                  f"no size above 1 divides both the {heads} heads and the {world} processes: set "
+                  f"sequence_parallel.size: 1, or launch a multiple of a divisor of {heads} as the number of processes")
+        raise ConfigError(f"{where}: {'; and '.join(problems)}; {advice}")
     if config.unpad == "always":
         raise ConfigError(f"{where} with unpad: always: padded calls are not split across ranks; use unpad: auto "
                           "(padded calls then run the model's own code on each rank) or off")
@@ -386,6 +414,7 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
     """Make ``model`` padding-free for ``config`` and return everything needed to feed it."""
     config = load_config(config)
     refuse_data_parallel(model)
+    refuse_meta_weights(model)
     refuse_prompt_learning(model)
     host = host or PluginHost(block=config.plugins.block)
     inner = unwrap_model(model)

@@ -37,7 +37,9 @@ other files in [`configs/`](../configs/) are complete examples (`seq_cls.yaml`, 
 
 Unknown keys are errors that suggest the nearest valid one, a key given twice is an error, and each value is
 checked against its type and allowed values. Names that plugins provide (tasks, attention backends,
-architectures, pooling modes) are checked against the installed plugins when the model is assembled. Check a
+architectures, pooling modes) are checked against the installed plugins when the model is assembled. YAML 1.1
+reads a bare `on`, `off`, `yes`, `no`, `true` or `false` as a boolean: an option with `on` / `off` values takes it
+as `on` / `off` (`prefix_sharing: on`, `unpad: off`); anywhere else the error says to quote the word. Check a
 config against a model type before training:
 
 ```bash

@@ -97,6 +97,9 @@ LAUNCHES = {
         Case("nemotron_h-local-mixer", "nemotron_h", 2, fault="local-mixer"),
         Case("lfm2-local-mixer", "lfm2", 2, fault="local-mixer"),
         Case("llama-refused-world", "llama", 4, expect="does not divide the 2 processes"),
+        Case("llama-refused-heads-and-world", "llama", 3,
+             expect="cannot split (Ulysses gives each rank heads/size of them); and 3 does not divide the 2 processes; "
+                    "use one of [2]"),
         *(Case(model_type, model_type, 2) for model_type in OTHER_HYBRIDS),
     ],
     "sp4": [

@@ -304,3 +304,94 @@ def test_blocking_a_plugin_that_is_not_installed_is_a_note():
 
     notes = plan(tiny_config("llama"), {"plugins": {"block": ["lama"]}}, device_type="cpu").notes
     assert any("plugins.block names 'lama', which is not installed. Did you mean 'llama'" in note for note in notes)
+
+
+# -- words YAML 1.1 reads as booleans -------------------------------------------------------------------------------
+
+
+def yaml_line(key: str, value: str) -> str:
+    """``key: value`` as padfree.yaml writes it, a dotted key nested in its section."""
+    *sections, name = key.split(".")
+    lines = [f"{'  ' * depth}{section}:" for depth, section in enumerate(sections)]
+    if key == "batching.strategy" and value.strip("'") == "tokens":  # a budget is needed beside it
+        lines.append("  max_tokens_per_batch: 64")
+    return "\n".join([*lines, f"{'  ' * len(sections)}{name}: {value}"]) + "\n"
+
+
+def value_of(config: PadfreeConfig, key: str):
+    for part in key.split("."):
+        config = getattr(config, part)
+    return config
+
+
+BARE_BOOLEANS = {"on": True, "yes": True, "true": True, "On": True, "off": False, "no": False, "false": False,
+                 "OFF": False}
+CHOICES = [(key, kind) for key, kind, _ in describe_fields() if kind.startswith("'")]
+
+
+def test_every_choice_option_is_covered():
+    assert {key for key, _ in CHOICES} >= {"prefix_sharing", "unpad", "mixers", "attention_dropout", "on_overlong",
+                                           "batching.strategy", "batching.on_overlong_example"}
+
+
+@pytest.mark.parametrize("key, kind", CHOICES, ids=[key for key, _ in CHOICES])
+def test_every_choice_written_bare_in_yaml_loads_or_says_quote_it(tmp_path, key, kind):
+    """Every allowed value of every option with fixed choices, written bare in a YAML file: it loads as written, or
+    (where YAML 1.1 reads the word as a boolean and the option has no on / off) the error says to quote it; quoted,
+    it always loads. A bare word YAML reads as a boolean loads as on / off where the option has them."""
+    allowed = [choice.strip("'") for choice in kind.split(" | ")]
+    for word in allowed:
+        assert value_of(load_config(write(tmp_path, yaml_line(key, f"'{word}'"))), key) == word
+        path = write(tmp_path, yaml_line(key, word))
+        if word.lower() not in BARE_BOOLEANS or word in ("on", "off"):
+            assert value_of(load_config(path), key) == word, (key, word)
+        else:
+            assert "write the word you meant in quotes" in config_error(path)
+    for bare, truth in BARE_BOOLEANS.items():
+        path = write(tmp_path, yaml_line(key, bare))
+        meant = "on" if truth else "off"
+        if meant in allowed:
+            assert value_of(load_config(path), key) == meant, (key, bare)
+        else:
+            message = config_error(path)
+            assert f"got {truth}" in message and "write the word you meant in quotes" in message, message
+
+
+def test_prefix_sharing_written_bare_as_documented():
+    """The documented ``prefix_sharing: on`` (YAML 1.1 reads it as true) and its booleans: on / off."""
+    for text, want in (("prefix_sharing: on\n", "on"), ("prefix_sharing: off\n", "off"),
+                       ("prefix_sharing: true\n", "on"), ("prefix_sharing: no\n", "off")):
+        assert load_config(PadfreeConfig.from_dict(__import__("yaml").safe_load(text))).prefix_sharing == want
+    assert load_config({"prefix_sharing": True}).prefix_sharing == "on"
+    assert load_config({"unpad": False}).unpad == "off"
+
+
+@pytest.mark.parametrize("text, fragments", [
+    ("unpad: on\n", ["unpad must be one of 'auto', 'always', 'off', got True", "boolean", "in quotes"]),
+    ("mixers: no\n", ["mixers must be one of 'auto', 'exact', 'kernels', got False", "in quotes"]),
+    ("attention: off\n", ["attention must be a non-empty string, got False", "in quotes"]),
+    ("task: yes\n", ["task must be a non-empty string, got True", "in quotes"]),
+    ("pooling: off\n", ["pooling must be str | null, got False", "in quotes"]),
+    ("pooling: 1\n", ["pooling must be str | null, got 1", "as a number", "('1')"]),
+    ("plugins:\n  block: [no]\n", ["block[0] must be a non-empty string, got False", "in quotes"]),
+])
+def test_a_bare_word_read_as_a_boolean_or_number_where_text_is_meant_says_quote_it(tmp_path, text, fragments):
+    message = config_error(write(tmp_path, text))
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+
+
+def test_numbers_and_booleans_where_no_text_is_meant_do_not_say_quote_it():
+    for data in ({"max_length": True}, {"max_length": 2.5}, {"batching": {"drop_last": "yes"}}):
+        assert "quotes" not in config_error(data)
+
+
+def test_task_options_written_bare_say_quote_it():
+    from padfree_plugins.config.task_options import read_options
+
+    with pytest.raises(ConfigError, match="objective of task 'reranker' must be one of.*got False.*in quotes"):
+        read_options("reranker", {"objective": False}, {"objective": None}, {"objective": ("pointwise",)})
+    with pytest.raises(ConfigError, match="name of task 't' must be a string, got True.*in quotes"):
+        read_options("t", {"name": True}, {"name": "x"})
+    with pytest.raises(ConfigError, match="flag of task 't' must be true or false, got 'no'.$"):
+        read_options("t", {"flag": "no"}, {"flag": False})

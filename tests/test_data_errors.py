@@ -193,3 +193,23 @@ def test_mixer_kernels_on_a_model_without_mixers_warn():
     with pytest.warns(UserWarning, match="mixers: kernels has no effect on llama"):
         assembly = assemble(llama(), {"task": "causal_lm", "mixers": "kernels"})
     assembly.undo()
+
+
+def packed_rows(lengths_per_row: list[list[int]]) -> list[dict]:
+    """Rows that hold several examples, as TRL's ``packing=True`` writes them (a ``seq_lengths`` column)."""
+    return [{"input_ids": [5] * sum(lengths), "labels": [5] * sum(lengths), "seq_lengths": lengths}
+            for lengths in lengths_per_row]
+
+
+@pytest.mark.parametrize("kind", ["arrow", "list"])
+def test_rows_of_several_examples_count_each_example_by_its_own_length(kind):
+    """The model's 256 positions bound every example of a packed row, not the row: rows of 300 tokens pass; an
+    example of 257 tokens is refused, named by its place in its row."""
+    collator = assemble(llama(), {"task": "causal_lm"}).collator
+    dataset = packed_rows([[100, 200], [256, 44], [150, 150]])
+    as_kind = datasets.Dataset.from_list if kind == "arrow" else list
+    assert check_dataset(as_kind(dataset), collator) == 3
+    dataset[2]["seq_lengths"] = [43, 257]
+    with pytest.raises(BatchError, match=r"^example 1 of row 2 of the train dataset \(its rows hold several "
+                                         r"examples: seq_lengths\) has 257 tokens but the model takes at most 256"):
+        check_dataset(as_kind(dataset), collator)

@@ -201,3 +201,50 @@ def test_train_help_is_short_and_lists_the_padfree_options_first(monkeypatch):
     everything = invoke_train("--help-all")
     assert everything.exit_code == 0 and "--adam_beta1" in everything.output
     assert len(everything.output.splitlines()) > 3 * len(text.splitlines())
+
+
+def meta_llama():
+    with torch.device("meta"):
+        return tiny_model("llama", "causal_lm")
+
+
+META = "weights are on the meta device .*load them before assemble\\(\\) / accelerate\\(\\).*to_empty"
+
+
+def test_weights_on_the_meta_device_are_refused_with_how_to_load_them():
+    """A model built on the meta device (never loaded) is refused at assemble(), unpatched, saying what to do, not
+    reported as on cpu and then failing inside the forward; materialised and loaded, it assembles and says where its
+    weights are."""
+    model = meta_llama()
+    with pytest.raises(PadfreeError, match=META):
+        assemble(model, {"task": "causal_lm"})
+    assert model.config._attn_implementation == "sdpa" and not any("forward" in vars(m) for m in model.modules())
+    model.to_empty(device="cpu").load_state_dict(tiny_model("llama", "causal_lm").state_dict())
+    rotary = tiny_model("llama").rotary_emb  # non-persistent buffers are not in a state dict: computed again
+    model.model.rotary_emb.inv_freq, model.model.rotary_emb.original_inv_freq = rotary.inv_freq, rotary.inv_freq
+    assembly = assemble(model, {"task": "causal_lm"})
+    assert assembly.describe()["model device"] == "cpu"
+    batch = assembly.collator([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
+    assert torch.isfinite(assembly.forward(model, batch).logits).all()
+
+
+def test_a_trainers_model_moved_to_the_meta_device_is_refused_at_accelerate():
+    trainer = trainer_on(tiny_model("llama", "causal_lm"), [{"input_ids": [5, 6, 7]}])
+    trainer.model.to("meta")
+    collator = trainer.data_collator
+    with pytest.raises(PadfreeError, match=META):
+        accelerate(trainer, {"task": "causal_lm"})
+    assert trainer.data_collator is collator and "compute_loss" not in vars(trainer)
+
+
+def test_weights_an_offload_hook_loads_at_each_call_are_not_refused():
+    """accelerate's offloading keeps weights on meta between calls, its hook loading them for each forward."""
+    from accelerate import cpu_offload
+
+    model = tiny_model("llama", "causal_lm")
+    want = model(torch.tensor([[5, 6, 7]])).logits
+    cpu_offload(model, execution_device=torch.device("cpu"))
+    assert any(p.is_meta for p in model.parameters())
+    assembly = assemble(model, {"task": "causal_lm"})
+    got = assembly.forward(model, assembly.collator([{"input_ids": [5, 6, 7]}])).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -354,3 +354,44 @@ def test_a_collators_batch_shares_its_repeated_prefixes():
     assert [whole[b:e] for b, e in zip(bounds.tolist(), bounds.tolist()[1:])] == examples
     unshared, ends = share_packed(batch, [None, None, (2, (5, 6))])  # a prefix no other example repeats
     assert unshared is batch and ends == [0, 1, 2]
+
+
+def whole_example_trainer(kind: str):
+    """An HF Trainer, a TRL SFTTrainer or a Trainer subclass with its own loss (plugin any_trainer): trainers whose
+    plugins train every example whole."""
+    from transformers import Trainer
+
+    from tests.test_trainer import make_trainer
+
+    if kind != "own loss":
+        return make_trainer(kind, packed=False)[0]
+
+    class OwnLoss(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    hf = make_trainer("hf", packed=False)[0]
+    return OwnLoss(model=hf.model, args=hf.args, train_dataset=hf.train_dataset, data_collator=hf.data_collator)
+
+
+@pytest.mark.parametrize("kind, name, plugin", [("hf", "Trainer", "HFTrainerPatch"),
+                                                ("sft", "SFTTrainer", "SFTTrainerPatch"),
+                                                ("own loss", "OwnLoss", "any_trainer")])
+def test_prefix_sharing_on_is_refused_for_trainers_that_share_nothing(kind, name, plugin, caplog):
+    """``prefix_sharing: on`` with a trainer whose plugin trains every example whole is a ConfigError at accelerate()
+    naming the trainer, the reason and the trainers that share, with the trainer and its model unchanged; ``auto``
+    trains as before and the log says why nothing is shared; ``off`` says nothing."""
+    pytest.importorskip("trl")
+    trainer = whole_example_trainer(kind)
+    collator, attributes = trainer.data_collator, set(vars(trainer))
+    with pytest.raises(ConfigError, match=rf"prefix_sharing: on with {name}: its plugin \({plugin}\) trains every "
+                                          r"example whole.*DPOTrainer.*Set prefix_sharing: auto or off"):
+        accelerate(trainer, {"task": "causal_lm", "prefix_sharing": "on"})
+    assert trainer.data_collator is collator and set(vars(trainer)) == attributes
+    assert patch_of(trainer.model) is None and trainer.model.config._attn_implementation == "sdpa"
+    for mode, said in (("auto", True), ("off", False)):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="padfree_plugins"):
+            acceleration = accelerate(trainer, {"task": "causal_lm", "prefix_sharing": mode})
+        assert any(f"prompts are not shared for {name}" in r.getMessage() for r in caplog.records) is said, mode
+        acceleration.undo()

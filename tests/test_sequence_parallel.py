@@ -191,6 +191,24 @@ def test_refuses_heads_the_group_cannot_split():
     assert "4 attention heads" in message and "use one of [2, 4]" in message
 
 
+@pytest.mark.parametrize("world, size, fragments", [
+    (2, 3, ["4 attention heads, which 3 ranks cannot split", "3 does not divide the 2 processes", "use one of [2]"]),
+    (4, 3, ["4 attention heads, which 3 ranks cannot split", "3 does not divide the 4 processes",
+            "use one of [2, 4]"]),
+    (6, 3, ["4 attention heads, which 3 ranks cannot split", "use one of [2]"]),
+    (3, 3, ["3 ranks cannot split", "no size above 1 divides both the 4 heads and the 3 processes",
+            "sequence_parallel.size: 1"]),
+])
+def test_sizes_suggested_for_heads_the_group_cannot_split_suit_the_processes_too(monkeypatch, world, size, fragments):
+    """Launched on ``world`` processes, the sizes suggested divide both the heads and the number of processes."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: world)
+    message = refused(tiny_model("llama", "causal_lm"), {"sequence_parallel": {"size": size}})
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+    assert ("does not divide the" in message) == bool(world % size)
+
+
 def test_refuses_unpad_always():
     message = refused(tiny_model("llama", "causal_lm"), {"unpad": "always", "sequence_parallel": {"size": 2}})
     assert "unpad: always" in message and "unpad: auto" in message

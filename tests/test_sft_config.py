@@ -209,3 +209,31 @@ def test_predict_and_metrics_on_preprocessed_logits_equal_padded():
     assert counted.sum() > 50 and (got.predictions[:, :-1][counted] == want.predictions[:, :-1][counted]).all()
     for name in ("test_loss", "test_accuracy"):
         assert got.metrics[name] == pytest.approx(want.metrics[name], abs=1e-5), name
+
+
+#: Examples of 20 to 130 tokens: TRL packs them into rows longer than the tiny Llama takes (256 positions).
+LONG_TEXT = [{"text": f"text {i} " * (8 + i % 12)} for i in range(24)]
+
+
+def test_packed_rows_longer_than_the_model_takes_train_by_their_examples():
+    """TRL ``packing=True`` rows of several examples, each under ``max_position_embeddings`` (256), the rows over it:
+    accepted (each example is counted by its own ``seq_lengths``) and trained as TRL's padded run trains them."""
+    trainers = sft_runs(LONG_TEXT, packing=True, max_length=400)
+    rows = trainers[True].train_dataset
+    assert max(map(len, rows["input_ids"])) > 256 >= max(map(max, rows["seq_lengths"]))
+    assert_same_logs(train_logs(trainers[False]), train_logs(trainers[True]))
+
+
+def test_a_packed_example_longer_than_the_model_takes_is_refused():
+    """One example over the model's 256 positions inside a TRL packed row: refused before training, naming it."""
+    from padfree_plugins import BatchError
+
+    long = [*LONG_TEXT[:5], {"text": "word " * 300}, *LONG_TEXT[5:]]
+    args = trl.SFTConfig(output_dir=tempfile.mkdtemp(), report_to="none", bf16=False, packing=True, max_length=400)
+    trainer = trl.SFTTrainer(model=llama(), args=args, train_dataset=datasets.Dataset.from_list(long),
+                             processing_class=tokenizer())
+    collator = trainer.data_collator
+    with pytest.raises(BatchError, match=r"example \d+ of row \d+ of the train dataset \(its rows hold several "
+                                         r"examples: seq_lengths\) has \d+ tokens but the model takes at most 256"):
+        accelerate(trainer, {"task": "causal_lm"})
+    assert trainer.data_collator is collator

@@ -110,10 +110,11 @@ class PadfreeConfig:
         "your own): auto (training forwards run padding-free inside the model, outputs scattered back to the padded "
         "shape); always (evaluation and no_grad forwards too); off (the model's own padded code)", default="auto")
     prefix_sharing: Literal["auto", "on", "off"] = _help(
-        "preference, reward and RL trainers (TRL DPO, Reward, GRPO, RLOO): each prompt computed once in a packed "
-        "row, followed by its completions (exact: they attend to it and continue its positions); auto (where the "
-        "attention backend takes shared prefixes, the model is a decoder without sequence mixers and the batch "
-        "holds a repeated prompt); on (the same, refused where it cannot apply); off", default="auto")
+        "preference, reward and RL trainers (TRL DPO, Reward, GRPO, RLOO, KTO): each prompt computed once in a "
+        "packed row, followed by its completions (exact: they attend to it and continue its positions); auto (where "
+        "the attention backend takes shared prefixes, the model is a decoder without sequence mixers and the batch "
+        "holds a repeated prompt); on (the same, refused where it cannot apply and with trainers that share nothing: "
+        "HF Trainer, SFTTrainer); off. YAML's booleans (a bare on / off) are read as on / off", default="auto")
     max_length: int | None = _help("longest example in tokens (default: no limit)", default=None, minimum=1)
     on_overlong: Literal["error", "truncate"] = _help("what to do with an example longer than max_length (truncate: "
                                                       "rows left without a label are dropped, with a warning)",
@@ -206,6 +207,16 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def bare_word_hint(value: Any) -> str:
+    """For a value YAML may have read from a bare word meant as text (``on``, ``no``, ``1``): quote it."""
+    if isinstance(value, bool):
+        return (f" YAML reads a bare on, off, yes, no, true or false as a boolean (here {value}): write the word you "
+                "meant in quotes")
+    if isinstance(value, (int, float)):
+        return f" YAML reads {value!r} as a number: write it in quotes ('{value}') where it is meant as text"
+    return ""
+
+
 def _build(cls: type, data: Any, where: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__} {data!r}")
@@ -236,12 +247,18 @@ def _check(hint: Any, value: Any, where: str) -> Any:
                 return _check(option, value, where)
             except ConfigError:
                 continue
-        raise ConfigError(f"{where} must be {_type_name(hint)}, got {value!r}")
+        bare = bare_word_hint(value) if str in args else ""
+        raise ConfigError(f"{where} must be {_type_name(hint)}, got {value!r}{'.' + bare if bare else ''}")
     if origin is Literal:
+        if isinstance(value, bool) and not any(isinstance(a, bool) for a in args):
+            word = "on" if value else "off"
+            if word in args:  # YAML 1.1 reads a bare on / off (yes / no, true / false) as a boolean
+                return word
         if value not in args:
             allowed = ", ".join(map(repr, args))
             hint = did_you_mean(str(value), map(str, args))
-            raise ConfigError(f"{where} must be one of {allowed}, got {value!r}.{hint}")
+            bare = bare_word_hint(value) if isinstance(value, bool) else ""
+            raise ConfigError(f"{where} must be one of {allowed}, got {value!r}.{hint}{bare}")
         return value
     if origin is list:
         if not isinstance(value, list):
@@ -267,7 +284,7 @@ def _check(hint: Any, value: Any, where: str) -> Any:
         return float(value)
     if hint is str:
         if not isinstance(value, str) or not value.strip():
-            raise ConfigError(f"{where} must be a non-empty string, got {value!r}")
+            raise ConfigError(f"{where} must be a non-empty string, got {value!r}.{bare_word_hint(value)}")
         return value
     if hint is Any:
         return value

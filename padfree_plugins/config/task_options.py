@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from padfree_plugins.config.schema import bare_word_hint
 from padfree_plugins.errors import ConfigError, did_you_mean
 
 #: The kind of value an option must have, from the type of its default (a default of None takes anything).
@@ -30,11 +31,13 @@ def read_options(task: str, options: Mapping[str, Any], defaults: Mapping[str, A
     for key, value in options.items():
         expected = _KINDS.get(type(defaults[key]))
         if expected is not None and not isinstance(value, expected[0]):
-            raise ConfigError(f"task_options: {key} of task {task!r} must be {expected[1]}, got {value!r}")
+            hint = bare_word_hint(value) if expected[0] is str else ""
+            raise ConfigError(f"task_options: {key} of task {task!r} must be {expected[1]}, got {value!r}.{hint}")
     for key, allowed in (choices or {}).items():
         if values[key] not in allowed:
             raise ConfigError(
                 f"task_options: {key} of task {task!r} must be one of {', '.join(map(repr, allowed))}, "
                 f"got {values[key]!r}.{did_you_mean(str(values[key]), map(str, allowed))}"
+                + (bare_word_hint(values[key]) if isinstance(values[key], bool) else "")
             )
     return values

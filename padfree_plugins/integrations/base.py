@@ -49,6 +49,7 @@ from padfree_plugins.integrations.checks import (
     check_datasets,
     check_parallelism,
     image_text_loads,
+    refuse_prefix_sharing,
     trainer_datasets,
     without_rows,
 )
@@ -183,6 +184,9 @@ class TrainerPatch:
     #: Whether the patch trains under ``sequence_parallel.size > 1`` (its loss through ``assembly.forward``, which
     #: slices the group's row, normalised by the label count of every rank); refused otherwise.
     sequence_parallel: ClassVar[bool] = False
+    #: Whether the patch shares repeated prompts (``prefix_sharing``, decided by its own checks); ``prefix_sharing: on``
+    #: is refused otherwise.
+    shares_prompts: ClassVar[bool] = False
 
     trainer: Any
     assembly: Assembly
@@ -241,6 +245,8 @@ class TrainerPatch:
             return None
         check_parallelism(trainer, assembly.config, None if cls.sequence_parallel else
                           f"its trainer plugin ({cls.__name__}) does not train sequence-parallel")
+        if not cls.shares_prompts:
+            refuse_prefix_sharing(trainer, assembly.config, cls.__name__)
         if trainer.model is None or unwrap_model(trainer.model) is not assembly.model:
             raise PadfreeError("the assembly was built for another model than trainer.model")
         if not cls.runs_trainer_collator(trainer):

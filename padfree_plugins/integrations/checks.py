@@ -10,7 +10,8 @@ restored).
 * over-long, empty or misaligned examples, and datasets laid out in a way the trainer's batches would break;
 * a token budget the trainer cannot keep: accelerate's ``split_batches=True``, TRL
   ``packing=True`` rows it would have to split;
-* ``prefix_sharing: on`` where repeated prompts cannot be shared (:func:`shares_prefixes`).
+* ``prefix_sharing: on`` where repeated prompts cannot be shared (:func:`shares_prefixes`), and with a trainer whose
+  plugin shares nothing (:func:`refuse_prefix_sharing`).
 """
 
 from __future__ import annotations
@@ -366,6 +367,25 @@ def shares_prefixes(trainer: Any, assembly: Any, prompt_column: bool = True) -> 
     if reason:
         logger.info("padfree-plugins: prompts are not shared for %s: %s", name, reason)
     return reason is None
+
+
+#: The trainers whose builtin plugins share repeated prompts (``prefix_sharing``), for messages.
+SHARING_TRAINERS = "TRL DPOTrainer, RewardTrainer, GRPOTrainer, RLOOTrainer and KTOTrainer"
+
+
+def refuse_prefix_sharing(trainer: Any, config: Any, plugin: str) -> None:
+    """For a trainer whose plugin (named ``plugin``) shares no prompts: ``prefix_sharing: on`` refused (a
+    :class:`ConfigError`, nothing changed yet); ``auto`` is off, and the log says why, as :func:`shares_prefixes`
+    does."""
+    mode = getattr(config, "prefix_sharing", "off")
+    if mode == "off":
+        return
+    name = type(trainer).__name__
+    reason = (f"its plugin ({plugin}) trains every example whole, so no prompt is shared (prompts are shared by the "
+              f"plugins of {SHARING_TRAINERS})")
+    if mode == "on":
+        raise ConfigError(f"prefix_sharing: on with {name}: {reason}. Set prefix_sharing: auto or off")
+    logger.info("padfree-plugins: prompts are not shared for %s: %s", name, reason)
 
 
 def check_whole_rows_budget(trainer: Any, batching: Any, lengths: Callable[[], Any], rows: str) -> None:

@@ -32,7 +32,7 @@ from padfree_plugins.assembly import Assembly
 from padfree_plugins.contract.hookspecs import hookimpl
 from padfree_plugins.errors import ConfigError, PadfreeError
 from padfree_plugins.integrations.base import library_class, own_attribute, restore_attributes
-from padfree_plugins.integrations.checks import check_parallelism, refuse_own_batches_options
+from padfree_plugins.integrations.checks import check_parallelism, refuse_own_batches_options, refuse_prefix_sharing
 from padfree_plugins.integrations.hf_trainer import HFTrainerPatch
 from padfree_plugins.integrations.trl_dpo import DPOTrainerPatch
 from padfree_plugins.integrations.trl_grpo import GRPOTrainerPatch
@@ -96,6 +96,7 @@ class AnyTrainerPatch:
         if trainer.model is None or unwrap_model(trainer.model) is not assembly.model:
             raise PadfreeError("the assembly was built for another model than trainer.model")
         config = assembly.config
+        refuse_prefix_sharing(trainer, config, "any_trainer")
         unpad = next((handle for handle in assembly.patch.handles if isinstance(handle, UnpadPatch)), None)
         if config.unpad == "off":
             raise ConfigError(

@@ -149,6 +149,7 @@ class RewardTrainerPatch(TrainerPatch):
     from the per-text scores of the ``seq_cls`` head."""
 
     kind = "reward"
+    shares_prompts = True
 
     @classmethod
     def claims(cls, trainer: Any) -> bool:

@@ -503,7 +503,7 @@ class PackingCollator:
                     raise BatchError(positions_message(f"example {i}", key, start, int(wrong[0]),
                                                        int(values[wrong[0]])))
 
-    def overlong_message(self, index: int, length: int, where: str = "") -> str:
+    def overlong_message(self, index: int | str, length: int, where: str = "") -> str:
         """The error for an example longer than ``max_length`` (also used by the dataset check)."""
         if self.limit_source:
             return (
@@ -587,11 +587,49 @@ def split_packed_rows(rows: Sequence[Mapping[str, Any]]) -> list:
     return list(rows)
 
 
-def model_token_limit(model_config, position_start: int = 0) -> int | None:
-    """The longest example the model's position table takes (``None`` when the config states no limit)."""
+def rope_tables(text_config) -> list[dict]:
+    """The config's RoPE parameter tables (``rope_parameters``, else the older ``rope_scaling``): one, or one per
+    layer type; ``[]`` for a model without them."""
+    for name in ("rope_parameters", "rope_scaling"):
+        value = getattr(text_config, name, None)
+        if isinstance(value, dict) and value:
+            tables = list(value.values()) if all(isinstance(v, dict) for v in value.values()) else [value]
+            return [table for table in tables if isinstance(table, dict)]
+    return []
+
+
+def extends_positions(text_config) -> bool:
+    """Whether the model's RoPE serves examples longer than ``max_position_embeddings``: dynamic NTK scaling
+    (``rope_type`` ``dynamic``, in every layer type) recomputes its frequencies for the longest position of the call
+    beyond it. (``yarn``, ``llama3`` and ``longrope`` scale up to ``max_position_embeddings``, already the extended
+    length; ``linear`` and ``default`` do not extend.)"""
+    tables = rope_tables(text_config)
+    return bool(tables) and all("dynamic" in str(t.get("rope_type", t.get("type", ""))) for t in tables)
+
+
+def switching_length(text_config) -> int | None:
+    """For ``longrope``: ``original_max_position_embeddings``, beyond which a call's longest position switches every
+    token of the call to the long factors (``None`` for other RoPE types)."""
+    lengths = [t.get("original_max_position_embeddings", getattr(text_config, "original_max_position_embeddings", None))
+               for t in rope_tables(text_config) if t.get("rope_type", t.get("type")) == "longrope"]
+    lengths = [int(n) for n in lengths if isinstance(n, int) and n > 0]
+    return min(lengths) if lengths else None
+
+
+def model_token_limit(model_config, position_start: int = 0, sequence_parallel: int = 1) -> int | None:
+    """The longest example the model's positions take (``None`` when the config states no limit, or its dynamic
+    RoPE extends them: :func:`extends_positions`). Under sequence parallelism each rank's slice would pick its RoPE
+    frequencies by its own longest position: dynamic RoPE keeps ``max_position_embeddings`` and ``longrope`` its
+    :func:`switching_length`, within which every call uses the same frequencies."""
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     limit = getattr(text_config, "max_position_embeddings", None)
-    return int(limit) - int(position_start) if isinstance(limit, int) and limit > 0 else None
+    limit = int(limit) if isinstance(limit, int) and limit > 0 else None
+    if sequence_parallel <= 1 and extends_positions(text_config):
+        return None
+    switch = switching_length(text_config) if sequence_parallel > 1 else None
+    if switch is not None:
+        limit = switch if limit is None else min(limit, switch)
+    return limit - int(position_start) if limit is not None else None
 
 
 def packing_collator(task, architecture, model_config, config) -> PackingCollator:
@@ -599,8 +637,18 @@ def packing_collator(task, architecture, model_config, config) -> PackingCollato
     and ``max_length`` from the config or else the model's own limit (so that an over-long example is a clear
     error, not an index error deep inside the position embeddings)."""
     start = int(architecture.position_start(model_config))
-    limit = model_token_limit(model_config, start)
+    size = getattr(getattr(config, "sequence_parallel", None), "size", 1)
+    limit = model_token_limit(model_config, start, size)
     source = f"{type(model_config).__name__}.max_position_embeddings={limit + start}" if limit else ""
+    alone = model_token_limit(model_config, start)
+    if limit and size > 1 and alone is None:
+        source += (f"; its dynamic RoPE serves longer examples, but not under sequence_parallel.size: {size}, where "
+                   "each rank would scale its frequencies by the longest position of its own slice")
+    elif limit and size > 1 and limit != alone:
+        source = (f"{type(model_config).__name__} longrope original_max_position_embeddings={limit + start}: past it "
+                  "a call switches every token to the long factors, and under sequence_parallel.size: "
+                  f"{size} each rank would pick its factors by the longest position of its own slice; train longer "
+                  "examples with sequence_parallel.size: 1")
     if config.max_length is not None and limit is not None and config.max_length > limit:
         raise ConfigError(
             f"max_length: {config.max_length} is more than the model takes ({limit} tokens, {source}); "

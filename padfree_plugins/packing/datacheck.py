@@ -1,8 +1,9 @@
 """Check a whole dataset against a packing collator before training starts.
 
-The collator refuses bad examples anyway, but only when a batch reaches it, possibly hours into a run. This check
-finds the same problems up front: empty examples, examples longer than the collator accepts (the model's
-``max_position_embeddings`` or the config's ``max_length``), and per-token keys (``labels``) whose length differs
+The collator refuses bad examples anyway, but only when a batch reaches it, possibly hours into a run. This
+check finds the same problems up front: empty examples, examples longer than the collator accepts (the model's
+``max_position_embeddings`` or the config's ``max_length``; in rows of several examples, TRL's ``packing=True``
+with a ``seq_lengths`` column, each example by its own length), and per-token keys (``labels``) whose length differs
 from ``input_ids`` — for the embedding task, in every ``<column>_input_ids`` column — token ids below 0 or not in
 the model's input embeddings (the collator's ``vocab_size``), per-token labels other than -100 outside the
 vocabulary, per-example class labels outside ``num_labels`` (or multi-label targets of another width), an
@@ -39,6 +40,9 @@ from padfree_plugins.packing.collator import (
 
 #: Plain Python datasets longer than this are left to the collator (a Python pass would take too long).
 MAX_PYTHON_ROWS = 200_000
+#: The column of a row that holds several examples (TRL's ``packing=True``): their lengths, which the collator splits
+#: the row by.
+PACKED_LENGTHS_KEY = "seq_lengths"
 #: The per-token mask a plain example may carry: checked for length and for zeros (padding), as the collator does.
 MASK_KEY = "attention_mask"
 
@@ -318,8 +322,11 @@ def _check_texts(dataset: Any, packing: Any, ids_key: str, prefix: str, name: st
     label_key = prefix + "labels" if "labels" in token_keys else None
     extra = [MASK_KEY, *BUILT_POSITION_KEYS] if plain else []
     token_keys += extra
-    value_keys = [ids_key, *extra, *([label_key] if label_key else [])]
-    batches = _chunks(dataset, [ids_key, *(prefix + key for key in dict.fromkeys(token_keys))], value_keys)
+    packed = plain and PACKED_LENGTHS_KEY in _column_names(dataset)  # rows of several examples (TRL packing=True)
+    packed_keys = [PACKED_LENGTHS_KEY] if packed else []
+    value_keys = [ids_key, *extra, *([label_key] if label_key else []), *packed_keys]
+    batches = _chunks(dataset, [ids_key, *(prefix + key for key in dict.fromkeys(token_keys)), *packed_keys],
+                      value_keys)
     if batches is None:
         return None
     max_length = getattr(packing, "max_length", None)
@@ -333,7 +340,9 @@ def _check_texts(dataset: Any, packing: Any, ids_key: str, prefix: str, name: st
         if empty.size:
             raise BatchError(f"example {offset + int(empty[0])}{where} has no tokens ({empty.size} such example(s) "
                              "in this chunk); filter empty examples out of the dataset")
-        if limit is not None:
+        if limit is not None and packed and PACKED_LENGTHS_KEY in values:
+            _check_packed_lengths(values[PACKED_LENGTHS_KEY], packing, limit, offset, where)
+        elif limit is not None:
             over = np.flatnonzero(ids > limit)
             if over.size:
                 row = int(over[0])
@@ -416,6 +425,22 @@ def _check_positions(values: _Values, key: str, start: int, offset: int, where: 
     token = int(wrong[0] - (np.cumsum(values.counts)[row] - values.counts[row]))
     raise BatchError(f"{positions_message(f'example {offset + row}{where}', key, start, token, int(flat[wrong[0]]))}"
                      f" ({np.unique(rows).size} such example(s) in this chunk)")
+
+
+def _check_packed_lengths(lengths: _Values, packing: Any, limit: int, offset: int, where: str) -> None:
+    """Rows that hold several examples (TRL's ``packing=True``, a ``seq_lengths`` column): each example counted by its
+    own length (the collator splits the rows first), the first one longer than ``limit`` refused."""
+    bounds = lengths.bounds()
+    if bounds is None or bounds[1] <= limit:
+        return
+    row, length, count = lengths.first(lambda n: n > limit)
+    starts = np.concatenate([[0], np.cumsum(lengths.counts)])
+    flat = lengths.flat if isinstance(lengths.flat, np.ndarray) else lengths.flat.to_numpy(zero_copy_only=False)
+    index = f"{int(np.flatnonzero(flat[starts[row]:starts[row + 1]] > limit)[0])} of row {offset + row}"
+    where = f"{where} (its rows hold several examples: {PACKED_LENGTHS_KEY})"
+    message = (packing.overlong_message(index, length, where) if hasattr(packing, "overlong_message") else
+               f"example {index}{where} has {length} tokens, more than max_length={limit}")
+    raise BatchError(f"{message} ({count} row(s) with an example too long in this chunk)")
 
 
 def _check_token_ids(values: _Values, vocab_size: int | None, offset: int, where: str) -> None:
