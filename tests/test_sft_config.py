@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from padfree_plugins import accelerate
 from tests.conftest import tiny_config
 from tests.test_trainer import rows, tokenizer
+from tests.ties import excess_over_flips, flip_shares, recording_token_margins
 
 trl = pytest.importorskip("trl")
 peft = pytest.importorskip("peft")
@@ -82,22 +83,36 @@ def sft_runs(train, processing_class=None, model=llama, trainer_kwargs=None, eva
                                  processing_class=processing_class or tokenizer(), **(trainer_kwargs or {}))
         if packed:
             accelerate(trainer, {"task": "causal_lm"})
-        trainer.train()
+            trainer.train()
+        else:
+            with recording_token_margins(trainer.model) as margins:
+                trainer.train()
+            trainer.token_margins = [torch.cat(rows) for rows in margins]  # the label margins of each forward
         trainers[packed] = trainer
     return trainers
+
+
+def token_shares(trainer) -> list[float]:
+    """Per logged step of a padded run of :func:`sft_runs`, the share of its counted tokens whose
+    ``mean_token_accuracy`` rounding could flip (:func:`tests.ties.flip_shares`)."""
+    return flip_shares(trainer.token_margins, len(trainer.token_margins) // len(train_logs(trainer)))
 
 
 METRICS = ("loss", "mean_token_accuracy", "entropy", "num_tokens", "aux_loss")
 
 
-def assert_same_logs(want: list[dict], got: list[dict]) -> None:
-    """Same logged keys (no metric missing), loss within 1e-4, metrics within 1e-4 (num_tokens exact)."""
+def assert_same_logs(want: list[dict], got: list[dict], shares: list[float]) -> None:
+    """Same logged keys (no metric missing), loss within 1e-4, metrics within 1e-4 (num_tokens exact),
+    ``mean_token_accuracy`` exactly but for the tokens whose label margin is within rounding (``shares``:
+    :func:`token_shares`)."""
     assert len(got) == len(want) > 0
     for step, (a, b) in enumerate(zip(want, got)):
         assert set(b) == set(a), f"step {step}: logged {sorted(b)}, TRL logs {sorted(a)}"
         for name in METRICS:
-            if name in a:
+            if name in a and name != "mean_token_accuracy":
                 assert b[name] == pytest.approx(a[name], abs=0 if name == "num_tokens" else 1e-4), (step, name)
+    accuracies = [[entry["mean_token_accuracy"] for entry in run] for run in (got, want)]
+    assert excess_over_flips(*accuracies, shares, "mean_token_accuracy") <= 1e-6, (*accuracies, shares)
 
 
 def train_logs(trainer) -> list[dict]:
@@ -146,7 +161,7 @@ def test_sft_config_trains_trls_padded_curve_with_its_metrics(case):
     case = dict(case)
     trainers = sft_runs(case.pop("train", TEXT), **case)
     want = train_logs(trainers[False])
-    assert_same_logs(want, train_logs(trainers[True]))
+    assert_same_logs(want, train_logs(trainers[True]), token_shares(trainers[False]))
     assert {"mean_token_accuracy", "entropy", "num_tokens"} <= set(want[0])
     assert ("aux_loss" in want[0]) == (case.get("model") is mixtral)
 
@@ -171,7 +186,7 @@ def test_chat_template_path_with_assistant_only_loss(tmp_path):
                                    {"role": "user", "content": f"more {i}"},
                                    {"role": "assistant", "content": f"b {i} " * (1 + i % 2)}]} for i in range(24)]
     trainers = sft_runs(conversations, chat_template_path=str(path), assistant_only_loss=True)
-    assert_same_logs(train_logs(trainers[False]), train_logs(trainers[True]))
+    assert_same_logs(train_logs(trainers[False]), train_logs(trainers[True]), token_shares(trainers[False]))
     labels = trainers[True].train_dataset[0]["labels"]
     assert -100 in labels and any(label != -100 for label in labels)
 

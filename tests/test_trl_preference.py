@@ -19,11 +19,10 @@ import torch
 
 from padfree_plugins import PadfreeError, accelerate, patch_of
 from padfree_plugins.modeling.attention import record_attention_calls
-from padfree_plugins.modeling.patching import unwrap_model
 from padfree_plugins.testing.faults import leak_across_boundaries
 from tests.conftest import tiny_model
 from tests.test_trainer import tokenizer
-from tests.ties import CLEAR, allowed_flips
+from tests.ties import allowed_flips, excess_over_flips, recording_token_margins
 
 trl = pytest.importorskip("trl")
 peft = pytest.importorskip("peft")
@@ -70,60 +69,41 @@ class History(list):
 @contextmanager
 def recording_ties(trainer, calls: list[dict]):
     """Within the block, every call of the DPO trainer's ``compute_loss`` appends to ``calls`` the share of its
-    pairs whose reward margin, and of its counted chosen tokens whose label-vs-best-other logit margin, is within
-    :data:`tests.ties.CLEAR` (the first policy forward of the call: the one TRL's metrics read)."""
-    model = unwrap_model(trainer.model)
+    pairs whose reward margin, and of its counted chosen tokens whose label margin (:func:`tests.ties.label_margins`:
+    the first policy forward of the call, the one TRL's metrics read), is within :data:`tests.ties.CLEAR`."""
     accelerator, compute_loss = trainer.accelerator, trainer.compute_loss
     gather = accelerator.gather
     state: dict = {}
 
-    def labels_of(module, args, kwargs):
-        if "current" in state and "labels" not in state:
-            state["labels"] = kwargs.get("labels")
-
-    def token_margins(module, args, output):
-        labels = state.get("labels")
-        if labels is None or "hidden" in state:
-            return
-        state["hidden"] = True
-        hidden, targets = output.last_hidden_state[:, :-1].detach(), labels[:, 1:]
-        chosen = slice(0, hidden.shape[0] // 2)  # TRL's batch: the chosen completions, then the rejected
-        logits = (hidden[chosen] @ model.get_output_embeddings().weight.detach().T).double()[targets[chosen] != -100]
-        counted = targets[chosen][targets[chosen] != -100]
-        label = logits.gather(1, counted[:, None])[:, 0]
-        others = logits.scatter(1, counted[:, None], float("-inf")).max(dim=1).values
-        state["current"]["mean_token_accuracy"] = allowed_flips(label - others) / max(len(counted), 1)
-
     def recording_gather(tensor):
-        if "current" in state:
+        if "gathered" in state:
             state["gathered"].append(tensor.detach().clone())
         return gather(tensor)
 
     def recording_compute_loss(*args, **kwargs):
-        state.update(current={}, gathered=[])
+        state["gathered"] = []
+        start = len(tokens)
         try:
             return compute_loss(*args, **kwargs)
         finally:
-            gathered = state["gathered"]
+            gathered = state.pop("gathered")
             margins = [chosen - rejected for chosen, rejected, accurate in zip(gathered, gathered[1:], gathered[2:])
                        if chosen.ndim == 1 and chosen.shape == rejected.shape == accurate.shape
                        and torch.equal(accurate, (chosen > rejected).to(accurate.dtype))]
             assert margins, "TRL's reward accuracy not found among the gathered metrics"
+            rows = tokens[start]  # the policy's forward: the chosen completions, then the rejected
+            chosen = torch.cat(rows[:len(rows) // 2])
             # the first match: TRL gathers the chosen rewards, the rejected, then the accuracy (the margins after it
             # match too where every reward is 0)
-            state["current"]["rewards/accuracies"] = allowed_flips(margins[0]) / margins[0].numel()
-            calls.append(state["current"])
-            state.clear()
+            calls.append({"rewards/accuracies": allowed_flips(margins[0]) / margins[0].numel(),
+                          "mean_token_accuracy": allowed_flips(chosen) / max(chosen.numel(), 1)})
 
-    handles = [model.register_forward_pre_hook(labels_of, with_kwargs=True),
-               model.get_decoder().register_forward_hook(token_margins)]
-    trainer.compute_loss, accelerator.gather = recording_compute_loss, recording_gather
-    try:
-        yield
-    finally:
-        del trainer.compute_loss, accelerator.gather
-        for handle in handles:
-            handle.remove()
+    with recording_token_margins(trainer.model) as tokens:
+        trainer.compute_loss, accelerator.gather = recording_compute_loss, recording_gather
+        try:
+            yield
+        finally:
+            del trainer.compute_loss, accelerator.gather
 
 
 LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "gate_proj"])
@@ -197,12 +177,10 @@ def discontinuous_off(got: list[dict], want: list[dict]) -> dict[str, float]:
             continue
         flips = getattr(want, "flips", None)
         assert flips is not None, f"{key} logged, but the reference run did not record its near-ties"
-        assert sum(share == 0 for share in flips[key]) >= STEPS // 2, (
-            f"{key}: near-ties (margins under {CLEAR}) in most steps; the comparison would prove little")
-        for step, share in enumerate(flips[key]):
-            excess = abs(got[step][key] - want[step][key]) - share
-            if excess > 1e-6:
-                off[key] = max(off.get(key, 0.0), excess)
+        excess = excess_over_flips([entry[key] for entry in got[:STEPS]], [entry[key] for entry in want[:STEPS]],
+                                   flips[key], key)
+        if excess > 1e-6:
+            off[key] = excess
     return off
 
 

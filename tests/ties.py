@@ -9,9 +9,12 @@ rounding and asserts it (:func:`assert_clear`), or compares it only where the ru
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
+
+from padfree_plugins.modeling.patching import unwrap_model
 
 #: A gap that rounding cannot cross: ~1000x the largest padded / padding-free difference of a score or a logit.
 CLEAR = 1e-3
@@ -41,3 +44,61 @@ def assert_clear(gaps: torch.Tensor, what: str, clear: float = CLEAR) -> None:
 def allowed_flips(margins: torch.Tensor, clear: float = CLEAR) -> int:
     """How many of ``margins`` (a sign or an argmax decided by each) rounding could flip: those within ``clear``."""
     return int((margins.detach().abs() < clear).sum())
+
+
+def flip_shares(margins: Sequence[torch.Tensor], calls: int) -> list[float]:
+    """Per group of ``calls`` consecutive forwards (a logged step, an evaluation), the mean share of the items whose
+    discontinuous value rounding could flip (``margins``: one tensor per forward): how far a logged mean may move."""
+    assert margins and len(margins) % calls == 0, (len(margins), calls)
+    return [sum(allowed_flips(m) / max(m.numel(), 1) for m in margins[start:start + calls]) / calls
+            for start in range(0, len(margins), calls)]
+
+
+def excess_over_flips(got: Sequence[float], want: Sequence[float], shares: Sequence[float], what: str) -> float:
+    """How far ``got`` (a discontinuous value per step: an accuracy) differs from ``want`` beyond what rounding could
+    flip: ``shares``, per step, the share of its items within :data:`CLEAR` (:func:`allowed_flips`); 0 if nowhere.
+    Asserts first that the shares leave a real comparison: on average at most a quarter of the items near a tie."""
+    assert len(got) == len(want) == len(shares)
+    assert sum(shares) <= len(shares) / 4, f"{what}: too many near-ties ({list(shares)}); use data with larger margins"
+    return max(abs(g - w) - share for g, w, share in zip(got, want, shares))
+
+
+def label_margins(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each counted position's logit of its label over the best other one (``labels`` aligned with ``logits``,
+    ``-100`` not counted): an argmax-equals-label test flips only where this is near 0. One value per counted token."""
+    counted = labels != -100
+    logits, targets = logits[counted].double(), labels[counted].long()
+    label = logits.gather(1, targets[:, None])[:, 0]
+    return label - logits.scatter(1, targets[:, None], float("-inf")).max(dim=1).values
+
+
+@contextmanager
+def recording_token_margins(model) -> Iterator[list[torch.Tensor]]:
+    """Within the block, every forward of the (padded) causal LM ``model`` given ``labels`` (or ``shift_labels``)
+    appends to the list it yields the :func:`label_margins` of its counted tokens, per row (a list of tensors), from
+    the decoder's last hidden state and the output embeddings (a fused LM head gives no logits). Only the first
+    decoder call of each labelled forward counts (a reference run of the same model, adapters off, follows it)."""
+    inner = unwrap_model(model)
+    margins: list[list[torch.Tensor]] = []
+    state: dict = {}
+
+    def labels_of(module, args, kwargs):
+        if kwargs.get("shift_labels") is not None:
+            state["labels"] = kwargs["shift_labels"]
+        elif kwargs.get("labels") is not None:
+            state["labels"] = torch.nn.functional.pad(kwargs["labels"][:, 1:], (0, 1), value=-100)
+
+    def record(module, args, output):
+        labels = state.pop("labels", None)
+        if labels is None:
+            return
+        logits = output.last_hidden_state.detach() @ inner.get_output_embeddings().weight.detach().T
+        margins.append([label_margins(row_logits, row_labels) for row_logits, row_labels in zip(logits, labels)])
+
+    handles = [inner.register_forward_pre_hook(labels_of, with_kwargs=True),
+               inner.get_decoder().register_forward_hook(record)]
+    try:
+        yield margins
+    finally:
+        for handle in handles:
+            handle.remove()
