@@ -102,3 +102,24 @@ def recording_token_margins(model) -> Iterator[list[torch.Tensor]]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def greedy(model, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model.generate(*args, do_sample=False, **kwargs)``: the sequences, and the :func:`top2_gaps` of every new
+    token's scores (``[rows, new tokens]``): where greedy decoding could take another token."""
+    out = model.generate(*args, do_sample=False, output_scores=True, return_dict_in_generate=True, **kwargs)
+    return out.sequences, torch.stack([top2_gaps(scores) for scores in out.scores], dim=1)
+
+
+def assert_same_greedy(got: torch.Tensor, want: torch.Tensor, gaps: torch.Tensor, clear: float = CLEAR) -> None:
+    """``got`` decodes ``want`` (``want``, ``gaps``: :func:`greedy`'s), or a row parts from it first at a token whose
+    top two scores lay within ``clear`` (a near-tie rounding can decide; after it the rows cannot be compared)."""
+    assert got.shape == want.shape, (got.shape, want.shape)
+    new, compared = gaps.shape[1], 0
+    for row, (mine, theirs) in enumerate(zip(got[:, -new:], want[:, -new:])):
+        differ = (mine != theirs).nonzero()
+        step = int(differ[0]) if len(differ) else new
+        assert step == new or gaps[row, step] < clear, f"row {row} decodes another token at {step}, clear of any tie"
+        compared += step
+    assert torch.equal(got[:, :-new], want[:, :-new])
+    assert compared >= gaps.numel() / 2, "near-ties early in most rows: the comparison would prove little"
