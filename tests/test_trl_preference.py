@@ -109,6 +109,24 @@ def recording_ties(trainer, calls: list[dict]):
 LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "gate_proj"])
 
 
+def trained_reference(trainer) -> History:
+    """Train a padded DPO ``trainer`` (the reference of a comparison) for ``STEPS`` steps, recording its near-ties:
+    its log history, with its :attr:`History.flips`."""
+    calls: list[dict] = []
+    with recording_ties(trainer, calls):
+        trainer.train()
+    return with_flips(History(trainer.state.log_history), calls)
+
+
+def with_flips(history: History, calls: list[dict]) -> History:
+    """``history`` with ``flips``: per logged step, the mean of its calls' shares (:func:`recording_ties`)."""
+    per_step = len(calls) // STEPS
+    assert calls and len(calls) == per_step * STEPS, (len(calls), STEPS)
+    history.flips = {key: [sum(call[key] for call in calls[step * per_step:(step + 1) * per_step]) / per_step
+                           for step in range(STEPS)] for key in DISCONTINUOUS}
+    return history
+
+
 def run(kind: str, accelerated: bool, *, lora: bool = False, leak: bool = False, config: dict | None = None,
         dataset=None, dtype: torch.dtype = torch.float32, **settings) -> History:
     """``STEPS`` steps of a DPO or KTO trainer (a separate reference model unless LoRA), padded or accelerated
@@ -146,12 +164,7 @@ def run(kind: str, accelerated: bool, *, lora: bool = False, leak: bool = False,
         if acceleration is not None:
             acceleration.undo()
     history = History(trainer.state.log_history)
-    if calls:
-        per_step = len(calls) // STEPS
-        assert len(calls) == per_step * STEPS
-        history.flips = {key: [sum(call[key] for call in calls[step * per_step:(step + 1) * per_step]) / per_step
-                               for step in range(STEPS)] for key in DISCONTINUOUS}
-    return history
+    return with_flips(history, calls) if calls else history
 
 
 def differences(got: list[dict], want: list[dict]) -> dict[str, float]:
