@@ -9,6 +9,7 @@ import contextlib
 import functools
 import random
 import types
+from unittest import mock
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from padfree_plugins import PadfreeError
 from padfree_plugins.testing.faults import leak_across_boundaries
 from tests import test_sentence_transformers as st_tests
 from tests.test_sentence_transformers import CONFIG, WORDS, CrossEncoder, sentences, tiny_sentence_transformer, train
-from tests.ties import assert_clear, sorted_gaps
+from tests.ties import assert_clear, sorted_gaps, top2_gaps
 
 _offline, minilm, tiny_dirs = st_tests._offline, st_tests.minilm, st_tests.tiny_dirs  # its fixtures, here too
 
@@ -67,9 +68,37 @@ def st_loss_cases():
 
 @pytest.mark.parametrize("name", list(st_loss_cases()))
 def test_sentence_transformer_losses_same_loss_curve(tiny_dirs, name):
+    from sentence_transformers import util
+
     loss_factory, data = st_loss_cases()[name]
-    curves = st_curves(lambda: tiny_sentence_transformer(tiny_dirs["encoder"]), loss_factory, data())
+    scores = []  # every cosine similarity matrix MegaBatchMarginLoss builds (anchors of a chunk x the positives)
+    cos_sim = util.pytorch_cos_sim
+
+    def recording(a, b):
+        scores.append(cos_sim(a, b))
+        return scores[-1]
+
+    with mock.patch.object(util, "pytorch_cos_sim", recording):
+        curves = st_curves(lambda: tiny_sentence_transformer(tiny_dirs["encoder"]), loss_factory, data())
     assert curves[1] == pytest.approx(curves[0], abs=1e-5)
+    if name == "MegaBatchMarginLoss":
+        assert_hardest_negatives_clear(scores[:len(scores) // 2])  # the padded run's
+
+
+def assert_hardest_negatives_clear(scores: list[torch.Tensor], positive_margin: float = 0.8,
+                                   negative_margin: float = 0.3) -> None:
+    """MegaBatchMarginLoss picks each anchor's hardest negative (an argmax) and hinges its positive and that
+    negative at the margins: each choice, and each hinge, is 1e-5 or more from a tie in every chunk of the run
+    (cosine similarities agree to ~1e-7 packed and padded), so no rounding of another CPU changes the gradient."""
+    gaps, offset = [], 0
+    for chunk in scores:
+        rows = torch.arange(len(chunk))
+        negatives = chunk.detach().double().clone()
+        positives = negatives[rows, rows + offset].clone()
+        negatives[rows, rows + offset] = float("-inf")
+        gaps += [top2_gaps(negatives), positives - positive_margin, negatives.max(1).values - negative_margin]
+        offset = (offset + len(chunk)) % chunk.shape[1]
+    assert_clear(torch.cat(gaps), "the hardest negatives and the hinges", clear=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["mean", "cls", "weightedmean"])
