@@ -16,7 +16,8 @@ import torch
 
 from padfree_plugins.modeling.patching import unwrap_model
 
-#: A gap that rounding cannot cross: ~1000x the largest padded / padding-free difference of a score or a logit.
+#: A gap that rounding cannot cross: 10x the loosest tolerance on a continuous value (1e-4), ~1000x the padded /
+#: padding-free difference of a score or a logit (~1e-6).
 CLEAR = 1e-3
 
 
@@ -56,7 +57,7 @@ def flip_shares(margins: Sequence[torch.Tensor], calls: int) -> list[float]:
 
 def excess_over_flips(got: Sequence[float], want: Sequence[float], shares: Sequence[float], what: str) -> float:
     """How far ``got`` (a discontinuous value per step: an accuracy) differs from ``want`` beyond what rounding could
-    flip: ``shares``, per step, the share of its items within :data:`CLEAR` (:func:`allowed_flips`); 0 if nowhere.
+    flip: ``shares``, per step, the share of its items within :data:`CLEAR` (:func:`allowed_flips`); <= 0 if within.
     Asserts first that the shares leave a real comparison: on average at most a quarter of the items near a tie."""
     assert len(got) == len(want) == len(shares)
     assert sum(shares) <= len(shares) / 4, f"{what}: too many near-ties ({list(shares)}); use data with larger margins"
