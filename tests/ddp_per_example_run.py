@@ -4,6 +4,7 @@ losses and a checksum of its final weights (DDP keeps the ranks' weights equal o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -19,14 +20,22 @@ from tests.tasks_common import model_for
 
 
 def reward(out: str) -> None:
-    """TRL RewardTrainer, padded then padding-free (fp32): each rank's logged losses and metrics of both runs."""
-    from tests.test_reward import logged, reward_trainer
+    """TRL RewardTrainer, padded then padding-free (fp32): each rank's logged losses and metrics of both runs, and
+    the padded run's share of pairs near a tie per step and in evaluation (``flips``: ``train``, ``eval``)."""
+    from tests.test_reward import logged, recording_pair_margins, reward_trainer
+    from tests.ties import flip_shares
 
     runs = {}
     for packed in (False, True):
         trainer, _ = reward_trainer(packed, max_steps=4)
-        trainer.train()
-        runs["packed" if packed else "padded"] = {"log": logged(trainer), "eval": trainer.evaluate()}
+        with contextlib.nullcontext([]) if packed else recording_pair_margins(trainer.model) as margins:
+            trainer.train()
+            trained = len(margins)
+            evaluation = trainer.evaluate()
+        runs["packed" if packed else "padded"] = {"log": logged(trainer), "eval": evaluation}
+        if not packed:
+            runs["flips"] = {"train": flip_shares(margins[:trained], trained // 4),
+                             "eval": flip_shares(margins[trained:], len(margins) - trained)}
     rank = trainer.accelerator.process_index
     runs["processes"] = trainer.accelerator.num_processes
     with open(f"{out}.{rank}", "w") as file:

