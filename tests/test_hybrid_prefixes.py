@@ -148,3 +148,27 @@ def test_mamba1_families_refuse_a_shared_row_with_the_reason(model_type):
             model(**packed)
     finally:
         assembly.undo()
+
+
+def test_auto_shares_prompts_on_a_hybrid_and_says_why_not_where_it_cannot(caplog):
+    """``prefix_sharing: auto`` shares a DPO trainer's prompts on a Qwen3.5 hybrid; on Mamba (whose scan takes no
+    initial state) it packs every example whole and logs the reason; ``mixers: kernels`` is a reason too (its CUDA
+    route does not carry a prompt's state yet)."""
+    pytest.importorskip("trl")
+    from padfree_plugins import accelerate
+    from tests.test_prefix_sharing import dpo_trainer
+    from tests.test_trainer import tokenizer
+
+    acceleration = accelerate(dpo_trainer(slow(hybrid_model("qwen3_5_text", vocab_size=len(tokenizer()))).train()),
+                              {"task": "causal_lm"})
+    assert acceleration.trainer_patch.shares_prefixes is True
+    assert mixers.why_no_prompt_state(acceleration.trainer.model) is None
+    assert "mixers: kernels does not yet start" in mixers.why_no_prompt_state(acceleration.trainer.model, "kernels")
+    acceleration.undo()
+    with caplog.at_level("INFO", logger="padfree_plugins"):
+        acceleration = accelerate(dpo_trainer(hybrid_model("mamba", vocab_size=len(tokenizer())).train()),
+                                  {"task": "causal_lm"})
+    assert acceleration.trainer_patch.shares_prefixes is False
+    assert "prompts are not shared for DPOTrainer: mamba runs sequence mixers: its MambaMixer cannot start a " \
+           "completion from its prompt's state" in caplog.text
+    acceleration.undo()

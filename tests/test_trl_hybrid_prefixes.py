@@ -13,6 +13,7 @@ row of the LM head scaled so that completions end after 1…10 tokens."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import shutil
 import tempfile
@@ -20,6 +21,7 @@ import tempfile
 import pytest
 import torch
 
+from padfree_plugins.modeling.attention import record_attention_calls
 from padfree_plugins.testing.faults import completions_continue_a_sibling, completions_start_from_zero, \
     conv_taps_reach_into_a_sibling
 from tests import test_trl_rl
@@ -81,3 +83,41 @@ def test_grpo_on_a_hybrid_fails_on_a_wrong_state(fault, packed_calls):
     got = accelerated("qwen3_5_text", "grpo", packed_calls, fault=fault())
     assert got.shared_prompts and all(got.shared_prompts)
     assert "grad_norm" in test_trl_rl.beyond_tolerance(got, want), "a wrong mixer state went unnoticed"
+
+
+def dpo_run(accelerated: bool, fault=None) -> tuple[list[dict], list[int]]:
+    """tests/test_trl_preference.py's 20 DPO steps (sigmoid loss, a reference model) with the Qwen3.5-shaped hybrid as
+    the policy; its log history and, per packed attention call, the prompts its row shares."""
+    from tests import test_trl_preference
+    from tests.test_trainer import tokenizer
+
+    def policy():
+        return slow(hybrid_model("qwen3_5_text", vocab_size=len(tokenizer()))).train()
+
+    with pytest.MonkeyPatch.context() as patch, fault or contextlib.nullcontext(), \
+            record_attention_calls() as calls:
+        patch.setattr(test_trl_preference, "policy", policy)
+        history = test_trl_preference.run("dpo", accelerated)
+    return history, [call.shared_prompts for call in calls]
+
+
+@functools.lru_cache(maxsize=1)
+def dpo_padded() -> list[dict]:
+    return dpo_run(False)[0]
+
+
+def test_dpo_on_a_qwen3_5_hybrid_shares_prompts_and_trains_the_padded_run():
+    from tests.test_trl_preference import assert_same_run
+
+    got, shared = dpo_run(True)
+    assert shared and all(prompts >= 1 for prompts in shared), shared[:8]  # every packed call shares its prompts
+    assert_same_run(got, dpo_padded())
+
+
+def test_dpo_on_a_qwen3_5_hybrid_fails_when_completions_start_from_zero():
+    from tests.test_trl_preference import assert_same_run
+
+    got, shared = dpo_run(True, completions_start_from_zero())
+    assert shared and all(shared)
+    with pytest.raises(AssertionError, match="logged values off"):
+        assert_same_run(got, dpo_padded())
