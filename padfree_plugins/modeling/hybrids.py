@@ -60,6 +60,11 @@ class SequenceMixers(Trait):
     def attention_options(self) -> dict[str, Any]:
         return {} if self.has_attention else {"has_attention": False}
 
+    def no_shared_prompts(self) -> str:
+        if not self.no_prompt_state:
+            return ""
+        return f"its sequence mixers cannot start a completion from its prompt's state ({self.no_prompt_state})"
+
     def check(self, model: Any, architecture: Architecture, config: Any) -> None:
         check_mixer_backend(config.mixers, architecture.name, self.kernels)
         if not self.mixer_modules(model):

@@ -18,6 +18,15 @@ alone, on real tokens only:
   family has such a route, the tensors are on CUDA and every package is installed; otherwise ``exact``. Neither
   ever runs a mixer across a boundary: a packed call without boundaries, or with a cache, is an error.
 
+In a row with shared prefixes (:mod:`padfree_plugins.packing.prefixes`: a prompt once, then its completions), each
+completion's mixers instead start from its prompt's final state, exactly what the completion computes in its padded
+row (:func:`state_sources`): :func:`run_shared` hands the mixer's own forward a :class:`MixerState` — the cache
+interface through which transformers' hybrid mixers continue a state (the recurrent state, the conv taps) — built
+from the prompt's run, so the prompt runs once and every completion's gradient reaches it through that state;
+:func:`boundary_causal_conv1d` lets a completion's taps read its prompt's last inputs. That is the torch code
+(``exact``); the kernels route does not carry a prompt's state yet. A family whose mixers cannot continue a state
+(Mamba1: transformers' scan takes no initial state) declares why (``no_prompt_state``) and refuses such a row.
+
 An architecture plugin routes a model's mixer modules here for packed calls (see ``builtin/architectures/lfm2.py``
 and ``modeling/hybrids.py``) and leaves padded calls and ``generate()`` to the model's own code.
 """
