@@ -192,3 +192,17 @@ def test_check_says_why_a_family_shares_no_prompts(model_type, reason):
     else:
         assert len(notes) == 1 and reason in notes[0] and "cannot start a completion from its prompt's state" in \
             notes[0], notes
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "bamba", "lfm2"])
+def test_gradient_checkpointing_recomputes_completions_from_the_prompts_state(model_type):
+    """In train mode with gradient checkpointing, the backward pass recomputes every layer outside the forward; the
+    completions' mixers still start from their prompt's state there (the row carries the shared prefixes)."""
+    model = model_for(model_type).train()
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assembly = assemble(model, {"task": "causal_lm", "unpad": "off"})
+    try:
+        assert_same(shared_and_padded(model))
+    finally:
+        assembly.undo()
