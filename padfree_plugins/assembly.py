@@ -247,6 +247,10 @@ def _resolve(model_config: Any, config: PadfreeConfig, host: PluginHost, device_
     if architecture_plugin == PROBE_PLUGIN:
         notes.append(f"model type {model_config.model_type!r} is declared by no plugin: assembly accepts it as "
                      f"{architecture.name!r} only if the equivalence probe passes on the model itself")
+    if architecture.no_shared_prompts and getattr(config, "prefix_sharing", "off") != "off":
+        notes.append(f"prefix_sharing: {config.prefix_sharing} shares no prompts for {architecture.name}: "
+                     f"{architecture.no_shared_prompts} (on is refused at accelerate(); auto packs every example "
+                     "whole)")
     if config.attention == "auto" and "dropout" in features:
         faster = [b.name for b, _ in host.backends().values()
                   if b.speed_rank > backend.speed_rank and not b.cannot_run(device_type, None, features - {"dropout"})]

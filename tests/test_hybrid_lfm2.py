@@ -93,7 +93,7 @@ def test_a_conv_leaking_one_token_across_a_boundary_is_caught(monkeypatch):
     examples = make_examples(LENGTHS, seed=1)
     want_loss, _ = loss_and_grads(model, padded_batch(examples))
 
-    def leaky(x, weight, bias, cu_seq_lens):
+    def leaky(x, weight, bias, cu_seq_lens, shared=None):
         one_back = F.pad(x, (1, 0))[..., : x.shape[-1]]
         exact = boundary_causal_conv1d(x, weight, bias, cu_seq_lens)
         starts = torch.zeros(x.shape[-1], dtype=x.dtype)

@@ -268,7 +268,7 @@ def refused_trainer(reason: str):
         from tests.hybrids_common import hybrid_model
         from tests.test_trainer import tokenizer
 
-        return dpo_trainer(hybrid_model("qwen3_next", vocab_size=len(tokenizer())).train()), {}
+        return dpo_trainer(hybrid_model("mamba", vocab_size=len(tokenizer())).train()), {}
     trainer = dpo_trainer()
     if reason == "router":
         trainer.aux_loss_enabled = True  # what TRL sets for an MoE policy with router_aux_loss_coef > 0
@@ -279,7 +279,8 @@ def refused_trainer(reason: str):
 
 
 REFUSALS = {"backend": "the 'noshare' attention backend does not take shared prefixes",
-            "mixers": "qwen3_next runs sequence mixers",
+            "mixers": "mamba runs sequence mixers: its MambaMixer cannot start a completion from its prompt's state "
+                      r"\(transformers' Mamba1 selective scan",
             "router": "MoE router aux loss",
             "no prompt": "has no prompt column"}
 

@@ -112,9 +112,10 @@ class PadfreeConfig:
     prefix_sharing: Literal["auto", "on", "off"] = _help(
         "preference, reward and RL trainers (TRL DPO, Reward, GRPO, RLOO, KTO): each prompt computed once in a "
         "packed row, followed by its completions (exact: they attend to it and continue its positions); auto (where "
-        "the attention backend takes shared prefixes, the model is a decoder without sequence mixers and the batch "
-        "holds a repeated prompt); on (the same, refused where it cannot apply and with trainers that share nothing: "
-        "HF Trainer, SFTTrainer); off. YAML's booleans (a bare on / off) are read as on / off", default="auto")
+        "the attention backend takes shared prefixes, the model is a decoder whose sequence mixers, if any, start "
+        "from a prompt's state (not Mamba1; not mixers: kernels) and the batch holds a repeated prompt); on (the "
+        "same, refused where it cannot apply and with trainers that share nothing: HF Trainer, SFTTrainer); off. "
+        "YAML's booleans (a bare on / off) are read as on / off", default="auto")
     max_length: int | None = _help("longest example in tokens (default: no limit)", default=None, minimum=1)
     on_overlong: Literal["error", "truncate"] = _help("what to do with an example longer than max_length (truncate: "
                                                       "rows left without a label are dropped, with a warning)",

@@ -68,6 +68,9 @@ class Architecture:
     #: (a vision-language family's :class:`~padfree_plugins.packing.multimodal.MultimodalPacking`); its
     #: ``model_keys`` are model inputs the forward passes when a batch has them (``pixel_values`` …).
     wrap_collator: Callable[[Any, Any], Any] | None = field(default=None, compare=False)
+    #: Why this family's repeated prompts are never shared (``prefix_sharing``), ``""`` where they can be; ``check``
+    #: shows it (a family gets it from its traits: ``Trait.no_shared_prompts`` in :mod:`padfree_plugins.modeling`).
+    no_shared_prompts: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if not self.model_types:

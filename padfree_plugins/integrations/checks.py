@@ -26,7 +26,7 @@ import numpy as np
 
 from padfree_plugins.batching.sampler import check_whole_micro_batches, combined_loads, example_lengths
 from padfree_plugins.errors import BatchError, ConfigError, PadfreeError
-from padfree_plugins.modeling.mixers import sequence_mixers
+from padfree_plugins.modeling.mixers import why_no_prompt_state
 from padfree_plugins.packing.datacheck import inspect_dataset
 from padfree_plugins.packing.prefixes import SHARED_PREFIXES_FEATURE
 
@@ -340,9 +340,8 @@ def why_prompts_not_shared(trainer: Any, assembly: Any, prompt_column: bool = Tr
     for backend in (plan.backend, plan.fallback):
         if backend is not None and SHARED_PREFIXES_FEATURE not in backend.features:
             return f"the {backend.name!r} attention backend does not take shared prefixes (exact and flash_attn do)"
-    if sequence_mixers(assembly.model):
-        return (f"{plan.architecture.name} runs sequence mixers, whose state does not yet carry a shared prompt into "
-                "its completions")
+    if reason := why_no_prompt_state(assembly.model, getattr(config, "mixers", "auto")):
+        return f"{plan.architecture.name} runs sequence mixers: {reason}"
     if getattr(trainer, "aux_loss_enabled", False):
         return ("the MoE router aux loss is not a sum over tokens, so a prompt counted once would change it: set "
                 "router_aux_loss_coef=0.0 to share prompts")

@@ -14,7 +14,7 @@ install undoes what was applied before it. Its plugin module's hooks come from :
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from padfree_plugins.contract.declarations import Architecture
@@ -34,6 +34,10 @@ class Trait:
 
     def check(self, model: Any, architecture: Architecture, config: Any) -> None:
         """Refuse, before anything is patched, a model or config this trait cannot make padding-free."""
+
+    def no_shared_prompts(self) -> str:
+        """Why a family with this trait can never share a repeated prompt (``prefix_sharing``), ``""`` where it can."""
+        return ""
 
     def install(self, model: Any, patch: ModelPatch, config: Any) -> Any:
         """Apply this trait's step to ``model`` (``patch`` holds its attention patch); return a handle whose
@@ -88,12 +92,19 @@ class DeclaredFamily:
             raise
         return patch
 
+    def declared_architecture(self) -> Architecture:
+        """The architecture as registered: with the first of its traits' reasons not to share prompts, if any."""
+        reason = next((why for trait in self.traits if (why := trait.no_shared_prompts())), "")
+        if not reason or self.architecture.no_shared_prompts:
+            return self.architecture
+        return replace(self.architecture, no_shared_prompts=reason)
+
     def hooks(self) -> tuple[Any, Any]:
         """The module-level hooks of the family's plugin: ``register_architectures, patch_model = FAMILY.hooks()``."""
 
         @hookimpl
         def register_architectures():
-            return [self.architecture]
+            return [self.declared_architecture()]
 
         @hookimpl
         def patch_model(model, architecture, backend, fallback, config):

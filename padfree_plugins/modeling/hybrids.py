@@ -26,6 +26,9 @@ GATED_DELTA_CHUNK = 64
 GATED_DELTA_KERNELS = ("fla", "causal_conv1d")
 #: Mamba2's chunked scan and fused conv + scan (``seq_idx``).
 MAMBA2_KERNELS = ("mamba_ssm", "causal_conv1d")
+#: Why Mamba1 mixers (Mamba, FalconMamba, Jamba) cannot share prompts.
+MAMBA1_NO_PROMPT_STATE = ("transformers' Mamba1 selective scan (mamba_selective_scan) takes no initial SSM state, so "
+                          "a completion's scan cannot continue from its prompt's")
 
 
 @dataclass(frozen=True)
@@ -36,12 +39,15 @@ class SequenceMixers(Trait):
     mixer attribute that holds it (1: a sequential scan); examples spanning as many chunks then run as one batch.
     ``has_attention``: ``False`` for attention-free families (Mamba), whose attention implementation is left
     alone. Mixers that get no boundaries from their layers (Jamba's, Mamba's) read the packed row of the
-    forward, also when gradient checkpointing recomputes them."""
+    forward, also when gradient checkpointing recomputes them. ``no_prompt_state``: why the mixers' torch code cannot
+    start a completion from its prompt's state (``""``: it can, through its cache, so prompts are shared; see
+    :func:`~padfree_plugins.modeling.mixers.run_shared`)."""
 
     mixers: tuple[str, ...]
     kernels: tuple[str, ...] = ()
     has_attention: bool = True
     chunk: int | str = 1
+    no_prompt_state: str = ""
 
     def chunk_of(self, module: Any) -> int:
         """The chunk ``module``'s torch code pads every call to: ``chunk``, or the module's attribute it names."""
@@ -54,6 +60,11 @@ class SequenceMixers(Trait):
     def attention_options(self) -> dict[str, Any]:
         return {} if self.has_attention else {"has_attention": False}
 
+    def no_shared_prompts(self) -> str:
+        if not self.no_prompt_state:
+            return ""
+        return f"its sequence mixers cannot start a completion from its prompt's state ({self.no_prompt_state})"
+
     def check(self, model: Any, architecture: Architecture, config: Any) -> None:
         check_mixer_backend(config.mixers, architecture.name, self.kernels)
         if not self.mixer_modules(model):
@@ -63,24 +74,26 @@ class SequenceMixers(Trait):
                 "refuses rather than run an unknown mixer across examples")
 
     def install(self, model: Any, patch: ModelPatch, config: Any) -> MixerPatch:
-        return MixerPatch.install(model, self.mixer_modules(model), config.mixers, self.kernels, self.chunk_of)
+        return MixerPatch.install(model, self.mixer_modules(model), config.mixers, self.kernels, self.chunk_of,
+                                  self.no_prompt_state)
 
 
 @dataclass(frozen=True)
 class Hybrid(DeclaredFamily):
     """A hybrid family: its ``architecture`` and one :class:`SequenceMixers` trait, whose fields it takes
-    (``mixers``, ``kernels``, ``has_attention``, ``chunk``). A family with more traits (a hybrid vision-language
-    model) lists them in a :class:`~padfree_plugins.modeling.families.Family`."""
+    (``mixers``, ``kernels``, ``has_attention``, ``chunk``, ``no_prompt_state``). A family with more traits (a hybrid
+    vision-language model) lists them in a :class:`~padfree_plugins.modeling.families.Family`."""
 
     architecture: Architecture
     mixers: tuple[str, ...]
     kernels: tuple[str, ...] = ()
     has_attention: bool = True
     chunk: int | str = 1
+    no_prompt_state: str = ""
 
     @property
     def traits(self) -> tuple[Trait, ...]:
-        return (SequenceMixers(self.mixers, self.kernels, self.has_attention, self.chunk),)
+        return (SequenceMixers(self.mixers, self.kernels, self.has_attention, self.chunk, self.no_prompt_state),)
 
     def chunk_of(self, module: Any) -> int:
         return self.traits[0].chunk_of(module)

@@ -18,6 +18,15 @@ alone, on real tokens only:
   family has such a route, the tensors are on CUDA and every package is installed; otherwise ``exact``. Neither
   ever runs a mixer across a boundary: a packed call without boundaries, or with a cache, is an error.
 
+In a row with shared prefixes (:mod:`padfree_plugins.packing.prefixes`: a prompt once, then its completions), each
+completion's mixers instead start from its prompt's final state, exactly what the completion computes in its padded
+row (:func:`state_sources`): :func:`run_shared` hands the mixer's own forward a :class:`MixerState` — the cache
+interface through which transformers' hybrid mixers continue a state (the recurrent state, the conv taps) — built
+from the prompt's run, so the prompt runs once and every completion's gradient reaches it through that state;
+:func:`boundary_causal_conv1d` lets a completion's taps read its prompt's last inputs. That is the torch code
+(``exact``); the kernels route does not carry a prompt's state yet. A family whose mixers cannot continue a state
+(Mamba1: transformers' scan takes no initial state) declares why (``no_prompt_state``) and refuses such a row.
+
 An architecture plugin routes a model's mixer modules here for packed calls (see ``builtin/architectures/lfm2.py``
 and ``modeling/hybrids.py``) and leaves padded calls and ``generate()`` to the model's own code.
 """
@@ -39,12 +48,14 @@ from padfree_plugins.errors import BackendUnavailableError, BoundaryError
 from padfree_plugins.modeling.attention import PACKED_CALL, ThreadValue
 from padfree_plugins.modeling.patching import own_attribute, restore_attributes, without_cache
 from padfree_plugins.packing.batch import BOUNDARY_KEYS, length_groups, token_examples
-from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY
+from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, SharedPrefixes
 
 #: The sequence-mixer backends a config may name (``mixers:``).
 MIXER_BACKENDS = ("auto", "exact", "kernels")
 #: Keys a mixer's own forward is never handed when it runs one example (or one group of equal lengths) alone.
-ROW_KEYS = (*BOUNDARY_KEYS, "seq_idx", "position_ids", "attention_mask")
+ROW_KEYS = (*BOUNDARY_KEYS, "seq_idx", "position_ids", "attention_mask", SHARED_PREFIXES_KEY)
+#: The names under which transformers' hybrid mixers take their cache (the state they continue from).
+CACHE_NAMES = ("cache_params", "past_key_values")
 
 
 def positions_in_examples(cu_seq_lens: torch.Tensor, total: int) -> torch.Tensor:
@@ -53,26 +64,68 @@ def positions_in_examples(cu_seq_lens: torch.Tensor, total: int) -> torch.Tensor
     return torch.arange(total, device=cu_seq_lens.device) - cu_seq_lens.long()[example]
 
 
+def state_sources(shared: SharedPrefixes) -> tuple[tuple[int, int], ...]:
+    """For every segment of a row with shared prefixes, the segment its sequence mixers continue: ``(recurrent,
+    conv)`` — the segment whose final recurrent state (a gated delta rule's, a Mamba2 scan's) it starts from, and
+    the segment whose last inputs its conv taps read. A completion continues its prompt in both (exactly what its
+    padded row computes, the prompt's tokens before it); a segment without a parent starts from zeros (``-1``), as
+    at the start of a row."""
+    return tuple((parent, parent) for parent in shared.parents)
+
+
 def boundary_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           cu_seq_lens: torch.Tensor) -> torch.Tensor:
+                           cu_seq_lens: torch.Tensor, shared: SharedPrefixes | None = None) -> torch.Tensor:
     """A depthwise causal conv1d of a packed row ``x`` ``[1, C, T]`` with ``weight`` ``[C, K]`` (and ``bias``
     ``[C]``), restarted at every example boundary of ``cu_seq_lens``: equal to ``F.conv1d(x, weight[:, None],
     bias, padding=K - 1, groups=C)[..., :T]`` run on each example alone.
 
     Tap ``j`` (looking ``j`` tokens back) is multiplied in only where the token is at least ``j`` into its example.
+    With ``shared`` prefixes, a tap that reaches back past a completion's start reads its prompt's last tokens
+    (:func:`state_sources`), as in the completion's padded row.
     """
     if x.ndim != 3 or x.shape[0] != 1:
         raise ValueError(f"a packed row is [1, C, T]; got {tuple(x.shape)}")
     total, kernel = x.shape[-1], weight.shape[-1]
-    position = positions_in_examples(cu_seq_lens.to(x.device), total)
+    cu_seq_lens = cu_seq_lens.to(x.device)
+    position = positions_in_examples(cu_seq_lens, total)
     x = x.to(weight.dtype)
     out = x * weight[:, kernel - 1, None]
+    sources = _conv_sources(shared, cu_seq_lens, total) if shared is not None else None
     for back in range(1, min(kernel, total)):
-        shifted = F.pad(x, (back, 0))[..., :total] * (position >= back).to(x.dtype)
+        if sources is None:
+            shifted = F.pad(x, (back, 0))[..., :total] * (position >= back).to(x.dtype)
+        else:
+            shifted = _tap(x, back, position, *sources)
         out = out + shifted * weight[:, kernel - 1 - back, None]
     if bias is not None:
         out = out + bias[:, None]
     return out
+
+
+def _conv_sources(shared: SharedPrefixes, cu_seq_lens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token: the packed index just past the end of the segment its conv taps continue, and that segment's
+    length (0: none)."""
+    bounds = cu_seq_lens.long()
+    source = torch.tensor([conv for _, conv in state_sources(shared)], device=bounds.device)
+    if source.numel() != bounds.numel() - 1:
+        raise BoundaryError(f"the shared prefixes name {source.numel()} segments, the boundaries "
+                            f"{bounds.numel() - 1}")
+    source = source[token_examples(cu_seq_lens, total)]
+    known = source >= 0
+    source = source.clamp(min=0)
+    end = torch.where(known, bounds[source + 1], 0)
+    return end, torch.where(known, bounds[source + 1] - bounds[source], 0)
+
+
+def _tap(x: torch.Tensor, back: int, position: torch.Tensor, source_end: torch.Tensor,
+         source_length: torch.Tensor) -> torch.Tensor:
+    """Every token's input ``back`` tokens before it: its own segment's, else its conv source's last ones, else 0."""
+    own = position >= back
+    reach = back - position
+    from_source = ~own & (reach <= source_length)
+    here = torch.arange(x.shape[-1], device=x.device)
+    index = torch.where(own, here - back, torch.where(from_source, source_end - reach, 0))
+    return x.index_select(-1, index) * (own | from_source).to(x.dtype)
 
 
 @dataclass
@@ -80,6 +133,8 @@ class PackedRow:
     """The boundaries of the packed row a forward is running, and what mixers derive from them, once per forward."""
 
     cu_seq_lens: torch.Tensor
+    #: The row's shared prefixes, where it has them: a completion's mixers continue its prompt's state.
+    shared: SharedPrefixes | None = None
     _groups: dict = field(default_factory=dict, repr=False)
     _seq_idx: torch.Tensor | None = field(default=None, repr=False)
 
@@ -140,6 +195,100 @@ def run_per_example(forward: Any, hidden_states: torch.Tensor, row: PackedRow, c
             outputs.append(output[first:first + count, :length].reshape(length * count, -1))
             first += count
     return torch.cat(outputs).index_select(0, inverse)[None]
+
+
+@dataclass
+class MixerState:
+    """The cache a mixer's own forward reads and writes on one call over a batch of segments: ``conv`` (``[B, C,
+    K]``, the last inputs of each row's conv source) and ``recurrent`` (each row's source's final state), ``None``
+    for a fresh start; the call leaves its own final ones in ``final_conv`` and ``final_recurrent``.
+
+    transformers' hybrid mixers read and write their cache through these methods (prefilling from a state is how
+    they continue a prompt in ``generate()``). Nothing here is written in place, so autograd carries every
+    completion's gradient back into the state of its prompt, and on into the prompt's tokens."""
+
+    conv: torch.Tensor | None = None
+    recurrent: torch.Tensor | None = None
+    final_conv: torch.Tensor | None = None
+    final_recurrent: torch.Tensor | None = None
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self.conv
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self.recurrent
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return True  # the multi-token path (a conv over state + inputs), never the in-place one-token step
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          conv_kernel_size: int | None = None, **kwargs: Any) -> torch.Tensor:
+        """The inputs the conv runs over: the state's, then the call's; their last ``conv_kernel_size`` kept."""
+        full = conv_states if self.conv is None else torch.cat([self.conv.to(conv_states.dtype), conv_states], -1)
+        kernel = conv_kernel_size or full.shape[-1]
+        self.final_conv = F.pad(full, (max(kernel - full.shape[-1], 0), 0))[..., -kernel:]
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int | None = None,
+                               state_idx: int = 0, **kwargs: Any) -> torch.Tensor:
+        self.final_recurrent = recurrent_states
+        return recurrent_states
+
+
+def run_shared(forward: Any, hidden_states: torch.Tensor, row: PackedRow, chunk: int, cache_name: str,
+               **kwargs: Any) -> torch.Tensor:
+    """``forward`` (a mixer's own, which continues the state of a cache given as ``cache_name``) on every segment of
+    the packed ``hidden_states`` ``[1, T, H]`` of a row with shared prefixes (``row.shared``): each completion
+    starts from its prompt's final state and conv taps (:func:`state_sources`), every other segment from zeros.
+
+    Segments run once their sources have: first the prompts and the segments alone, then the completions. A
+    segment whose state others read runs unpadded, with segments of its length only (a pad would move its final
+    state); the others, batched like :func:`run_per_example`, are right-padded to at least 2 tokens (so that no
+    mixer takes its one-token decoding step, which updates the state in place). The prompt runs once: the
+    completions' gradients sum into it through the state."""
+    bounds = row.cu_seq_lens.long().tolist()
+    count = len(bounds) - 1
+    sources = state_sources(row.shared)
+    if len(sources) != count:
+        raise BoundaryError(f"the shared prefixes name {len(sources)} segments, the boundaries {count}")
+    lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+    read = {source for pair in sources for source in pair if source >= 0}
+    tokens, outputs, finals = hidden_states[0], [None] * count, {}
+    pending = list(range(count))
+    while pending:
+        ready = [s for s in pending if all(source < 0 or source in finals for source in sources[s])]
+        if not ready:
+            raise BoundaryError(f"the segments' state sources {sources} form a cycle")
+        pending = [s for s in pending if s not in ready]
+        groups: dict[tuple, list[int]] = {}
+        for s in ready:  # read: one group per length; others: per number of chunks; and by the states they start from
+            size = lengths[s] if s in read else -(-lengths[s] // chunk)
+            key = (s in read, size, tuple(source >= 0 for source in sources[s]))
+            groups.setdefault(key, []).append(s)
+        for (recorded, _, (recurrent, conv)), members in sorted(groups.items()):
+            width = max(2, *(lengths[s] for s in members)) if not recorded else lengths[members[0]]
+            batch = torch.stack([F.pad(tokens[bounds[s]:bounds[s + 1]], (0, 0, 0, width - lengths[s]))
+                                 for s in members])
+            state = None
+            if recorded or recurrent or conv:
+                state = MixerState(
+                    conv=torch.stack([finals[sources[s][1]].final_conv for s in members]) if conv else None,
+                    recurrent=torch.stack([finals[sources[s][0]].final_recurrent for s in members])
+                    if recurrent else None)
+            output = forward(batch, **kwargs, **({cache_name: state} if state is not None else {}))
+            if not isinstance(output, torch.Tensor):
+                raise BoundaryError(f"a sequence mixer returned {type(output).__name__}, not a tensor: "
+                                    "padfree_plugins cannot put its segments back into the packed row")
+            for index, s in enumerate(members):
+                outputs[s] = output[index, :lengths[s]]
+                if recorded:
+                    finals[s] = MixerState(final_conv=_row_of(state.final_conv, index),
+                                           final_recurrent=_row_of(state.final_recurrent, index))
+    return torch.cat(outputs)[None]
+
+
+def _row_of(state: torch.Tensor | None, index: int) -> torch.Tensor | None:
+    return None if state is None else state[index]
 
 
 @cache
@@ -204,6 +353,8 @@ class PackedMixer:
     backend: str
     kernels: tuple[str, ...]
     chunk: int = 1  # the chunk the mixer's torch code pads every call to (see run_per_example)
+    #: Why the mixer cannot start a completion from its prompt's state ("" where it can: see run_shared).
+    no_prompt_state: str = ""
     #: Runs along the sequence: under sequence parallelism it gets the whole row (modeling.sequence_parallel).
     packed_sequence_mixer: ClassVar[bool] = True
 
@@ -232,9 +383,9 @@ class PackedMixer:
         return self._run_packed(row, cu, args, kwargs)
 
     def _run_packed(self, row: PackedRow | None, cu: torch.Tensor | None, args: tuple, kwargs: dict) -> Any:
-        if row is None or (cu is not None and cu is not row.cu_seq_lens):
-            row = PackedRow(cu)
         inputs = self._arguments(args, kwargs)
+        if row is None or (cu is not None and cu is not row.cu_seq_lens):
+            row = PackedRow(cu, inputs.get(SHARED_PREFIXES_KEY))
         hidden_states = inputs.pop("hidden_states", None)
         if hidden_states is None or hidden_states.ndim != 3 or hidden_states.shape[0] != 1:
             raise BoundaryError(f"{type(self.module).__name__} got a packed call without a [1, T, H] hidden_states")
@@ -245,11 +396,34 @@ class PackedMixer:
             if inputs.get(name) is not None:
                 raise BoundaryError("a packed row with a cache: a sequence mixer's state would span examples; run "
                                     "packed rows without a cache (use_cache=False)")
+        if row.shared is not None:
+            return self._run_shared(hidden_states, row, inputs)
         if self.uses_kernels(hidden_states.device):
             return self.original(hidden_states, **{**inputs, "cu_seq_lens_q": row.cu_seq_lens.to(hidden_states.device),
                                                    "seq_idx": row.seq_idx(hidden_states.device)})
         alone = {name: value for name, value in inputs.items() if name not in ROW_KEYS}
         return run_per_example(self.original, hidden_states, row, self.chunk, **alone)
+
+    def _run_shared(self, hidden_states: torch.Tensor, row: PackedRow, inputs: dict) -> torch.Tensor:
+        """A row with shared prefixes: every completion continues its prompt's state (:func:`run_shared`), in the
+        mixer's torch code (the kernels route does not carry a prompt's state yet)."""
+        name = type(self.module).__name__
+        if self.no_prompt_state:
+            raise BoundaryError(f"{name} cannot start a completion from its prompt's state ({self.no_prompt_state}): "
+                                "set prefix_sharing: off for this model")
+        if self.backend == "kernels":
+            raise BoundaryError(f"{name}: mixers: kernels does not yet start a completion from its prompt's state; "
+                                "use mixers: auto or exact with shared prefixes (or prefix_sharing: off)")
+        if self.uses_kernels(hidden_states.device):
+            warnings.warn(f"{name}: rows with shared prefixes run their sequence mixers exact (torch code), not "
+                          "through the CUDA kernels, which do not yet start a completion from its prompt's state",
+                          stacklevel=2)
+        cache_name = next((name for name in CACHE_NAMES if name in self.__dict__["_signature"].parameters), None)
+        if cache_name is None:
+            raise BoundaryError(f"{name}'s forward takes no cache ({' or '.join(CACHE_NAMES)}), so it cannot start "
+                                "from a prompt's state: set prefix_sharing: off for this model")
+        alone = {key: value for key, value in inputs.items() if key not in ROW_KEYS and key not in CACHE_NAMES}
+        return run_shared(self.original, hidden_states, row, self.chunk, cache_name, **alone)
 
     def uses_kernels(self, device: torch.device) -> bool:
         """Whether this call runs the packed row through the boundary-aware kernels (see the module docstring)."""
@@ -272,13 +446,16 @@ def _run_packed_eagerly(mixer: PackedMixer, row: PackedRow | None, cu: torch.Ten
     return mixer._run_packed(row, cu, args, kwargs)
 
 
-def refuse_shared_prefixes(kwargs: dict, name: str) -> None:
-    """A packed row with shared prefixes given to a model with sequence mixers: a completion's state would start from
-    zeros, not from its prompt's end (their state is not carried into a shared prompt's completions yet)."""
-    if kwargs.get(SHARED_PREFIXES_KEY) is not None:
-        raise BoundaryError(
-            f"{name} runs sequence mixers (a recurrent state or conv taps along the row), which do not yet carry a "
-            "shared prompt's state into its completions: set prefix_sharing: off for this model")
+def why_no_prompt_state(model: Any, backend: str = "auto") -> str | None:
+    """Why a completion's sequence mixers in ``model`` cannot start from its prompt's state (so that prompts cannot be
+    shared), or ``None`` (also for a model without sequence mixers). ``backend``: the config's ``mixers``."""
+    for module, forward in sequence_mixers(model):
+        if reason := getattr(forward, "no_prompt_state", ""):
+            return f"its {type(module).__name__} cannot start a completion from its prompt's state ({reason})"
+        if backend == "kernels" and isinstance(forward, PackedMixer):
+            return ("mixers: kernels does not yet start a completion's sequence mixers from its prompt's state "
+                    "(use mixers: auto or exact)")
+    return None
 
 
 def run_in_row(row: PackedRow, function: Any, *args: Any, **kwargs: Any) -> Any:
@@ -317,13 +494,14 @@ class MixerPatch:
 
     @classmethod
     def install(cls, model: Any, mixers: list[Any], backend: str, kernels: tuple[str, ...],
-                chunk: Any = lambda module: 1) -> MixerPatch:
-        """``chunk(module)``: the chunk each mixer's torch code pads its calls to."""
+                chunk: Any = lambda module: 1, no_prompt_state: str = "") -> MixerPatch:
+        """``chunk(module)``: the chunk each mixer's torch code pads its calls to; ``no_prompt_state``: why the
+        mixers cannot start from a prompt's state ("" where they can)."""
         checkpointed = [layer for layer in model.modules() if hasattr(layer, "gradient_checkpointing")]
         patch = cls(model, checkpointed=checkpointed)
         for module in mixers:
             patch.saved.append((module, own_attribute(module, "forward")))
-            module.forward = PackedMixer(module, module.forward, backend, kernels, chunk(module))
+            module.forward = PackedMixer(module, module.forward, backend, kernels, chunk(module), no_prompt_state)
         for module in dict.fromkeys((model, getattr(model, "base_model", model))):  # Mamba's head keeps the boundaries
             patch.hooks.append(module.register_forward_pre_hook(patch._publish_row, with_kwargs=True))
             patch.hooks.append(module.register_forward_hook(patch._withdraw_row, with_kwargs=True, always_call=True))
@@ -336,10 +514,9 @@ class MixerPatch:
         cu = kwargs.get("cu_seq_lens_q")
         row = PACKED_ROW.get()
         if cu is not None and (row is None or row.cu_seq_lens is not cu):  # the base model's call reuses the head's
-            row = PackedRow(cu)
+            row = PackedRow(cu, kwargs.get(SHARED_PREFIXES_KEY))
         wrapped = self._checkpoint_in_row(row) if row is not None else []
         self.calls.append((PACKED_ROW.set(row), wrapped))  # taken back by _withdraw_row, on an error too
-        refuse_shared_prefixes(kwargs, type(module).__name__)
         return without_cache(module, args, kwargs) if cu is not None else None
 
     def _checkpoint_in_row(self, row: PackedRow) -> list:

@@ -12,7 +12,10 @@ Both leave a model run on one example alone exactly as it was, and change only p
 * :func:`examples_merge_under_compile` and :func:`boundary_guard_silenced`: the two ways a compiled forward can go
   wrong — attention that lets an example see its neighbour, a guard that no longer refuses wrong boundaries;
 * :func:`rows_swap_media`: a padded image-text call split wrongly — two rows' media (of the same shapes, other
-  pixels) swapped, so each row's tokens get the other's images.
+  pixels) swapped, so each row's tokens get the other's images;
+* :func:`completions_start_from_zero`, :func:`completions_continue_a_sibling` and
+  :func:`conv_taps_reach_into_a_sibling`: the three ways a hybrid's sequence mixers can go wrong in a row with shared
+  prefixes — a completion's state not taken from its prompt, taken from its sibling, its conv taps in its sibling.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from unittest import mock
 
 import torch
 
-from padfree_plugins.modeling import attention, patching
+from padfree_plugins.modeling import attention, mixers, patching
 from padfree_plugins.modeling.attention import backends
 from padfree_plugins.modeling.patching import unwrap_model
 from padfree_plugins.packing.batch import restarts
@@ -246,3 +249,44 @@ def rows_swap_media(collator: Any) -> Iterator[list[int]]:
         yield swapped
     finally:
         del collator.split_call
+
+
+def _sources_from_siblings(recurrent: bool, conv: bool) -> Any:
+    """:func:`~padfree_plugins.modeling.mixers.state_sources` where every completion after the first of its prompt
+    continues its previous sibling (its recurrent state if ``recurrent``, its conv taps if ``conv``)."""
+
+    def sources(shared: SharedPrefixes) -> tuple[tuple[int, int], ...]:
+        previous: dict[int, int] = {}
+        found = []
+        for segment, parent in enumerate(shared.parents):
+            sibling = previous.get(parent, parent)
+            found.append((sibling if recurrent else parent, sibling if conv else parent))
+            if parent >= 0:
+                previous[parent] = segment
+        return tuple(found)
+
+    return sources
+
+
+@contextmanager
+def completions_start_from_zero() -> Iterator[None]:
+    """Within the block, every completion of a row with shared prefixes starts its sequence mixers from zeros (no
+    recurrent state, no conv taps into its prompt), as a mixer run on the completion alone would."""
+    with mock.patch.object(mixers, "state_sources", lambda shared: tuple((-1, -1) for _ in shared.parents)):
+        yield
+
+
+@contextmanager
+def completions_continue_a_sibling() -> Iterator[None]:
+    """Within the block, every completion after the first of its prompt continues its previous sibling's mixer state
+    (recurrent state and conv taps), as a mixer run straight along the row would."""
+    with mock.patch.object(mixers, "state_sources", _sources_from_siblings(True, True)):
+        yield
+
+
+@contextmanager
+def conv_taps_reach_into_a_sibling() -> Iterator[None]:
+    """Within the block, the conv taps of every completion after the first of its prompt read its previous sibling's
+    last inputs instead of its prompt's (the recurrent state stays right)."""
+    with mock.patch.object(mixers, "state_sources", _sources_from_siblings(False, True)):
+        yield

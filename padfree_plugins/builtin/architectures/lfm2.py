@@ -5,7 +5,8 @@ The attention layers go through transformers' ``AttentionInterface`` as usual. T
 across a packed row — each example's first tokens would see the previous example's last ones — so for packed
 calls the patch runs every ``*ShortConv`` module through :func:`~padfree_plugins.modeling.mixers.boundary_causal_conv1d`
 (the taps that would cross an example's start are masked), which equals each example run alone; padded calls and
-``generate()`` (with its conv-state cache) run the model's own code. A packed call that reaches a short conv
+``generate()`` (with its conv-state cache) run the model's own code. In a row with shared prefixes a completion's
+taps read its prompt's last inputs (the conv state a completion starts from). A packed call that reaches a short conv
 without the boundaries, or with a cache, is an error, never a silent mix.
 """
 
@@ -18,7 +19,8 @@ from padfree_plugins.contract.declarations import Architecture
 from padfree_plugins.contract.hookspecs import hookimpl
 from padfree_plugins.errors import BoundaryError
 from padfree_plugins.modeling.attention import PACKED_CALL
-from padfree_plugins.modeling.mixers import boundary_causal_conv1d, refuse_shared_prefixes
+from padfree_plugins.modeling.mixers import boundary_causal_conv1d
+from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY
 from padfree_plugins.modeling.patching import ModelPatch, own_attribute, restore_attributes
 
 LFM2 = Architecture("lfm2", model_types=("lfm2", "lfm2_moe"), kind="decoder", default_pooling="last",
@@ -54,14 +56,14 @@ class PackedShortConv:
                                     "a packed forward: its convolution would run across examples")
             return self.original(hidden_states, past_key_values=past_key_values, attention_mask=attention_mask,
                                  **kwargs)
-        refuse_shared_prefixes(kwargs, type(self.module).__name__)
         if past_key_values is not None:
             raise BoundaryError("a packed row with a cache: the short convolution's state would span examples; "
                                 "run packed rows without past_key_values (use_cache=False)")
         module = self.module
         gates = module.in_proj(hidden_states).transpose(-1, -2)
         b, c, x = gates.chunk(3, dim=-2)
-        mixed = module.conv(b * x, cu_seq_lens=cu_seq_lens)  # its forward: a sharded weight is whole there
+        mixed = module.conv(b * x, cu_seq_lens=cu_seq_lens, shared=kwargs.get(SHARED_PREFIXES_KEY))  # its forward:
+        # a sharded weight is whole there
         return module.out_proj((c * mixed.to(c.dtype)).transpose(-1, -2).contiguous())
 
 
@@ -74,10 +76,10 @@ class BoundaryConv:
     module: Any
     original: Any
 
-    def __call__(self, x, cu_seq_lens=None):
+    def __call__(self, x, cu_seq_lens=None, shared=None):
         if cu_seq_lens is None:
             return self.original(x)
-        return boundary_causal_conv1d(x, self.module.weight.squeeze(1), self.module.bias, cu_seq_lens)
+        return boundary_causal_conv1d(x, self.module.weight.squeeze(1), self.module.bias, cu_seq_lens, shared)
 
 
 @dataclass
