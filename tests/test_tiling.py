@@ -294,10 +294,75 @@ def test_undo_removes_the_tiles():
 def test_auto_picks_tiles_from_the_model_sizes_and_check_shows_them():
     config = tiny_config("llama", hidden_size=4096, vocab_size=128256, num_attention_heads=32,
                          num_key_value_heads=8, intermediate_size=14336)
-    assert auto_tiles(config) == (4096, 1024)
-    small = tiny_config("llama")
-    assert auto_tiles(small) == (1024, 2 ** 26 // 128)
+    assert auto_tiles(config) == (4096, 448)  # 448 x 128,256 logits <= 4096 x 14,336 intermediate
+    small = tiny_config("llama")  # hidden 64, intermediate 128, vocabulary 128
+    assert auto_tiles(small) == (1024, 1024)
     described = plan(small, {"memory": {"tile_tokens": "auto"}}).describe()["memory"]
-    assert "MLP in tiles of 1024 tokens" in described and f"tiles of {2 ** 26 // 128} tokens" in described
+    assert "MLP in tiles of 1024 tokens, LM head + loss in tiles of 1024 tokens" in described
     assert "no tiling" in plan(small, {}).describe()["memory"]
     assert "tiles of 64 tokens" in plan(small, {"memory": {"tile_tokens": 64}}).describe()["memory"]
+
+
+# -- trainers ----------------------------------------------------------------------------------------------------
+
+
+def trainer_step(kind, memory, lora=False, fault=None, **overrides):
+    """The loss and every gradient of one packed micro-batch of long examples through the trainer's ``compute_loss``
+    (HF Trainer: labelled logits; SFTTrainer: TRL's fused head), with ``memory`` as the memory section."""
+    from padfree_plugins import accelerate
+    from padfree_plugins.packing.labelled_logits import HELD_KEY
+    from tests.test_trainer import make_trainer, rows
+
+    trainer, _ = make_trainer(kind, packed=False, lora=lora, **overrides)
+    accelerate(trainer, {"task": "causal_lm", **({"memory": memory} if memory else {})})
+    batch = trainer._prepare_inputs(trainer.data_collator(rows(8, seed=2, longest=120)))
+    assert (HELD_KEY in batch) == (kind == "hf")
+    labels = batch.get("labels")
+    num_items = (labels[:, 1:] != -100).sum() * 2  # as with gradient accumulation over two micro-batches
+    model = trainer.model
+    inner = patch_of(model).model
+    assert all(("forward" in layer.mlp.__dict__) == bool(memory) for layer in inner.model.layers)
+    model.zero_grad(set_to_none=True)
+    with fault() if fault else _nothing():
+        loss = trainer.compute_loss(model, batch, num_items_in_batch=num_items)
+        loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kind,lora", [("hf", False), ("hf", True), ("sft", False)])
+def test_trainers_train_tiled_with_the_untiled_loss_and_gradients(kind, lora):
+    assert_same(trainer_step(kind, TILED, lora=lora), trainer_step(kind, None, lora=lora))
+
+
+@pytest.mark.parametrize("fault", ["tile_drops_last_token", "loss_normalised_per_tile"])
+def test_a_tiling_fault_fails_the_trainer_comparison(fault):
+    got = trainer_step("hf", TILED, fault=getattr(faults, fault))
+    with pytest.raises(AssertionError):
+        assert_same(got, trainer_step("hf", None))
+
+
+def test_hf_trainer_tiled_loss_builds_no_logits_for_the_row(monkeypatch):
+    from padfree_plugins.modeling import tiling
+
+    tiles = []
+    original = tiling.TiledHeadLoss.forward
+
+    def counting(ctx, hidden, weight, bias, labels, divisor, tile):
+        tiles.append((hidden.shape[0], tile))
+        return original(ctx, hidden, weight, bias, labels, divisor, tile)
+
+    monkeypatch.setattr(tiling.TiledHeadLoss, "forward", staticmethod(counting))
+    trainer_step("hf", TILED)
+    assert tiles and tiles[0][1] == TILE and tiles[0][0] > 4 * TILE
+
+
+def test_a_compute_loss_func_is_refused_with_the_tiled_loss():
+    from padfree_plugins import PadfreeError, accelerate
+    from tests.test_trainer import make_trainer
+
+    trainer, _ = make_trainer("hf", packed=False)
+    trainer.compute_loss_func = lambda outputs, labels, num_items_in_batch=None: outputs.logits.sum()
+    with pytest.raises(PadfreeError, match="compute_loss_func.*tile_loss: false"):
+        accelerate(trainer, {"task": "causal_lm", "memory": TILED})
+    assert patch_of(trainer.model) is None
+    accelerate(trainer, {"task": "causal_lm", "memory": {**TILED, "tile_loss": False}}).undo()

@@ -92,8 +92,8 @@ class MemoryConfig:
         "tiles of a row's tokens for the MLP of every decoder layer and for the LM head with its loss, each recomputed "
         "tile by tile in the backward, so their activations are one tile's, not the row's (exact: same loss and "
         "gradients). null: off (the default); auto: MLP tiles of max(1024, hidden_size) tokens and loss tiles whose "
-        "fp32 logits stay under 256 MiB (at least 1024 tokens), a row no longer than a tile runs untiled; a number: "
-        "tiles of that many tokens", default=None)
+        "logits are no larger than an MLP tile's intermediate (at least 128 tokens); a number: tiles of that many "
+        "tokens. A row no longer than a tile runs untiled", default=None)
     tile_mlp: bool = _help("with tile_tokens: tile the feed-forward of every decoder layer (a dense MLP, or the routed "
                            "and shared experts of a mixture of experts)", default=True)
     tile_loss: bool = _help("with tile_tokens: tile the LM head and its cross-entropy in the loss-only calls of HF "

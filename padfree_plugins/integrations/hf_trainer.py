@@ -28,6 +28,7 @@ what its methods below say they are for.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,6 +50,8 @@ from padfree_plugins.packing.labelled_logits import (
     take_labelled_logits,
     with_labelled_logits,
 )
+
+logger = logging.getLogger("padfree_plugins")
 
 
 def uses_own_loss(trainer: Any) -> bool:
@@ -77,6 +80,29 @@ class HFTrainerPatch(TrainerPatch):
     def check(self) -> None:
         check_token_budget(self.trainer, self.assembly.config)
         self.check_sequence_parallel()
+        self.check_tiled_loss()
+
+    def tiles_loss(self) -> bool:
+        """Whether ``memory`` tiles the LM head and loss of this causal-LM training."""
+        memory = self.assembly.config.memory
+        return (memory.tile_tokens is not None and memory.tile_loss
+                and self.assembly.plan.task.name == "causal_lm")
+
+    def check_tiled_loss(self) -> None:
+        """``memory.tile_loss``: refuse a ``compute_loss_func`` (it reads the whole row's logits, which the tiled
+        loss never builds); say once that label smoothing computes its loss from every position's logits, untiled."""
+        if not self.tiles_loss():
+            return
+        if self.trainer.compute_loss_func is not None:
+            raise PadfreeError(
+                "memory.tile_tokens with a compute_loss_func: the function computes the loss from the logits of the "
+                "whole row, which the tiled loss never builds. Drop compute_loss_func, or set memory.tile_loss: false "
+                "(the MLP is still tiled)")
+        if self.trainer.label_smoother is not None:
+            logger.warning(
+                "padfree-plugins: memory.tile_loss does not apply with label_smoothing_factor: the trainer's label "
+                "smoother reads every position's logits, so they are built for the whole row (the MLP is still "
+                "tiled); drop label smoothing to tile the loss")
 
     def splits_rows(self) -> bool:
         """Whether each rank computes a slice of its group's row (``sequence_parallel.size > 1``)."""

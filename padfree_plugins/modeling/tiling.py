@@ -31,20 +31,23 @@ import torch.nn.functional as F
 
 from padfree_plugins.errors import ConfigError, UnsupportedArchitectureError
 
-#: Smallest tile ``tile_tokens: auto`` picks, in tokens.
+#: Smallest MLP tile ``tile_tokens: auto`` picks, in tokens.
 AUTO_MIN_TILE = 1024
-#: ``tile_tokens: auto`` keeps one loss tile's fp32 logits under this many elements (256 MiB).
-AUTO_LOGITS_ELEMENTS = 2 ** 26
+#: Smallest loss tile ``tile_tokens: auto`` picks, in tokens.
+AUTO_MIN_LOSS_TILE = 128
 
 
 def auto_tiles(model_config: Any) -> tuple[int, int]:
     """``tile_tokens: auto``: (MLP tile, loss tile) in tokens. An MLP tile of ``max(1024, hidden_size)`` tokens
-    holds an intermediate about the size of one MLP weight matrix (ALST's choice); a loss tile keeps its fp32 logits
-    under 256 MiB (at least 1024 tokens)."""
+    holds an intermediate about the size of one MLP weight matrix (ALST's choice); a loss tile's logits are no more
+    elements than an MLP tile's intermediate (``MLP tile x intermediate_size / vocab_size`` tokens, at least 128, a
+    multiple of 64): Llama-8B's shape gets tiles of 4096 and 448 tokens."""
     text = model_config.get_text_config()
     hidden = int(getattr(text, "hidden_size", 0) or 0)
-    vocab = int(getattr(text, "vocab_size", 0) or 0)
-    return max(AUTO_MIN_TILE, hidden), max(AUTO_MIN_TILE, AUTO_LOGITS_ELEMENTS // max(vocab, 1))
+    vocab = int(getattr(text, "vocab_size", 0) or 0) or 1
+    intermediate = int(getattr(text, "intermediate_size", 0) or getattr(text, "moe_intermediate_size", 0) or hidden)
+    mlp = max(AUTO_MIN_TILE, hidden)
+    return mlp, max(AUTO_MIN_LOSS_TILE, mlp * intermediate // vocab // 64 * 64)
 
 
 def resolve_tiles(tile_tokens: Any, model_config: Any) -> tuple[int, int]:
@@ -288,12 +291,14 @@ class TiledHeadLoss(torch.autograd.Function):
             else None
         for start in range(0, hidden.shape[0], ctx.tile):
             piece, target = hidden[start:start + ctx.tile], labels[start:start + ctx.tile]
-            logits = F.linear(piece, weight, bias).float()
-            # d(sum CE)/d logits = softmax - one_hot, rows of ignored labels zero
-            dlogits = torch.softmax(logits, dim=-1)
+            # d(sum CE)/d logits = softmax - one_hot, rows of ignored labels zero; in place, one tile of logits
+            dlogits = F.linear(piece, weight, bias).float()
+            dlogits.sub_(dlogits.amax(-1, keepdim=True)).exp_()
+            dlogits.div_(dlogits.sum(-1, keepdim=True))
             kept = target != -100
-            dlogits[kept, target[kept]] -= 1
-            dlogits = (dlogits * kept.unsqueeze(1)) * grad
+            rows = torch.nonzero(kept).reshape(-1)
+            dlogits[rows, target[rows]] -= 1
+            dlogits.mul_((kept * grad).unsqueeze(1))
             dlogits = dlogits.to(piece.dtype)
             if grad_hidden is not None:
                 grad_hidden[start:start + ctx.tile] = dlogits @ weight
