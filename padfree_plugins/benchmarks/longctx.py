@@ -65,9 +65,11 @@ class Measurement:
 
 
 def measure(shape: str, variant: str, tokens: int, hidden: int, layers: int, example_tokens: int,
-            device: str, steps: int = 2) -> Measurement:
+            device: str, steps: int = 2, threads: int | None = None) -> Measurement:
     """One packed row of ``tokens`` through a checkpointed training step of ``shape`` with ``variant``'s tiling:
-    peak activation bytes (of the last step) and real tokens/s (of the last step)."""
+    peak activation bytes (of the last step) and real tokens/s (of the last step), on ``threads`` torch threads."""
+    if threads is not None:
+        torch.set_num_threads(threads)
     from transformers import AutoModelForCausalLM
 
     from padfree_plugins import assemble
@@ -131,6 +133,7 @@ class LongContextSettings:
     example_tokens: int = 4096
     device: str = "cpu"
     budget_gib: float = 4.0
+    threads: int = 1
 
 
 @dataclass
@@ -175,10 +178,11 @@ class LongContextResult:
 
 
 def run_one(argv: list[str]) -> None:
-    """``python -m padfree_plugins.benchmarks.longctx SHAPE VARIANT TOKENS HIDDEN LAYERS EXAMPLE DEVICE``: one
+    """``python -m padfree_plugins.benchmarks.longctx SHAPE VARIANT TOKENS HIDDEN LAYERS EXAMPLE DEVICE THREADS``: one
     measurement as JSON on stdout (a fresh process per measurement: peak resident memory is per process)."""
-    shape, variant, tokens, hidden, layers, example, device = argv
-    result = measure(shape, variant, int(tokens), int(hidden), int(layers), int(example), device)
+    shape, variant, tokens, hidden, layers, example, device, threads = argv
+    result = measure(shape, variant, int(tokens), int(hidden), int(layers), int(example), device,
+                     threads=int(threads))
     print(json.dumps(asdict(result)))
 
 
@@ -190,7 +194,7 @@ def run_longctx_benchmark(settings: LongContextSettings, progress: Any = None) -
         for tokens in settings.lengths:
             for variant in VARIANTS:
                 command = [sys.executable, "-m", "padfree_plugins.benchmarks.longctx", shape, variant, str(tokens),
-                           str(settings.hidden), str(settings.layers), str(settings.example_tokens), settings.device]
+                           str(settings.hidden), str(settings.layers), str(settings.example_tokens), settings.device, str(settings.threads)]
                 done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
                 if done.returncode != 0:
                     raise RuntimeError(f"bench longctx {shape} {variant} {tokens}: {done.stderr[-2000:]}")

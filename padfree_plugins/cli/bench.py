@@ -573,6 +573,7 @@ def bench_longctx(
     example_tokens: Annotated[int, positive("Tokens of each example packed into a row.")] = 4096,
     device: Annotated[str, typer.Option(help="auto (cuda when available), cpu or cuda.")] = "auto",
     budget_gib: Annotated[float, typer.Option(help="Activation budget for the longest-row estimate, GiB.")] = 4.0,
+    threads: Annotated[int, positive("torch intra-op threads per process.")] = 1,
     out: Annotated[Path, typer.Option(help="Directory for bench_longctx.json.")] = Path("out/bench-longctx"),
     as_json: JsonFlag = False,
 ) -> None:
@@ -584,7 +585,8 @@ def bench_longctx(
         device = "cuda" if torch_cuda() else "cpu"
     settings = LongContextSettings(shapes=tuple(s.strip() for s in shapes.split(",")),
                                    lengths=positive_ints(lengths, "--lengths"), hidden=hidden, layers=layers,
-                                   example_tokens=example_tokens, device=device, budget_gib=budget_gib)
+                                   example_tokens=example_tokens, device=device, budget_gib=budget_gib,
+                                   threads=threads)
     try:
         result = run_longctx_benchmark(settings, progress=progress_lines("bench longctx", not as_json))
     except (PadfreeError, RuntimeError) as error:
@@ -597,7 +599,7 @@ def bench_longctx(
     stdout = console()
     for shape in settings.shapes:
         table = Table(title=f"{TITLES[shape]}, hidden {hidden}, {layers} layers, examples of {example_tokens:,} "
-                            f"tokens, one step, {device}")
+                            f"tokens, one step, {device}, {threads} thread(s)")
         for column in ("tokens", "variant", "peak activations MiB", "real tok/s"):
             table.add_column(column, justify="right")
         for row in result.rows:
