@@ -366,3 +366,20 @@ def test_a_compute_loss_func_is_refused_with_the_tiled_loss():
         accelerate(trainer, {"task": "causal_lm", "memory": TILED})
     assert patch_of(trainer.model) is None
     accelerate(trainer, {"task": "causal_lm", "memory": {**TILED, "tile_loss": False}}).undo()
+
+
+def test_the_tiled_mlp_refuses_zero3_partitioned_parameters():
+    model = causal_lm("llama")
+    assembly = assemble(model, {"task": "causal_lm", "memory": {"tile_tokens": 8}})
+    try:
+        model.model.layers[0].mlp.up_proj.weight.ds_id = 0  # what DeepSpeed ZeRO-3 marks its parameters with
+        with pytest.raises(UnsupportedArchitectureError, match="ZeRO-3.*tile_mlp: false"):
+            loss_and_grads_of(assembly, model)
+    finally:
+        del model.model.layers[0].mlp.up_proj.weight.ds_id
+        assembly.undo()
+
+
+def loss_and_grads_of(assembly, model):
+    batch = keep_labelled_logits(assembly.collator(make_examples(LENGTHS, seed=3)))
+    assembly.forward(model, batch).loss.backward()

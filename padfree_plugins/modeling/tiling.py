@@ -137,6 +137,11 @@ def tiled(fn: Callable, module: torch.nn.Module, tile: int, *inputs: torch.Tenso
     total = inputs[0].shape[_token_dim(inputs[0])]
     if total <= tile:
         return fn(*inputs)
+    if any(hasattr(p, "ds_id") for p in module.parameters()):
+        raise UnsupportedArchitectureError(
+            f"memory.tile_mlp under DeepSpeed ZeRO-3 ({type(module).__name__}'s parameters are partitioned): the "
+            "tiled recompute does not gather them yet. Set memory.tile_mlp: false (the loss can still be tiled), or "
+            "use FSDP2")
     params = [p for p in module.parameters() if p.requires_grad]
     if not torch.is_grad_enabled() or not (params or any(x.requires_grad for x in inputs)):
         dim = _token_dim(inputs[0])
