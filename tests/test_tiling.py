@@ -383,3 +383,19 @@ def test_the_tiled_mlp_refuses_zero3_partitioned_parameters():
 def loss_and_grads_of(assembly, model):
     batch = keep_labelled_logits(assembly.collator(make_examples(LENGTHS, seed=3)))
     assembly.forward(model, batch).loss.backward()
+
+
+def test_check_shows_the_tiles_auto_chose(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from padfree_plugins.cli import app
+
+    config = tmp_path / "padfree.yaml"
+    config.write_text("memory:\n  tile_tokens: auto\n")
+    result = CliRunner().invoke(app, ["check", str(config), "--model-type", "llama", "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    # transformers' default Llama: hidden 4096, intermediate 11008, vocabulary 32000 -> 4096 x 11008 / 32000 = 1409
+    assert json.loads(result.output)["memory"].startswith("MLP in tiles of 4096 tokens, LM head + loss in tiles of "
+                                                          "1408 tokens")
