@@ -173,6 +173,8 @@ def test_head_loss_normalises_like_transformers():
         for g, w in zip(torch.autograd.grad(got, [hidden, head.weight, head.bias]),
                         torch.autograd.grad(want, [hidden, head.weight, head.bias])):
             torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+    nothing = head_loss(hidden[:0], head, labels[:0], torch.tensor(31), tile=5)  # a micro-batch without labels
+    assert nothing.item() == 0 and torch.autograd.grad(nothing, head.weight)[0].abs().max() == 0
 
 
 # -- memory -----------------------------------------------------------------------------------------------------

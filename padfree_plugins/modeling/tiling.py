@@ -278,7 +278,7 @@ class TiledHeadLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, divisor, tile):
         ctx.tile = tile
         ctx.save_for_backward(hidden, weight, bias, labels, divisor)
-        sums, counts = [], []
+        sums, counts = [hidden.new_zeros((), dtype=torch.float32)], [labels.new_zeros(())]  # a row with no labels
         for start in range(0, hidden.shape[0], tile):
             logits = F.linear(hidden[start:start + tile], weight, bias).float()
             target = labels[start:start + tile]
