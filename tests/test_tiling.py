@@ -318,7 +318,7 @@ def trainer_step(kind, memory, lora=False, fault=None, **overrides):
     trainer, _ = make_trainer(kind, packed=False, lora=lora, **overrides)
     accelerate(trainer, {"task": "causal_lm", **({"memory": memory} if memory else {})})
     batch = trainer._prepare_inputs(trainer.data_collator(rows(8, seed=2, longest=120)))
-    assert (HELD_KEY in batch) == (kind == "hf")
+    assert (HELD_KEY in batch) == (kind == "hf" and not (overrides.get("label_smoothing_factor") and not memory))
     labels = batch.get("labels")
     num_items = (labels[:, 1:] != -100).sum() * 2  # as with gradient accumulation over two micro-batches
     model = trainer.model
@@ -343,15 +343,35 @@ def test_a_tiling_fault_fails_the_trainer_comparison(fault):
         assert_same(got, trainer_step("hf", None))
 
 
+def test_label_smoothing_is_tiled_with_the_trainers_smoothed_loss_and_gradients():
+    """The untiled run computes the loss with the trainer's own LabelSmoother from every position's logits."""
+    want = trainer_step("hf", None, label_smoothing_factor=0.1)
+    assert_same(trainer_step("hf", TILED, label_smoothing_factor=0.1), want)
+    with pytest.raises(AssertionError):  # smoothing makes a difference the comparison sees
+        assert_same(trainer_step("hf", TILED), want)
+
+
+def test_label_smoothing_evaluates_the_smoothed_loss_tiled():
+    from padfree_plugins import accelerate
+    from tests.test_trainer import make_trainer
+
+    losses = []
+    for memory in (None, TILED):
+        trainer, _ = make_trainer("hf", packed=False, label_smoothing_factor=0.1)
+        accelerate(trainer, {"task": "causal_lm", **({"memory": memory} if memory else {})})
+        losses.append(trainer.evaluate()["eval_loss"])
+    assert abs(losses[0] - losses[1]) < 1e-5
+
+
 def test_hf_trainer_tiled_loss_builds_no_logits_for_the_row(monkeypatch):
     from padfree_plugins.modeling import tiling
 
     tiles = []
     original = tiling.TiledHeadLoss.forward
 
-    def counting(ctx, hidden, weight, bias, labels, divisor, tile):
+    def counting(ctx, hidden, weight, bias, labels, divisor, tile, *rest):
         tiles.append((hidden.shape[0], tile))
-        return original(ctx, hidden, weight, bias, labels, divisor, tile)
+        return original(ctx, hidden, weight, bias, labels, divisor, tile, *rest)
 
     monkeypatch.setattr(tiling.TiledHeadLoss, "forward", staticmethod(counting))
     trainer_step("hf", TILED)

@@ -45,6 +45,7 @@ from padfree_plugins.integrations.base import (
 )
 from padfree_plugins.integrations.checks import check_token_budget, language_modeling_pad_id, sequence_parallel_size
 from padfree_plugins.modeling.patching import unwrap_model
+from padfree_plugins.modeling.tiling import SMOOTHING_KEYWORD
 from padfree_plugins.packing.labelled_logits import (
     drop_labelled_logits,
     take_labelled_logits,
@@ -88,6 +89,18 @@ class HFTrainerPatch(TrainerPatch):
         return (memory.tile_tokens is not None and memory.tile_loss
                 and self.assembly.plan.task.name == "causal_lm")
 
+    def smooths_tiled(self) -> bool:
+        """Whether the tiled loss computes the trainer's label smoothing (HF ``Trainer`` with ``tile_loss``, a label
+        smoother and no ``compute_loss_func``, labelled logits possible, no sequence parallelism)."""
+        trainer = self.trainer
+        return (self.kind == "hf" and self.tiles_loss() and trainer.label_smoother is not None
+                and trainer.compute_loss_func is None and not self.splits_rows() and self.can_label_logits())
+
+    def own_loss(self) -> bool:
+        """Whether the loss is computed from every position's logits outside the model (:func:`uses_own_loss`,
+        unless the tiled loss smooths the labels itself)."""
+        return uses_own_loss(self.trainer) and not self.smooths_tiled()
+
     def check_tiled_loss(self) -> None:
         """``memory.tile_loss``: refuse a ``compute_loss_func`` (it reads the whole row's logits, which the tiled
         loss never builds); say once that label smoothing computes its loss from every position's logits, untiled."""
@@ -98,7 +111,7 @@ class HFTrainerPatch(TrainerPatch):
                 "memory.tile_tokens with a compute_loss_func: the function computes the loss from the logits of the "
                 "whole row, which the tiled loss never builds. Drop compute_loss_func, or set memory.tile_loss: false "
                 "(the MLP is still tiled)")
-        if self.trainer.label_smoother is not None:
+        if self.trainer.label_smoother is not None and not self.smooths_tiled():
             logger.warning(
                 "padfree-plugins: memory.tile_loss does not apply with label_smoothing_factor: the trainer's label "
                 "smoother reads every position's logits, so they are built for the whole row (the MLP is still "
@@ -121,7 +134,7 @@ class HFTrainerPatch(TrainerPatch):
     def install(self, collator: Any) -> None:
         super().install(collator)
         scaled = getattr(self.assembly.forward, "loss_is_scaled_for_ga", None)
-        if scaled is not None and not uses_own_loss(self.trainer):
+        if scaled is not None and not self.own_loss():
             # a task forward that says whether it normalises by num_items_in_batch itself (a loss the trainer
             # computes — label smoothing, compute_loss_func — is the trainer's to scale)
             self.trainer.loss_is_scaled_for_ga = scaled
@@ -132,7 +145,11 @@ class HFTrainerPatch(TrainerPatch):
         """Whether batches hold ``logits_to_keep`` / ``shift_labels`` for the loss: the task's collator asks for it,
         the loss is the model's (label smoothing and a ``compute_loss_func`` read every position's logits), and the
         model's forward takes ``logits_to_keep``."""
-        if not getattr(self.assembly.collator, "labelled_logits_only", False) or uses_own_loss(self.trainer):
+        return self.can_label_logits() and not self.own_loss()
+
+    def can_label_logits(self) -> bool:
+        """Whether the task's collator asks for labelled logits and the model's forward takes ``logits_to_keep``."""
+        if not getattr(self.assembly.collator, "labelled_logits_only", False):
             return False
         return "logits_to_keep" in inspect.signature(type(self.assembly.model).forward).parameters
 
@@ -196,12 +213,15 @@ class HFTrainerPatch(TrainerPatch):
                      num_items_in_batch: Any = None) -> Any:
         """The loss of a packed batch, through ``assembly.forward`` (the trainer's ``compute_loss``)."""
         inputs, held = self.labelled_logits_of(inputs)
-        own_loss = uses_own_loss(self.trainer) and "labels" in inputs
+        smoothed = (not return_outputs and held is not None and "labels" in inputs and self.smooths_tiled())
+        own_loss = uses_own_loss(self.trainer) and "labels" in inputs and not smoothed
         if own_loss or return_outputs:  # the logits of every position are wanted
             inputs = drop_labelled_logits(inputs)
         elif held is not None and "labels" in inputs:
             inputs = with_labelled_logits(inputs, held)
         kwargs = self.model_kwargs(fused=not own_loss)
+        if smoothed:  # the tiled loss computes the label smoother's loss
+            kwargs[SMOOTHING_KEYWORD] = float(self.trainer.label_smoother.epsilon)
         if num_items_in_batch is not None and self.passes_num_items():
             kwargs["num_items_in_batch"] = num_items_in_batch
         with self.neftune_scope(inputs):

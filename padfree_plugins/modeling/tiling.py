@@ -272,17 +272,18 @@ class _TiledForward:
 
 class TiledHeadLoss(torch.autograd.Function):
     """The summed cross-entropy of ``hidden [K, H] @ weight.T (+ bias)`` against ``labels [K]`` (-100 ignored), over
-    tiles of ``tile`` rows, divided by ``divisor``; the backward recomputes each tile's logits."""
+    tiles of ``tile`` rows, divided by ``divisor``; the backward recomputes each tile's logits. ``smoothing`` ε: each
+    token's loss is ``(1 - ε) · nll + ε / V · Σ_v -log p_v``, as transformers' ``LabelSmoother``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, divisor, tile):
-        ctx.tile = tile
+    def forward(ctx, hidden, weight, bias, labels, divisor, tile, smoothing=0.0):
+        ctx.tile, ctx.smoothing = tile, smoothing
         ctx.save_for_backward(hidden, weight, bias, labels, divisor)
         sums, counts = [hidden.new_zeros((), dtype=torch.float32)], [labels.new_zeros(())]  # a row with no labels
         for start in range(0, hidden.shape[0], tile):
             logits = F.linear(hidden[start:start + tile], weight, bias).float()
             target = labels[start:start + tile]
-            sums.append(F.cross_entropy(logits, target, ignore_index=-100, reduction="sum"))
+            sums.append(F.cross_entropy(logits, target, ignore_index=-100, reduction="sum", label_smoothing=smoothing))
             counts.append((target != -100).sum())
         return normalised(sums, counts, divisor)
 
@@ -296,13 +297,16 @@ class TiledHeadLoss(torch.autograd.Function):
             else None
         for start in range(0, hidden.shape[0], ctx.tile):
             piece, target = hidden[start:start + ctx.tile], labels[start:start + ctx.tile]
-            # d(sum CE)/d logits = softmax - one_hot, rows of ignored labels zero; in place, one tile of logits
+            # d(sum CE)/d logits = softmax - (1 - ε) one_hot - ε / V, rows of ignored labels zero; in place, one
+            # tile of logits
             dlogits = F.linear(piece, weight, bias).float()
             dlogits.sub_(dlogits.amax(-1, keepdim=True)).exp_()
             dlogits.div_(dlogits.sum(-1, keepdim=True))
+            if ctx.smoothing:
+                dlogits.sub_(ctx.smoothing / dlogits.shape[-1])
             kept = target != -100
             rows = torch.nonzero(kept).reshape(-1)
-            dlogits[rows, target[rows]] -= 1
+            dlogits[rows, target[rows]] -= 1 - ctx.smoothing
             dlogits.mul_((kept * grad).unsqueeze(1))
             dlogits = dlogits.to(piece.dtype)
             if grad_hidden is not None:
@@ -313,7 +317,7 @@ class TiledHeadLoss(torch.autograd.Function):
                 grad_bias += dlogits.sum(0).float()
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def normalised(sums: Sequence[torch.Tensor], counts: Sequence[torch.Tensor], divisor: torch.Tensor) -> torch.Tensor:
@@ -323,16 +327,17 @@ def normalised(sums: Sequence[torch.Tensor], counts: Sequence[torch.Tensor], div
 
 
 def head_loss(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, num_items_in_batch: Any,
-              tile: int) -> torch.Tensor:
+              tile: int, smoothing: float = 0.0) -> torch.Tensor:
     """transformers' ``ForCausalLMLoss`` of ``head(hidden)`` against already shifted ``labels``, over tiles: the
-    summed cross-entropy divided by ``num_items_in_batch`` (when given) or by the number of labels not -100."""
+    summed cross-entropy divided by ``num_items_in_batch`` (when given) or by the number of labels not -100; with
+    ``smoothing``, the ``LabelSmoother``'s loss."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1).to(hidden.device)
     if num_items_in_batch is None:
         divisor = (labels != -100).sum().float()
     else:
         divisor = torch.as_tensor(num_items_in_batch, device=hidden.device).float()
-    return TiledHeadLoss.apply(hidden, head.weight, head.bias, labels, divisor, tile)
+    return TiledHeadLoss.apply(hidden, head.weight, head.bias, labels, divisor, tile, smoothing)
 
 
 #: Config attributes of models that scale or cap their logits after the head (the tiled loss would skip it).
@@ -357,17 +362,18 @@ def check_tiled_loss(model: Any) -> torch.nn.Linear:
 
 
 @contextmanager
-def tiled_loss(model: Any, shift_labels: torch.Tensor, num_items_in_batch: Any, tile: int) -> Iterator[None]:
+def tiled_loss(model: Any, shift_labels: torch.Tensor, num_items_in_batch: Any, tile: int,
+               smoothing: float = 0.0) -> Iterator[None]:
     """Within the block, ``model``'s forward (called with ``shift_labels``, labels and usually ``logits_to_keep``)
     computes its causal-LM loss tile by tile: its LM head returns the loss of the positions it gets against
     ``shift_labels``, and its loss function passes it on. The head still runs through its module call, so hooks that
     gather a sharded weight (FSDP2, ZeRO-3) gather it. The output's ``logits`` are then that loss, not logits:
-    for loss-only calls."""
+    for loss-only calls. ``smoothing``: label smoothing (ε) as transformers' ``LabelSmoother`` computes it."""
     head = check_tiled_loss(model)
     saved = {"forward": head.__dict__.get("forward"), "loss": model.__dict__.get("_loss_function")}
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        return head_loss(hidden, head, shift_labels, num_items_in_batch, tile)
+        return head_loss(hidden, head, shift_labels, num_items_in_batch, tile, smoothing)
 
     def passed_on(logits: torch.Tensor, labels: Any = None, vocab_size: Any = None, **kwargs: Any) -> torch.Tensor:
         given = kwargs.get("shift_labels")
@@ -402,12 +408,17 @@ __all__: Sequence[str] = ("TiledCall", "TiledHeadLoss", "MLPTiling", "tiled", "t
                           "TiledLossForward")
 
 
+#: The keyword with which a trainer plugin asks :class:`TiledLossForward` for label smoothing (ε).
+SMOOTHING_KEYWORD = "padfree_label_smoothing"
+
+
 @dataclass(frozen=True)
 class TiledLossForward:
     """The assembly's ``forward`` with the tiled loss (``memory.tile_loss``): a call on a batch with labelled logits
     (``shift_labels``, held by the trainer plugins for their loss-only call, or added by
     :func:`~padfree_plugins.packing.labelled_logits.keep_labelled_logits`) computes the model's loss with
-    :func:`tiled_loss` and returns no logits; any other call is ``inner``'s. Its other attributes are ``inner``'s."""
+    :func:`tiled_loss` and returns no logits; any other call is ``inner``'s. Its other attributes are ``inner``'s.
+    The keyword :data:`SMOOTHING_KEYWORD` (a trainer's label smoothing) is taken by this forward, never passed on."""
 
     inner: Any
     tile: int
@@ -418,12 +429,16 @@ class TiledLossForward:
         return getattr(self.inner, name)
 
     def __call__(self, model: Any, batch: Any, **kwargs: Any) -> Any:
+        smoothing = kwargs.pop(SMOOTHING_KEYWORD, 0.0)
         shift_labels = batch.get("shift_labels") if hasattr(batch, "get") else None
         if shift_labels is None or batch.get("labels") is None:
+            if smoothing:
+                raise RuntimeError("padfree-plugins: label smoothing asked of a call without labelled logits; the "
+                                   "model's own loss would not smooth")
             return self.inner(model, batch, **kwargs)
         from padfree_plugins.modeling.patching import unwrap_model
 
-        with tiled_loss(unwrap_model(model), shift_labels, kwargs.get("num_items_in_batch"), self.tile):
+        with tiled_loss(unwrap_model(model), shift_labels, kwargs.get("num_items_in_batch"), self.tile, smoothing):
             outputs = self.inner(model, batch, **kwargs)
         if hasattr(outputs, "logits"):
             outputs["logits"] = None  # the head returned the loss, not logits
