@@ -421,3 +421,17 @@ def test_check_shows_the_tiles_auto_chose(tmp_path):
     # transformers' default Llama: hidden 4096, intermediate 11008, vocabulary 32000 -> 4096 x 11008 / 32000 = 1409
     assert json.loads(result.output)["memory"].startswith("MLP in tiles of 4096 tokens, LM head + loss in tiles of "
                                                           "1408 tokens")
+
+
+def test_a_call_with_labels_but_no_labelled_logits_says_once_that_its_loss_is_untiled(caplog):
+    model = causal_lm("llama")
+    assembly = assemble(model, {"task": "causal_lm", "memory": TILED})
+    try:
+        batch = assembly.collator(make_examples(LENGTHS, seed=3))
+        with caplog.at_level("WARNING", logger="padfree_plugins"):
+            for _ in range(2):
+                outputs = assembly.forward(model, batch)
+        assert outputs.logits.shape[1] == sum(LENGTHS)  # every position's logits, as asked
+        assert sum("keep_labelled_logits(batch) tiles" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        assembly.undo()

@@ -11,6 +11,9 @@
   and only :meth:`~HFTrainerPatch.compute_loss` passes them to the model, when it returns the loss alone and the
   loss is the model's: any other forward on the batch (a subclass's ``training_step``, a caller of
   ``compute_loss(..., return_outputs=True)``, evaluation's logits) gets every position's logits, as padded.
+* **tiled loss** (``memory.tile_tokens``, :mod:`~padfree_plugins.modeling.tiling`): the loss call's labelled
+  positions go through the LM head and the cross-entropy in tiles (label smoothing included), recomputed in the
+  backward; a ``compute_loss_func`` is refused there.
 * **prediction_step** (``evaluate`` / ``predict``): per-token outputs come back packed ``[1, T, ...]`` and are
   re-padded to ``[n, L_max, ...]`` (labels with -100) so that ``compute_metrics`` sees the shapes it always saw; a
   task forward with ``for_metrics`` chooses what it gets itself (one entry per dataset row).
@@ -103,7 +106,7 @@ class HFTrainerPatch(TrainerPatch):
 
     def check_tiled_loss(self) -> None:
         """``memory.tile_loss``: refuse a ``compute_loss_func`` (it reads the whole row's logits, which the tiled
-        loss never builds); say once that label smoothing computes its loss from every position's logits, untiled."""
+        loss never builds); say once where label smoothing still computes its loss from every position's logits."""
         if not self.tiles_loss():
             return
         if self.trainer.compute_loss_func is not None:
@@ -113,9 +116,10 @@ class HFTrainerPatch(TrainerPatch):
                 "(the MLP is still tiled)")
         if self.trainer.label_smoother is not None and not self.smooths_tiled():
             logger.warning(
-                "padfree-plugins: memory.tile_loss does not apply with label_smoothing_factor: the trainer's label "
-                "smoother reads every position's logits, so they are built for the whole row (the MLP is still "
-                "tiled); drop label smoothing to tile the loss")
+                "padfree-plugins: memory.tile_loss does not apply with label_smoothing_factor here: labelled logits "
+                "are off (task option labelled_logits_only: false, or the model's forward takes no logits_to_keep), "
+                "so the trainer's label smoother reads every position's logits, built for the whole row (the MLP is "
+                "still tiled)")
 
     def splits_rows(self) -> bool:
         """Whether each rank computes a slice of its group's row (``sequence_parallel.size > 1``)."""

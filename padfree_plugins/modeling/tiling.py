@@ -20,6 +20,7 @@ Exact: the layers are token-local, so where the tiles cut changes nothing but th
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 
 from padfree_plugins.errors import ConfigError, UnsupportedArchitectureError
 
+logger = logging.getLogger("padfree_plugins")
 #: Smallest MLP tile ``tile_tokens: auto`` picks, in tokens.
 AUTO_MIN_TILE = 1024
 #: Smallest loss tile ``tile_tokens: auto`` picks, in tokens.
@@ -422,9 +424,10 @@ class TiledLossForward:
 
     inner: Any
     tile: int
+    warned: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name == "inner":
+        if name.startswith("__") or name in ("inner", "warned"):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
@@ -435,6 +438,13 @@ class TiledLossForward:
             if smoothing:
                 raise RuntimeError("padfree-plugins: label smoothing asked of a call without labelled logits; the "
                                    "model's own loss would not smooth")
+            if batch.get("labels") is not None and not self.warned:
+                self.warned["untiled"] = True
+                logger.warning(
+                    "padfree-plugins: memory.tile_loss: a call with labels but no labelled logits (shift_labels) "
+                    "computes every position's logits, untiled, once per such call (evaluation with "
+                    "compute_metrics, return_outputs=True, or a loop of your own: keep_labelled_logits(batch) tiles "
+                    "its loss)")
             return self.inner(model, batch, **kwargs)
         from padfree_plugins.modeling.patching import unwrap_model
 
