@@ -31,6 +31,7 @@ from padfree_plugins.modeling.patching import ModelPatch, unwrap_model
 from padfree_plugins.modeling.pooling import unknown_mode_hint
 from padfree_plugins.modeling.probe import PROBE, PROBE_PLUGIN, probed_architecture, verify
 from padfree_plugins.modeling.sequence_parallel import SequenceParallelForward, SequenceParallelPatch, sequence_group
+from padfree_plugins.modeling.tiling import MLPTiling, TiledLossForward, check_tiled_loss, resolve_tiles, tiled_modules
 from padfree_plugins.modeling.unpad import UnpadPatch
 from padfree_plugins.packing.collator import refusing_undeclared, within_embeddings
 
@@ -74,6 +75,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     #: Assembly hook -> the plugin that answered it (filled when the parts are built, and by ``assemble``).
     answers: dict[str, str | None] = field(default_factory=dict)
+    #: ``memory.tile_tokens`` resolved for the model: (MLP tile, loss tile) in tokens, or None (off).
+    tiles: tuple[int, int] | None = None
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -85,8 +88,17 @@ class Plan:
             "device": self.device_type,
             "position_start": self.position_start,
             "hooks answered by": ", ".join(f"{hook}: {plugin or '-'}" for hook, plugin in self.answers.items()) or "-",
+            "memory": describe_tiles(self.tiles),
             "notes": self.notes,
         }
+
+
+def describe_tiles(tiles: tuple[int, int] | None) -> str:
+    """What ``memory.tile_tokens`` chose, for ``check`` and logs."""
+    if tiles is None:
+        return "no tiling (memory.tile_tokens: null)"
+    return (f"MLP in tiles of {tiles[0]} tokens, LM head + loss in tiles of {tiles[1]} tokens (rows no longer than a "
+            "tile run untiled)")
 
 
 def _model_type(model_config: Any) -> str:
@@ -257,8 +269,9 @@ def _resolve(model_config: Any, config: PadfreeConfig, host: PluginHost, device_
         if faster:
             notes.append(f"the model uses attention dropout, which {', '.join(faster)} cannot do: using "
                          f"{backend.name}; set attention_dropout: disable to use {faster[0]}")
+    tiles = None if config.memory.tile_tokens is None else resolve_tiles(config.memory.tile_tokens, model_config)
     return Plan(architecture, architecture_plugin, task, task_plugin, backend, fallback, features, device_type,
-                int(architecture.position_start(model_config)), notes)
+                int(architecture.position_start(model_config)), notes, tiles=tiles)
 
 
 @dataclass(frozen=True)
@@ -413,6 +426,21 @@ def refuse_sequence_parallel(model: Any, config: PadfreeConfig, resolved: Plan, 
                           "(padded calls then run the model's own code on each rank) or off")
 
 
+def tiling_of(model: Any, config: PadfreeConfig, resolved: Plan) -> tuple[int | None, int | None]:
+    """(MLP tile, loss tile) to install for ``memory`` (None: that part untiled), checked against the model: a
+    feed-forward that is not token-local, an LM head the tiled loss cannot compute with, are refused here."""
+    if resolved.tiles is None:
+        return None, None
+    mlp = loss = None
+    if config.memory.tile_mlp:
+        tiled_modules(model)
+        mlp = resolved.tiles[0]
+    if config.memory.tile_loss and resolved.task.name == "causal_lm":
+        check_tiled_loss(model)
+        loss = resolved.tiles[1]
+    return mlp, loss
+
+
 def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
              host: PluginHost | None = None) -> Assembly:
     """Make ``model`` padding-free for ``config`` and return everything needed to feed it."""
@@ -431,6 +459,7 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
     check_model = getattr(parts.forward, "check_model", None)
     if check_model is not None:  # the head the task reads (an LM head, a classifier …) exists
         check_model(inner)
+    tile_mlp, tile_loss = tiling_of(inner, config, resolved)  # refused before anything is patched
     sequence = None
     if config.sequence_parallel.size > 1:
         refuse_sequence_parallel(inner, config, resolved, parts.collator)
@@ -452,6 +481,10 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
         except BaseException:
             patch.undo()
             raise
+    if tile_mlp is not None:
+        patch.handles.append(MLPTiling.install(inner, tile_mlp))
+    if tile_loss is not None:
+        parts = dataclasses.replace(parts, forward=TiledLossForward(parts.forward, tile_loss))
     if sequence is not None:  # each rank computes its slice of the group's row
         patch.handles.append(SequenceParallelPatch.install(patch, sequence))
         pad = getattr(inner.config.get_text_config(), "pad_token_id", None)

@@ -82,6 +82,7 @@ class Case:
     labelled: bool = False
     counted: bool = True
     expect: str = ""
+    tile_tokens: int | None = None  # memory.tile_tokens: the MLP and the loss tiled (compared with untiled)
 
 
 LAUNCHES = {
@@ -90,6 +91,7 @@ LAUNCHES = {
         Case("llama-checkpointing", "llama", 2, checkpointing=True),
         Case("qwen3_5_text-checkpointing", "qwen3_5_text", 2, checkpointing=True),
         Case("llama-train", "llama", 2, steps=3, labelled=True),
+        Case("llama-tiled", "llama", 2, labelled=True, checkpointing=True, tile_tokens=8),
         Case("llama-uncounted", "llama", 2, counted=False),
         Case("llama-local-attention", "llama", 2, fault="local-attention"),
         Case("llama-labels-after-cut", "llama", 2, fault="labels-after-cut"),
@@ -152,7 +154,8 @@ def run_case(case: Case, rank: int, world: int) -> dict:
     before = model.config._attn_implementation
     with FAULTS.get(case.fault, contextlib.nullcontext)(rank % case.sp):
         try:
-            assembly = assemble(model, {"attention": "exact", "sequence_parallel": {"size": case.sp}})
+            memory = {} if case.tile_tokens is None else {"memory": {"tile_tokens": case.tile_tokens}}
+            assembly = assemble(model, {"attention": "exact", "sequence_parallel": {"size": case.sp}, **memory})
         except Exception as error:
             if not case.expect:
                 raise
@@ -161,7 +164,9 @@ def run_case(case: Case, rank: int, world: int) -> dict:
             return {"error": f"{type(error).__name__}: {error}", "untouched": untouched}
         evidence = {"implementation": model.config._attn_implementation,
                     "mixers": sum(type(module.__dict__.get("forward")).__name__ == "WholeRowMixer"
-                                  for module in model.modules())}
+                                  for module in model.modules()),
+                    "tiled": sum(type(module.__dict__.get("forward")).__name__ == "_TiledForward"
+                                 for module in model.modules())}
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         losses = []
         for step in range(case.steps):

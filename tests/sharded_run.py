@@ -27,9 +27,14 @@ from accelerate import Accelerator
 from padfree_plugins import assemble, load_config
 from padfree_plugins.batching.distributed import global_token_count, num_label_tokens
 from padfree_plugins.batching.sampler import token_budget_dataloader
+from padfree_plugins.packing.labelled_logits import keep_labelled_logits
 from tests.test_distributed import LOOP_ARGS, load_example
 
 ENGINES = ("fsdp2", "zero2", "zero3")
+#: An engine's name with this suffix trains with the MLP and the loss tiled (``memory.tile_tokens``), on batches with
+#: labelled logits (the tiled loss's calls); the reference stays untiled. Under ZeRO-3 the loss alone is tiled.
+TILED = "-tiled"
+TILE_TOKENS = 16
 
 
 def setup(engine: str, model: torch.nn.Module, optimizer_of, world: int):
@@ -114,12 +119,13 @@ def full_state(engine: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def main(engine: str, out: str) -> None:
+    engine, tiled = engine.removesuffix(TILED), engine.endswith(TILED)
     if engine not in ENGINES:
-        sys.exit(f"engine must be one of {ENGINES}, not {engine!r}")
+        sys.exit(f"engine must be one of {ENGINES} (with {TILED}: memory.tile_tokens {TILE_TOKENS}), not {engine!r}")
     accelerator = Accelerator(cpu=True)  # the gloo process group, and reduce() for the token count
     if accelerator.num_processes < 2:
         sys.exit("launch with torchrun --nproc_per_node 2 (or more): one process shards nothing")
-    result = train(engine, accelerator)
+    result = train(engine, accelerator, tiled)
     if accelerator.is_main_process:
         partial = Path(f"{out}.partial")
         torch.save(result, partial)
@@ -131,15 +137,21 @@ def main(engine: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def train(engine: str, accelerator: Accelerator) -> dict:
-    """Train under ``engine``; the losses, token counts, full weights and sharding evidence (every rank)."""
+def train(engine: str, accelerator: Accelerator, tiled: bool = False) -> dict:
+    """Train under ``engine`` (``tiled``: with :data:`TILE_TOKENS`); the losses, token counts, full weights and
+    sharding evidence (every rank)."""
     world, rank = accelerator.num_processes, accelerator.process_index
     loop = load_example()
     args = loop.parse_args(LOOP_ARGS)
     config = load_config(args.config)
     config.batching.max_tokens_per_batch = args.max_tokens
+    if tiled:
+        config.memory.tile_tokens = TILE_TOKENS
+        config.memory.tile_mlp = engine != "zero3"  # refused under ZeRO-3 (its partitioned parameters)
     model = loop.tiny_llama()  # same seed as the reference
     assembly = assemble(model, config)  # patch first, then shard
+    tiled_modules = sum(type(m.__dict__.get("forward")).__name__ in ("_TiledForward", "TiledLossForward")
+                        for m in model.modules()) + (type(assembly.forward).__name__ == "TiledLossForward")
     dataset = loop.synthetic_dataset(args.examples, args.median_length, model.config.vocab_size)
     loader = token_budget_dataloader(dataset, assembly.collator, config, num_replicas=world, rank=rank)
     model, optimizer, backward, step = setup(engine, model, lambda p: torch.optim.AdamW(p, lr=args.lr), world)
@@ -150,6 +162,8 @@ def train(engine: str, accelerator: Accelerator) -> dict:
         loader.batch_sampler.set_epoch(epoch)  # a plain DataLoader: the sampler reshuffles
         for batch in loader:
             total = global_token_count(accelerator, num_label_tokens(batch))
+            if tiled:
+                batch = keep_labelled_logits(batch)
             loss = assembly.forward(model, batch, num_items_in_batch=total).loss
             backward(loss * world)
             step()
@@ -157,7 +171,7 @@ def train(engine: str, accelerator: Accelerator) -> dict:
             tokens.append(accelerator.gather(torch.tensor([batch.num_tokens])).tolist())
     evidence = sharding_evidence(engine, model, optimizer)
     return {"engine": engine, "processes": world, "losses": losses, "tokens": tokens,
-            "state": full_state(engine, model), "sharding": evidence}
+            "state": full_state(engine, model), "sharding": evidence, "tiled": tiled_modules}
 
 
 # -- HF Trainer under DeepSpeed ZeRO-3 -----------------------------------------------------------------------------

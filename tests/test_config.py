@@ -257,7 +257,7 @@ def test_describe_fields_lists_every_key_with_help():
 def test_every_described_key_is_accepted():
     """Each key describe_fields reports can be set in a config (docs and loader agree)."""
     samples = {"int | null": 4, "str": "x", "str | null": "mean", "'error' | 'truncate'": "truncate",
-               "list[str]": ["a"], "int": 4, "bool": True}
+               "list[str]": ["a"], "int": 4, "bool": True, "int | 'auto' | null": 4}
     for key, type_name, _ in describe_fields():
         literal = type_name.split(" | ")[-1].strip("'") if type_name.startswith("'") else None
         value = samples.get(type_name, literal if literal is not None else {})

@@ -344,6 +344,7 @@ def test_sequence_parallel_equals_one_process(launches, launch_name, case):
     if case.model_type not in ATTENTION_FREE:
         assert run["implementation"] == f"padfree_exact_sp{case.sp}"
     assert (run["mixers"] > 0) == (case.model_type in worker.HYBRID_TYPES)
+    assert (run["tiled"] > 0) == (case.tile_tokens is not None)  # tiled against the untiled reference
     want = reference(case.model_type, run["world"], case.steps, case.checkpointing, case.labelled)
     diff = differences(run, want)
     scale = max(g.abs().max().item() for g in want["grads"].values())

@@ -71,6 +71,19 @@ def test_sharded_two_processes_equal_single_process(tmp_path, engine):
     assert moved > 100 * TOLERANCE  # the weights moved far more than the tolerance: the comparison has teeth
 
 
+@pytest.mark.parametrize("engine", ["fsdp2", pytest.param("zero3", marks=needs_deepspeed)])
+def test_tiled_mlp_and_loss_sharded_equal_the_untiled_single_process(tmp_path, engine):
+    """``memory.tile_tokens`` under FSDP2 (MLP and loss tiled) and ZeRO-3 (the loss tiled; the tiled MLP is refused
+    there): the tiled MLP returns its parameters' gradients once per layer to the engine's hooks, the tiled head
+    computes inside the head's (gathered) module call; the training equals the untiled single process."""
+    run = launch_sharded(tmp_path, engine + "-tiled")
+    want = reference()
+    assert run["engine"] == engine and run["tiled"] > 0 and run["sharding"]["local_numel"] < run["sharding"]["numel"]
+    loss, weight = differences(run, want)
+    print(f"{engine} tiled: max loss difference {loss:.2e}, max weight difference {weight:.2e}")
+    assert loss < TOLERANCE and weight < TOLERANCE
+
+
 @functools.lru_cache(maxsize=1)
 def reference_init() -> dict:
     return {name: p.detach().clone() for name, p in load_example().tiny_llama().named_parameters()}

@@ -561,3 +561,58 @@ def bench_scale(
                  "speed target.", highlight=False)
     stdout.print(f"environment: {result.environment}", highlight=False)
     stdout.print(f"wrote {path}", highlight=False)
+
+
+@app.command("longctx")
+def bench_longctx(
+    shapes: Annotated[str, typer.Option(help="Comma-separated: llama, qwen3_5 (scaled down with Llama-8B's ratios: "
+                                             "intermediate 3.5x hidden, vocabulary 31x hidden).")] = "llama,qwen3_5",
+    lengths: Annotated[str, typer.Option(help="Comma-separated row lengths in tokens.")] = "4096,8192,16384,32768,65536",
+    hidden: Annotated[int, positive("Hidden size of the scaled-down models (heads of 64).")] = 256,
+    layers: Annotated[int, positive("Decoder layers.")] = 4,
+    example_tokens: Annotated[int, positive("Tokens of each example packed into a row.")] = 4096,
+    device: Annotated[str, typer.Option(help="auto (cuda when available), cpu or cuda.")] = "auto",
+    budget_gib: Annotated[float, typer.Option(help="Activation budget for the longest-row estimate, GiB.")] = 4.0,
+    threads: Annotated[int, positive("torch intra-op threads per process.")] = 1,
+    out: Annotated[Path, typer.Option(help="Directory for bench_longctx.json.")] = Path("out/bench-longctx"),
+    as_json: JsonFlag = False,
+) -> None:
+    """Peak activation memory and real tokens/s of a checkpointed training step against the row's length:
+    checkpointing alone, + tiled MLP, + tiled LM head and loss (memory.tile_tokens: auto); each in its own process."""
+    from padfree_plugins.benchmarks.longctx import TITLES, LongContextSettings, run_longctx_benchmark
+
+    if device == "auto":
+        device = "cuda" if torch_cuda() else "cpu"
+    settings = LongContextSettings(shapes=tuple(s.strip() for s in shapes.split(",")),
+                                   lengths=positive_ints(lengths, "--lengths"), hidden=hidden, layers=layers,
+                                   example_tokens=example_tokens, device=device, budget_gib=budget_gib,
+                                   threads=threads)
+    try:
+        result = run_longctx_benchmark(settings, progress=progress_lines("bench longctx", not as_json))
+    except (PadfreeError, RuntimeError) as error:
+        fail(error)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_longctx.json").write_text(result.to_json(), encoding="utf-8")
+    if as_json:
+        print(result.to_json())
+        return
+    stdout = console()
+    for shape in settings.shapes:
+        table = Table(title=f"{TITLES[shape]}, hidden {hidden}, {layers} layers, examples of {example_tokens:,} "
+                            f"tokens, one step, {device}, {threads} thread(s)")
+        for column in ("tokens", "variant", "peak activations MiB", "real tok/s"):
+            table.add_column(column, justify="right")
+        for row in result.rows:
+            if row.shape == shape:
+                table.add_row(f"{row.tokens:,}", row.variant, f"{row.peak_bytes / 2 ** 20:,.0f}",
+                              f"{row.tokens_per_s:,.0f}")
+        stdout.print(table)
+        for line in result.summary(shape):
+            stdout.print(line, highlight=False)
+
+
+def torch_cuda() -> bool:
+    """Whether CUDA is available (torch imported only when the bench command's defaults are built)."""
+    import torch
+
+    return torch.cuda.is_available()

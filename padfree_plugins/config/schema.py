@@ -86,6 +86,29 @@ class SequenceParallelConfig:
 
 
 @dataclass
+class MemoryConfig:
+    """Tiled computation of the layers whose working set grows with the row (see docs/memory.md)."""
+
+    tile_tokens: int | Literal["auto"] | None = _help(
+        "tiles of a row's tokens for the MLP of every decoder layer and for the LM head with its loss, each recomputed "
+        "tile by tile in the backward, so their activations are one tile's, not the row's (exact: same loss and "
+        "gradients). null: off (the default); auto: MLP tiles of max(1024, hidden_size) tokens and loss tiles whose "
+        "logits are no larger than an MLP tile's intermediate (at least 128 tokens); a number: tiles of that many "
+        "tokens. A row no longer than a tile runs untiled", default=None)
+    tile_mlp: bool = _help("with tile_tokens: tile the feed-forward of every decoder layer (a dense MLP, or the routed "
+                           "and shared experts of a mixture of experts)", default=True)
+    tile_loss: bool = _help("with tile_tokens: tile the LM head and its cross-entropy in the loss-only calls of HF "
+                            "Trainer and of assembly.forward on a batch with labelled logits (the logits of the whole "
+                            "row are never built)", default=True)
+
+    def __post_init__(self) -> None:
+        tokens = self.tile_tokens
+        if tokens is not None and tokens != "auto" and tokens < 1:
+            raise ConfigError(f"memory.tile_tokens: {tokens}: a tile holds at least 1 token; give a number of tokens "
+                              "(e.g. 4096), auto, or null for no tiling")
+
+
+@dataclass
 class PadfreeConfig:
     """Everything ``padfree.yaml`` can say. Defaults give padding-free causal-LM training with the fastest
     attention backend available on the machine."""
@@ -130,6 +153,8 @@ class PadfreeConfig:
     sequence_parallel: SequenceParallelConfig = _help(
         "sequence parallelism over packed rows (long examples split across ranks)",
         default_factory=SequenceParallelConfig)
+    memory: MemoryConfig = _help("tiled MLP and loss for long rows (activation memory of one tile, not the row's)",
+                                 default_factory=MemoryConfig)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, *, source: str = "config") -> "PadfreeConfig":

@@ -11,6 +11,9 @@
   and only :meth:`~HFTrainerPatch.compute_loss` passes them to the model, when it returns the loss alone and the
   loss is the model's: any other forward on the batch (a subclass's ``training_step``, a caller of
   ``compute_loss(..., return_outputs=True)``, evaluation's logits) gets every position's logits, as padded.
+* **tiled loss** (``memory.tile_tokens``, :mod:`~padfree_plugins.modeling.tiling`): the loss call's labelled
+  positions go through the LM head and the cross-entropy in tiles (label smoothing included), recomputed in the
+  backward; a ``compute_loss_func`` is refused there.
 * **prediction_step** (``evaluate`` / ``predict``): per-token outputs come back packed ``[1, T, ...]`` and are
   re-padded to ``[n, L_max, ...]`` (labels with -100) so that ``compute_metrics`` sees the shapes it always saw; a
   task forward with ``for_metrics`` chooses what it gets itself (one entry per dataset row).
@@ -28,6 +31,7 @@ what its methods below say they are for.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,11 +48,14 @@ from padfree_plugins.integrations.base import (
 )
 from padfree_plugins.integrations.checks import check_token_budget, language_modeling_pad_id, sequence_parallel_size
 from padfree_plugins.modeling.patching import unwrap_model
+from padfree_plugins.modeling.tiling import SMOOTHING_KEYWORD
 from padfree_plugins.packing.labelled_logits import (
     drop_labelled_logits,
     take_labelled_logits,
     with_labelled_logits,
 )
+
+logger = logging.getLogger("padfree_plugins")
 
 
 def uses_own_loss(trainer: Any) -> bool:
@@ -77,6 +84,42 @@ class HFTrainerPatch(TrainerPatch):
     def check(self) -> None:
         check_token_budget(self.trainer, self.assembly.config)
         self.check_sequence_parallel()
+        self.check_tiled_loss()
+
+    def tiles_loss(self) -> bool:
+        """Whether ``memory`` tiles the LM head and loss of this causal-LM training."""
+        memory = self.assembly.config.memory
+        return (memory.tile_tokens is not None and memory.tile_loss
+                and self.assembly.plan.task.name == "causal_lm")
+
+    def smooths_tiled(self) -> bool:
+        """Whether the tiled loss computes the trainer's label smoothing (HF ``Trainer`` with ``tile_loss``, a label
+        smoother and no ``compute_loss_func``, labelled logits possible, no sequence parallelism)."""
+        trainer = self.trainer
+        return (self.kind == "hf" and self.tiles_loss() and trainer.label_smoother is not None
+                and trainer.compute_loss_func is None and not self.splits_rows() and self.can_label_logits())
+
+    def own_loss(self) -> bool:
+        """Whether the loss is computed from every position's logits outside the model (:func:`uses_own_loss`,
+        unless the tiled loss smooths the labels itself)."""
+        return uses_own_loss(self.trainer) and not self.smooths_tiled()
+
+    def check_tiled_loss(self) -> None:
+        """``memory.tile_loss``: refuse a ``compute_loss_func`` (it reads the whole row's logits, which the tiled
+        loss never builds); say once where label smoothing still computes its loss from every position's logits."""
+        if not self.tiles_loss():
+            return
+        if self.trainer.compute_loss_func is not None:
+            raise PadfreeError(
+                "memory.tile_tokens with a compute_loss_func: the function computes the loss from the logits of the "
+                "whole row, which the tiled loss never builds. Drop compute_loss_func, or set memory.tile_loss: false "
+                "(the MLP is still tiled)")
+        if self.trainer.label_smoother is not None and not self.smooths_tiled():
+            logger.warning(
+                "padfree-plugins: memory.tile_loss does not apply with label_smoothing_factor here: labelled logits "
+                "are off (task option labelled_logits_only: false, or the model's forward takes no logits_to_keep), "
+                "so the trainer's label smoother reads every position's logits, built for the whole row (the MLP is "
+                "still tiled)")
 
     def splits_rows(self) -> bool:
         """Whether each rank computes a slice of its group's row (``sequence_parallel.size > 1``)."""
@@ -95,7 +138,7 @@ class HFTrainerPatch(TrainerPatch):
     def install(self, collator: Any) -> None:
         super().install(collator)
         scaled = getattr(self.assembly.forward, "loss_is_scaled_for_ga", None)
-        if scaled is not None and not uses_own_loss(self.trainer):
+        if scaled is not None and not self.own_loss():
             # a task forward that says whether it normalises by num_items_in_batch itself (a loss the trainer
             # computes — label smoothing, compute_loss_func — is the trainer's to scale)
             self.trainer.loss_is_scaled_for_ga = scaled
@@ -106,7 +149,11 @@ class HFTrainerPatch(TrainerPatch):
         """Whether batches hold ``logits_to_keep`` / ``shift_labels`` for the loss: the task's collator asks for it,
         the loss is the model's (label smoothing and a ``compute_loss_func`` read every position's logits), and the
         model's forward takes ``logits_to_keep``."""
-        if not getattr(self.assembly.collator, "labelled_logits_only", False) or uses_own_loss(self.trainer):
+        return self.can_label_logits() and not self.own_loss()
+
+    def can_label_logits(self) -> bool:
+        """Whether the task's collator asks for labelled logits and the model's forward takes ``logits_to_keep``."""
+        if not getattr(self.assembly.collator, "labelled_logits_only", False):
             return False
         return "logits_to_keep" in inspect.signature(type(self.assembly.model).forward).parameters
 
@@ -170,12 +217,15 @@ class HFTrainerPatch(TrainerPatch):
                      num_items_in_batch: Any = None) -> Any:
         """The loss of a packed batch, through ``assembly.forward`` (the trainer's ``compute_loss``)."""
         inputs, held = self.labelled_logits_of(inputs)
-        own_loss = uses_own_loss(self.trainer) and "labels" in inputs
+        smoothed = (not return_outputs and held is not None and "labels" in inputs and self.smooths_tiled())
+        own_loss = uses_own_loss(self.trainer) and "labels" in inputs and not smoothed
         if own_loss or return_outputs:  # the logits of every position are wanted
             inputs = drop_labelled_logits(inputs)
         elif held is not None and "labels" in inputs:
             inputs = with_labelled_logits(inputs, held)
         kwargs = self.model_kwargs(fused=not own_loss)
+        if smoothed:  # the tiled loss computes the label smoother's loss
+            kwargs[SMOOTHING_KEYWORD] = float(self.trainer.label_smoother.epsilon)
         if num_items_in_batch is not None and self.passes_num_items():
             kwargs["num_items_in_batch"] = num_items_in_batch
         with self.neftune_scope(inputs):

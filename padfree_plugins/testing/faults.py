@@ -11,6 +11,9 @@ Both leave a model run on one example alone exactly as it was, and change only p
   completion whose positions restart at 0 instead of continuing from its prompt;
 * :func:`examples_merge_under_compile` and :func:`boundary_guard_silenced`: the two ways a compiled forward can go
   wrong — attention that lets an example see its neighbour, a guard that no longer refuses wrong boundaries;
+* :func:`tile_drops_last_token` and :func:`loss_normalised_per_tile`: the two ways tiled computation
+  (:mod:`padfree_plugins.modeling.tiling`) can go wrong — a feed-forward tile that loses its last token's output, a
+  tiled loss that averages each tile on its own instead of dividing the row's sum once;
 * :func:`rows_swap_media`: a padded image-text call split wrongly — two rows' media (of the same shapes, other
   pixels) swapped, so each row's tokens get the other's images;
 * :func:`completions_start_from_zero`, :func:`completions_continue_a_sibling` and
@@ -27,7 +30,7 @@ from unittest import mock
 
 import torch
 
-from padfree_plugins.modeling import attention, mixers, patching
+from padfree_plugins.modeling import attention, mixers, patching, tiling
 from padfree_plugins.modeling.attention import backends
 from padfree_plugins.modeling.patching import unwrap_model
 from padfree_plugins.packing.batch import restarts
@@ -289,4 +292,34 @@ def conv_taps_reach_into_a_sibling() -> Iterator[None]:
     """Within the block, the conv taps of every completion after the first of its prompt read its previous sibling's
     last inputs instead of its prompt's (the recurrent state stays right)."""
     with mock.patch.object(mixers, "state_sources", _sources_from_siblings(False, True)):
+        yield
+
+
+@contextmanager
+def tile_drops_last_token() -> Iterator[None]:
+    """Within the block, every tile of a tiled feed-forward loses its last token's output (zeros instead), in the
+    forward and in the recompute alike. Rows no longer than one tile run untiled and are left alone."""
+
+    original = tiling.run_tile
+
+    def dropping(fn, pieces):
+        output = original(fn, pieces)
+        dim = 1 if output.ndim == 3 else 0
+        keep = torch.ones(output.shape[dim], dtype=output.dtype, device=output.device)
+        keep[-1] = 0
+        return output * keep.reshape([-1] + [1] * (output.ndim - dim - 1))
+
+    with mock.patch.object(tiling, "run_tile", dropping):
+        yield
+
+
+@contextmanager
+def loss_normalised_per_tile() -> Iterator[None]:
+    """Within the block, the tiled loss is the mean over tiles of each tile's mean cross-entropy, instead of the
+    row's summed cross-entropy divided once (by ``num_items_in_batch`` or the row's label count)."""
+
+    def per_tile(sums, counts, divisor):
+        return torch.stack([s / c for s, c in zip(sums, counts) if c > 0]).mean()
+
+    with mock.patch.object(tiling, "normalised", per_tile):
         yield

@@ -1,0 +1,28 @@
+"""``bench longctx`` at the test suite's size: its tiled variants really tile (MLP in 2 tiles, loss in 16) and train
+the same loss as checkpointing alone; the summary's arithmetic."""
+
+from __future__ import annotations
+
+from padfree_plugins.benchmarks.longctx import LongContextResult, LongContextSettings, Measurement, measure
+
+
+def test_the_tiled_variants_compute_the_loss_of_checkpointing_alone():
+    # hidden 64: MLP tiles of 1024 tokens (2 in a row of 2048), loss tiles of 128 (1024 x 224 / 1984 -> 128)
+    losses = {variant: measure("llama", variant, 2048, 64, 1, 512, "cpu", steps=1).loss
+              for variant in ("checkpointing", "+ tiled MLP", "+ tiled loss")}
+    assert abs(losses["+ tiled MLP"] - losses["checkpointing"]) < 1e-5
+    assert abs(losses["+ tiled loss"] - losses["checkpointing"]) < 1e-5
+
+
+def test_the_summary_compares_the_longest_row_and_fits_the_budget():
+    settings = LongContextSettings(shapes=("llama",), lengths=(1024, 4096), budget_gib=1.0)  # 0.1 MiB a token
+    result = LongContextResult(settings, [
+        Measurement("llama", "checkpointing", 1024, 100 << 20, 1000.0, 1.0, "cpu"),
+        Measurement("llama", "checkpointing", 4096, 400 << 20, 1000.0, 1.0, "cpu"),
+        Measurement("llama", "+ tiled loss", 1024, 30 << 20, 900.0, 1.0, "cpu"),
+        Measurement("llama", "+ tiled loss", 4096, 120 << 20, 900.0, 1.0, "cpu")])
+    lines = "\n".join(result.summary("llama"))
+    assert "tiled peak = 0.30 x checkpointing alone" in lines
+    assert "growth 4,096 / 1,024 tokens, tiled: 4.00 x" in lines
+    assert "tiled 0.90 x checkpointing alone" in lines
+    assert "checkpointing: ~10,485 tokens" in lines and "+ tiled loss: ~34,952 tokens" in lines
