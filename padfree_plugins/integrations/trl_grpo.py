@@ -19,6 +19,7 @@ class GRPOTrainerPatch(FusedTrainerPatch):
     trainer_class = "GRPOTrainer"
     kind = "grpo"
     packs_media = True
+    sequence_parallel = True
     kept_methods = ("compute_loss", "_compute_loss", "_get_per_token_logps_and_entropies")
 
     def check(self) -> None:

@@ -24,6 +24,7 @@ class KTOTrainerPatch(FusedTrainerPatch):
     trainer_class = "KTOTrainer"
     kind = "kto"
     packs_media = True
+    sequence_parallel = True
     kept_methods = ("compute_loss", "_compute_loss", "prediction_step", "compute_ref_log_probs",
                     "_compute_kl_logps")
     budgets_rows = True
