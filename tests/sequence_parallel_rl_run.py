@@ -1,12 +1,14 @@
 """Worker of tests/test_sequence_parallel_rl.py: TRL ``GRPOTrainer``, ``RLOOTrainer`` and ``KTOTrainer`` on a tiny
-Qwen3, on 2 CPU processes (gloo), each trained twice in one launch: under ``sequence_parallel: {size: 2}`` and as
-plain data parallelism (``size: 1``) on the same per-rank batches.
+Qwen3, on 2 CPU processes (gloo), each trained in one launch under ``sequence_parallel: {size: 2}`` and as TRL's own
+run (not accelerated) on the same per-rank batches.
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 tests/sequence_parallel_rl_run.py \
         RUN[,RUN...] OUT
 
-A run is ``KIND-MODE``: ``KIND`` one of :data:`KINDS`, ``MODE`` ``sp`` (size 2), ``dp`` (size 1), ``padded``
-(TRL's own run, not accelerated: the reference) or the fault ``no-gather`` (size 2; each rank reads its own slice's per-token outputs only, zeros at the other rank's tokens).
+A run is ``KIND-MODE``: ``KIND`` one of :data:`KINDS`, ``MODE`` ``sp`` (size 2), ``padded``
+(TRL's own run, not accelerated: the reference) or a fault (size 2): ``no-gather`` (each rank reads its own slice's
+per-token outputs only, zeros at the other rank's tokens), ``first-range`` (each rank keeps the joined row's first
+tokens, not its own range).
 Rank 0 writes ``{run: {"losses", "grads", "initial", "state", "completions", "seen", "cuts"}}`` to ``OUT`` (torch.save):
 ``grads`` every parameter's gradient at each optimizer step (after the data-parallel all-reduce), ``completions``
 per rank the completion ids each reward call scored (GRPO / RLOO), ``seen`` per rank per split fused call (the
@@ -29,7 +31,7 @@ from padfree_plugins.packing.batch import packed_tokens
 
 STEPS = 2
 KINDS = ("grpo", "rloo", "kto")
-MODES = ("sp", "dp", "padded", "no-gather")
+MODES = ("sp", "padded", "no-gather", "first-range")
 
 
 def tokenizer():
@@ -55,8 +57,9 @@ def qwen3_dir(tok) -> str:
     return path[0]
 
 
-def build(kind: str, output_dir: str, completions: list):
-    """The trainer of ``kind`` (SGD at a high rate, no clipping: the weights move far beyond 1e-5)."""
+def build(kind: str, output_dir: str, scored: list):
+    """The trainer of ``kind`` (SGD at a high rate, no clipping: the weights move far beyond 1e-5); GRPO's and RLOO's
+    reward (longer completions are better) appends the completion ids it scores to ``scored``."""
     import datasets
     import trl
     from transformers import AutoModelForCausalLM
@@ -75,11 +78,10 @@ def build(kind: str, output_dir: str, completions: list):
                               train_dataset=unpaired(4 * 3 * STEPS), processing_class=tok)
     model = AutoModelForCausalLM.from_pretrained(qwen3_dir(tok))
 
-    def length_reward(completions, completion_ids, **kwargs):
-        completions_seen.append([tuple(ids) for ids in completion_ids])
+    def length_reward(completions: list[str], completion_ids: list, **kwargs) -> list[float]:
+        scored.append([tuple(ids) for ids in completion_ids])
         return [len(text) / 10 for text in completions]
 
-    completions_seen = completions
     words = "a tiny corpus for the tokenizer".split()
     texts = [" ".join(words[(i * 7 + j) % len(words)] for j in range(1 + 3 * i)) for i in range(8)]
     data = datasets.Dataset.from_list([{"prompt": text} for text in texts])
@@ -104,14 +106,21 @@ def no_gather(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat([x if rank == group.rank else torch.zeros_like(x) for rank in range(group.size)], dim=1)
 
 
+def first_range(whole: torch.Tensor, sizes: list[int], rank: int) -> torch.Tensor:
+    """The fault ``first-range``: the joined row's first tokens, whichever rank's they are."""
+    return whole[:, :sizes[rank]]
+
+
 def train(kind: str, mode: str, seen: list, cuts: list) -> dict:
     from transformers import TrainerCallback
 
     from padfree_plugins import accelerate
 
-    saved = trl_fused.gather_sequence, trl_fused.slice_row
+    saved = trl_fused.gather_sequence, trl_fused.slice_row, trl_fused.own_tokens
     if mode == "no-gather":
         trl_fused.gather_sequence = no_gather
+    elif mode == "first-range":
+        trl_fused.own_tokens = first_range
 
     def recording_slice_row(row, rank, size, *args, **kwargs):
         local = saved[1](row, rank, size, *args, **kwargs)
@@ -133,7 +142,7 @@ def train(kind: str, mode: str, seen: list, cuts: list) -> dict:
     try:
         trainer = build(kind, tempfile.mkdtemp(), completions)
         if mode != "padded":
-            config = {"task": "causal_lm", "sequence_parallel": {"size": 1 if mode == "dp" else 2}}
+            config = {"task": "causal_lm", "sequence_parallel": {"size": 2}}
             plugin = accelerate(trainer, config).trainer_plugin
             if plugin != f"trl_{kind}":
                 sys.exit(f"{kind}: accelerate() took {plugin}, not trl_{kind}")
@@ -141,7 +150,7 @@ def train(kind: str, mode: str, seen: list, cuts: list) -> dict:
         initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
         trainer.train()
     finally:
-        trl_fused.gather_sequence, trl_fused.slice_row = saved
+        trl_fused.gather_sequence, trl_fused.slice_row, trl_fused.own_tokens = saved
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return {"losses": losses, "grads": grads, "completions": completions, "initial": initial,
             "state": {name: p.detach().clone() for name, p in trainer.model.named_parameters()}}

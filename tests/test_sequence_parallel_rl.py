@@ -25,7 +25,8 @@ pytest.importorskip("trl")
 
 TOLERANCE = 1e-5
 KINDS = ("grpo", "rloo", "kto")
-RUNS = ("grpo-sp", "grpo-padded", "grpo-no-gather", "rloo-sp", "rloo-padded", "kto-sp", "kto-padded")
+RUNS = ("grpo-sp", "grpo-padded", "grpo-no-gather", "rloo-sp", "rloo-padded", "kto-sp", "kto-padded",
+        "kto-first-range")
 #: Split fused calls per rank over the 2 steps. GRPO: the old policy's and the reference model's (once: the second
 #: iteration reuses the generation) and the policy's at each step. RLOO (one iteration: a generation each step): at
 #: each step the old policy's (RLOO computes it always), the reference model's and the policy's.
@@ -79,11 +80,14 @@ def test_rl_and_kto_under_sequence_parallelism_equal_trls_run(launched, kind):
     assert all(all(rank) for rank in run["cuts"])
 
 
-def test_sequence_parallel_rl_fault_is_caught(launched):
-    """Each rank reading only its slice's per-token outputs (no gather) is far from TRL's run."""
-    loss, grad, weight = differences(launched["grpo-no-gather"], launched["grpo-padded"])
-    print(f"grpo sp2 no-gather: max loss difference {loss:.2e}, gradients {grad:.2e}, weights {weight:.2e}")
-    assert min(loss, grad, weight) > 100 * TOLERANCE
+@pytest.mark.parametrize("run", ["grpo-no-gather", "kto-first-range"])
+def test_sequence_parallel_rl_faults_are_caught(launched, run):
+    """Each rank reading only its slice's per-token outputs (no gather), or keeping the joined row's first tokens
+    rather than its own, is far from TRL's run."""
+    kind = run.split("-")[0]
+    loss, grad, weight = differences(launched[run], launched[f"{kind}-padded"])
+    print(f"{run}: max loss difference {loss:.2e}, gradients {grad:.2e}, weights {weight:.2e}")
+    assert max(loss, grad, weight) > 100 * TOLERANCE and grad > 100 * TOLERANCE
 
 
 # -- one process: what sequence parallelism refuses, at accelerate(), nothing changed -----------------------------
