@@ -180,17 +180,8 @@ def trl_like(name: str, module: str, methods: tuple[str, ...] = ("compute_loss",
     return trainer
 
 
-@pytest.mark.parametrize("plugin, name", [("trl_kto", "KTOTrainer"), ("trl_grpo", "GRPOTrainer"),
-                                          ("trl_rloo", "RLOOTrainer")])  # DPO: tests/test_sequence_parallel_trl.py
-def test_trl_fused_log_prob_trainers_are_refused(plugin, name):
-    import importlib
-
-    module = importlib.import_module(f"padfree_plugins.integrations.{plugin}")
-    patch = next(v for v in vars(module).values() if isinstance(v, type) and getattr(v, "trainer_class", "") == name)
-    assembly = types.SimpleNamespace(config=load_config(SP_CONFIG))
-    with pytest.raises(ConfigError, match=rf"{name} is not yet supported under sequence parallelism "
-                                          r"\(sequence_parallel.size: 2\).*fused LM head"):
-        patch.wrap(trl_like(name, f"trl.trainer.{plugin}", patch.kept_methods), assembly)
+# TRL DPO, GRPO, RLOO and KTO train sequence-parallel: tests/test_sequence_parallel_trl.py and
+# tests/test_sequence_parallel_rl.py (what they still refuse there too)
 
 
 def test_trl_reward_trainer_is_refused_before_the_model_is_assembled():

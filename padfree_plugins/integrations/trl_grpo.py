@@ -4,6 +4,10 @@ and every log-probability forward — the policy's in the loss, the old policy's
 model's when ``beta > 0`` — runs on the packed row of left-padded prompts and right-padded completions
 (:mod:`.trl_fused`), with TRL's advantages, loss types (``grpo``, ``dr_grpo``, ``dapo``, ``bnpo`` …), clipping,
 importance sampling and metrics unchanged.
+
+Under ``sequence_parallel.size: N`` (text only) every one of those forwards goes through the group as DPO's
+(:func:`~padfree_plugins.integrations.trl_fused.fused_on_slice`): each rank keeps its own completions'
+log-probabilities. Generation stays TRL's, per rank and unsliced.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ class GRPOTrainerPatch(FusedTrainerPatch):
     trainer_class = "GRPOTrainer"
     kind = "grpo"
     packs_media = True
+    sequence_parallel = True
     kept_methods = ("compute_loss", "_compute_loss", "_get_per_token_logps_and_entropies")
 
     def check(self) -> None:

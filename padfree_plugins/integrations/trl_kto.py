@@ -3,6 +3,9 @@
 KL completions — runs on the packed row (:mod:`.trl_fused`), with TRL's loss (``kto``, ``apo_zero_unpaired``), its
 desirable / undesirable weights and metrics unchanged.
 
+Under ``sequence_parallel.size: N`` (text only) every one of those forwards goes through the group as DPO's
+(:func:`~padfree_plugins.integrations.trl_fused.fused_on_slice`): each rank keeps its own rows' log-probabilities.
+
 ``precompute_ref_log_probs=True``: as for DPO, TRL's pass in ``__init__`` runs padded; later ones run packed.
 """
 
@@ -24,6 +27,7 @@ class KTOTrainerPatch(FusedTrainerPatch):
     trainer_class = "KTOTrainer"
     kind = "kto"
     packs_media = True
+    sequence_parallel = True
     kept_methods = ("compute_loss", "_compute_loss", "prediction_step", "compute_ref_log_probs",
                     "_compute_kl_logps")
     budgets_rows = True

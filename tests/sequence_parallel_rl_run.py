@@ -1,0 +1,191 @@
+"""Worker of tests/test_sequence_parallel_rl.py: TRL ``GRPOTrainer``, ``RLOOTrainer`` and ``KTOTrainer`` on a tiny
+Qwen3, on 2 CPU processes (gloo), each trained in one launch under ``sequence_parallel: {size: 2}`` and as TRL's own
+run (not accelerated) on the same per-rank batches.
+
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 tests/sequence_parallel_rl_run.py \
+        RUN[,RUN...] OUT
+
+A run is ``KIND-MODE``: ``KIND`` one of :data:`KINDS`, ``MODE`` ``sp`` (size 2), ``padded``
+(TRL's own run, not accelerated: the reference) or a fault (size 2): ``no-gather`` (each rank reads its own slice's
+per-token outputs only, zeros at the other rank's tokens), ``first-range`` (each rank keeps the joined row's first
+tokens, not its own range).
+Rank 0 writes ``{run: {"losses", "grads", "initial", "state", "completions", "seen", "cuts"}}`` to ``OUT`` (torch.save):
+``grads`` every parameter's gradient at each optimizer step (after the data-parallel all-reduce), ``completions``
+per rank the completion ids each reward call scored (GRPO / RLOO), ``seen`` per rank per split fused call (the
+joined row's tokens, the slice's), ``cuts`` per rank per split call whether an example crosses the cut.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from padfree_plugins.integrations import trl_fused
+from padfree_plugins.packing.batch import packed_tokens
+
+STEPS = 2
+KINDS = ("grpo", "rloo", "kto")
+MODES = ("sp", "padded", "no-gather", "first-range")
+
+
+def tokenizer():
+    from tests.test_trainer import tokenizer as base
+
+    tok = copy.deepcopy(base())
+    tok.padding_side = "left"
+    return tok
+
+
+def qwen3_dir(tok) -> str:
+    """A tiny Qwen3 saved to a directory (GRPO / RLOO load their reference model from ``_name_or_path``), its EOS row
+    scaled so that completions end after a few tokens (completions of many lengths). Saved by rank 0, for every
+    rank (transformers writes a checkpoint from the main process only)."""
+    path = [None]
+    if dist.get_rank() == 0:
+        model = testing_qwen3(len(tok))
+        with torch.no_grad():
+            model.lm_head.weight[tok.eos_token_id] *= 40
+        path = [tempfile.mkdtemp(prefix="padfree-sp-rl-")]
+        model.save_pretrained(path[0])
+    dist.broadcast_object_list(path, src=0)
+    return path[0]
+
+
+def build(kind: str, output_dir: str, scored: list):
+    """The trainer of ``kind`` (SGD at a high rate, no clipping: the weights move far beyond 1e-5); GRPO's and RLOO's
+    reward (longer completions are better) appends the completion ids it scores to ``scored``."""
+    import datasets
+    import trl
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_trl_preference import unpaired
+
+    tok = tokenizer()
+    common = dict(output_dir=output_dir, max_steps=STEPS, learning_rate=0.05, optim="sgd",
+                  lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, beta=0.1,
+                  save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True)
+    torch.manual_seed(0)
+    if kind == "kto":
+        model = testing_qwen3(len(tok))
+        args = trl.KTOConfig(per_device_train_batch_size=3, **common)
+        return trl.KTOTrainer(model=model, ref_model=copy.deepcopy(model).eval(), args=args,
+                              train_dataset=unpaired(4 * 3 * STEPS), processing_class=tok)
+    model = AutoModelForCausalLM.from_pretrained(qwen3_dir(tok))
+
+    def length_reward(completions: list[str], completion_ids: list, **kwargs) -> list[float]:
+        scored.append([tuple(ids) for ids in completion_ids])
+        return [len(text) / 10 for text in completions]
+
+    words = "a tiny corpus for the tokenizer".split()
+    texts = [" ".join(words[(i * 7 + j) % len(words)] for j in range(1 + 3 * i)) for i in range(8)]
+    data = datasets.Dataset.from_list([{"prompt": text} for text in texts])
+    if kind == "grpo":
+        args = trl.GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+                              num_iterations=2, **common)
+        return trl.GRPOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=data,
+                               processing_class=tok)
+    args = trl.RLOOConfig(per_device_train_batch_size=4, num_generations=4, max_completion_length=8, **common)
+    return trl.RLOOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=data,
+                           processing_class=tok)
+
+
+def testing_qwen3(vocab_size: int):
+    from padfree_plugins import testing
+
+    return testing.tiny_model("qwen3", "causal_lm", num_key_value_heads=2, vocab_size=vocab_size).train()
+
+
+def no_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """The fault ``no-gather``: this rank's slice in its place of the whole row, zeros at the other ranks'."""
+    return torch.cat([x if rank == group.rank else torch.zeros_like(x) for rank in range(group.size)], dim=1)
+
+
+def first_range(whole: torch.Tensor, sizes: list[int], rank: int) -> torch.Tensor:
+    """The fault ``first-range``: the joined row's first tokens, whichever rank's they are."""
+    return whole[:, :sizes[rank]]
+
+
+def train(kind: str, mode: str, seen: list, cuts: list) -> dict:
+    from transformers import TrainerCallback
+
+    from padfree_plugins import accelerate
+
+    saved = trl_fused.gather_sequence, trl_fused.slice_row, trl_fused.own_tokens
+    if mode == "no-gather":
+        trl_fused.gather_sequence = no_gather
+    elif mode == "first-range":
+        trl_fused.own_tokens = first_range
+
+    def recording_slice_row(row, rank, size, *args, **kwargs):
+        local = saved[1](row, rank, size, *args, **kwargs)
+        cu, joined = row["cu_seq_lens_q"].tolist(), int(row["cu_seq_lens_q"][-1])
+        cut = packed_tokens(local)
+        seen.append((joined, cut))
+        cuts.append(any(start < cut < end for start, end in zip(cu, cu[1:])))
+        return local
+
+    trl_fused.slice_row = recording_slice_row
+    grads: list = []
+
+    class Gradients(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            grads.append({name: p.grad.detach().clone() for name, p in trainer.model.named_parameters()
+                          if p.grad is not None})
+
+    completions: list = []
+    try:
+        trainer = build(kind, tempfile.mkdtemp(), completions)
+        if mode != "padded":
+            config = {"task": "causal_lm", "sequence_parallel": {"size": 2}}
+            plugin = accelerate(trainer, config).trainer_plugin
+            if plugin != f"trl_{kind}":
+                sys.exit(f"{kind}: accelerate() took {plugin}, not trl_{kind}")
+        trainer.add_callback(Gradients())
+        initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+        trainer.train()
+    finally:
+        trl_fused.gather_sequence, trl_fused.slice_row, trl_fused.own_tokens = saved
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return {"losses": losses, "grads": grads, "completions": completions, "initial": initial,
+            "state": {name: p.detach().clone() for name, p in trainer.model.named_parameters()}}
+
+
+def main(runs: list[str], out: str) -> None:
+    from accelerate import PartialState
+
+    state = PartialState(cpu=True)
+    if state.num_processes != 2:
+        sys.exit("launch with torchrun --nproc_per_node 2: one sequence-parallel group of 2")
+    results = {}
+    for run in runs:
+        kind, mode = run.split("-", 1)
+        seen: list = []
+        cuts: list = []
+        got = train(kind, mode, seen, cuts)
+        everyone: list = [None] * 2
+        dist.all_gather_object(everyone, (seen, cuts, got.pop("completions")))
+        results[run] = {**got, "seen": [e[0] for e in everyone], "cuts": [e[1] for e in everyone],
+                        "completions": [e[2] for e in everyone]}
+    if state.is_main_process:
+        partial = Path(f"{out}.partial")
+        torch.save(results, partial)
+        os.replace(partial, out)  # the result appears whole (run_group watches for it)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    chosen = sys.argv[1].split(",")
+    bad = [run for run in chosen if run.partition("-")[0] not in KINDS or run.partition("-")[2] not in MODES]
+    if bad:
+        sys.exit(f"runs are KIND-MODE, KIND among {', '.join(KINDS)}, MODE among {', '.join(MODES)}: not {bad}")
+    main(chosen, sys.argv[2])
+    sys.stdout.flush()  # leave without the interpreter's teardown (tests/sharded_run.py)
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,133 @@
+"""TRL ``GRPOTrainer`` (two iterations, ``beta`` 0.1), ``RLOOTrainer`` (``beta`` 0.1) and ``KTOTrainer`` (with its KL
+completions) under ``sequence_parallel: {size: 2}`` on 2 CPU processes (gloo; the worker is
+tests/sequence_parallel_rl_run.py, every run in one torchrun launch with a timeout), on a tiny Qwen3.
+
+Each rank trains its own micro-batches, as under data parallelism; every fused log-probability call — the policy's,
+the old policy's (GRPO's second iteration), the reference model's, KTO's KL completions — packs its rows, the group
+joins them into one row and each rank computes half of it, then keeps its own examples' per-token outputs; TRL's
+generation (unsliced, per rank), advantages and loss code run unchanged. The reference is TRL's own run, not
+accelerated (padded rows), on the same 2 processes: the same global batch, the same sampled completions (asserted).
+Losses, every parameter's gradient at every step and the final weights agree within 1e-5 (SGD, no clipping);
+the fault (no gather of the per-token outputs) is far off. Bad input is refused at ``accelerate()``, nothing changed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from tests.test_distributed import ROOT, free_port, run_group
+
+pytest.importorskip("trl")
+
+TOLERANCE = 1e-5
+KINDS = ("grpo", "rloo", "kto")
+RUNS = ("grpo-sp", "grpo-padded", "grpo-no-gather", "rloo-sp", "rloo-padded", "kto-sp", "kto-padded",
+        "kto-first-range")
+#: Split fused calls per rank over the 2 steps. GRPO: the old policy's and the reference model's (once: the second
+#: iteration reuses the generation) and the policy's at each step. RLOO (one iteration: a generation each step): at
+#: each step the old policy's (RLOO computes it always), the reference model's and the policy's.
+#: KTO: at each step the policy's and the reference model's, each on the completions and on the KL completions.
+SPLIT_CALLS = {"grpo": 4, "rloo": 6, "kto": 8}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict:
+    """Every run of the worker, in one 2-process launch."""
+    out = tmp_path_factory.mktemp("sequence_parallel_rl") / "runs.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(ROOT / "tests" / "sequence_parallel_rl_run.py"), ",".join(RUNS), str(out)]
+    returncode, output = run_group(command, env, timeout=300, results=[out])
+    assert returncode == 0, output[-6000:]
+    return torch.load(out, weights_only=False)
+
+
+def differences(run: dict, want: dict) -> tuple[float, float, float]:
+    """Largest loss, gradient (any parameter, any step) and final-weight differences between two runs."""
+    from tests.sequence_parallel_rl_run import STEPS
+
+    assert len(run["losses"]) == len(want["losses"]) == STEPS
+    assert len(run["grads"]) == len(want["grads"]) == STEPS
+    loss = max(abs(a - b) for a, b in zip(run["losses"], want["losses"]))
+    assert all(got.keys() == ref.keys() and ref for got, ref in zip(run["grads"], want["grads"]))
+    grad = max((got[k] - ref[k]).abs().max().item() for got, ref in zip(run["grads"], want["grads"]) for k in ref)
+    assert run["state"].keys() == want["state"].keys()
+    weight = max((run["state"][k] - want["state"][k]).abs().max().item() for k in want["state"])
+    return loss, grad, weight
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rl_and_kto_under_sequence_parallelism_equal_trls_run(launched, kind):
+    run, want = launched[f"{kind}-sp"], launched[f"{kind}-padded"]
+    assert run["completions"] == want["completions"]  # GRPO / RLOO: the same samples scored on each rank
+    if kind != "kto":
+        assert run["completions"][0] and run["completions"][0] != run["completions"][1]  # ranks: their own batches
+    loss, grad, weight = differences(run, want)
+    print(f"{kind} sp2: max loss difference {loss:.2e}, gradients {grad:.2e}, weights {weight:.2e}")
+    assert loss < TOLERANCE and grad < TOLERANCE and weight < TOLERANCE
+    # what is compared is far from zero: the gradients are large and the weights move
+    assert max(g.abs().max().item() for step in want["grads"] for g in step.values()) > 1e4 * TOLERANCE
+    assert max((want["state"][k] - want["initial"][k]).abs().max().item()
+               for k in want["state"]) > 100 * TOLERANCE
+    # every fused call split, the same calls on both ranks, each half the joined row, an example across every cut
+    seen = run["seen"]
+    assert len(seen[0]) == len(seen[1]) == SPLIT_CALLS[kind]
+    assert seen[0] == seen[1] and all(local == -(-joined // 2) for joined, local in seen[0])
+    assert all(all(rank) for rank in run["cuts"])
+
+
+@pytest.mark.parametrize("run", ["grpo-no-gather", "kto-first-range"])
+def test_sequence_parallel_rl_faults_are_caught(launched, run):
+    """Each rank reading only its slice's per-token outputs (no gather), or keeping the joined row's first tokens
+    rather than its own, is far from TRL's run."""
+    kind = run.split("-")[0]
+    loss, grad, weight = differences(launched[run], launched[f"{kind}-padded"])
+    print(f"{run}: max loss difference {loss:.2e}, gradients {grad:.2e}, weights {weight:.2e}")
+    assert max(loss, grad, weight) > 100 * TOLERANCE and grad > 100 * TOLERANCE
+
+
+# -- one process: what sequence parallelism refuses, at accelerate(), nothing changed -----------------------------
+
+
+def rl_trainer(kind: str, tmp_path):
+    import copy
+
+    import trl
+
+    from tests import test_trl_rl
+    from tests.test_trainer import tokenizer
+    from tests.test_trl_preference import policy, unpaired
+
+    if kind != "kto":
+        return test_trl_rl.build(kind, str(tmp_path), max_steps=1)
+    model = policy()
+    args = trl.KTOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to=[],
+                         use_cpu=True, bf16=False, disable_tqdm=True, save_strategy="no")
+    return trl.KTOTrainer(model=model, ref_model=copy.deepcopy(model).eval(), args=args, train_dataset=unpaired(8),
+                          processing_class=copy.deepcopy(tokenizer()))
+
+
+@pytest.mark.parametrize("kind, state, match", [
+    ("grpo", {"aux_loss_enabled": True}, r"GRPOTrainer with the MoE router aux loss under sequence parallelism "
+                                         r"\(sequence_parallel.size: 2\).*router_aux_loss_coef=0.0"),
+    ("rloo", {"_is_vlm": True}, r"RLOOTrainer on images under sequence parallelism.*sequence_parallel.size: 1"),
+    ("kto", {"_is_vision_dataset": True}, r"KTOTrainer on images under sequence parallelism"),
+])
+def test_what_sequence_parallel_rl_cannot_do_is_refused(monkeypatch, tmp_path, kind, state, match):
+    from padfree_plugins import ConfigError, accelerate, patch_of
+    from padfree_plugins.integrations.trl_fused import fused_forward_of
+    from padfree_plugins.modeling.attention.ulysses import SequenceGroup
+
+    monkeypatch.setattr("padfree_plugins.assembly.sequence_group", lambda size: SequenceGroup(None, 0, size))
+    trainer = rl_trainer(kind, tmp_path)
+    for name, value in state.items():
+        setattr(trainer, name, value)
+    forward = fused_forward_of(trainer.model)
+    with pytest.raises(ConfigError, match=match):
+        accelerate(trainer, {"task": "causal_lm", "sequence_parallel": {"size": 2}})
+    assert patch_of(trainer.model) is None and fused_forward_of(trainer.model) == forward
+    assert "log" not in vars(trainer) and "get_train_dataloader" not in vars(trainer)
