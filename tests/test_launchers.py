@@ -20,7 +20,7 @@ import pytest
 
 from tests.test_distributed import LOOP_ARGS, ROOT, free_port, kill_launch, reference_run
 TOLERANCE = 1e-4
-ENV = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+ENV = {**os.environ, "ACCELERATE_USE_CPU": "true", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
        "PYTHONPATH": str(ROOT)}
 
 
@@ -92,3 +92,29 @@ def test_two_nodes_of_two_processes_with_sequence_parallel_groups_inside_a_node(
                                       {"rank": 2, "node": 1, "rows_with": [2, 3]},
                                       {"rank": 3, "node": 1, "rows_with": [2, 3]}]
     assert_equals_one_process(run, ranks=4)
+
+
+#: What accelerate 1.15 runs each shipped config as on CPU processes (ACCELERATE_USE_CPU=true): FSDP and DeepSpeed
+#: only start from a GPU-like device, so their CPU processes train DDP over gloo (docs/scaling.md says why; the
+#: sharding engines themselves are tested through fully_shard / deepspeed.initialize in tests/test_sharded.py).
+SHIPPED = {"ddp_cpu.yaml": "MULTI_CPU", "ddp.yaml": "MULTI_CPU", "fsdp.yaml": "MULTI_CPU",
+           "deepspeed_zero2.yaml": "MULTI_CPU", "deepspeed_zero3.yaml": "MULTI_CPU"}
+
+
+def test_every_shipped_accelerate_config_is_launched():
+    assert sorted(SHIPPED) == sorted(path.name for path in (ROOT / "configs" / "accelerate").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", [name for name in SHIPPED if name != "ddp_cpu.yaml"])  # test_distributed runs it
+def test_shipped_accelerate_config_launches_on_cpu_processes(tmp_path, name):
+    """``accelerate launch --config_file configs/accelerate/<name> --num_processes 2 --mixed_precision no`` on CPU
+    processes: 2 processes, the distributed type accelerate picks on CPU, the loss curve of one process."""
+    out = tmp_path / "run.json"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "configs" / "accelerate" / name), "--num_processes", "2", "--mixed_precision", "no",
+               "--main_process_port", str(free_port()), str(ROOT / "examples" / "accelerate_loop.py"), *LOOP_ARGS,
+               "--out", str(out)]
+    run_nodes([command], timeout=240)
+    run = json.loads(out.read_text())
+    assert run["distributed_type"] == SHIPPED[name]
+    assert_equals_one_process(run, ranks=2)
