@@ -28,6 +28,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     return losses
 
 
-def train(accelerator: Accelerator, args: argparse.Namespace) -> list[float]:
+def train(accelerator: Accelerator, args: argparse.Namespace, dataset: Any = None) -> list[float]:
+    """Train; ``dataset`` (tokenized examples, a list or a ``datasets.Dataset``): the synthetic one by default."""
     ranks = accelerator.num_processes
     if args.ranks is not None and ranks > 1 and args.ranks != ranks:
         raise SystemExit(f"--ranks {args.ranks} is for a single process; this run has {ranks} processes")
@@ -91,7 +93,8 @@ def train(accelerator: Accelerator, args: argparse.Namespace) -> list[float]:
         config.batching.max_tokens_per_batch = args.max_tokens
     model = tiny_llama()
     assembly = assemble(model, config)
-    dataset = synthetic_dataset(args.examples, args.median_length, model.config.vocab_size)
+    if dataset is None:
+        dataset = synthetic_dataset(args.examples, args.median_length, model.config.vocab_size)
     loader = token_budget_dataloader(dataset, assembly.collator, config, num_replicas=ranks)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
