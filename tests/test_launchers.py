@@ -98,14 +98,14 @@ def test_two_nodes_of_two_processes_with_sequence_parallel_groups_inside_a_node(
 #: only start from a GPU-like device, so their CPU processes train DDP over gloo (docs/scaling.md says why; the
 #: sharding engines themselves are tested through fully_shard / deepspeed.initialize in tests/test_sharded.py).
 SHIPPED = {"ddp_cpu.yaml": "MULTI_CPU", "ddp.yaml": "MULTI_CPU", "fsdp.yaml": "MULTI_CPU",
-           "deepspeed_zero2.yaml": "MULTI_CPU", "deepspeed_zero3.yaml": "MULTI_CPU"}
+           "deepspeed_zero2.yaml": "MULTI_CPU", "deepspeed_zero3.yaml": "MULTI_CPU", "ddp_2_machines.yaml": "MULTI_CPU"}
 
 
 def test_every_shipped_accelerate_config_is_launched():
     assert sorted(SHIPPED) == sorted(path.name for path in (ROOT / "configs" / "accelerate").glob("*.yaml"))
 
 
-@pytest.mark.parametrize("name", [name for name in SHIPPED if name != "ddp_cpu.yaml"])  # test_distributed runs it
+@pytest.mark.parametrize("name", [name for name in SHIPPED if name not in ("ddp_cpu.yaml", "ddp_2_machines.yaml")])
 def test_shipped_accelerate_config_launches_on_cpu_processes(tmp_path, name):
     """``accelerate launch --config_file configs/accelerate/<name> --num_processes 2 --mixed_precision no`` on CPU
     processes: 2 processes, the distributed type accelerate picks on CPU, the loss curve of one process."""
@@ -117,4 +117,19 @@ def test_shipped_accelerate_config_launches_on_cpu_processes(tmp_path, name):
     run_nodes([command], timeout=240)
     run = json.loads(out.read_text())
     assert run["distributed_type"] == SHIPPED[name]
+    assert_equals_one_process(run, ranks=2)
+
+
+def test_the_two_machine_config_launches_as_two_nodes_on_this_machine(tmp_path):
+    """``configs/accelerate/ddp_2_machines.yaml``: two ``accelerate launch`` commands, ``--machine_rank 0`` and
+    ``1``, rendezvous on 127.0.0.1 (one CPU process each): the loss curve of one process."""
+    out, port = tmp_path / "run.json", free_port()
+    commands = [[sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                 str(ROOT / "configs" / "accelerate" / "ddp_2_machines.yaml"), "--machine_rank", str(rank),
+                 "--num_processes", "2", "--mixed_precision", "no", "--main_process_ip", "127.0.0.1",
+                 "--main_process_port", str(port), str(ROOT / "examples" / "accelerate_loop.py"), *LOOP_ARGS,
+                 "--out", str(out)] for rank in (0, 1)]
+    run_nodes(commands, timeout=240)
+    run = json.loads(out.read_text())
+    assert [rank["node"] for rank in run["sequence_groups"]] == [0, 1]
     assert_equals_one_process(run, ranks=2)
