@@ -176,3 +176,31 @@ def test_the_hook_is_undone_even_when_the_script_fails():
             assert Trainer.__dict__["train"] is not original
             raise RuntimeError("script failed")
     assert Trainer.__dict__["train"] is original
+
+
+def test_dpo_in_bf16_packs_the_reference_model_inside_accelerates_autocast(packed_calls):
+    """TRL's DPOConfig defaults to bf16: accelerate has then wrapped the reference model's fused forward for
+    autocast in the trainer's ``__init__``. ``accelerate()`` packs its calls inside that wrapper (earlier it was
+    refused: "no TRL fused LM head"), trains, and ``undo()`` puts accelerate's wrapper back."""
+    import copy
+    import tempfile
+
+    import trl
+
+    from padfree_plugins import accelerate
+    from tests.test_trl_preference import pairs, policy, tokenizer
+
+    model = policy()
+    with tempfile.TemporaryDirectory() as out:
+        trainer = trl.DPOTrainer(model=model, ref_model=copy.deepcopy(model), train_dataset=pairs(8),
+                                 args=trl.DPOConfig(output_dir=out, report_to=[], use_cpu=True, bf16=True,
+                                                    max_steps=1, per_device_train_batch_size=4),
+                                 processing_class=copy.deepcopy(tokenizer()))
+        wrapper = vars(trainer.ref_model)["forward"]
+        assert "_original_forward" in vars(trainer.ref_model)  # accelerate's autocast wrapper
+        acceleration = accelerate(trainer, {"attention": "exact"})
+        assert vars(trainer.ref_model)["forward"] is not wrapper
+        trainer.train()
+    assert len(packed_calls) >= 2 and all(packed_calls)  # the policy's and the reference model's calls, packed
+    acceleration.undo()
+    assert vars(trainer.ref_model)["forward"] is wrapper
