@@ -20,8 +20,8 @@ import pytest
 
 from tests.test_distributed import LOOP_ARGS, ROOT, free_port, kill_launch, reference_run
 TOLERANCE = 1e-4
-ENV = {**os.environ, "ACCELERATE_USE_CPU": "true", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-       "PYTHONPATH": str(ROOT)}
+ENV = {**os.environ, "ACCELERATE_USE_CPU": "true", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+       "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
 
 
 def run_nodes(commands: list[list[str]], timeout: float) -> list[str]:

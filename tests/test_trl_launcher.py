@@ -76,7 +76,7 @@ def losses(output_dir: Path) -> list[float]:
 
 
 TRL = [sys.executable, "-m", "trl.cli.main"]
-PADFREE = [sys.executable, "-m", "padfree_plugins.cli.app"]
+PADFREE = [sys.executable, "-c", "from padfree_plugins.cli import main; main()"]
 TRAINERS = {"sft": "SFTTrainer", "dpo": "DPOTrainer"}
 
 
@@ -107,12 +107,32 @@ def test_trl_script_padding_free_equals_the_padded_trl_command(assets, tmp_path,
     assert max(abs(a - b) for a, b in zip(got, expected)) < 1e-5, (got, expected)
 
 
+@pytest.mark.parametrize("script", ["sft", "dpo", "grpo", "rloo", "kto", "reward"])
+def test_every_script_parses_trls_own_arguments_and_ours(script):
+    """Each script's parser is TRL's (its ``make_parser``: every dataclass, so every TRL flag) plus
+    ``AccelerationArguments``; TRL's flags and ours parse together."""
+    import importlib
+
+    from padfree_plugins.integrations.arguments import AccelerationArguments
+    from padfree_plugins.recipes.trl_run import script_parser
+
+    trls = importlib.import_module(f"trl.scripts.{script}").make_parser().dataclass_types
+    parser = script_parser(script)
+    assert list(parser.dataclass_types) == [*trls, AccelerationArguments]
+    *parsed, acceleration = parser.parse_args_and_config(
+        ["--use_cpu", "--model_name_or_path", "m", "--learning_rate", "3e-4", "--acceleration_config",
+         '{"attention": "exact"}'])
+    assert parsed[1].learning_rate == 3e-4 and parsed[2].model_name_or_path == "m"
+    assert acceleration.config.attention == "exact"
+
+
 def test_the_command_line_is_split_as_trl_splits_it(assets):
     """accelerate's flags (and TRL's ``--accelerate_config NAME``) go to ``accelerate launch``; TRL's and ours to
     the script, which every process runs through our module."""
     from padfree_plugins.recipes.trl_launch import RUN_MODULE, launch_arguments
 
-    args = launch_arguments(["sft", "--use_cpu", "--model_name_or_path", "m", "--num_processes", "2", "--dataset_name", "d",
+    args = launch_arguments(["sft", "--use_cpu", "--model_name_or_path", "m", "--num_processes", "2",
+                             "--dataset_name", "d",
                              "--acceleration_config", str(assets / "padfree.yaml"), "--main_process_port", "29511",
                              "--accelerate_config", "multi_gpu"])
     module = args.index("--module")
@@ -125,7 +145,8 @@ def test_the_command_line_is_split_as_trl_splits_it(assets):
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["sft", "--use_cpu", "--model_name_or_path", "m", "--acceleration_config", "{\"atention\": 1}"], "atention"),
-    (["sft", "--use_cpu", "--model_name_or_path", "m", "--acceleration_config", "/no/such/padfree.yaml"], "padfree.yaml"),
+    (["sft", "--use_cpu", "--model_name_or_path", "m", "--acceleration_config", "/no/such/padfree.yaml"],
+     "padfree.yaml"),
     (["xyz"], "name a TRL script first"),
     ([], "name a TRL script first"),
 ])

@@ -1,4 +1,5 @@
-"""``padfree-plugins trl <script> [TRL's arguments] --acceleration_config padfree.yaml``: ``trl <script>``, padding-free.
+"""``padfree-plugins trl <script> [TRL's arguments] --acceleration_config padfree.yaml``: ``trl <script>``,
+padding-free.
 
 The command line is split exactly as ``trl <script>`` splits it (TRL 1.16's ``TrainingCommand``): what TRL's parser
 of the script (plus ``--acceleration_config``) does not take goes to ``accelerate launch`` (``--num_processes``,
