@@ -225,3 +225,18 @@ def test_dpo_in_bf16_packs_the_reference_model_inside_accelerates_autocast(packe
     assert len(packed_calls) >= 2 and all(packed_calls)  # the policy's and the reference model's calls, packed
     acceleration.undo()
     assert vars(trainer.ref_model)["forward"] is wrapper
+
+
+def test_help_of_the_command_and_of_a_script():
+    """``padfree-plugins trl --help`` names the scripts; ``trl sft --help`` is TRL's help of the script, with
+    ``--acceleration_config``."""
+    from typer.testing import CliRunner
+
+    from padfree_plugins.cli.app import app
+
+    runner = CliRunner()
+    command = runner.invoke(app, ["trl", "--help"])
+    assert command.exit_code == 0 and "sft, dpo, grpo, rloo, kto, reward" in command.output
+    script = runner.invoke(app, ["trl", "sft", "--help"])
+    assert script.exit_code == 0, script.output
+    assert "--acceleration_config" in script.output and "--dataset_name" in script.output

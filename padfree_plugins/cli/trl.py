@@ -15,6 +15,9 @@ def trl(ctx: typer.Context) -> None:
     """Run TRL's script (sft, dpo, grpo, rloo, kto, reward) with its trainer made padding-free:
     padfree-plugins trl sft [TRL's arguments] --acceleration_config padfree.yaml. Launched through accelerate
     as `trl sft` is (--num_processes, --config_file …); `padfree-plugins trl sft --help` lists the arguments."""
+    if ctx.args[:1] in (["-h"], ["--help"]):
+        typer.echo(ctx.get_help())
+        raise typer.Exit()
     from padfree_plugins.recipes.trl_launch import launch
 
     try:
