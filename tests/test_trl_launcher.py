@@ -11,12 +11,16 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
+import time
+import uuid
 import warnings
 from pathlib import Path
 
 import pytest
 
 from padfree_plugins.errors import ConfigError
+from tests.test_distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("the a cat dog runs sleeps over under quickly slowly red blue green big small house tree river "
@@ -60,14 +64,34 @@ def assets(tmp_path_factory) -> Path:
     return root
 
 
-def run(command: list[str], cwd: Path) -> str:
-    """Run a command line (a 300 s timeout, so that a hang fails) and return its output; a failure shows it."""
+def run_together(commands: list[list[str]], cwd: Path) -> list[str]:
+    """Run command lines side by side (a 300 s timeout, so that a hang fails; every process they started is
+    killed at the end) and return their outputs; a failure shows its output."""
+    from tests.test_distributed import kill_launch
+
+    token = uuid.uuid4().hex
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-           "ACCELERATE_USE_CPU": "true", "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-6000:]
-    return output
+           "ACCELERATE_USE_CPU": "true", "TOKENIZERS_PARALLELISM": "false", "PADFREE_TEST_LAUNCH": token}
+    logs = [tempfile.TemporaryFile("w+") for _ in commands]
+    processes = [subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                  start_new_session=True) for command, log in zip(commands, logs)]
+    deadline = time.monotonic() + 300
+    try:
+        while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        hung = any(p.poll() is None for p in processes)
+        for process in processes:
+            kill_launch(process, token)
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    assert not hung, "a run did not finish in 300 s:\n" + "\n".join(o[-3000:] for o in outputs)
+    for process, output in zip(processes, outputs):
+        assert process.returncode == 0, output[-6000:]
+    return outputs
 
 
 def losses(output_dir: Path) -> list[float]:
@@ -85,12 +109,12 @@ TRAINERS = {"sft": "SFTTrainer", "dpo": "DPOTrainer"}
 def test_trl_script_padding_free_equals_the_padded_trl_command(assets, tmp_path, script, processes):
     """``padfree-plugins trl <script> … --acceleration_config`` trains TRL's own script padding-free; its loss
     curve equals the same ``trl <script>`` command's (padded) within 1e-5, on 1 and 2 processes (the 2-process
-    launch takes accelerate's ``--config_file`` among TRL's flags, as ``trl`` does). One run gives the config as an
+    launch takes accelerate's ``--config_file`` and ``--main_process_port`` among TRL's flags, as ``trl`` does;
+    the two commands run side by side). One run gives the config as an
     ``acceleration_config:`` mapping of TRL's ``--config`` YAML instead of the flag."""
     launch = [] if processes == 1 else ["--config_file", str(ROOT / "configs/accelerate/ddp_cpu.yaml")]
     args = [script, "--model_name_or_path", str(assets / "model"), "--dataset_name", str(assets / script),
             *COMMON, *launch]
-    padded = run([*TRL, *args, "--output_dir", str(tmp_path / "padded")], tmp_path)
     if script == "sft" and processes == 1:  # an acceleration_config: mapping in TRL's --config YAML
         (tmp_path / "sft.yaml").write_text(json.dumps({"acceleration_config": {"attention": "exact"},
                                                        "output_dir": str(tmp_path / "padfree")}))
@@ -98,7 +122,9 @@ def test_trl_script_padding_free_equals_the_padded_trl_command(assets, tmp_path,
     else:
         acceleration = ["--output_dir", str(tmp_path / "padfree"), "--acceleration_config",
                         str(assets / "padfree.yaml")]
-    packed = run([*PADFREE, "trl", *args, *acceleration], tmp_path)
+    ports = [[] if processes == 1 else ["--main_process_port", str(free_port())] for _ in range(2)]
+    padded, packed = run_together([[*TRL, *args, *ports[0], "--output_dir", str(tmp_path / "padded")],
+                                   [*PADFREE, "trl", *args, *ports[1], *acceleration]], tmp_path)
     # the trainer TRL's script built was made padding-free, on as many processes as launched
     assert f"padfree-plugins: {TRAINERS[script]} trained padding-free on {processes} process(es)" in packed
     assert "padfree-plugins:" not in padded
@@ -204,7 +230,6 @@ def test_dpo_in_bf16_packs_the_reference_model_inside_accelerates_autocast(packe
     autocast in the trainer's ``__init__``. ``accelerate()`` packs its calls inside that wrapper (earlier it was
     refused: "no TRL fused LM head"), trains, and ``undo()`` puts accelerate's wrapper back."""
     import copy
-    import tempfile
 
     import trl
 
