@@ -73,8 +73,10 @@ def run_together(commands: list[list[str]], cwd: Path) -> list[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "ACCELERATE_USE_CPU": "true", "TOKENIZERS_PARALLELISM": "false", "PADFREE_TEST_LAUNCH": token}
     logs = [tempfile.TemporaryFile("w+") for _ in commands]
-    processes = [subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                  start_new_session=True) for command, log in zip(commands, logs)]
+    # each run its own datasets cache: two runs mapping the same dataset at once would share its cache files
+    processes = [subprocess.Popen(command, cwd=cwd, env={**env, "HF_DATASETS_CACHE": str(cwd / f"datasets-{i}")},
+                                  stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                 for i, (command, log) in enumerate(zip(commands, logs))]
     deadline = time.monotonic() + 300
     try:
         while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
