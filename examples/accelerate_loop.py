@@ -26,13 +26,16 @@ import argparse
 import contextlib
 import json
 import math
+import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from padfree_plugins import assemble, load_config
+from padfree_plugins import assemble, load_config, patch_of
 from padfree_plugins.batching.distributed import global_token_count, num_label_tokens
 from padfree_plugins.batching.sampler import token_budget_dataloader
 
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     return losses
 
 
-def train(accelerator: Accelerator, args: argparse.Namespace) -> list[float]:
+def train(accelerator: Accelerator, args: argparse.Namespace, dataset: Any = None) -> list[float]:
+    """Train; ``dataset`` (tokenized examples, a list or a ``datasets.Dataset``): the synthetic one by default."""
     ranks = accelerator.num_processes
     if args.ranks is not None and ranks > 1 and args.ranks != ranks:
         raise SystemExit(f"--ranks {args.ranks} is for a single process; this run has {ranks} processes")
@@ -89,7 +93,8 @@ def train(accelerator: Accelerator, args: argparse.Namespace) -> list[float]:
         config.batching.max_tokens_per_batch = args.max_tokens
     model = tiny_llama()
     assembly = assemble(model, config)
-    dataset = synthetic_dataset(args.examples, args.median_length, model.config.vocab_size)
+    if dataset is None:
+        dataset = synthetic_dataset(args.examples, args.median_length, model.config.vocab_size)
     loader = token_budget_dataloader(dataset, assembly.collator, config, num_replicas=ranks)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -116,10 +121,27 @@ def train(accelerator: Accelerator, args: argparse.Namespace) -> list[float]:
             tokens.append(accelerator.gather(local).tolist())
             accelerator.print(f"epoch {epoch} step {len(losses)}: loss {losses[-1]:.6f}, tokens per rank "
                               f"{tokens[-1]}")
+    groups = sequence_groups(accelerator, assembly)
     if args.out and accelerator.is_main_process:
         Path(args.out).write_text(json.dumps({"processes": accelerator.num_processes, "ranks": ranks,
+                                              "distributed_type": accelerator.distributed_type.value,
+                                              "sequence_groups": groups,
                                               "losses": losses, "tokens": tokens}))
     return losses
+
+
+def sequence_groups(accelerator: Accelerator, assembly) -> list[dict]:
+    """Every rank's node (torchrun's ``GROUP_RANK``) and the ranks it trains rows with (its sequence-parallel
+    group; itself alone without sequence parallelism)."""
+    sequence = getattr(patch_of(assembly.model), "sequence", None)
+    if sequence is None:
+        together = [accelerator.process_index]
+    elif sequence.group is None:
+        together = list(range(accelerator.num_processes))
+    else:
+        together = torch.distributed.get_process_group_ranks(sequence.group)
+    mine = {"rank": accelerator.process_index, "node": int(os.environ.get("GROUP_RANK", 0)), "rows_with": together}
+    return gather_object([mine]) if accelerator.num_processes > 1 else [mine]
 
 
 if __name__ == "__main__":

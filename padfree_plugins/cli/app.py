@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from padfree_plugins import __version__
-from padfree_plugins.cli import bench, demo, plugins, train
+from padfree_plugins.cli import bench, demo, plugins, train, trl
 
 # rich_markup_mode=None: click's plain help, which (unlike typer's rich panels) shows no "<bool>" type for flags;
 # max_content_width: help as wide as the terminal, up to 120 columns (click's default stops at 80)
@@ -21,6 +21,7 @@ app = typer.Typer(help="Padding-free training for the Hugging Face stack.", no_a
 app.add_typer(plugins.app)
 app.add_typer(demo.app)
 app.add_typer(train.app)
+app.add_typer(trl.app)
 app.add_typer(bench.app, name="bench")
 
 

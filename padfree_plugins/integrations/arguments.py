@@ -13,6 +13,7 @@ The config is read and validated when the arguments are parsed, so a bad file fa
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,8 +21,11 @@ from padfree_plugins.config.schema import PadfreeConfig, load_config
 from padfree_plugins.errors import ConfigError
 
 
-def read_acceleration_config(value: str) -> PadfreeConfig:
-    """A config from a YAML path, or from inline JSON (``'{"attention": "exact"}'``) for quick experiments."""
+def read_acceleration_config(value: str | Mapping[str, Any]) -> PadfreeConfig:
+    """A config from a YAML path, from inline JSON (``'{"attention": "exact"}'``) for quick experiments, or from a
+    mapping (an ``acceleration_config:`` mapping in a TRL YAML config)."""
+    if isinstance(value, Mapping):
+        return PadfreeConfig.from_dict(dict(value), source="acceleration_config")
     if value.lstrip().startswith("{"):
         try:
             data = json.loads(value)

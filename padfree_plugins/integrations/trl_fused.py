@@ -89,6 +89,21 @@ def fused_forward_of(model: Any) -> Any:
     return method if code is not None and code.co_name == "_fused_forward" else None
 
 
+def fused_forward_under_autocast(model: Any, accelerator: Any) -> tuple[Any, Any]:
+    """TRL's fused forward of a model that ``accelerator.prepare_model`` wrapped for mixed precision (its
+    ``_original_forward``), and a function wrapping another forward the same way (autocast, outputs to fp32);
+    ``(None, None)`` when the model is not so wrapped."""
+    inner = vars(model).get("_original_forward")
+    code = getattr(getattr(inner, "__func__", inner), "__code__", None)
+    if code is None or code.co_name != "_fused_forward" or not getattr(accelerator, "native_amp", False):
+        return None, None
+    from accelerate.utils import convert_outputs_to_fp32
+    from accelerate.utils.modeling import get_mixed_precision_context_manager
+
+    autocast = get_mixed_precision_context_manager(accelerator.native_amp, accelerator.autocast_handler)
+    return inner, lambda forward: convert_outputs_to_fp32(autocast(forward))
+
+
 def padded_per_token(value: Any, unpadded: unpad.Unpadded) -> Any:
     """A packed per-token output ``[1, T]`` in TRL's padded shape ``[rows, width - 1]`` (zeros / ``False`` at
     pads); anything else (the loss, the MoE aux loss, ``None``) as it is."""
@@ -333,8 +348,14 @@ class PackedFusedHead:
 
     @classmethod
     def install(cls, model: Any, collator: MultimodalCollator | None = None, share_prefixes: bool = False,
-                calls: FusedCalls | None = None) -> PackedFusedHead:
+                calls: FusedCalls | None = None, accelerator: Any = None) -> PackedFusedHead:
+        """Take over ``model``'s fused forward (its calls counted in ``calls``). A model accelerate already prepared
+        under mixed precision (TRL's reference model with ``bf16``) has the fused forward inside accelerate's autocast
+        wrapper: the packed forward is wrapped again with ``accelerator``'s autocast, so it computes as TRL's would."""
         original = fused_forward_of(model)
+        mixed_precision = None
+        if original is None and accelerator is not None:
+            original, mixed_precision = fused_forward_under_autocast(model, accelerator)
         if original is None:
             raise PadfreeError(
                 f"{type(model).__name__} has no TRL fused LM head (trl.trainer.utils.add_fused_lm_head), which the "
@@ -354,7 +375,7 @@ class PackedFusedHead:
         def forward(*args: Any, **kwargs: Any) -> Any:
             return head.forward(*args, **kwargs)
 
-        model.forward = forward
+        model.forward = forward if mixed_precision is None else mixed_precision(forward)
         return head
 
     def forward(self, *args: Any, fused_lm_head: bool = False, labels: Any = None, shift_labels: Any = None,
@@ -590,7 +611,7 @@ class FusedTrainerPatch:
             inner = unwrap_model(ref_model)
             self.ref_assembly = assemble(inner, self.assembly.config, host=self.assembly.host)
             self.heads.append(PackedFusedHead.install(inner, media_collator(self.ref_assembly) if media else None,
-                                                      share, self.calls))
+                                                      share, self.calls, accelerator=self.trainer.accelerator))
 
     def log(self, logs: dict, *args: Any, **kwargs: Any) -> Any:
         """The trainer's ``log``, every entry with the fused calls counted so far (``padfree/packed_calls``,

@@ -160,12 +160,16 @@ def exact_varlen(
                                          blocks=blocks)
     if blocks is not None:
         raise ValueError("bidirectional blocks are for self-attention only (cu_seq_lens_k == cu_seq_lens_q)")
-    out = query.new_zeros(query.shape[0], query.shape[1], value.shape[-1])
+    out = None
     for index_q, index_k in _shape_groups(cu_seq_lens_q, cu_seq_lens_k, query.device):
         q, k, v = (t[index].transpose(1, 2) for t, index in ((query, index_q), (key, index_k), (value, index_k)))
         piece = attend(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, dropout=dropout,
                        sinks=sinks)  # [m, H, L_q, D]
+        if out is None:  # the attention's dtype (under autocast its compute dtype, not the query's)
+            out = piece.new_zeros(query.shape[0], query.shape[1], value.shape[-1])
         out = out.index_put((index_q,), piece.transpose(1, 2))
+    if out is None:
+        out = query.new_zeros(query.shape[0], query.shape[1], value.shape[-1])
     return out  # [T, H, D]
 
 
