@@ -102,6 +102,18 @@ def run_predict() -> dict:
     config.output_hidden_states = False
     result["after_refusal"] = trainer.predict(trainer.eval_dataset).metrics
     acceleration.undo()
+    result["sft"] = sft_predicted()
+    return result
+
+
+def sft_predicted(ranks: int | None = None) -> dict:
+    """TRL ``SFTTrainer``'s ``predict`` / ``evaluate`` with :func:`label_metrics` (the untrained model of the
+    ``sft`` case, on its evaluation rows; ``ranks``: the one-process reference), as :func:`predicted`."""
+    trainer, acceleration = make_trainer("sft", tempfile.mkdtemp(), TRAINER_CONFIG if ranks else SP_CONFIG,
+                                         ranks=ranks)
+    trainer.compute_metrics = label_metrics
+    result = predicted(trainer)
+    acceleration.undo()
     return result
 
 

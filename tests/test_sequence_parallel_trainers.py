@@ -27,7 +27,7 @@ from transformers import Trainer, TrainingArguments
 from padfree_plugins import ConfigError, PadfreeError, accelerate, load_config, patch_of
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup
 from tests.sequence_parallel_trainer_run import CASES, EVAL_BATCH, PREDICT_ROWS, SP_CONFIG, SPLIT_BATCH, \
-    TRAINER_CONFIG, make_trainer, predict_trainer, predicted, rows, trainer_result
+    TRAINER_CONFIG, make_trainer, predict_trainer, predicted, rows, sft_predicted, trainer_result
 from tests.test_distributed import ROOT, free_port, load_example, reference_training, run_group
 
 trl = pytest.importorskip("trl")
@@ -148,6 +148,16 @@ def test_predict_and_compute_metrics_under_sequence_parallelism_equal_one_proces
                                                                     "model output 'hidden_states'")
     assert "ignore_keys=['hidden_states']" in run["refused"]
     assert abs(run["after_refusal"]["test_nll"] - want["metrics"]["test_nll"]) < TOLERANCE
+    # TRL's SFTTrainer (HF Trainer's prediction_step, TRL's loss and a second forward for the logits)
+    sft, want = run["sft"], sft_predicted(ranks=2)
+    assert torch.equal(sft["label_ids"], want["label_ids"]) and sft["predictions"].shape == want["predictions"].shape
+    real = sft["label_ids"] != -100  # (past the labelled tokens: a prompt's or padding's logits)
+    sft_logits = (sft["predictions"] - want["predictions"])[real].abs().max().item()
+    print(f"sft predict: max logits difference {sft_logits:.2e}")
+    assert sft_logits < TOLERANCE and sft["metrics"]["test_examples"] == want["metrics"]["test_examples"] == 8
+    for name in ("test_nll", "test_loss"):
+        assert abs(sft["metrics"][name] - want["metrics"][name]) < TOLERANCE, (name, sft["metrics"], want["metrics"])
+    assert abs(sft["evaluate"]["eval_nll"] - want["evaluate"]["eval_nll"]) < TOLERANCE
 
 
 # -- refusals (one process: the group of 2 faked; each refusal comes before any collective) ------------------------
