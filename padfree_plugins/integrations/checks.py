@@ -124,8 +124,8 @@ def check_sequence_parallel(trainer: Any, config: Any, not_sequence_parallel: st
                           "its own micro-batch's label count, but its slice of the group's row holds labels of every "
                           "rank's micro-batch. Set average_tokens_across_devices=True (the default)")
     if getattr(trainer, "compute_metrics", None) is not None and not gathers_logits:
-        raise ConfigError(f"{where} with compute_metrics: {name}'s evaluation would hand it per-token logits of this rank's "
-                          "slice of the group's row, not of its own examples. Evaluate the loss alone (no "
+        raise ConfigError(f"{where} with compute_metrics: {name}'s evaluation would hand it per-token logits of "
+                          "this rank's slice of the group's row, not of its own examples. Evaluate the loss alone (no "
                           "compute_metrics: trainer.evaluate() reports eval_loss, exact under sequence "
                           "parallelism), or compute the metrics with sequence_parallel.size: 1")
     if getattr(trainer, "neftune_noise_alpha", None) is not None:
