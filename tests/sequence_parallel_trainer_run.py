@@ -7,7 +7,8 @@ trained with ``sequence_parallel: {size: 2}`` on 2 CPU processes (gloo).
 ``CASE`` is a key of :data:`CASES` (a trainer made padding-free by ``accelerate(trainer, cfg)``, trained on
 token-budget micro-batches, each rank its own, then evaluated), ``loop`` (``train`` of examples/accelerate_loop.py
 with its config plus ``sequence_parallel.size: 2``) or ``predict`` (HF ``Trainer.predict`` and ``evaluate`` with
-``compute_metrics``: :func:`run_predict`). Rank 0 writes ``{case: result}`` to ``OUT`` (torch.save): the
+``compute_metrics``: :func:`run_predict`). On 4 processes (2 groups of 2: SP x DP) only ``predict-dp`` runs (HF
+``predict`` / ``evaluate`` alone, :func:`predicted`). Rank 0 writes ``{case: result}`` to ``OUT`` (torch.save): the
 logged losses, the final weights, ``eval_loss``, and what shows each rank computed a slice of the group's row (the
 token counts the embeddings and the LM head saw on every rank). The one-process references are computed by the test.
 """
@@ -26,6 +27,8 @@ import torch.distributed as dist
 #: padfree.yaml of the trainer runs, without sequence parallelism (the reference's); the runs add size 2.
 TRAINER_CONFIG = {"task": "causal_lm", "batching": {"strategy": "tokens", "max_tokens_per_batch": 128, "seed": 0}}
 SP_CONFIG = {**TRAINER_CONFIG, "sequence_parallel": {"size": 2}}
+#: padfree.yaml of the ``predict`` cases (evaluation alone: no token budget).
+SP_CONFIG_EVAL = {"task": "causal_lm", "sequence_parallel": {"size": 2}}
 #: The trainer cases: the trainer, gradient accumulation, gradient checkpointing, the batching strategy (token
 #: budgets balance the ranks' micro-batches, often to the token: ``examples`` puts the cut inside examples), and
 #: accelerate's ``split_batches`` (each global batch of :data:`SPLIT_BATCH` examples split across the ranks).
@@ -75,6 +78,17 @@ def predicted(trainer) -> dict:
             "metrics": output.metrics, "evaluate": trainer.evaluate()}
 
 
+def run_predict_dp() -> dict:
+    """``predict`` / ``evaluate`` with ``compute_metrics`` on 2 groups of 2 ranks (SP = 2 x DP = 2)."""
+    from padfree_plugins import accelerate
+
+    trainer = predict_trainer()
+    acceleration = accelerate(trainer, SP_CONFIG_EVAL)
+    result = predicted(trainer)
+    acceleration.undo()
+    return result
+
+
 def run_predict() -> dict:
     """``predict`` / ``evaluate`` with ``compute_metrics`` under ``sequence_parallel.size: 2``; then once more with
     a deliberate fault (the group's slices joined in the wrong order), which the test must tell apart; then with an
@@ -83,7 +97,7 @@ def run_predict() -> dict:
     from padfree_plugins.modeling import sequence_parallel
 
     trainer = predict_trainer()
-    acceleration = accelerate(trainer, {"task": "causal_lm", "sequence_parallel": {"size": 2}})
+    acceleration = accelerate(trainer, SP_CONFIG_EVAL)
     result = predicted(trainer)
     join_slices = sequence_parallel.join_slices
     sequence_parallel.join_slices = lambda pieces: join_slices(pieces[::-1])  # the fault: the row's order lost
@@ -271,12 +285,12 @@ def main(out: str, cases: list[str]) -> None:
     from accelerate import PartialState
 
     PartialState(cpu=True)  # the gloo process group
-    if dist.get_world_size() != 2:
-        sys.exit("launch with torchrun --nproc_per_node 2")
-    unknown = [case for case in cases if case not in (*CASES, "loop", "predict")]
+    runs = {"loop": run_loop, "predict": run_predict, "predict-dp": run_predict_dp}
+    if dist.get_world_size() != (4 if cases == ["predict-dp"] else 2):
+        sys.exit("launch with torchrun --nproc_per_node 2 (case predict-dp alone: 4)")
+    unknown = [case for case in cases if case not in (*CASES, *runs)]
     if unknown:
-        sys.exit(f"unknown cases {unknown}: choose from {[*CASES, 'loop', 'predict']}")
-    runs = {"loop": run_loop, "predict": run_predict}
+        sys.exit(f"unknown cases {unknown}: choose from {[*CASES, *runs]}")
     results = {case: runs[case]() if case in runs else run_trainer(case) for case in cases}
     if dist.get_rank() == 0:
         partial = Path(f"{out}.partial")

@@ -7,7 +7,8 @@ accumulation 2; accelerate's ``split_batches=True``, each global batch split acr
 equals one process on the same global batches (both ranks' micro-batches of a step), to 1e-5: the logged losses
 (the trainer logs the mean over ranks of ``2 x slice losses / global label count``: the one-process loss), the final
 weights and the loss-only ``eval_loss``. The same launch runs HF ``Trainer.predict`` / ``evaluate`` with
-``compute_metrics``: the padded logits, labels and metrics equal one process's. Refusals (trainer untouched) are
+``compute_metrics``: the padded logits, labels and metrics equal one process's (and, in a launch of its own on 4
+processes, at SP = 2 x DP = 2). Refusals (trainer untouched) are
 checked in one process, with the sequence-parallel group faked (no collective runs before the refusal).
 """
 
@@ -109,39 +110,49 @@ def test_plain_loop_under_sequence_parallelism_equals_one_process(launched):
     assert loss < TOLERANCE and weight < TOLERANCE
 
 
-def test_predict_and_compute_metrics_under_sequence_parallelism_equal_one_process(launched):
-    """``predict`` / ``evaluate`` with ``compute_metrics`` on 2 ranks of one group: each rank's own examples' logits,
-    gathered from the group's slices, re-padded as one process pads them; every example counted once."""
-    run = launched["predict"]
-    trainer = predict_trainer(ranks=2)
+def one_process_prediction(ranks: int) -> dict:
+    """:func:`predicted` of one process whose evaluation batches hold the ``ranks`` ranks' micro-batches."""
+    trainer = predict_trainer(ranks=ranks)
     acceleration = accelerate(trainer, {"task": "causal_lm"})
     want = predicted(trainer)
     acceleration.undo()
-    examples = rows(PREDICT_ROWS, 3)
-    lengths = [len(row["input_ids"]) for row in examples]
-    # the group's first row (2 micro-batches of EVAL_BATCH examples) is cut inside an example, not between ranks
-    first = lengths[:2 * EVAL_BATCH]
-    cut = -(-sum(first) // 2)
-    assert cut not in {sum(first[:i]) for i in range(len(first) + 1)}, (first, cut)
+    return want
 
-    def logits_difference(predictions) -> float:  # over each example's own tokens (past them: padding)
-        return max((predictions[i, :n] - want["predictions"][i, :n]).abs().max().item()
-                   for i, n in enumerate(lengths))
 
-    assert run["predictions"].shape == want["predictions"].shape and run["predictions"].shape[0] == len(examples)
+def logits_difference(predictions: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest logits difference over each example's own tokens (past them: padding)."""
+    lengths = [len(row["input_ids"]) for row in rows(PREDICT_ROWS, 3)]
+    return max((predictions[i, :n] - want[i, :n]).abs().max().item() for i, n in enumerate(lengths))
+
+
+def assert_same_prediction(run: dict, want: dict, what: str) -> None:
+    """``predict``'s padded logits and labels and the metrics of ``predict`` and ``evaluate`` equal; every example
+    counted once."""
+    assert run["predictions"].shape == want["predictions"].shape and run["predictions"].shape[0] == PREDICT_ROWS
     assert torch.equal(run["label_ids"], want["label_ids"])
-    logits = logits_difference(run["predictions"])
     for got, reference in ((run["metrics"], want["metrics"]), (run["evaluate"], want["evaluate"])):
         prefix = "test" if "test_nll" in reference else "eval"
-        assert got[f"{prefix}_examples"] == reference[f"{prefix}_examples"] == len(examples)  # none counted twice
+        assert got[f"{prefix}_examples"] == reference[f"{prefix}_examples"] == PREDICT_ROWS  # none counted twice
         assert got[f"{prefix}_labelled"] == reference[f"{prefix}_labelled"]
         for name in ("nll", "loss"):
             assert abs(got[f"{prefix}_{name}"] - reference[f"{prefix}_{name}"]) < TOLERANCE, (name, got, reference)
-    print(f"predict: max logits difference {logits:.2e}")
+    logits = logits_difference(run["predictions"], want["predictions"])
+    print(f"{what}: max logits difference {logits:.2e}")
     assert logits < TOLERANCE
+
+
+def test_predict_and_compute_metrics_under_sequence_parallelism_equal_one_process(launched):
+    """``predict`` / ``evaluate`` with ``compute_metrics`` on 2 ranks of one group: each rank's own examples' logits,
+    gathered from the group's slices, re-padded as one process pads them; every example counted once."""
+    run, want = launched["predict"], one_process_prediction(ranks=2)
+    # the group's first row (2 micro-batches of EVAL_BATCH examples) is cut inside an example, not between ranks
+    first = [len(row["input_ids"]) for row in rows(PREDICT_ROWS, 3)][:2 * EVAL_BATCH]
+    cut = -(-sum(first) // 2)
+    assert cut not in {sum(first[:i]) for i in range(len(first) + 1)}, (first, cut)
+    assert_same_prediction(run, want, "predict")
     # the deliberate fault (the group's slices joined in the wrong order) is told apart, by logits and by metrics
     faulty = run["faulty"]
-    assert logits_difference(faulty["predictions"]) > 100 * TOLERANCE
+    assert logits_difference(faulty["predictions"], want["predictions"]) > 100 * TOLERANCE
     assert abs(faulty["metrics"]["test_nll"] - want["metrics"]["test_nll"]) > 100 * TOLERANCE
     # an output that is not per token (hidden_states: a tuple) is refused, saying what to do; predict works after it
     assert run["refused"] is not None and run["refused"].startswith("PadfreeError: sequence_parallel.size: 2: the "
@@ -158,6 +169,19 @@ def test_predict_and_compute_metrics_under_sequence_parallelism_equal_one_proces
     for name in ("test_nll", "test_loss"):
         assert abs(sft["metrics"][name] - want["metrics"][name]) < TOLERANCE, (name, sft["metrics"], want["metrics"])
     assert abs(sft["evaluate"]["eval_nll"] - want["evaluate"]["eval_nll"]) < TOLERANCE
+
+
+def test_predict_under_sequence_and_data_parallelism_equals_one_process(tmp_path):
+    """SP = 2 x DP = 2 on 4 processes: each group joins its 2 ranks' micro-batches; the trainer's gather over all 4
+    processes gets every example once, as one process evaluating the 4 ranks' micro-batches together."""
+    out = tmp_path / "predict-dp.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
+               str(free_port()), str(ROOT / "tests" / "sequence_parallel_trainer_run.py"), str(out), "predict-dp"]
+    returncode, output = run_group(command, env, timeout=240, results=[out])
+    assert returncode == 0, output[-6000:]
+    assert_same_prediction(torch.load(out, weights_only=False)["predict-dp"], one_process_prediction(ranks=4),
+                           "predict (SP 2 x DP 2)")
 
 
 # -- refusals (one process: the group of 2 faked; each refusal comes before any collective) ------------------------
