@@ -260,6 +260,17 @@ def trl_like(name: str, module: str, methods: tuple[str, ...] = ("compute_loss",
     return trainer
 
 
+def test_dpo_compute_metrics_is_refused_under_sequence_parallelism():
+    """DPO's evaluation does not gather the group's logits (its plugin leaves ``gathers_logits`` off): refused."""
+    from padfree_plugins.integrations.trl_dpo import DPOTrainerPatch
+
+    trainer = trl_like("DPOTrainer", "trl.trainer.dpo_trainer", DPOTrainerPatch.kept_methods)
+    trainer.compute_metrics = lambda prediction: {}
+    assembly = types.SimpleNamespace(config=load_config(SP_CONFIG))
+    with pytest.raises(ConfigError, match=r"sequence_parallel.size: 2 with compute_metrics: DPOTrainer's evaluation"):
+        DPOTrainerPatch.wrap(trainer, assembly)
+
+
 @pytest.mark.parametrize("plugin, name", [("trl_kto", "KTOTrainer"), ("trl_grpo", "GRPOTrainer"),
                                           ("trl_rloo", "RLOOTrainer")])  # DPO: tests/test_sequence_parallel_trl.py
 def test_trl_fused_log_prob_trainers_are_refused(plugin, name):
