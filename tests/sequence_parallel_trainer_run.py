@@ -5,8 +5,10 @@ trained with ``sequence_parallel: {size: 2}`` on 2 CPU processes (gloo).
         OUT CASE [CASE ...]
 
 ``CASE`` is a key of :data:`CASES` (a trainer made padding-free by ``accelerate(trainer, cfg)``, trained on
-token-budget micro-batches, each rank its own, then evaluated) or ``loop`` (``train`` of examples/accelerate_loop.py
-with its config plus ``sequence_parallel.size: 2``). Rank 0 writes ``{case: result}`` to ``OUT`` (torch.save): the
+token-budget micro-batches, each rank its own, then evaluated), ``loop`` (``train`` of examples/accelerate_loop.py
+with its config plus ``sequence_parallel.size: 2``) or ``predict`` (HF ``Trainer.predict`` and ``evaluate`` with
+``compute_metrics``: :func:`run_predict`). On 4 processes (2 groups of 2: SP x DP) only ``predict-dp`` runs (HF
+``predict`` / ``evaluate`` alone, :func:`predicted`). Rank 0 writes ``{case: result}`` to ``OUT`` (torch.save): the
 logged losses, the final weights, ``eval_loss``, and what shows each rank computed a slice of the group's row (the
 token counts the embeddings and the LM head saw on every rank). The one-process references are computed by the test.
 """
@@ -25,6 +27,8 @@ import torch.distributed as dist
 #: padfree.yaml of the trainer runs, without sequence parallelism (the reference's); the runs add size 2.
 TRAINER_CONFIG = {"task": "causal_lm", "batching": {"strategy": "tokens", "max_tokens_per_batch": 128, "seed": 0}}
 SP_CONFIG = {**TRAINER_CONFIG, "sequence_parallel": {"size": 2}}
+#: padfree.yaml of the ``predict`` cases (evaluation alone: no token budget).
+SP_CONFIG_EVAL = {"task": "causal_lm", "sequence_parallel": {"size": 2}}
 #: The trainer cases: the trainer, gradient accumulation, gradient checkpointing, the batching strategy (token
 #: budgets balance the ranks' micro-batches, often to the token: ``examples`` puts the cut inside examples), and
 #: accelerate's ``split_batches`` (each global batch of :data:`SPLIT_BATCH` examples split across the ranks).
@@ -37,6 +41,94 @@ CASES = {
 }
 EVAL_BATCH = 2  # per rank; the reference evaluates the group's 2 x 2 examples as one batch
 SPLIT_BATCH = 4  # split_batches=True: the examples of a global batch, 2 per rank (training and evaluation)
+#: The ``predict`` case's evaluation rows: whole global batches (an odd count would have accelerate repeat an example
+#: to fill the last one: its metrics drop it, but its tokens count in that batch's loss, as under any data parallelism).
+PREDICT_ROWS = 8
+
+
+def label_metrics(prediction) -> dict:
+    """``compute_metrics`` of the ``predict`` case: the labelled tokens' mean negative log-likelihood (each position's
+    logits predict the next label), their count and the examples counted (continuous or exact: no argmax)."""
+    logits, labels = torch.as_tensor(prediction.predictions), torch.as_tensor(prediction.label_ids)
+    logits, labels = logits[:, :-1].double(), labels[:, 1:]
+    counted = labels != -100
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return {"nll": -(picked * counted).sum().item() / counted.sum().item(), "labelled": int(counted.sum()),
+            "examples": int(labels.shape[0])}
+
+
+def predict_trainer(ranks: int = 1):
+    """An HF ``Trainer`` (untrained tiny Llama) evaluating :data:`PREDICT_ROWS` rows with :func:`label_metrics`,
+    :data:`EVAL_BATCH` examples per rank and batch (``ranks``: the one-process reference's batch holds every rank's)."""
+    import datasets
+    from transformers import Trainer, TrainingArguments
+
+    from tests.test_distributed import load_example
+
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_eval_batch_size=EVAL_BATCH * ranks,
+                             report_to="none", disable_tqdm=True, use_cpu=True, dataloader_pin_memory=False)
+    return Trainer(model=load_example().tiny_llama(), args=args, compute_metrics=label_metrics,
+                   eval_dataset=datasets.Dataset.from_list(rows(PREDICT_ROWS, 3)))
+
+
+def predicted(trainer) -> dict:
+    """What the ``predict`` case compares: ``predict``'s padded logits, labels and metrics, ``evaluate``'s metrics."""
+    output = trainer.predict(trainer.eval_dataset)
+    return {"predictions": torch.as_tensor(output.predictions), "label_ids": torch.as_tensor(output.label_ids),
+            "metrics": output.metrics, "evaluate": trainer.evaluate()}
+
+
+def run_predict_dp() -> dict:
+    """``predict`` / ``evaluate`` with ``compute_metrics`` on 2 groups of 2 ranks (SP = 2 x DP = 2)."""
+    from padfree_plugins import accelerate
+
+    trainer = predict_trainer()
+    acceleration = accelerate(trainer, SP_CONFIG_EVAL)
+    result = predicted(trainer)
+    acceleration.undo()
+    return result
+
+
+def run_predict() -> dict:
+    """``predict`` / ``evaluate`` with ``compute_metrics`` under ``sequence_parallel.size: 2``; then once more with
+    a deliberate fault (the group's slices joined in the wrong order), which the test must tell apart; then with an
+    output that is not per token (``output_hidden_states``: a tuple), refused, and ``predict`` again after it."""
+    from padfree_plugins import accelerate
+    from padfree_plugins.modeling import sequence_parallel
+
+    trainer = predict_trainer()
+    acceleration = accelerate(trainer, SP_CONFIG_EVAL)
+    result = predicted(trainer)
+    join_slices = sequence_parallel.join_slices
+    sequence_parallel.join_slices = lambda pieces: join_slices(pieces[::-1])  # the fault: the row's order lost
+    try:
+        output = trainer.predict(trainer.eval_dataset)
+        result["faulty"] = {"predictions": torch.as_tensor(output.predictions), "metrics": output.metrics}
+    finally:
+        sequence_parallel.join_slices = join_slices
+    config = trainer.model.config
+    config.output_hidden_states = True
+    try:
+        trainer.predict(trainer.eval_dataset)
+        result["refused"] = None
+    except Exception as error:  # noqa: BLE001 - the test reads what was raised
+        result["refused"] = f"{type(error).__name__}: {error}"
+    config.output_hidden_states = False
+    result["after_refusal"] = trainer.predict(trainer.eval_dataset).metrics
+    acceleration.undo()
+    result["sft"] = sft_predicted()
+    return result
+
+
+def sft_predicted(ranks: int | None = None) -> dict:
+    """TRL ``SFTTrainer``'s ``predict`` / ``evaluate`` with :func:`label_metrics` (the untrained model of the
+    ``sft`` case, on its evaluation rows; ``ranks``: the one-process reference), as :func:`predicted`."""
+    trainer, acceleration = make_trainer("sft", tempfile.mkdtemp(), TRAINER_CONFIG if ranks else SP_CONFIG,
+                                         ranks=ranks)
+    trainer.compute_metrics = label_metrics
+    result = predicted(trainer)
+    acceleration.undo()
+    return result
 
 
 def rows(n: int, seed: int, longest: int = 40) -> list[dict]:
@@ -193,12 +285,13 @@ def main(out: str, cases: list[str]) -> None:
     from accelerate import PartialState
 
     PartialState(cpu=True)  # the gloo process group
-    if dist.get_world_size() != 2:
-        sys.exit("launch with torchrun --nproc_per_node 2")
-    unknown = [case for case in cases if case not in (*CASES, "loop")]
+    runs = {"loop": run_loop, "predict": run_predict, "predict-dp": run_predict_dp}
+    if dist.get_world_size() != (4 if cases == ["predict-dp"] else 2):
+        sys.exit("launch with torchrun --nproc_per_node 2 (case predict-dp alone: 4)")
+    unknown = [case for case in cases if case not in (*CASES, *runs)]
     if unknown:
-        sys.exit(f"unknown cases {unknown}: choose from {[*CASES, 'loop']}")
-    results = {case: run_loop() if case == "loop" else run_trainer(case) for case in cases}
+        sys.exit(f"unknown cases {unknown}: choose from {[*CASES, *runs]}")
+    results = {case: runs[case]() if case in runs else run_trainer(case) for case in cases}
     if dist.get_rank() == 0:
         partial = Path(f"{out}.partial")
         torch.save(results, partial)

@@ -6,8 +6,10 @@ accumulation 2; accelerate's ``split_batches=True``, each global batch split acr
 (accumulation 2 and checkpointing) and examples/accelerate_loop.py's loop; each
 equals one process on the same global batches (both ranks' micro-batches of a step), to 1e-5: the logged losses
 (the trainer logs the mean over ranks of ``2 x slice losses / global label count``: the one-process loss), the final
-weights and the loss-only ``eval_loss``. Refusals (trainer untouched) are checked in one process, with the
-sequence-parallel group faked (no collective runs before the refusal).
+weights and the loss-only ``eval_loss``. The same launch runs HF ``Trainer.predict`` / ``evaluate`` with
+``compute_metrics``: the padded logits, labels and metrics equal one process's (and, in a launch of its own on 4
+processes, at SP = 2 x DP = 2). Refusals (trainer untouched) are
+checked in one process, with the sequence-parallel group faked (no collective runs before the refusal).
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from transformers import Trainer, TrainingArguments
 
 from padfree_plugins import ConfigError, PadfreeError, accelerate, load_config, patch_of
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup
-from tests.sequence_parallel_trainer_run import CASES, SP_CONFIG, SPLIT_BATCH, TRAINER_CONFIG, make_trainer, rows, \
-    trainer_result
+from tests.sequence_parallel_trainer_run import CASES, EVAL_BATCH, PREDICT_ROWS, SP_CONFIG, SPLIT_BATCH, \
+    TRAINER_CONFIG, make_trainer, predict_trainer, predicted, rows, sft_predicted, trainer_result
 from tests.test_distributed import ROOT, free_port, load_example, reference_training, run_group
 
 trl = pytest.importorskip("trl")
@@ -40,7 +42,8 @@ def launched(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("sequence_parallel") / "runs.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "sequence_parallel_trainer_run.py"), str(out), *CASES, "loop"]
+               str(free_port()), str(ROOT / "tests" / "sequence_parallel_trainer_run.py"), str(out), *CASES, "loop",
+               "predict"]
     returncode, output = run_group(command, env, timeout=300, results=[out])
     assert returncode == 0, output[-6000:]
     return torch.load(out, weights_only=False)
@@ -107,6 +110,80 @@ def test_plain_loop_under_sequence_parallelism_equals_one_process(launched):
     assert loss < TOLERANCE and weight < TOLERANCE
 
 
+def one_process_prediction(ranks: int) -> dict:
+    """:func:`predicted` of one process whose evaluation batches hold the ``ranks`` ranks' micro-batches."""
+    trainer = predict_trainer(ranks=ranks)
+    acceleration = accelerate(trainer, {"task": "causal_lm"})
+    want = predicted(trainer)
+    acceleration.undo()
+    return want
+
+
+def logits_difference(predictions: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest logits difference over each example's own tokens (past them: padding)."""
+    lengths = [len(row["input_ids"]) for row in rows(PREDICT_ROWS, 3)]
+    return max((predictions[i, :n] - want[i, :n]).abs().max().item() for i, n in enumerate(lengths))
+
+
+def assert_same_prediction(run: dict, want: dict, what: str) -> None:
+    """``predict``'s padded logits and labels and the metrics of ``predict`` and ``evaluate`` equal; every example
+    counted once."""
+    assert run["predictions"].shape == want["predictions"].shape and run["predictions"].shape[0] == PREDICT_ROWS
+    assert torch.equal(run["label_ids"], want["label_ids"])
+    for got, reference in ((run["metrics"], want["metrics"]), (run["evaluate"], want["evaluate"])):
+        prefix = "test" if "test_nll" in reference else "eval"
+        assert got[f"{prefix}_examples"] == reference[f"{prefix}_examples"] == PREDICT_ROWS  # none counted twice
+        assert got[f"{prefix}_labelled"] == reference[f"{prefix}_labelled"]
+        for name in ("nll", "loss"):
+            assert abs(got[f"{prefix}_{name}"] - reference[f"{prefix}_{name}"]) < TOLERANCE, (name, got, reference)
+    logits = logits_difference(run["predictions"], want["predictions"])
+    print(f"{what}: max logits difference {logits:.2e}")
+    assert logits < TOLERANCE
+
+
+def test_predict_and_compute_metrics_under_sequence_parallelism_equal_one_process(launched):
+    """``predict`` / ``evaluate`` with ``compute_metrics`` on 2 ranks of one group: each rank's own examples' logits,
+    gathered from the group's slices, re-padded as one process pads them; every example counted once."""
+    run, want = launched["predict"], one_process_prediction(ranks=2)
+    # the group's first row (2 micro-batches of EVAL_BATCH examples) is cut inside an example, not between ranks
+    first = [len(row["input_ids"]) for row in rows(PREDICT_ROWS, 3)][:2 * EVAL_BATCH]
+    cut = -(-sum(first) // 2)
+    assert cut not in {sum(first[:i]) for i in range(len(first) + 1)}, (first, cut)
+    assert_same_prediction(run, want, "predict")
+    # the deliberate fault (the group's slices joined in the wrong order) is told apart, by logits and by metrics
+    faulty = run["faulty"]
+    assert logits_difference(faulty["predictions"], want["predictions"]) > 100 * TOLERANCE
+    assert abs(faulty["metrics"]["test_nll"] - want["metrics"]["test_nll"]) > 100 * TOLERANCE
+    # an output that is not per token (hidden_states: a tuple) is refused, saying what to do; predict works after it
+    assert run["refused"] is not None and run["refused"].startswith("PadfreeError: sequence_parallel.size: 2: the "
+                                                                    "model output 'hidden_states'")
+    assert "ignore_keys=['hidden_states']" in run["refused"]
+    assert abs(run["after_refusal"]["test_nll"] - want["metrics"]["test_nll"]) < TOLERANCE
+    # TRL's SFTTrainer (HF Trainer's prediction_step, TRL's loss and a second forward for the logits)
+    sft, want = run["sft"], sft_predicted(ranks=2)
+    assert torch.equal(sft["label_ids"], want["label_ids"]) and sft["predictions"].shape == want["predictions"].shape
+    real = sft["label_ids"] != -100  # (past the labelled tokens: a prompt's or padding's logits)
+    sft_logits = (sft["predictions"] - want["predictions"])[real].abs().max().item()
+    print(f"sft predict: max logits difference {sft_logits:.2e}")
+    assert sft_logits < TOLERANCE and sft["metrics"]["test_examples"] == want["metrics"]["test_examples"] == 8
+    for name in ("test_nll", "test_loss"):
+        assert abs(sft["metrics"][name] - want["metrics"][name]) < TOLERANCE, (name, sft["metrics"], want["metrics"])
+    assert abs(sft["evaluate"]["eval_nll"] - want["evaluate"]["eval_nll"]) < TOLERANCE
+
+
+def test_predict_under_sequence_and_data_parallelism_equals_one_process(tmp_path):
+    """SP = 2 x DP = 2 on 4 processes: each group joins its 2 ranks' micro-batches; the trainer's gather over all 4
+    processes gets every example once, as one process evaluating the 4 ranks' micro-batches together."""
+    out = tmp_path / "predict-dp.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
+               str(free_port()), str(ROOT / "tests" / "sequence_parallel_trainer_run.py"), str(out), "predict-dp"]
+    returncode, output = run_group(command, env, timeout=240, results=[out])
+    assert returncode == 0, output[-6000:]
+    assert_same_prediction(torch.load(out, weights_only=False)["predict-dp"], one_process_prediction(ranks=4),
+                           "predict (SP 2 x DP 2)")
+
+
 # -- refusals (one process: the group of 2 faked; each refusal comes before any collective) ------------------------
 
 
@@ -135,7 +212,6 @@ def assert_refused(trainer, error, match: str, config=SP_CONFIG) -> None:
 @pytest.mark.parametrize("args, overrides, match", [
     ({"average_tokens_across_devices": False}, {}, r"average_tokens_across_devices=False.*Set "
                                                    r"average_tokens_across_devices=True"),
-    ({}, {"compute_metrics": lambda prediction: {}}, r"compute_metrics.*Evaluate the loss alone"),
     ({"neftune_noise_alpha": 5.0}, {}, r"neftune_noise_alpha.*Train without NEFTune"),
     ({"label_smoothing_factor": 0.1}, {}, r"label smoothing or a compute_loss_func"),
 ])
@@ -143,15 +219,19 @@ def test_what_sequence_parallel_trainers_cannot_do_is_refused(fake_group, args, 
     assert_refused(hf_trainer(args=args, **overrides), PadfreeError, f"sequence_parallel.size: 2.*{match}")
 
 
-def test_prediction_with_logits_is_refused_and_loss_only_evaluation_is_not(fake_group):
-    """``predict`` (and any evaluation with ``prediction_loss_only=False``) would return this rank's slice of the
-    group's row: refused before the forward. Loss-only evaluation is exact (the launch compares eval_loss)."""
-    trainer = hf_trainer()
+def test_compute_metrics_is_refused_only_where_evaluation_does_not_gather_the_logits(fake_group):
+    """HF ``Trainer`` (and TRL's ``SFTTrainer``, its plugin's subclass) gathers the group's logits for
+    ``compute_metrics``: accepted. A trainer plugin that does not (``gathers_logits`` False: DPO's) is refused."""
+    from padfree_plugins.integrations.checks import check_sequence_parallel
+
+    trainer = hf_trainer(compute_metrics=lambda prediction: {})
     acceleration = accelerate(trainer, SP_CONFIG)
-    with pytest.raises(PadfreeError, match=r"prediction / evaluation with logits.*trainer.evaluate\(\) without "
-                                           r"compute_metrics"):
-        trainer.predict(trainer.eval_dataset)
+    assert "prediction_step" in vars(trainer)
     acceleration.undo()
+    with pytest.raises(ConfigError, match=r"sequence_parallel.size: 2 with compute_metrics: Trainer's evaluation "
+                                          r"would hand it per-token logits.*Evaluate the loss alone"):
+        check_sequence_parallel(trainer, load_config(SP_CONFIG))
+    check_sequence_parallel(trainer, load_config(SP_CONFIG), gathers_logits=True)
 
 
 def test_a_trainer_without_sequence_parallel_support_is_refused(fake_group):
@@ -178,6 +258,17 @@ def trl_like(name: str, module: str, methods: tuple[str, ...] = ("compute_loss",
     trainer.args = types.SimpleNamespace(n_gpu=1, average_tokens_across_devices=True)
     trainer.accelerator = types.SimpleNamespace(parallelism_config=None)
     return trainer
+
+
+def test_dpo_compute_metrics_is_refused_under_sequence_parallelism():
+    """DPO's evaluation does not gather the group's logits (its plugin leaves ``gathers_logits`` off): refused."""
+    from padfree_plugins.integrations.trl_dpo import DPOTrainerPatch
+
+    trainer = trl_like("DPOTrainer", "trl.trainer.dpo_trainer", DPOTrainerPatch.kept_methods)
+    trainer.compute_metrics = lambda prediction: {}
+    assembly = types.SimpleNamespace(config=load_config(SP_CONFIG))
+    with pytest.raises(ConfigError, match=r"sequence_parallel.size: 2 with compute_metrics: DPOTrainer's evaluation"):
+        DPOTrainerPatch.wrap(trainer, assembly)
 
 
 # TRL DPO, GRPO, RLOO and KTO train sequence-parallel: tests/test_sequence_parallel_trl.py and

@@ -184,6 +184,9 @@ class TrainerPatch:
     #: Whether the patch trains under ``sequence_parallel.size > 1`` (its loss through ``assembly.forward``, which
     #: slices the group's row, normalised by the label count of every rank); refused otherwise.
     sequence_parallel: ClassVar[bool] = False
+    #: Whether its ``prediction_step`` under ``sequence_parallel.size > 1`` gathers the group's per-token outputs back
+    #: into each rank's own examples (``compute_metrics`` / ``predict`` allowed); refused otherwise.
+    gathers_logits: ClassVar[bool] = False
     #: Whether the patch shares repeated prompts (``prefix_sharing``, decided by its own checks); ``prefix_sharing: on``
     #: is refused otherwise.
     shares_prompts: ClassVar[bool] = False
@@ -244,7 +247,8 @@ class TrainerPatch:
         if not cls.claims(trainer):
             return None
         check_parallelism(trainer, assembly.config, None if cls.sequence_parallel else
-                          f"its trainer plugin ({cls.__name__}) does not train sequence-parallel")
+                          f"its trainer plugin ({cls.__name__}) does not train sequence-parallel",
+                          gathers_logits=cls.gathers_logits)
         if not cls.shares_prompts:
             refuse_prefix_sharing(trainer, assembly.config, cls.__name__)
         if trainer.model is None or unwrap_model(trainer.model) is not assembly.model:

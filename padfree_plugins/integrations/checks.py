@@ -33,11 +33,13 @@ from padfree_plugins.packing.prefixes import SHARED_PREFIXES_FEATURE
 logger = logging.getLogger("padfree_plugins")
 
 
-def check_parallelism(trainer: Any, config: Any = None, not_sequence_parallel: str | None = None) -> None:
+def check_parallelism(trainer: Any, config: Any = None, not_sequence_parallel: str | None = None, *,
+                      gathers_logits: bool = False) -> None:
     """Refuse parallelism that splits a batch's rows or a row's tokens without its boundaries (a packed batch is one
     row), and, under padfree's own sequence parallelism (``config.sequence_parallel.size > 1``), what it does not
     train (:func:`check_sequence_parallel`; ``not_sequence_parallel``: why the trainer's plugin does not train
-    sequence-parallel, ``None`` when it does)."""
+    sequence-parallel, ``None`` when it does; ``gathers_logits``: whether its evaluation gathers the group's logits
+    into each rank's own examples)."""
     if getattr(trainer.args, "n_gpu", 1) > 1:
         raise PadfreeError(
             "the trainer would use torch.nn.DataParallel (several GPUs in one process), which splits a batch by "
@@ -60,7 +62,7 @@ def check_parallelism(trainer: Any, config: Any = None, not_sequence_parallel: s
         )
     check_model_parallelism(parallelism)
     check_fsdp_enabled(trainer)
-    check_sequence_parallel(trainer, config, not_sequence_parallel)
+    check_sequence_parallel(trainer, config, not_sequence_parallel, gathers_logits=gathers_logits)
 
 
 def check_fsdp_enabled(trainer: Any) -> None:
@@ -103,10 +105,12 @@ def sequence_parallel_size(config: Any) -> int:
     return int(getattr(getattr(config, "sequence_parallel", None), "size", 1) or 1)
 
 
-def check_sequence_parallel(trainer: Any, config: Any, not_sequence_parallel: str | None = None) -> None:
+def check_sequence_parallel(trainer: Any, config: Any, not_sequence_parallel: str | None = None, *,
+                            gathers_logits: bool = False) -> None:
     """Under ``sequence_parallel.size > 1`` (each rank computes a slice of its group's row, joined from every rank's
     micro-batch), refuse a trainer whose plugin does not train that way (``not_sequence_parallel`` says why), a
-    per-rank token count, evaluation that returns per-token logits, and NEFTune."""
+    per-rank token count, ``compute_metrics`` where evaluation does not gather the group's logits into each rank's own
+    examples (``gathers_logits`` False), and NEFTune."""
     size = sequence_parallel_size(config)
     if size <= 1:
         return
@@ -119,9 +123,9 @@ def check_sequence_parallel(trainer: Any, config: Any, not_sequence_parallel: st
         raise ConfigError(f"{where} with average_tokens_across_devices=False: each rank's loss would be divided by "
                           "its own micro-batch's label count, but its slice of the group's row holds labels of every "
                           "rank's micro-batch. Set average_tokens_across_devices=True (the default)")
-    if getattr(trainer, "compute_metrics", None) is not None:
-        raise ConfigError(f"{where} with compute_metrics: evaluation would hand it per-token logits of this rank's "
-                          "slice of the group's row, not of its own examples. Evaluate the loss alone (no "
+    if getattr(trainer, "compute_metrics", None) is not None and not gathers_logits:
+        raise ConfigError(f"{where} with compute_metrics: {name}'s evaluation would hand it per-token logits of "
+                          "this rank's slice of the group's row, not of its own examples. Evaluate the loss alone (no "
                           "compute_metrics: trainer.evaluate() reports eval_loss, exact under sequence "
                           "parallelism), or compute the metrics with sequence_parallel.size: 1")
     if getattr(trainer, "neftune_noise_alpha", None) is not None:

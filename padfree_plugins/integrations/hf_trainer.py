@@ -20,9 +20,11 @@
 * **sequence parallelism** (``sequence_parallel.size: N``): each rank's own micro-batch goes to
   ``assembly.forward``, which computes this rank's slice of the group's row; ``num_items_in_batch`` counted over
   every rank (``average_tokens_across_devices``) and the loss times the number of processes make the training, and
-  the logged loss (the mean over ranks), those of one process on the global batch. Evaluation computes the loss
-  alone (exact); per-token outputs (``predict``, ``compute_metrics``) are refused, as is a loss the trainer computes
-  from the logits (label smoothing, ``compute_loss_func``).
+  the logged loss (the mean over ranks), those of one process on the global batch. Evaluation's per-token outputs
+  (``predict``, ``compute_metrics``) are the group's slices gathered back into the row, each rank keeping its own
+  micro-batch's tokens (``SequenceParallelForward.own_tokens``), then re-padded as above: every rank hands the
+  trainer its own examples, so its gather over processes counts each example once. A loss the trainer computes
+  from the logits (label smoothing, ``compute_loss_func``) is refused.
 
 :class:`HFTrainerPatch` is also the base of TRL's ``SFTTrainer`` plugin (:mod:`.trl_sft`), which changes only
 what its methods below say they are for.
@@ -71,6 +73,7 @@ class HFTrainerPatch(TrainerPatch):
 
     kind = "hf"
     sequence_parallel = True
+    gathers_logits = True
 
     @classmethod
     def claims(cls, trainer: Any) -> bool:
@@ -260,12 +263,6 @@ class HFTrainerPatch(TrainerPatch):
         batch carries reach ``compute_metrics``.
         """
         trainer = self.trainer
-        if not prediction_loss_only and self.splits_rows():
-            raise PadfreeError(
-                f"sequence_parallel.size: {sequence_parallel_size(self.assembly.config)}: prediction / evaluation "
-                "with logits (trainer.predict, prediction_loss_only=False) would return this rank's slice of its "
-                "group's row, not its own examples' outputs. Evaluate the loss alone (trainer.evaluate() without "
-                "compute_metrics), or predict with sequence_parallel.size: 1")
         batch_as_given = inputs
         inputs = trainer._prepare_inputs(inputs)
         has_labels = bool(trainer.label_names) and all(inputs.get(k) is not None for k in trainer.label_names)
@@ -303,8 +300,11 @@ class HFTrainerPatch(TrainerPatch):
             ignore_keys = list(getattr(getattr(unwrap_model(model), "config", None), "keys_to_ignore_at_inference",
                                        ["past_key_values"]))
         skip = (*ignore_keys, "loss")
-        logits = tuple(self.repad(v, inputs, None) for k, v in self.metric_outputs(outputs)
-                       if k not in skip and v is not None)
+        kept = [(k, v) for k, v in self.metric_outputs(outputs) if k not in skip and v is not None]
+        values = [v for _, v in kept]
+        if self.splits_rows():  # this rank's slice of the group's row -> its own micro-batch's tokens
+            values = self.assembly.forward.own_tokens(kept, inputs)
+        logits = tuple(self.repad(v, inputs, None) for v in values)
         labels = None
         if has_labels:
             labels = tuple(self.repad(inputs[k], inputs, -100) for k in trainer.label_names)

@@ -10,7 +10,9 @@ its own contiguous slice of the tokens.
   slice; ``remove()`` (in ``patch.handles``) undoes it;
 * :class:`SequenceParallelForward` — the assembly's forward under sequence parallelism: the group's micro-batches
   exchanged into one row (:func:`gather_rows`), shifted, padded and sliced
-  (:mod:`padfree_plugins.packing.sequence_parallel`), this rank's slice through the model.
+  (:mod:`padfree_plugins.packing.sequence_parallel`), this rank's slice through the model; for evaluation's
+  metrics, :meth:`SequenceParallelForward.own_tokens` gathers the group's output slices back into the row and cuts
+  out this rank's own micro-batch.
 
 The loss: each rank's loss is the sum over its slice's tokens divided by ``num_items_in_batch``. A caller that
 counts the labels of every rank's micro-batch and sums them over all ranks (HF ``Trainer`` with
@@ -22,7 +24,7 @@ forward divides by its group's label count and multiplies by the group size, whi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -36,7 +38,7 @@ from padfree_plugins.modeling.mixers import PACKED_ROW, sequence_mixers
 from padfree_plugins.modeling.patching import ModelPatch, own_attribute, restore_attributes
 from padfree_plugins.packing.batch import PackedBatch, packed_tokens
 from padfree_plugins.packing.sequence_parallel import CU_KEYS, DROPPED_KEYS, MAX_KEYS, is_token_key, join_rows, \
-    slice_row
+    padded_length, slice_row
 
 __all__ = ["SequenceGroup", "SequenceParallelForward", "SequenceParallelPatch", "WholeRowMixer", "gather_rows",
            "sequence_group"]
@@ -191,6 +193,11 @@ def _all_gather_padded(value: torch.Tensor, lengths: list[int], dim: int, group:
     return [piece.narrow(dim, 0, length) for piece, length in zip(pieces, lengths)]
 
 
+def join_slices(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The group's row ``[1, T_row, ...]`` of its ranks' slices ``pieces`` (in rank order, the row's order)."""
+    return torch.cat(list(pieces), dim=1)
+
+
 @dataclass
 class SequenceParallelForward:
     """The assembly's ``forward`` under sequence parallelism (see the module docstring): ``forward(model, batch,
@@ -230,3 +237,31 @@ class SequenceParallelForward:
         if scale != 1 and loss is not None:
             outputs["loss"] = loss * scale
         return outputs
+
+    def own_tokens(self, outputs: Sequence[tuple[Any, Any]], batch: Mapping) -> list[torch.Tensor]:
+        """This rank's own micro-batch's tokens ``[1, T_own, ...]`` of the per-token ``outputs`` (``(name, value)``
+        pairs) of its slice ``[1, T_row / N, ...]``: the group's slices all-gathered (rank order is the row's order),
+        the padding segment dropped and this rank's micro-batch cut out of the row, as one process computes it on
+        that micro-batch alone. ``batch``: this rank's micro-batch. For evaluation: no gradient flows back.
+
+        Every rank of the group must call it with the same names (one exchange of the token counts, then one
+        all-gather per output); an output that is not per token of the slice is refused on every rank alike."""
+        count = torch.tensor([packed_tokens(batch)], device=batch["input_ids"].device)
+        counts = [torch.empty_like(count) for _ in range(self.group.size)]
+        dist.all_gather(counts, count, group=self.group.group)
+        sizes = [int(c) for c in counts]
+        local = padded_length(sum(sizes), self.group.size) // self.group.size
+        for name, value in outputs:
+            if not is_token_key(value, local):
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise PadfreeError(
+                    f"sequence_parallel.size: {self.group.size}: the model output {name!r} ({shape}) is not per token "
+                    f"of this rank's slice [1, {local}, ...], so it cannot be gathered into the rank's own examples "
+                    f"for compute_metrics / predict. Leave it out (trainer.predict(..., ignore_keys=[{name!r}]), "
+                    "the same for evaluate) or use sequence_parallel.size: 1")
+        start, own = sum(sizes[:self.group.rank]), []
+        for _, value in outputs:
+            pieces = [torch.empty_like(value) for _ in range(self.group.size)]
+            dist.all_gather(pieces, value.contiguous(), group=self.group.group)
+            own.append(join_slices(pieces).narrow(1, start, sizes[self.group.rank]))
+        return own
