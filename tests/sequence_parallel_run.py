@@ -99,6 +99,7 @@ LAUNCHES = {
         Case("nemotron_h-local-mixer", "nemotron_h", 2, fault="local-mixer"),
         Case("lfm2-local-mixer", "lfm2", 2, fault="local-mixer"),
         Case("qwen3_moe-train", "qwen3_moe", 2, steps=3),
+        Case("qwen3_moe-uncounted", "qwen3_moe", 2, counted=False),
         Case("qwen3_moe-slice-aux", "qwen3_moe", 2, fault="slice-aux"),
         Case("qwen3_moe-slice-statistics", "qwen3_moe", 2, fault="slice-statistics"),
         Case("llama-refused-world", "llama", 4, expect="does not divide the 2 processes"),
@@ -130,8 +131,8 @@ def build(model_type: str, checkpointing: bool = False) -> torch.nn.Module:
     """The tiny model of ``model_type`` in train mode (same weights on every call). Attention sinks random, so that a
     rank using another rank's sinks would show; short convolutions' taps and input projection far larger than the
     initialiser's 0.02, so that a convolution cut at a slice's start shows (by ~0.2 in the gradients, not 1e-4).
-    Routers whose load-balancing loss is trained: weights of ~0.3 (not 0.02), so that no token's top-k pick is near a tie (the
-    loss counts picks; tests/test_sequence_parallel.py asserts the gaps)."""
+    Routers whose load-balancing loss is trained: weights of ~0.3 (not 0.02), so that no token's top-k pick is near
+    a tie (the loss counts picks; tests/test_sequence_parallel.py asserts the gaps)."""
     model = tiny_model(model_type, "causal_lm", vocab_size=VOCAB, **MODELS[model_type])
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():

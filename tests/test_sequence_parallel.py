@@ -29,9 +29,10 @@ import torch
 
 from padfree_plugins import assemble
 from padfree_plugins.batching.distributed import num_label_tokens
-from padfree_plugins.errors import BatchError, BoundaryError, ConfigError
+from padfree_plugins.errors import BatchError, BoundaryError, ConfigError, PadfreeError
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup, kv_repeats
 from padfree_plugins.modeling.patching import _check_packed_boundaries, _check_slice_boundaries
+from padfree_plugins.modeling.router_aux import RouterAux, router_statistics, switch_loss
 from padfree_plugins.packing.sequence_parallel import join_rows, padded_length, slice_row
 from padfree_plugins.testing.models import random_examples, tiny_model
 from tests import sequence_parallel_run as worker
@@ -157,6 +158,33 @@ def test_slice_guard_checks_the_restarts_inside_the_slice():
 
 
 # --- refusals at assemble(), model untouched ---------------------------------------------------------------------
+
+
+def test_router_statistics_give_transformers_load_balancing_loss():
+    """The sums the group reduces (expert picks, router probabilities, rows) give transformers' own loss, also for
+    the first rows of a slice only (the padding segment left out)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    generator = torch.Generator().manual_seed(0)
+    layers = tuple(torch.randn(23, 6, generator=generator) for _ in range(3))
+    want = load_balancing_loss_func(layers, 6, 2)
+    torch.testing.assert_close(switch_loss(*router_statistics(layers, 2)), want, rtol=1e-6, atol=1e-7)
+    first = load_balancing_loss_func(tuple(layer[:17] for layer in layers), 6, 2)
+    torch.testing.assert_close(switch_loss(*router_statistics(layers, 2, rows=17)), first, rtol=1e-6, atol=1e-7)
+
+
+def test_a_router_aux_loss_that_is_not_the_load_balancing_loss_is_refused():
+    """A family whose ``aux_loss`` is another function of its router logits cannot be reduced from these sums."""
+    generator = torch.Generator().manual_seed(0)
+    layers = tuple(torch.randn(11, 4, generator=generator) for _ in range(2))
+    aux = switch_loss(*router_statistics(layers, 2))
+    router = RouterAux(top_k=2, coefficient=0.1)
+    router.check({"router_logits": layers, "aux_loss": aux}, "Tiny")
+    with pytest.raises(PadfreeError, match=r"Tiny's router aux loss .* is not the load-balancing loss.*Set "
+                                           r"output_router_logits=False"):
+        router.check({"router_logits": layers, "aux_loss": aux * 1.5}, "Tiny")
+    with pytest.raises(PadfreeError, match=r"top-3"):  # another top-k counts other picks
+        RouterAux(top_k=3, coefficient=0.1).check({"router_logits": layers, "aux_loss": aux}, "Tiny")
 
 
 def untouched(model, implementation) -> bool:

@@ -211,3 +211,18 @@ def test_accelerates_sequence_and_context_parallelism_are_refused(monkeypatch, c
     split = types.SimpleNamespace(cp_enabled=cp, sp_enabled=sp)
     monkeypatch.setattr(type(trainer.accelerator), "parallelism_config", property(lambda self: split))
     assert_refused(trainer, PadfreeError, match, config=TRAINER_CONFIG)
+
+
+def test_sft_with_the_router_aux_loss_is_refused(fake_group):
+    """TRL adds the MoE load-balancing term itself, after the rank scaling: not yet each rank's share of the group's
+    row (the model's loss carries the share: tests/test_sequence_parallel.py), so SFTTrainer refuses it, untouched."""
+    from padfree_plugins.data.tokenizer import train_tokenizer
+
+    tokenizer = train_tokenizer(["a tiny corpus for a tiny tokenizer"] * 4, vocab_size=280)
+    args = trl.SFTConfig(output_dir=tempfile.mkdtemp(), report_to="none", use_cpu=True, bf16=False,
+                         disable_tqdm=True)
+    trainer = trl.SFTTrainer(model=load_example().tiny_llama(), args=args,
+                             train_dataset=datasets.Dataset.from_list(rows(8, 0)), processing_class=tokenizer)
+    trainer.aux_loss_enabled = True  # what TRL sets for an MoE model with output_router_logits
+    assert_refused(trainer, ConfigError, r"SFTTrainer with the MoE router aux loss under sequence parallelism "
+                                         r"\(sequence_parallel.size: 2\).*router_aux_loss_coef=0.0")
