@@ -1,7 +1,8 @@
 """The MoE load-balancing loss (``output_router_logits``) of a sequence-parallel group's row.
 
 transformers' ``load_balancing_loss_func`` (Switch Transformer, the one of Mixtral, Qwen2/3-MoE, OLMoE, gpt-oss,
-GraniteMoE, Jamba … — every family that computes one) is, over the rows ``R`` of every MoE layer's router logits::
+GraniteMoE, Jamba …: the families that compute one, Doge aside) is, over the rows ``R`` of every MoE layer's router
+logits::
 
     aux = E × Σ_e (C_e / R) × (P_e / R)
 
