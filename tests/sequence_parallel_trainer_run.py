@@ -55,8 +55,8 @@ def rows(n: int, seed: int, longest: int = 40) -> list[dict]:
 
 
 def tiny_moe():
-    """A tiny Qwen3-MoE (4 experts, top-2) trained with its load-balancing loss; routers of weights ~0.3 (not 0.02),
-    so that no token's top-k pick is near a tie."""
+    """A tiny Qwen3-MoE (4 experts, top-2) trained with its load-balancing loss; routers of weights ~1 (not 0.02),
+    so that no token's top-k pick is near a tie (the test asserts the gaps)."""
     from padfree_plugins.testing.models import tiny_model
 
     torch.manual_seed(0)
@@ -64,7 +64,7 @@ def tiny_moe():
     with torch.no_grad():
         for module in model.modules():
             if type(module).__name__.endswith("TopKRouter"):
-                module.weight.normal_(0.0, 0.3)
+                module.weight.normal_(0.0, 1.0)
     return model
 
 
