@@ -49,6 +49,8 @@ MODELS = {
     "qwen3_5_text": {},  # gated delta rule layers around a full-attention one
     "nemotron_h": {},  # Mamba2 layers, attention, MoE
     "lfm2": {"layer_types": ["conv", "full_attention", "conv"]},  # the tiny default has no conv layer
+    # routed experts with their load-balancing loss in the loss, weighted so that its gradient shows
+    "qwen3_moe": {"output_router_logits": True, "router_aux_loss_coef": 0.5},
 }
 #: Every other hybrid family (tests/hybrids_common.py lists them all), at its tiny defaults (the Mamba2 ones smaller,
 #: below), in the sp2 launch: each runs its sequence mixers (gated delta rule, KDA, Mamba1 / Mamba2, short conv) on
@@ -98,6 +100,10 @@ LAUNCHES = {
         Case("qwen3_5_text-local-mixer", "qwen3_5_text", 2, fault="local-mixer"),
         Case("nemotron_h-local-mixer", "nemotron_h", 2, fault="local-mixer"),
         Case("lfm2-local-mixer", "lfm2", 2, fault="local-mixer"),
+        Case("qwen3_moe-train", "qwen3_moe", 2, steps=3),
+        Case("qwen3_moe-uncounted", "qwen3_moe", 2, counted=False),
+        Case("qwen3_moe-slice-aux", "qwen3_moe", 2, fault="slice-aux"),
+        Case("qwen3_moe-slice-statistics", "qwen3_moe", 2, fault="slice-statistics"),
         Case("llama-refused-world", "llama", 4, expect="does not divide the 2 processes"),
         Case("llama-refused-heads-and-world", "llama", 3,
              expect="cannot split (Ulysses gives each rank heads/size of them); and 3 does not divide the 2 processes; "
@@ -110,6 +116,7 @@ LAUNCHES = {
         Case("qwen3-sp4", "qwen3", 4),
         Case("qwen3_5_text-sp2xdp2", "qwen3_5_text", 2),
         Case("qwen3_5_text-sp4", "qwen3_5_text", 4),
+        Case("qwen3_moe-sp2xdp2-train", "qwen3_moe", 2, steps=3),
     ],
 }
 WORLDS = {"sp2": 2, "sp4": 4}
@@ -125,7 +132,9 @@ def micro_batches(world: int) -> list[list[list[dict]]]:
 def build(model_type: str, checkpointing: bool = False) -> torch.nn.Module:
     """The tiny model of ``model_type`` in train mode (same weights on every call). Attention sinks random, so that a
     rank using another rank's sinks would show; short convolutions' taps and input projection far larger than the
-    initialiser's 0.02, so that a convolution cut at a slice's start shows (by ~0.2 in the gradients, not 1e-4)."""
+    initialiser's 0.02, so that a convolution cut at a slice's start shows (by ~0.2 in the gradients, not 1e-4).
+    Routers whose load-balancing loss is trained: weights of ~0.3 (not 0.02), so that no token's top-k pick is near
+    a tie (the loss counts picks; tests/test_sequence_parallel.py asserts the gaps)."""
     model = tiny_model(model_type, "causal_lm", vocab_size=VOCAB, **MODELS[model_type])
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -133,6 +142,8 @@ def build(model_type: str, checkpointing: bool = False) -> torch.nn.Module:
             if name.endswith(".sinks"):
                 parameter.normal_(0.0, 1.0, generator=generator)
         for module in model.modules():
+            if type(module).__name__.endswith("TopKRouter") and model.config.output_router_logits:
+                module.weight.normal_(0.0, 0.3, generator=generator)  # expert picks far from ties
             if type(module).__name__.endswith("ShortConv"):
                 module.conv.weight.normal_(0.0, 1.0, generator=generator)
                 module.in_proj.weight.normal_(0.0, 0.1, generator=generator)
@@ -285,6 +296,24 @@ def scan_locally(rank: int):
 
 
 @contextlib.contextmanager
+def aux_of_the_slice(rank: int):
+    """Each rank keeps the model's own router aux loss: its slice's load-balancing loss, not the group row's."""
+    from padfree_plugins.modeling.sequence_parallel import SequenceParallelForward
+
+    with patched(SequenceParallelForward, "share_router_aux", lambda self, model, local, outputs: None):
+        yield
+
+
+@contextlib.contextmanager
+def statistics_of_the_slice(rank: int):
+    """Each rank's share is made from its slice's expert picks and token count, not reduced over the group."""
+    from padfree_plugins.modeling import router_aux
+
+    with patched(router_aux, "group_statistics", lambda counts, rows, group: (counts.detach(), rows.detach())):
+        yield
+
+
+@contextlib.contextmanager
 def patched(owner, name: str, value):
     saved = owner.__dict__[name]
     setattr(owner, name, value)
@@ -295,7 +324,7 @@ def patched(owner, name: str, value):
 
 
 FAULTS = {"local-attention": attend_locally, "labels-after-cut": labels_shifted_after_cut,
-          "local-mixer": scan_locally}
+          "local-mixer": scan_locally, "slice-aux": aux_of_the_slice, "slice-statistics": statistics_of_the_slice}
 
 
 if __name__ == "__main__":

@@ -38,6 +38,9 @@ CASES = {
                          "split_batches": True},
     "hf-accumulation": {"kind": "hf", "accumulation": 2, "checkpointing": False, "strategy": "tokens"},
     "sft": {"kind": "sft", "accumulation": 2, "checkpointing": True, "strategy": "tokens"},
+    # the MoE load-balancing loss is the row's: each global batch is the group's row, as one process trains it
+    "hf-moe-aux": {"kind": "hf", "accumulation": 1, "checkpointing": False, "strategy": "examples",
+                   "split_batches": True, "model": "moe"},
 }
 EVAL_BATCH = 2  # per rank; the reference evaluates the group's 2 x 2 examples as one batch
 SPLIT_BATCH = 4  # split_batches=True: the examples of a global batch, 2 per rank (training and evaluation)
@@ -143,6 +146,26 @@ def rows(n: int, seed: int, longest: int = 40) -> list[dict]:
     return out
 
 
+def tiny_moe():
+    """A tiny Qwen3-MoE (4 experts, top-2) trained with its load-balancing loss; routers of weights ~1 (not 0.02),
+    so that no token's top-k pick is near a tie (the test asserts the gaps)."""
+    from padfree_plugins.testing.models import tiny_model
+
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_moe", "causal_lm", vocab_size=256, output_router_logits=True, router_aux_loss_coef=0.5)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith("TopKRouter"):
+                module.weight.normal_(0.0, 1.0)
+    return model
+
+
+def make_model(case: str):
+    from tests.test_distributed import load_example
+
+    return tiny_moe() if CASES[case].get("model") == "moe" else load_example().tiny_llama()
+
+
 def make_trainer(case: str, output_dir: str, config: dict, *, ranks: int | None = None):
     """The trainer of ``case``, accelerated with ``config``. ``ranks``: the one-process reference, trained on the
     global batches of that many ranks (their plan, every rank's micro-batches of a step accumulated; under
@@ -154,8 +177,6 @@ def make_trainer(case: str, output_dir: str, config: dict, *, ranks: int | None 
     from padfree_plugins import accelerate
     from padfree_plugins.batching.sampler import token_budget_dataloader
     from padfree_plugins.data.tokenizer import train_tokenizer
-    from tests.test_distributed import load_example
-
     spec = CASES[case]
     split = spec.get("split_batches", False)
     accumulation = spec["accumulation"] * (1 if split else ranks or 1)
@@ -170,7 +191,7 @@ def make_trainer(case: str, output_dir: str, config: dict, *, ranks: int | None 
     if spec["strategy"] == "examples":  # per_device_train_batch_size examples per micro-batch, 4 steps
         config = {key: value for key, value in config.items() if key != "batching"}
         settings["max_steps"] = 4
-    model = load_example().tiny_llama()
+    model = make_model(case)
     train, evaluation = datasets.Dataset.from_list(rows(64, 0)), datasets.Dataset.from_list(rows(8, 1))
     if spec["kind"] == "sft":
         tokenizer = train_tokenizer(["a tiny corpus for a tiny tokenizer"] * 4, vocab_size=280)

@@ -2,16 +2,19 @@
 
 Unit tests of the row arithmetic (join_rows / slice_row, kv_repeats, the slice guard) run without processes. The
 distributed runs are two torchrun launches of tests/sequence_parallel_run.py on CPU (gloo): ``sp2`` (2 processes:
-SP=2 for six model types and every other hybrid family, gradient checkpointing, a 3-step SGD run, the deliberate
+SP=2 for seven model types and every other hybrid family, gradient checkpointing, 3-step SGD runs, the deliberate
 faults, a refusal) and ``sp4`` (4 processes: SP=2 x DP=2 and SP=4); each runs all its cases in one launch and writes
 one result file per case.
-The reference is computed here: one process, no sequence parallelism, every micro-step's examples of all ranks
-packed into one row in rank order, the loss over ``num_items_in_batch`` = its label count.
+The reference is computed here: one process, no sequence parallelism, every micro-step's examples of each group's
+ranks packed into one row in rank order (the rows of the groups accumulated), the loss over ``num_items_in_batch``
+= the micro-step's label count. A row is what a group trains: the MoE load-balancing loss (Qwen3-MoE with
+``output_router_logits``) is the row's, not a sum over tokens.
 
 Tolerance: the summed loss within 1e-5 and every gradient (and, for training, every weight) within 1e-5
 **absolute**; the gradients compared are O(1e-2 .. 1), so this is far below their scale. Each deliberate fault
-(a rank attending to its slice alone, labels shifted after the cut, a mixer scanning its slice alone) must differ by
-more than 1e-3 from the same reference: the comparison has teeth.
+(a rank attending to its slice alone, labels shifted after the cut, a mixer scanning its slice alone, a router aux
+loss of the slice or of the slice's expert statistics) must differ by more than 1e-3 from the same reference: the
+comparison has teeth.
 """
 
 from __future__ import annotations
@@ -26,14 +29,16 @@ import torch
 
 from padfree_plugins import assemble
 from padfree_plugins.batching.distributed import num_label_tokens
-from padfree_plugins.errors import BatchError, BoundaryError, ConfigError
+from padfree_plugins.errors import BatchError, BoundaryError, ConfigError, PadfreeError
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup, kv_repeats
 from padfree_plugins.modeling.patching import _check_packed_boundaries, _check_slice_boundaries
+from padfree_plugins.modeling.router_aux import RouterAux, router_statistics, switch_loss
 from padfree_plugins.packing.sequence_parallel import join_rows, padded_length, slice_row
 from padfree_plugins.testing.models import random_examples, tiny_model
 from tests import sequence_parallel_run as worker
 from tests.hybrids_common import ATTENTION_FREE, HYBRIDS
 from tests.test_distributed import ROOT, free_port, run_group
+from tests.ties import assert_clear
 
 TOLERANCE = 1e-5
 FAULT_GAP = 1e-3
@@ -155,6 +160,33 @@ def test_slice_guard_checks_the_restarts_inside_the_slice():
 # --- refusals at assemble(), model untouched ---------------------------------------------------------------------
 
 
+def test_router_statistics_give_transformers_load_balancing_loss():
+    """The sums the group reduces (expert picks, router probabilities, rows) give transformers' own loss, also for
+    the first rows of a slice only (the padding segment left out)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    generator = torch.Generator().manual_seed(0)
+    layers = tuple(torch.randn(23, 6, generator=generator) for _ in range(3))
+    want = load_balancing_loss_func(layers, 6, 2)
+    torch.testing.assert_close(switch_loss(*router_statistics(layers, 2)), want, rtol=1e-6, atol=1e-7)
+    first = load_balancing_loss_func(tuple(layer[:17] for layer in layers), 6, 2)
+    torch.testing.assert_close(switch_loss(*router_statistics(layers, 2, rows=17)), first, rtol=1e-6, atol=1e-7)
+
+
+def test_a_router_aux_loss_that_is_not_the_load_balancing_loss_is_refused():
+    """A family whose ``aux_loss`` is another function of its router logits cannot be reduced from these sums."""
+    generator = torch.Generator().manual_seed(0)
+    layers = tuple(torch.randn(11, 4, generator=generator) for _ in range(2))
+    aux = switch_loss(*router_statistics(layers, 2))
+    router = RouterAux(top_k=2, coefficient=0.1)
+    router.check({"router_logits": layers, "aux_loss": aux}, "Tiny")
+    with pytest.raises(PadfreeError, match=r"Tiny's router aux loss .* is not the load-balancing loss.*Set "
+                                           r"output_router_logits=False"):
+        router.check({"router_logits": layers, "aux_loss": aux * 1.5}, "Tiny")
+    with pytest.raises(PadfreeError, match=r"top-3"):  # another top-k counts other picks
+        RouterAux(top_k=3, coefficient=0.1).check({"router_logits": layers, "aux_loss": aux}, "Tiny")
+
+
 def untouched(model, implementation) -> bool:
     return model.config._attn_implementation == implementation and not any(
         "forward" in module.__dict__ for module in model.modules())
@@ -251,20 +283,26 @@ def launch(name: str, out) -> dict:
 
 @functools.cache
 def reference(model_type: str, world: int, steps: int = 1, checkpointing: bool = False,
-              labelled: bool = False) -> dict:
-    """One process on the same global batches: each micro-step's examples of every rank in one row, in rank order."""
+              labelled: bool = False, sp: int | None = None) -> dict:
+    """One process on the same global batches: each micro-step's examples of every group of ``sp`` ranks (all
+    ranks: ``None``) in one row, in rank order, the rows accumulated, the loss over the micro-step's label count."""
     model = worker.build(model_type, checkpointing)
     assembly = assemble(model, {"attention": "exact"})
     optimizer = torch.optim.SGD(model.parameters(), lr=worker.LR)
+    sp = sp or world
+    gaps: list = []
+    hooks = [module.register_forward_hook(functools.partial(record_pick_gaps, gaps, model.config))
+             for module in model.modules() if type(module).__name__.endswith("TopKRouter")]
     losses = []
     for _ in range(steps):
         total = 0.0
         for micro in worker.micro_batches(world):
-            examples = [example for rank in micro for example in rank]
-            count = num_label_tokens(assembly.collator(examples))
-            loss = worker.loss_of(assembly, model, examples, count, labelled)
-            loss.backward()
-            total += loss.item()
+            count = num_label_tokens(assembly.collator([example for rank in micro for example in rank]))
+            for start in range(0, world, sp):
+                examples = [example for rank in micro[start:start + sp] for example in rank]
+                loss = worker.loss_of(assembly, model, examples, count, labelled)
+                loss.backward()
+                total += loss.item()
         losses.append(total)
         grads = {name: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
                  for name, p in model.named_parameters()}
@@ -272,8 +310,17 @@ def reference(model_type: str, world: int, steps: int = 1, checkpointing: bool =
             optimizer.step()
         optimizer.zero_grad()
     assembly.undo()
-    return {"losses": losses, "grads": grads,
+    for hook in hooks:
+        hook.remove()
+    return {"losses": losses, "grads": grads, "pick_gaps": torch.cat(gaps) if gaps else None,
             "state": {name: p.detach().clone() for name, p in model.named_parameters()}}
+
+
+def record_pick_gaps(gaps: list, config, module, args, output) -> None:
+    """The gap between every token's k-th and (k+1)-th router logit: where an expert pick (which the load-balancing
+    loss counts) could flip."""
+    top = output[0].detach().double().topk(config.num_experts_per_tok + 1, dim=-1).values
+    gaps.append(top[..., -2] - top[..., -1])
 
 
 def result(launches, launch_name: str, case: worker.Case) -> dict:
@@ -345,13 +392,15 @@ def test_sequence_parallel_equals_one_process(launches, launch_name, case):
         assert run["implementation"] == f"padfree_exact_sp{case.sp}"
     assert (run["mixers"] > 0) == (case.model_type in worker.HYBRID_TYPES)
     assert (run["tiled"] > 0) == (case.tile_tokens is not None)  # tiled against the untiled reference
-    want = reference(case.model_type, run["world"], case.steps, case.checkpointing, case.labelled)
+    want = reference(case.model_type, run["world"], case.steps, case.checkpointing, case.labelled, case.sp)
     diff = differences(run, want)
     scale = max(g.abs().max().item() for g in want["grads"].values())
     print(f"{case.name}: loss {diff['loss']:.1e}, grad {diff['grad']:.1e} (largest grad {scale:.2f}), "
           f"weight {diff['weight']:.1e}")
     assert diff["loss"] < TOLERANCE and diff["grad"] < TOLERANCE and diff["weight"] < TOLERANCE, diff
     assert scale > 1e-2  # gradients far above the tolerance
+    if worker.MODELS[case.model_type].get("output_router_logits"):  # the load-balancing loss counts expert picks
+        assert_clear(want["pick_gaps"], "router top-k gaps")
     if case.steps > 1:
         initial = {name: p.detach() for name, p in worker.build(case.model_type).named_parameters()}
         moved = max((want["state"][k] - initial[k]).abs().max().item() for k in initial)
@@ -368,7 +417,7 @@ def test_every_hybrid_family_is_tested_under_sequence_parallelism():
 @pytest.mark.parametrize("launch_name, case", cases("sp2", faulty=True))
 def test_a_deliberate_fault_fails_the_comparison(launches, launch_name, case):
     run = result(launches, launch_name, case)
-    diff = differences(run, reference(case.model_type, run["world"]))
+    diff = differences(run, reference(case.model_type, run["world"], sp=case.sp))
     print(f"{case.name}: loss {diff['loss']:.1e}, grad {diff['grad']:.1e}")
     assert diff["grad"] > FAULT_GAP, diff
 

@@ -2,7 +2,8 @@
 (gloo): each rank loads its own micro-batch, the group trains their joined row, each rank computing half of it.
 
 One launch (tests/sequence_parallel_trainer_run.py) trains HF ``Trainer`` (gradient checkpointing; gradient
-accumulation 2; accelerate's ``split_batches=True``, each global batch split across the ranks), TRL ``SFTTrainer``
+accumulation 2; accelerate's ``split_batches=True``, each global batch split across the ranks; a tiny Qwen3-MoE
+with its router aux loss, split batches, so that the group's row is the one process's batch), TRL ``SFTTrainer``
 (accumulation 2 and checkpointing) and examples/accelerate_loop.py's loop; each
 equals one process on the same global batches (both ranks' micro-batches of a step), to 1e-5: the logged losses
 (the trainer logs the mean over ranks of ``2 x slice losses / global label count``: the one-process loss), the final
@@ -28,8 +29,10 @@ from transformers import Trainer, TrainingArguments
 from padfree_plugins import ConfigError, PadfreeError, accelerate, load_config, patch_of
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup
 from tests.sequence_parallel_trainer_run import CASES, EVAL_BATCH, PREDICT_ROWS, SP_CONFIG, SPLIT_BATCH, \
-    TRAINER_CONFIG, make_trainer, predict_trainer, predicted, rows, sft_predicted, trainer_result
+    TRAINER_CONFIG, make_model, make_trainer, predict_trainer, predicted, rows, sft_predicted, trainer_result
 from tests.test_distributed import ROOT, free_port, load_example, reference_training, run_group
+from tests.test_sequence_parallel import record_pick_gaps
+from tests.ties import assert_clear
 
 trl = pytest.importorskip("trl")
 
@@ -49,17 +52,18 @@ def launched(tmp_path_factory) -> dict:
     return torch.load(out, weights_only=False)
 
 
-@functools.lru_cache(maxsize=1)
-def initial_weights() -> dict:
-    return {name: p.detach().clone() for name, p in load_example().tiny_llama().named_parameters()}
+@functools.lru_cache(maxsize=2)
+def initial_weights(case: str = "loop") -> dict:
+    model = load_example().tiny_llama() if case == "loop" else make_model(case)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def differences(run: dict, want: dict) -> tuple[float, float]:
+def differences(run: dict, want: dict, case: str = "loop") -> tuple[float, float]:
     assert len(run["losses"]) == len(want["losses"]) >= 3
     assert run["state"].keys() == want["state"].keys()
     loss = max(abs(a - b) for a, b in zip(run["losses"], want["losses"]))
     weight = max((run["state"][k] - want["state"][k]).abs().max().item() for k in want["state"])
-    moved = max((want["state"][k] - initial_weights()[k]).abs().max().item() for k in want["state"])
+    moved = max((want["state"][k] - initial_weights(case)[k]).abs().max().item() for k in want["state"])
     assert moved > 100 * TOLERANCE  # the weights moved far more than the tolerance: the comparison has teeth
     return loss, weight
 
@@ -68,9 +72,16 @@ def differences(run: dict, want: dict) -> tuple[float, float]:
 def test_trainer_under_sequence_parallelism_equals_one_process(launched, case):
     run = launched[case]
     trainer, _ = make_trainer(case, tempfile.mkdtemp(), TRAINER_CONFIG, ranks=2)
+    gaps: list = []
+    hooks = [module.register_forward_hook(functools.partial(record_pick_gaps, gaps, trainer.model.config))
+             for module in trainer.model.modules() if type(module).__name__.endswith("TopKRouter")]
     trainer.train()
+    for hook in hooks:
+        hook.remove()
+    if CASES[case].get("model") == "moe":  # the load-balancing loss counts expert picks: none near a tie
+        assert_clear(torch.cat(gaps), "router top-k gaps")
     want = trainer_result(trainer)
-    loss, weight = differences(run, want)
+    loss, weight = differences(run, want, case)
     evaluation = abs(run["eval_loss"] - want["eval_loss"])
     print(f"{case}: max loss difference {loss:.2e}, max weight difference {weight:.2e}, eval_loss {evaluation:.2e}")
     assert loss < TOLERANCE and weight < TOLERANCE and evaluation < TOLERANCE
@@ -293,3 +304,18 @@ def test_accelerates_sequence_and_context_parallelism_are_refused(monkeypatch, c
     split = types.SimpleNamespace(cp_enabled=cp, sp_enabled=sp)
     monkeypatch.setattr(type(trainer.accelerator), "parallelism_config", property(lambda self: split))
     assert_refused(trainer, PadfreeError, match, config=TRAINER_CONFIG)
+
+
+def test_sft_with_the_router_aux_loss_is_refused(fake_group):
+    """TRL adds the MoE load-balancing term itself, after the rank scaling: not yet each rank's share of the group's
+    row (the model's loss carries the share: tests/test_sequence_parallel.py), so SFTTrainer refuses it, untouched."""
+    from padfree_plugins.data.tokenizer import train_tokenizer
+
+    tokenizer = train_tokenizer(["a tiny corpus for a tiny tokenizer"] * 4, vocab_size=280)
+    args = trl.SFTConfig(output_dir=tempfile.mkdtemp(), report_to="none", use_cpu=True, bf16=False,
+                         disable_tqdm=True)
+    trainer = trl.SFTTrainer(model=load_example().tiny_llama(), args=args,
+                             train_dataset=datasets.Dataset.from_list(rows(8, 0)), processing_class=tokenizer)
+    trainer.aux_loss_enabled = True  # what TRL sets for an MoE model with output_router_logits
+    assert_refused(trainer, ConfigError, r"SFTTrainer with the MoE router aux loss under sequence parallelism "
+                                         r"\(sequence_parallel.size: 2\).*router_aux_loss_coef=0.0")

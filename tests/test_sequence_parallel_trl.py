@@ -176,7 +176,8 @@ def test_a_call_another_rank_cannot_pack_runs_padded_on_every_rank(one_rank_grou
     ({"aux_loss_enabled": True}, r"MoE router aux loss under sequence parallelism.*router_aux_loss_coef=0.0"),
 ])
 def test_what_sequence_parallel_dpo_cannot_do_is_refused(state, match):
-    """Image-text calls are not split across ranks, and the MoE load-balancing loss is not a sum over tokens."""
+    """Image-text calls are not split across ranks, and the fused calls do not take each rank's share of the MoE
+    load-balancing loss of the group's row."""
     import types
 
     from padfree_plugins import ConfigError, load_config

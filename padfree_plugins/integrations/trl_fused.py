@@ -498,8 +498,9 @@ class FusedTrainerPatch:
                               "sequence_parallel.size: 1")
         if size > 1 and getattr(trainer, "aux_loss_enabled", False):
             raise ConfigError(f"{name} with the MoE router aux loss under sequence parallelism (sequence_parallel."
-                              f"size: {size}): the load-balancing loss is not a sum over tokens, and each rank "
-                              "routes a slice of the group's row. Set router_aux_loss_coef=0.0, or train with "
+                              f"size: {size}): each rank routes a slice of the group's row, and the fused "
+                              "log-probability calls do not yet take each rank's share of the row's load-balancing "
+                              "loss (HF Trainer does). Set router_aux_loss_coef=0.0, or train with "
                               "sequence_parallel.size: 1")
         # packed with images: a vision dataset, on a vision-language family (a VLM on text alone: refused)
         if vision and self.packs_media and images and media_collator(self.assembly) is None:

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from padfree_plugins.contract.hookspecs import hookimpl
-from padfree_plugins.errors import PadfreeError
+from padfree_plugins.errors import ConfigError, PadfreeError
 from padfree_plugins.integrations.base import TrainerCollator, keeps_methods, library_class
-from padfree_plugins.integrations.checks import check_token_budget, note_trl_eval_packing
+from padfree_plugins.integrations.checks import check_token_budget, note_trl_eval_packing, sequence_parallel_size
 from padfree_plugins.integrations.hf_trainer import HFTrainerPatch, uses_own_loss
 from padfree_plugins.packing.batch import INDEX_KEY
 
@@ -145,6 +145,12 @@ class SFTTrainerPatch(HFTrainerPatch):
     def check(self) -> None:
         check_token_budget(self.trainer, self.assembly.config)
         note_trl_eval_packing(self.trainer)
+        if self.splits_rows() and getattr(self.trainer, "aux_loss_enabled", False):
+            raise ConfigError(
+                f"SFTTrainer with the MoE router aux loss under sequence parallelism (sequence_parallel.size: "
+                f"{sequence_parallel_size(self.assembly.config)}): TRL adds its load-balancing term after the rank "
+                "scaling, which does not yet take each rank's share of its group's row (HF Trainer and the plain "
+                "loop do). Set router_aux_loss_coef=0.0, train with HF Trainer, or sequence_parallel.size: 1")
         if vision_collator(self.trainer) is not None and getattr(self.assembly.collator, "media_keys", None) is None:
             raise PadfreeError(
                 f"the SFTTrainer's dataset holds images (TRL's vision-language collator), but the "

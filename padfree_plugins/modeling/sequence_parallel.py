@@ -20,6 +20,10 @@ counts the labels of every rank's micro-batch and sums them over all ranks (HF `
 number of processes before ``backward`` (DDP averages gradients) trains exactly as one process on the global
 batch: every token is in one slice, so the DP all-reduce sums the slices' gradients. Without a count the
 forward divides by its group's label count and multiplies by the group size, which is the per-replica mean.
+
+The MoE load-balancing loss (``output_router_logits``) follows the same convention: the model's ``aux_loss`` (its
+slice's) is replaced by this rank's share of the group row's (:mod:`padfree_plugins.modeling.router_aux`), in
+``aux_loss`` and in the loss; the shares sum over the group to one process's value and gradient.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from padfree_plugins.errors import ConfigError, PadfreeError
 from padfree_plugins.modeling import attention
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup, gather_sequence
 from padfree_plugins.modeling.mixers import PACKED_ROW, sequence_mixers
-from padfree_plugins.modeling.patching import ModelPatch, own_attribute, restore_attributes
+from padfree_plugins.modeling.patching import ModelPatch, own_attribute, restore_attributes, unwrap_model
+from padfree_plugins.modeling.router_aux import RouterAux
 from padfree_plugins.packing.batch import PackedBatch, packed_tokens
 from padfree_plugins.packing.sequence_parallel import CU_KEYS, DROPPED_KEYS, MAX_KEYS, is_token_key, join_rows, \
     padded_length, slice_row
@@ -207,6 +212,8 @@ class SequenceParallelForward:
     inner: Any
     group: SequenceGroup
     pad_token_id: int = 0
+    #: Whether the model's router aux loss was checked to be the load-balancing loss the group reduces (once).
+    checked_router_aux: bool = False
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name == "inner":
@@ -215,10 +222,12 @@ class SequenceParallelForward:
 
     def slice(self, batch: Mapping) -> PackedBatch:
         """This rank's slice of the group's row (the exchange of the ranks' micro-batches included); with labelled
-        logits only when ``batch`` asked for them (``logits_to_keep``), computed on the slice."""
+        logits only when ``batch`` asked for them (``logits_to_keep``), computed on the slice. Its ``row_tokens``
+        are the row's real tokens (the padding segment after them)."""
         labelled = "logits_to_keep" in batch
-        local = slice_row(join_rows(gather_rows(batch, self.group)), self.group.rank, self.group.size,
-                          self.pad_token_id)
+        row = join_rows(gather_rows(batch, self.group))
+        local = slice_row(row, self.group.rank, self.group.size, self.pad_token_id)
+        local.row_tokens = packed_tokens(row)
         if labelled and "labels" in local:  # its labels are shifted already: keep the positions that have one
             positions = torch.nonzero(local["labels"][0] != -100).reshape(-1)
             local.update(logits_to_keep=positions, shift_labels=local["labels"][:, positions])
@@ -233,6 +242,8 @@ class SequenceParallelForward:
             kwargs["num_items_in_batch"] = count
             scale = self.group.size
         outputs = self.inner(model, local, **kwargs)
+        if isinstance(outputs, Mapping) and outputs.get("aux_loss") is not None and outputs.get("router_logits"):
+            self.share_router_aux(model, local, outputs)
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else None
         if scale != 1 and loss is not None:
             outputs["loss"] = loss * scale
@@ -265,3 +276,24 @@ class SequenceParallelForward:
             dist.all_gather(pieces, value.contiguous(), group=self.group.group)
             own.append(join_slices(pieces).narrow(1, start, sizes[self.group.rank]))
         return own
+
+    def share_router_aux(self, model: Any, local: PackedBatch, outputs: Any) -> None:
+        """``outputs``' ``aux_loss`` (the slice's load-balancing loss) replaced by this rank's share of the group
+        row's, in the loss too where the model added it (``loss`` with ``labels``)."""
+        owner = unwrap_model(model)
+        router = RouterAux.of(owner)
+        if router is None:
+            raise PadfreeError(f"{type(owner).__name__} returned a router aux loss but names no num_experts_per_tok "
+                               "and router_aux_loss_coef: sequence parallelism cannot make the group's. Set "
+                               "output_router_logits=False, or train with sequence_parallel.size: 1")
+        if not self.checked_router_aux:
+            router.check(outputs, type(owner).__name__)
+            self.checked_router_aux = True
+        slice_tokens = packed_tokens(local)
+        real = min(max(getattr(local, "row_tokens", slice_tokens * self.group.size)
+                       - self.group.rank * slice_tokens, 0), slice_tokens)
+        share = router.share(outputs["router_logits"], real, self.group)
+        aux = outputs["aux_loss"]
+        if outputs.get("loss") is not None and "labels" in local:
+            outputs["loss"] = outputs["loss"] + router.coefficient * (share - aux).to(outputs["loss"].dtype)
+        outputs["aux_loss"] = share.to(aux.dtype)
