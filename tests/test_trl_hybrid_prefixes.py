@@ -91,8 +91,8 @@ def dpo_run(accelerated: bool, fault=None) -> tuple[list[dict], list[int]]:
     from tests import test_trl_preference
     from tests.test_trainer import tokenizer
 
-    def policy():
-        return slow(hybrid_model("qwen3_5_text", vocab_size=len(tokenizer()))).train()
+    def policy(dtype: torch.dtype = torch.float32):
+        return slow(hybrid_model("qwen3_5_text", vocab_size=len(tokenizer()))).to(dtype).train()
 
     with pytest.MonkeyPatch.context() as patch, fault or contextlib.nullcontext(), \
             record_attention_calls() as calls:
