@@ -63,6 +63,19 @@ class NamesTextColumns(Protocol):
     columns: Sequence[str]
 
 
+class DescribesLabels(Protocol):
+    """Optional: what the dataset checks before training need to check labels and positions as the collator will:
+    ``ignore_index`` (the label of a token without a loss, -100), ``masked_first_keys`` (per-token keys whose first
+    value in every example the collator masks), ``num_labels`` / ``float_labels`` (per-example class labels: how many
+    classes, or float targets), ``position_start`` (the first position id of every example: 2 for RoBERTa)."""
+
+    ignore_index: int
+    masked_first_keys: tuple[str, ...]
+    num_labels: int | None
+    float_labels: bool
+    position_start: int
+
+
 class AsksLabelledLogits(Protocol):
     """Optional (``causal_lm``): ``labelled_logits_only`` True asks trainers to compute ``logits_to_keep`` /
     ``shift_labels`` for each batch and pass them in their own loss call only; every other forward of the batch
@@ -190,7 +203,7 @@ def _attributes(*protocols: type) -> tuple[str, ...]:
 #: Hook -> the optional attributes the framework may read on its answer.
 OPTIONAL_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "collate": _attributes(WrapsPacking, ReadsDatasetColumns, ChecksTrainerDataset, NamesTextColumns,
-                           AsksLabelledLogits, DerivesLabels, PacksMedia),
+                           DescribesLabels, AsksLabelledLogits, DerivesLabels, PacksMedia),
     "task_forward": _attributes(ChecksModel, RunsInsideModelForward, UsesAssemblyPooler, ChoosesMetrics,
                                 SaysLossScaling),
     "wrap_trainer": _attributes(ReportsRun),

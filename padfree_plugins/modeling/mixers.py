@@ -449,10 +449,10 @@ def _run_packed_eagerly(mixer: PackedMixer, row: PackedRow | None, cu: torch.Ten
 def why_no_prompt_state(model: Any, backend: str = "auto") -> str | None:
     """Why a completion's sequence mixers in ``model`` cannot start from its prompt's state (so that prompts cannot be
     shared), or ``None`` (also for a model without sequence mixers). ``backend``: the config's ``mixers``."""
-    for module, forward in sequence_mixers(model):
-        if reason := getattr(forward, "no_prompt_state", ""):
+    for module, mixer in sequence_mixers(model):
+        if reason := getattr(mixer, "no_prompt_state", ""):
             return f"its {type(module).__name__} cannot start a completion from its prompt's state ({reason})"
-        if backend == "kernels" and isinstance(forward, PackedMixer):
+        if backend == "kernels" and isinstance(mixer, PackedMixer):
             return ("mixers: kernels does not yet start a completion's sequence mixers from its prompt's state "
                     "(use mixers: auto or exact)")
     return None
