@@ -4,7 +4,7 @@ HF ``Trainer`` resumes mid-epoch by skipping the batches the checkpoint's step c
 batches of the plan the run trains *now*: had the plan changed (``batching.strategy``, ``max_tokens_per_batch``, the
 seed, the number of processes, the dataset …), the run would skip another plan's steps, training some examples twice
 that epoch and others never. So every checkpoint keeps the plan's fingerprint (:data:`FINGERPRINT_FILE`, written by
-:class:`PlanCallback`), and ``train(resume_from_checkpoint=…)`` refuses a checkpoint of another plan before anything
+:func:`plan_callback`), and ``train(resume_from_checkpoint=…)`` refuses a checkpoint of another plan before anything
 is loaded (:class:`ResumeGuard`), saying what to do: restore the checkpoint's settings, start afresh, or resume the
 weights and optimizer without skipping data (``ignore_data_skip=True``, which the trainer honours by starting the
 epoch from its first batch).
@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from transformers import TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from padfree_plugins.batching.sampler import example_lengths, uses_token_budget
 from padfree_plugins.errors import ConfigError
@@ -69,28 +67,31 @@ def plan_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
             if saved.get(key) != now.get(key)]
 
 
-@dataclass
-class PlanCallback(TrainerCallback):
-    """Writes the plan's fingerprint into every checkpoint the trainer saves."""
+def plan_callback(fingerprint: Callable[[], dict[str, Any]]) -> Any:
+    """A ``TrainerCallback`` that writes the plan's fingerprint (``fingerprint()``) into every checkpoint the trainer
+    saves. (transformers' trainer modules are imported here, not with this module: ``list`` stays light.)"""
+    from transformers import TrainerCallback
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-    fingerprint: Callable[[], dict[str, Any]]
+    class PlanCallback(TrainerCallback):
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            if args.should_save and os.path.isdir(folder):
+                with open(os.path.join(folder, FINGERPRINT_FILE), "w") as file:
+                    json.dump(fingerprint(), file, indent=1)
 
-    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if args.should_save and os.path.isdir(folder):
-            with open(os.path.join(folder, FINGERPRINT_FILE), "w") as file:
-                json.dump(self.fingerprint(), file, indent=1)
+    return PlanCallback()
 
 
 @dataclass
 class ResumeGuard:
-    """The trainer's ``train`` checking a checkpoint's plan before resuming from it, and a :class:`PlanCallback`
+    """The trainer's ``train`` checking a checkpoint's plan before resuming from it, and a :func:`plan_callback`
     (:meth:`install`; :meth:`remove` takes the callback off, the caller restores ``train`` from what it saved)."""
 
     trainer: Any
     fingerprint: Callable[[], dict[str, Any]]
     own_train: Any = None
-    callback: PlanCallback | None = None
+    callback: Any = None
     #: The plan of the current ``train()`` call (computed once per call, written into its checkpoints).
     current: dict[str, Any] | None = field(default=None, repr=False)
 
@@ -99,7 +100,7 @@ class ResumeGuard:
         guard = cls(trainer, fingerprint)
         saved["train"] = own_attribute(trainer, "train")
         guard.own_train = trainer.train
-        guard.callback = PlanCallback(guard.plan)
+        guard.callback = plan_callback(guard.plan)
         trainer.add_callback(guard.callback)
         trainer.train = guard.train
         return guard
@@ -119,6 +120,8 @@ class ResumeGuard:
         checkpoint = kwargs.get("resume_from_checkpoint", args[0] if args else None)
         self.current = None  # the dataset or the process count may have changed since the last call
         if checkpoint is True:
+            from transformers.trainer_utils import get_last_checkpoint
+
             checkpoint = get_last_checkpoint(self.trainer.args.output_dir)  # none found: the trainer says so
         if isinstance(checkpoint, (str, os.PathLike)):
             self.check(str(checkpoint))
