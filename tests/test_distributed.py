@@ -103,6 +103,29 @@ def kill_launch(process: subprocess.Popen, token: str) -> None:
     process.wait()
 
 
+def finish_launches(processes: list[subprocess.Popen], logs: list, token: str, timeout: float) -> list[str]:
+    """Wait for every launch (``timeout`` s, so that a hang fails), kill what is left (:func:`kill_launch`) and return
+    the outputs written to ``logs`` (files open for reading and writing, closed here); a hang or a failed launch fails
+    with its output."""
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        hung = any(p.poll() is None for p in processes)
+        for process in processes:
+            kill_launch(process, token)
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    assert not hung, f"a launch did not finish in {timeout} s:\n" + "\n".join(o[-3000:] for o in outputs)
+    for process, output in zip(processes, outputs):
+        assert process.returncode == 0, output[-6000:]
+    return outputs
+
+
 def reference_training(ranks: int = 2, per_rank_mean: bool = False) -> dict:
     """One process on the same global batches: losses, token counts per rank, final weights. ``per_rank_mean``:
     what a broken normalisation trains instead (each rank's micro-batch divided by its own token count, the ranks'

@@ -12,13 +12,12 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from tests.test_distributed import LOOP_ARGS, ROOT, free_port, kill_launch, reference_run
+from tests.test_distributed import LOOP_ARGS, ROOT, finish_launches, free_port, reference_run
 TOLERANCE = 1e-4
 ENV = {**os.environ, "ACCELERATE_USE_CPU": "true", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
        "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
@@ -31,24 +30,11 @@ def run_nodes(commands: list[list[str]], timeout: float) -> list[str]:
     processes = [subprocess.Popen(command, cwd=ROOT, env={**ENV, "PADFREE_TEST_LAUNCH": token}, stdout=log,
                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
                  for command, log in zip(commands, logs)]
-    deadline = time.monotonic() + timeout
     try:
-        while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
-            time.sleep(0.5)
+        return finish_launches(processes, logs, token, timeout)
     finally:
-        hung = [p.poll() is None for p in processes]
-        for process in processes:
-            kill_launch(process, token)
-    outputs = []
-    for log in logs:
-        log.seek(0)
-        outputs.append(log.read())
-        log.close()
-        os.unlink(log.name)
-    assert not any(hung), f"a node did not finish in {timeout} s:\n" + "\n".join(o[-3000:] for o in outputs)
-    for process, output in zip(processes, outputs):
-        assert process.returncode == 0, output[-6000:]
-    return outputs
+        for log in logs:
+            os.unlink(log.name)
 
 
 def torchrun_node(rank: int, nodes: int, per_node: int, port: int, args: list[str]) -> list[str]:

@@ -12,7 +12,6 @@ import random
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 import warnings
 from pathlib import Path
@@ -67,7 +66,7 @@ def assets(tmp_path_factory) -> Path:
 def run_together(commands: list[list[str]], cwd: Path) -> list[str]:
     """Run command lines side by side (a 300 s timeout, so that a hang fails; every process they started is
     killed at the end) and return their outputs; a failure shows its output."""
-    from tests.test_distributed import kill_launch
+    from tests.test_distributed import finish_launches
 
     token = uuid.uuid4().hex
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
@@ -77,23 +76,7 @@ def run_together(commands: list[list[str]], cwd: Path) -> list[str]:
     processes = [subprocess.Popen(command, cwd=cwd, env={**env, "HF_DATASETS_CACHE": str(cwd / f"datasets-{i}")},
                                   stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
                  for i, (command, log) in enumerate(zip(commands, logs))]
-    deadline = time.monotonic() + 300
-    try:
-        while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
-            time.sleep(0.5)
-    finally:
-        hung = any(p.poll() is None for p in processes)
-        for process in processes:
-            kill_launch(process, token)
-    outputs = []
-    for log in logs:
-        log.seek(0)
-        outputs.append(log.read())
-        log.close()
-    assert not hung, "a run did not finish in 300 s:\n" + "\n".join(o[-3000:] for o in outputs)
-    for process, output in zip(processes, outputs):
-        assert process.returncode == 0, output[-6000:]
-    return outputs
+    return finish_launches(processes, logs, token, 300)
 
 
 def losses(output_dir: Path) -> list[float]:
