@@ -397,10 +397,10 @@ def refuse_sequence_parallel(model: Any, config: PadfreeConfig, resolved: Plan, 
     patched: tasks other than causal LM, encoders, vision-language inputs, heads the group cannot split."""
     size = config.sequence_parallel.size
     where = f"sequence_parallel.size: {size}"
-    if resolved.task.name != "causal_lm":
-        raise ConfigError(f"{where} trains causal language models (task: causal_lm); task {resolved.task.name!r} "
-                          "pools or scores whole examples, which a row split across ranks does not hold: set "
-                          "sequence_parallel.size: 1")
+    if resolved.task.name not in ("causal_lm", "seq_cls"):
+        raise ConfigError(f"{where} trains causal language models (task: causal_lm) and decoder sequence "
+                          f"classifiers (task: seq_cls); task {resolved.task.name!r} pools or scores whole examples "
+                          "in a way a row split across ranks does not hold: set sequence_parallel.size: 1")
     if resolved.architecture.kind != "decoder":
         raise ConfigError(f"{where}: {resolved.architecture.name} is an encoder; sequence parallelism is for "
                           "decoders (causal LM)")

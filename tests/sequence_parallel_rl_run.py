@@ -1,13 +1,15 @@
-"""Worker of tests/test_sequence_parallel_rl.py: TRL ``GRPOTrainer``, ``RLOOTrainer`` and ``KTOTrainer`` on a tiny
-Qwen3, on 2 CPU processes (gloo), each trained in one launch under ``sequence_parallel: {size: 2}`` and as TRL's own
-run (not accelerated) on the same per-rank batches.
+"""Worker of tests/test_sequence_parallel_rl.py: TRL ``GRPOTrainer``, ``RLOOTrainer``, ``KTOTrainer`` and
+``RewardTrainer`` on a tiny Qwen3 (a sequence classifier for the RewardTrainer), on 2 CPU processes (gloo), each
+trained in one launch under ``sequence_parallel: {size: 2}`` and as TRL's own run (not accelerated) on the same
+per-rank batches.
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 tests/sequence_parallel_rl_run.py \
         RUN[,RUN...] OUT
 
 A run is ``KIND-MODE``: ``KIND`` one of :data:`KINDS`, ``MODE`` ``sp`` (size 2), ``padded``
 (TRL's own run, not accelerated: the reference) or a fault (size 2): ``no-gather`` (each rank reads its own slice's
-per-token outputs only, zeros at the other rank's tokens), ``first-range`` (each rank keeps the joined row's first
+per-token outputs only, zeros at the other rank's tokens; for ``reward``: each rank pools its texts from its own
+slice's hidden states only), ``first-range`` (each rank keeps the joined row's first
 tokens, not its own range).
 Rank 0 writes ``{run: {"losses", "grads", "initial", "state", "completions", "seen", "cuts"}}`` to ``OUT`` (torch.save):
 ``grads`` every parameter's gradient at each optimizer step (after the data-parallel all-reduce), ``completions``
@@ -27,10 +29,11 @@ import torch
 import torch.distributed as dist
 
 from padfree_plugins.integrations import trl_fused
+from padfree_plugins.modeling import sequence_parallel
 from padfree_plugins.packing.batch import packed_tokens
 
 STEPS = 2
-KINDS = ("grpo", "rloo", "kto")
+KINDS = ("grpo", "rloo", "kto", "reward")
 MODES = ("sp", "padded", "no-gather", "first-range")
 
 
@@ -71,6 +74,15 @@ def build(kind: str, output_dir: str, scored: list):
                   lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, beta=0.1,
                   save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True)
     torch.manual_seed(0)
+    if kind == "reward":
+        from tests.test_reward import preference_rows
+
+        model = testing_qwen3(len(tok), "seq_cls", num_labels=1, initializer_range=0.1,
+                              pad_token_id=tok.pad_token_id)
+        reward_args = {k: v for k, v in common.items() if k != "beta"}
+        args = trl.RewardConfig(per_device_train_batch_size=3, dataloader_pin_memory=False, **reward_args)
+        return trl.RewardTrainer(model=model, args=args, processing_class=tok,
+                                 train_dataset=datasets.Dataset.from_list(preference_rows(2 * 3 * STEPS, 0)))
     if kind == "kto":
         model = testing_qwen3(len(tok))
         args = trl.KTOConfig(per_device_train_batch_size=3, **common)
@@ -95,10 +107,10 @@ def build(kind: str, output_dir: str, scored: list):
                            processing_class=tok)
 
 
-def testing_qwen3(vocab_size: int):
+def testing_qwen3(vocab_size: int, task: str = "causal_lm", **overrides):
     from padfree_plugins import testing
 
-    return testing.tiny_model("qwen3", "causal_lm", num_key_value_heads=2, vocab_size=vocab_size).train()
+    return testing.tiny_model("qwen3", task, num_key_value_heads=2, vocab_size=vocab_size, **overrides).train()
 
 
 def no_gather(x: torch.Tensor, group) -> torch.Tensor:
@@ -117,8 +129,9 @@ def train(kind: str, mode: str, seen: list, cuts: list) -> dict:
     from padfree_plugins import accelerate
 
     saved = trl_fused.gather_sequence, trl_fused.slice_row, trl_fused.own_tokens
+    pooled = sequence_parallel.gather_sequence, sequence_parallel.slice_row
     if mode == "no-gather":
-        trl_fused.gather_sequence = no_gather
+        trl_fused.gather_sequence = sequence_parallel.gather_sequence = no_gather
     elif mode == "first-range":
         trl_fused.own_tokens = first_range
 
@@ -130,7 +143,7 @@ def train(kind: str, mode: str, seen: list, cuts: list) -> dict:
         cuts.append(any(start < cut < end for start, end in zip(cu, cu[1:])))
         return local
 
-    trl_fused.slice_row = recording_slice_row
+    trl_fused.slice_row = sequence_parallel.slice_row = recording_slice_row
     grads: list = []
 
     class Gradients(TrainerCallback):
@@ -151,6 +164,7 @@ def train(kind: str, mode: str, seen: list, cuts: list) -> dict:
         trainer.train()
     finally:
         trl_fused.gather_sequence, trl_fused.slice_row, trl_fused.own_tokens = saved
+        sequence_parallel.gather_sequence, sequence_parallel.slice_row = pooled
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return {"losses": losses, "grads": grads, "completions": completions, "initial": initial,
             "state": {name: p.detach().clone() for name, p in trainer.model.named_parameters()}}

@@ -1,14 +1,18 @@
-"""TRL ``GRPOTrainer`` (two iterations, ``beta`` 0.1), ``RLOOTrainer`` (``beta`` 0.1) and ``KTOTrainer`` (with its KL
-completions) under ``sequence_parallel: {size: 2}`` on 2 CPU processes (gloo; the worker is
-tests/sequence_parallel_rl_run.py, every run in one torchrun launch with a timeout), on a tiny Qwen3.
+"""TRL ``GRPOTrainer`` (two iterations, ``beta`` 0.1), ``RLOOTrainer`` (``beta`` 0.1), ``KTOTrainer`` (with its KL
+completions) and ``RewardTrainer`` under ``sequence_parallel: {size: 2}`` on 2 CPU processes (gloo; the worker is
+tests/sequence_parallel_rl_run.py, every run in one torchrun launch with a timeout), on a tiny Qwen3 (a sequence
+classifier for the RewardTrainer).
 
 Each rank trains its own micro-batches, as under data parallelism; every fused log-probability call — the policy's,
 the old policy's (GRPO's second iteration), the reference model's, KTO's KL completions — packs its rows, the group
-joins them into one row and each rank computes half of it, then keeps its own examples' per-token outputs; TRL's
-generation (unsliced, per rank), advantages and loss code run unchanged. The reference is TRL's own run, not
-accelerated (padded rows), on the same 2 processes: the same global batch, the same sampled completions (asserted).
-Losses, every parameter's gradient at every step and the final weights agree within 1e-5 (SGD, no clipping);
-the fault (no gather of the per-token outputs) is far off. Bad input is refused at ``accelerate()``, nothing changed.
+joins them into one row and each rank computes half of it, then keeps its own examples' per-token outputs. The
+RewardTrainer's base model runs on the rank's half of the joined row, the group's last hidden states are gathered
+(the gradient flows back to each half's owner) and each rank scores its own texts with the head. TRL's generation
+(unsliced, per rank), advantages and loss code run unchanged. The reference is TRL's own run, not accelerated (padded
+rows), on the same 2 processes: the same global batch, the same sampled completions (asserted). Losses, every
+parameter's gradient at every step and the final weights agree within 1e-5 (SGD, no clipping); the faults (no
+gather of the per-token outputs, or of the hidden states the texts are scored from) are far off. Bad input is
+refused at ``accelerate()``, nothing changed.
 """
 
 from __future__ import annotations
@@ -24,14 +28,15 @@ from tests.test_distributed import ROOT, free_port, run_group
 pytest.importorskip("trl")
 
 TOLERANCE = 1e-5
-KINDS = ("grpo", "rloo", "kto")
+KINDS = ("grpo", "rloo", "kto", "reward")
 RUNS = ("grpo-sp", "grpo-padded", "grpo-no-gather", "rloo-sp", "rloo-padded", "kto-sp", "kto-padded",
-        "kto-first-range")
+        "kto-first-range", "reward-sp", "reward-padded", "reward-no-gather")
 #: Split fused calls per rank over the 2 steps. GRPO: the old policy's and the reference model's (once: the second
 #: iteration reuses the generation) and the policy's at each step. RLOO (one iteration: a generation each step): at
 #: each step the old policy's (RLOO computes it always), the reference model's and the policy's.
 #: KTO: at each step the policy's and the reference model's, each on the completions and on the KL completions.
-SPLIT_CALLS = {"grpo": 4, "rloo": 6, "kto": 8}
+#: Reward: the reward model's at each step.
+SPLIT_CALLS = {"grpo": 4, "rloo": 6, "kto": 8, "reward": 2}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +69,7 @@ def differences(run: dict, want: dict) -> tuple[float, float, float]:
 def test_rl_and_kto_under_sequence_parallelism_equal_trls_run(launched, kind):
     run, want = launched[f"{kind}-sp"], launched[f"{kind}-padded"]
     assert run["completions"] == want["completions"]  # GRPO / RLOO: the same samples scored on each rank
-    if kind != "kto":
+    if kind in ("grpo", "rloo"):
         assert run["completions"][0] and run["completions"][0] != run["completions"][1]  # ranks: their own batches
     loss, grad, weight = differences(run, want)
     print(f"{kind} sp2: max loss difference {loss:.2e}, gradients {grad:.2e}, weights {weight:.2e}")
@@ -80,10 +85,11 @@ def test_rl_and_kto_under_sequence_parallelism_equal_trls_run(launched, kind):
     assert all(all(rank) for rank in run["cuts"])
 
 
-@pytest.mark.parametrize("run", ["grpo-no-gather", "kto-first-range"])
+@pytest.mark.parametrize("run", ["grpo-no-gather", "kto-first-range", "reward-no-gather"])
 def test_sequence_parallel_rl_faults_are_caught(launched, run):
-    """Each rank reading only its slice's per-token outputs (no gather), or keeping the joined row's first tokens
-    rather than its own, is far from TRL's run."""
+    """Each rank reading only its slice's per-token outputs (no gather), keeping the joined row's first tokens
+    rather than its own, or scoring its texts from its own slice's hidden states only (zeros elsewhere), is far from
+    TRL's run."""
     kind = run.split("-")[0]
     loss, grad, weight = differences(launched[run], launched[f"{kind}-padded"])
     print(f"{run}: max loss difference {loss:.2e}, gradients {grad:.2e}, weights {weight:.2e}")

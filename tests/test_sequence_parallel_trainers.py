@@ -282,16 +282,8 @@ def test_dpo_compute_metrics_is_refused_under_sequence_parallelism():
         DPOTrainerPatch.wrap(trainer, assembly)
 
 
-# TRL DPO, GRPO, RLOO and KTO train sequence-parallel: tests/test_sequence_parallel_trl.py and
+# TRL DPO, GRPO, RLOO, KTO and RewardTrainer train sequence-parallel: tests/test_sequence_parallel_trl.py and
 # tests/test_sequence_parallel_rl.py (what they still refuse there too)
-
-
-def test_trl_reward_trainer_is_refused_before_the_model_is_assembled():
-    from padfree_plugins.integrations.trl_reward import trainer_config
-
-    with pytest.raises(ConfigError, match=r"RewardTrainer is not yet supported under sequence parallelism.*scores "
-                                          r"whole texts"):
-        trainer_config(trl_like("RewardTrainer", "trl.trainer.reward_trainer"), load_config(SP_CONFIG))
 
 
 @pytest.mark.parametrize("cp, sp, match", [

@@ -118,7 +118,8 @@ def check_sequence_parallel(trainer: Any, config: Any, not_sequence_parallel: st
     if not_sequence_parallel is not None:
         raise ConfigError(f"{name} is not yet supported under sequence parallelism ({where}): "
                           f"{not_sequence_parallel}. Train it with sequence_parallel.size: 1 (HF Trainer, TRL "
-                          "SFTTrainer, DPOTrainer, GRPOTrainer, RLOOTrainer and KTOTrainer train sequence-parallel)")
+                          "SFTTrainer, DPOTrainer, GRPOTrainer, RLOOTrainer, KTOTrainer and RewardTrainer train "
+                          "sequence-parallel)")
     if not getattr(trainer.args, "average_tokens_across_devices", True):
         raise ConfigError(f"{where} with average_tokens_across_devices=False: each rank's loss would be divided by "
                           "its own micro-batch's label count, but its slice of the group's row holds labels of every "

@@ -149,6 +149,7 @@ class RewardTrainerPatch(TrainerPatch):
     from the per-text scores of the ``seq_cls`` head."""
 
     kind = "reward"
+    sequence_parallel = True  # each rank scores its own texts from the group's gathered hidden states
     shares_prompts = True
 
     @classmethod
@@ -225,9 +226,8 @@ def trainer_config(trainer, config):
     """A RewardTrainer trains a sequence classifier: the task is ``seq_cls``."""
     if not RewardTrainerPatch.claims(trainer):
         return None
-    # refused before the model is assembled (as seq_cls, which sequence parallelism refuses for any trainer)
-    check_sequence_parallel(trainer, config, "it scores whole texts (a sequence-classification head on each text's "
-                            "last token), which a row split across ranks does not hold")
+    # under sequence parallelism each rank scores its own texts from the group's gathered hidden states
+    check_sequence_parallel(trainer, config)
     if config.task == "seq_cls":
         return None
     if config.task != "causal_lm":  # the default: a config that never named a task

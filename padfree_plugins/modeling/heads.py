@@ -231,10 +231,12 @@ def check_lm_head(model: Any, task: str) -> Any:
     return head
 
 
-def sequence_logits(model: Any, batch: Mapping) -> torch.Tensor:
-    """Per-example logits ``[n, num_labels]`` of a ``*ForSequenceClassification`` model on a packed batch."""
+def sequence_logits(model: Any, batch: Mapping, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-example logits ``[n, num_labels]`` of a ``*ForSequenceClassification`` model on a packed batch; ``hidden``:
+    the batch's last hidden states ``[1, T, H]`` where computed elsewhere (under sequence parallelism), else the
+    base's on ``batch``."""
     head = sequence_head(model)
-    return head(unwrap_model(model), run_base(model, batch), batch)
+    return head(unwrap_model(model), run_base(model, batch) if hidden is None else hidden, batch)
 
 
 # -- generative scoring (yes / no token logits of a causal LM) --------------------------------------------------

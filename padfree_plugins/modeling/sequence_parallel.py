@@ -12,7 +12,10 @@ its own contiguous slice of the tokens.
   exchanged into one row (:func:`gather_rows`), shifted, padded and sliced
   (:mod:`padfree_plugins.packing.sequence_parallel`), this rank's slice through the model; for evaluation's
   metrics, :meth:`SequenceParallelForward.own_tokens` gathers the group's output slices back into the row and cuts
-  out this rank's own micro-batch.
+  out this rank's own micro-batch; a task that pools whole examples (``seq_cls``) goes through
+  :meth:`SequenceParallelForward.pooled`: the base on the slice, the last hidden states gathered differentiably and
+  cut to this rank's micro-batch, the task's head and loss on them (each rank's loss is its own examples', as under
+  data parallelism; the gather's backward sums every rank's gradient into the slice that computed it).
 
 The loss: each rank's loss is the sum over its slice's tokens divided by ``num_items_in_batch``. A caller that
 counts the labels of every rank's micro-batch and sums them over all ranks (HF ``Trainer`` with
@@ -38,6 +41,7 @@ import torch.distributed as dist
 from padfree_plugins.errors import ConfigError, PadfreeError
 from padfree_plugins.modeling import attention
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup, gather_sequence
+from padfree_plugins.modeling.heads import run_base
 from padfree_plugins.modeling.mixers import PACKED_ROW, sequence_mixers
 from padfree_plugins.modeling.patching import ModelPatch, own_attribute, restore_attributes, unwrap_model
 from padfree_plugins.modeling.router_aux import RouterAux
@@ -234,6 +238,8 @@ class SequenceParallelForward:
         return local
 
     def __call__(self, model: Any, batch: Mapping, **kwargs: Any) -> Any:
+        if getattr(self.inner, "pools_examples", False):
+            return self.pooled(model, batch, **kwargs)
         local = self.slice(batch)
         scale = 1
         if kwargs.get("num_items_in_batch") is None and "labels" in local:
@@ -248,6 +254,23 @@ class SequenceParallelForward:
         if scale != 1 and loss is not None:
             outputs["loss"] = loss * scale
         return outputs
+
+    def pooled(self, model: Any, batch: Mapping, **kwargs: Any) -> Any:
+        """A task that pools whole examples (``seq_cls``): the base model on this rank's slice of the group's row, the
+        last hidden states gathered into the row (the gradient flows back summed over the ranks into each slice's
+        owner) and cut to this rank's own micro-batch, on which the task's head and loss run as without sequence
+        parallelism. The per-example keys (labels) stay on their rank."""
+        rows = gather_rows({key: value for key, value in batch.items() if key not in ("labels", "label")},
+                           self.group)
+        sizes = [packed_tokens(row) for row in rows]
+        local = slice_row(join_rows(rows), self.group.rank, self.group.size, self.pad_token_id)
+        start = sum(sizes[:self.group.rank])
+
+        def hidden(inner: Any) -> torch.Tensor:
+            whole = gather_sequence(run_base(inner, local), self.group)
+            return whole[:, start:start + sizes[self.group.rank]]
+
+        return self.inner(model, batch, hidden=hidden, **kwargs)
 
     def own_tokens(self, outputs: Sequence[tuple[Any, Any]], batch: Mapping) -> list[torch.Tensor]:
         """This rank's own micro-batch's tokens ``[1, T_own, ...]`` of the per-token ``outputs`` (``(name, value)``

@@ -37,16 +37,20 @@ class SequenceClassificationForward:
     """``(model, packed batch) -> SequenceClassifierOutput(loss, logits [n, num_labels])``."""
 
     runs_inside_model_forward = True  # see heads.call_model
+    #: Under sequence parallelism: ``hidden(inner)`` gives this rank's own batch's last hidden states
+    #: (:meth:`~padfree_plugins.modeling.sequence_parallel.SequenceParallelForward.pooled`).
+    pools_examples = True
 
     def check_model(self, model: Any) -> None:
         """At assembly: the model has a head this task can run per example."""
         check_sequence_head(model, TASK)
 
-    def __call__(self, model: Any, batch: Mapping, **loss_kwargs: Any) -> SequenceClassifierOutput:
-        return call_model(model, lambda inner: self.compute(inner, batch))
+    def __call__(self, model: Any, batch: Mapping, hidden: Callable | None = None,
+                 **loss_kwargs: Any) -> SequenceClassifierOutput:
+        return call_model(model, lambda inner: self.compute(inner, batch, None if hidden is None else hidden(inner)))
 
-    def compute(self, model: Any, batch: Mapping) -> SequenceClassifierOutput:
-        logits = sequence_logits(model, batch)
+    def compute(self, model: Any, batch: Mapping, hidden: torch.Tensor | None = None) -> SequenceClassifierOutput:
+        logits = sequence_logits(model, batch, hidden)
         labels, loss = batch.get("labels"), None
         own_loss = OWN_LOSSES.get(model.config.model_type) if model.config.problem_type is None else None
         if labels is not None and own_loss is not None:
