@@ -230,6 +230,21 @@ def test_what_sequence_parallel_trainers_cannot_do_is_refused(fake_group, args, 
     assert_refused(hf_trainer(args=args, **overrides), PadfreeError, f"sequence_parallel.size: 2.*{match}")
 
 
+def test_a_sequence_classifier_under_hf_trainer_is_refused(fake_group):
+    """Under sequence parallelism only TRL's RewardTrainer scores examples across the group (tested in
+    tests/test_sequence_parallel_rl.py); an HF Trainer with task: seq_cls is refused, nothing changed."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    config = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=2, pad_token_id=0)
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), report_to="none", use_cpu=True, disable_tqdm=True)
+    data = [{**row, "labels": i % 2} for i, row in enumerate(rows(8, 0))]
+    trainer = Trainer(model=LlamaForSequenceClassification(config), args=args,
+                      train_dataset=datasets.Dataset.from_list(data))
+    assert_refused(trainer, PadfreeError, r"sequence_parallel.size: 2 with task: seq_cls.*RewardTrainer only",
+                   config={**SP_CONFIG, "task": "seq_cls"})
+
+
 def test_compute_metrics_is_refused_only_where_evaluation_does_not_gather_the_logits(fake_group):
     """HF ``Trainer`` (and TRL's ``SFTTrainer``, its plugin's subclass) gathers the group's logits for
     ``compute_metrics``: accepted. A trainer plugin that does not (``gathers_logits`` False: DPO's) is refused."""

@@ -131,6 +131,13 @@ class HFTrainerPatch(TrainerPatch):
     def check_sequence_parallel(self) -> None:
         """Under sequence parallelism: refuse a loss the trainer computes from the logits, which are this rank's
         slice of the group's row while its labels are its own micro-batch's."""
+        task = self.assembly.plan.task.name
+        if self.splits_rows() and task != "causal_lm":
+            raise PadfreeError(
+                f"sequence_parallel.size: {sequence_parallel_size(self.assembly.config)} with task: {task}: under "
+                f"sequence parallelism {type(self.trainer).__name__} trains causal language models; a sequence "
+                "classifier's scores are gathered across the group for TRL's RewardTrainer only, the one tested so "
+                "far. Use sequence_parallel.size: 1 for this trainer")
         if self.splits_rows() and uses_own_loss(self.trainer):
             raise PadfreeError(
                 f"sequence_parallel.size: {sequence_parallel_size(self.assembly.config)} with label smoothing or a "
