@@ -392,18 +392,22 @@ def refuse_data_parallel(model: Any) -> None:
                         if isinstance(inner, torch.nn.Module)), None)
 
 
-def refuse_sequence_parallel(model: Any, config: PadfreeConfig, resolved: Plan, collator: Any) -> None:
+def refuse_sequence_parallel(model: Any, config: PadfreeConfig, resolved: Plan, collator: Any,
+                             forward: Any = None) -> None:
     """What sequence parallelism (``sequence_parallel.size > 1``) does not train, refused before anything is
-    patched: tasks other than causal LM, encoders, vision-language inputs, heads the group cannot split."""
+    patched: tasks other than causal LM and those whose forward pools whole examples (``pools_examples``: seq_cls,
+    embedding, reranker — encoders too), vision-language inputs, heads the group cannot split."""
     size = config.sequence_parallel.size
     where = f"sequence_parallel.size: {size}"
-    if resolved.task.name not in ("causal_lm", "seq_cls"):
-        raise ConfigError(f"{where} trains causal language models (task: causal_lm) and decoder sequence "
-                          f"classifiers (task: seq_cls); task {resolved.task.name!r} pools or scores whole examples "
-                          "in a way a row split across ranks does not hold: set sequence_parallel.size: 1")
-    if resolved.architecture.kind != "decoder":
-        raise ConfigError(f"{where}: {resolved.architecture.name} is an encoder; sequence parallelism is for "
-                          "decoders (causal LM)")
+    task = resolved.task.name
+    pools = bool(getattr(forward, "pools_examples", False))
+    if task != "causal_lm" and not pools:
+        raise ConfigError(f"{where} trains causal language models (task: causal_lm) and the tasks that pool whole "
+                          f"examples (seq_cls, embedding, reranker); task {task!r} reads its outputs in a way a row "
+                          "split across ranks does not hold yet: set sequence_parallel.size: 1")
+    if resolved.architecture.kind != "decoder" and not pools:
+        raise ConfigError(f"{where}: {resolved.architecture.name} is an encoder; under sequence parallelism encoders "
+                          f"train the tasks that pool whole examples (seq_cls, embedding, reranker), not {task!r}")
     if getattr(collator, "media_keys", None):
         raise ConfigError(f"{where}: {resolved.architecture.name} is a vision-language family; sequence "
                           "parallelism over rows with images is not supported yet (train it with size 1)")
@@ -462,7 +466,7 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
     tile_mlp, tile_loss = tiling_of(inner, config, resolved)  # refused before anything is patched
     sequence = None
     if config.sequence_parallel.size > 1:
-        refuse_sequence_parallel(inner, config, resolved, parts.collator)
+        refuse_sequence_parallel(inner, config, resolved, parts.collator, parts.forward)
         sequence = sequence_group(config.sequence_parallel.size)
     patch = host.call_first("patch_model", model=inner, architecture=resolved.architecture,
                             backend=resolved.backend, fallback=resolved.fallback, config=config)

@@ -200,14 +200,14 @@ def refused(model, config) -> str:
     return str(error.value)
 
 
-def test_refuses_tasks_other_than_causal_lm():
-    message = refused(tiny_model("llama"), {"task": "embedding", "sequence_parallel": {"size": 2}})
-    assert "task 'embedding'" in message and "sequence_parallel.size: 1" in message
+def test_refuses_tasks_that_neither_model_language_nor_pool_examples():
+    message = refused(tiny_model("llama"), {"task": "hidden_states", "sequence_parallel": {"size": 2}})
+    assert "task 'hidden_states'" in message and "sequence_parallel.size: 1" in message
 
 
-def test_refuses_encoders():
+def test_refuses_encoders_but_for_the_tasks_that_pool_examples():
     message = refused(tiny_model("bert", "causal_lm"), {"sequence_parallel": {"size": 2}})
-    assert "is an encoder" in message
+    assert "is an encoder" in message and "(seq_cls, embedding, reranker), not 'causal_lm'" in message
 
 
 def test_refuses_vision_language_models():

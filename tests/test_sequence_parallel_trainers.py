@@ -230,18 +230,27 @@ def test_what_sequence_parallel_trainers_cannot_do_is_refused(fake_group, args, 
     assert_refused(hf_trainer(args=args, **overrides), PadfreeError, f"sequence_parallel.size: 2.*{match}")
 
 
-def test_a_sequence_classifier_under_hf_trainer_is_refused(fake_group):
-    """Under sequence parallelism only TRL's RewardTrainer scores examples across the group (tested in
-    tests/test_sequence_parallel_rl.py); an HF Trainer with task: seq_cls is refused, nothing changed."""
+def test_a_sequence_classifier_under_hf_trainer_is_accepted_but_not_a_loss_from_its_logits(fake_group):
+    """An HF Trainer with task: seq_cls trains under sequence parallelism (each rank scores its own examples:
+    tests/test_sequence_parallel_pooled.py); label smoothing is still refused there, nothing changed."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     config = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, num_labels=2, pad_token_id=0)
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(), report_to="none", use_cpu=True, disable_tqdm=True)
     data = [{**row, "labels": i % 2} for i, row in enumerate(rows(8, 0))]
-    trainer = Trainer(model=LlamaForSequenceClassification(config), args=args,
-                      train_dataset=datasets.Dataset.from_list(data))
-    assert_refused(trainer, PadfreeError, r"sequence_parallel.size: 2 with task: seq_cls.*RewardTrainer only",
+
+    def trainer(**arguments):
+        args = TrainingArguments(output_dir=tempfile.mkdtemp(), report_to="none", use_cpu=True, disable_tqdm=True,
+                                 **arguments)
+        return Trainer(model=LlamaForSequenceClassification(config), args=args,
+                       train_dataset=datasets.Dataset.from_list(data))
+
+    accepted = trainer()
+    acceleration = accelerate(accepted, {**SP_CONFIG, "task": "seq_cls"})
+    assert getattr(acceleration.assembly.forward, "pools_examples", False) and "compute_loss" in vars(accepted)
+    acceleration.undo()
+    assert_refused(trainer(label_smoothing_factor=0.1), PadfreeError,
+                   r"sequence_parallel.size: 2 with label smoothing or a compute_loss_func",
                    config={**SP_CONFIG, "task": "seq_cls"})
 
 

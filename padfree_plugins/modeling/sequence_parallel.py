@@ -12,10 +12,12 @@ its own contiguous slice of the tokens.
   exchanged into one row (:func:`gather_rows`), shifted, padded and sliced
   (:mod:`padfree_plugins.packing.sequence_parallel`), this rank's slice through the model; for evaluation's
   metrics, :meth:`SequenceParallelForward.own_tokens` gathers the group's output slices back into the row and cuts
-  out this rank's own micro-batch; a task that pools whole examples (``seq_cls``) goes through
-  :meth:`SequenceParallelForward.pooled`: the base on the slice, the last hidden states gathered differentiably and
-  cut to this rank's micro-batch, the task's head and loss on them (each rank's loss is its own examples', as under
-  data parallelism; the gather's backward sums every rank's gradient into the slice that computed it).
+  out this rank's own micro-batch; a task that pools whole examples (``seq_cls``, ``embedding``, ``reranker``, on
+  encoders and decoders) goes through :meth:`SequenceParallelForward.pooled`: the base on the slice (an encoder's
+  attention is bidirectional over each whole example: Ulysses gives every rank all the row's tokens for its heads),
+  the last hidden states gathered differentiably and cut to this rank's micro-batch, the task's pooling, head and
+  loss on them (each rank's loss is its own examples', as under data parallelism; the gather's backward sums every
+  rank's gradient into the slice that computed it).
 
 The loss: each rank's loss is the sum over its slice's tokens divided by ``num_items_in_batch``. A caller that
 counts the labels of every rank's micro-batch and sums them over all ranks (HF ``Trainer`` with
@@ -41,7 +43,7 @@ import torch.distributed as dist
 from padfree_plugins.errors import ConfigError, PadfreeError
 from padfree_plugins.modeling import attention
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup, gather_sequence
-from padfree_plugins.modeling.heads import run_base
+from padfree_plugins.modeling.heads import FAMILY_INPUT_KEYS, run_base
 from padfree_plugins.modeling.mixers import PACKED_ROW, sequence_mixers
 from padfree_plugins.modeling.patching import ModelPatch, own_attribute, restore_attributes, unwrap_model
 from padfree_plugins.modeling.router_aux import RouterAux
@@ -202,6 +204,23 @@ def _all_gather_padded(value: torch.Tensor, lengths: list[int], dim: int, group:
     return [piece.narrow(dim, 0, length) for piece, length in zip(pieces, lengths)]
 
 
+def base_inputs(batch: Mapping) -> PackedBatch:
+    """What of a packed ``batch`` the base model of a pooled task reads, for the group's row: the per-token keys,
+    the boundaries and the max lengths (with the batch's ``model_keys``). A per-example input of the base (X-MOD's
+    ``lang_ids`` per example) cannot be sliced with the tokens: refused."""
+    tokens = packed_tokens(batch)
+    per_example = [key for key in (*FAMILY_INPUT_KEYS, *(getattr(batch, "model_keys", None) or ()))
+                   if key in batch and not is_token_key(batch[key], tokens)]
+    if per_example:
+        raise PadfreeError(f"sequence parallelism slices a row's per-token inputs; {', '.join(per_example)} holds one "
+                           "value per example, which a rank's slice cannot carry: give it per token, or train with "
+                           "sequence_parallel.size: 1")
+    kept = PackedBatch({key: value for key, value in batch.items()
+                        if key in CU_KEYS or key in MAX_KEYS or is_token_key(value, tokens)})
+    kept.model_keys = getattr(batch, "model_keys", None)
+    return kept
+
+
 def join_slices(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
     """The group's row ``[1, T_row, ...]`` of its ranks' slices ``pieces`` (in rank order, the row's order)."""
     return torch.cat(list(pieces), dim=1)
@@ -256,21 +275,30 @@ class SequenceParallelForward:
         return outputs
 
     def pooled(self, model: Any, batch: Mapping, **kwargs: Any) -> Any:
-        """A task that pools whole examples (``seq_cls``): the base model on this rank's slice of the group's row, the
-        last hidden states gathered into the row (the gradient flows back summed over the ranks into each slice's
-        owner) and cut to this rank's own micro-batch, on which the task's head and loss run as without sequence
-        parallelism. The per-example keys (labels) stay on their rank."""
-        rows = gather_rows({key: value for key, value in batch.items() if key not in ("labels", "label")},
-                           self.group)
+        """A task that pools whole examples (``seq_cls``, ``embedding``, ``reranker``; encoders and decoders alike):
+        the base model on this rank's slice of the group's row, the last hidden states gathered into the row and cut
+        to this rank's own micro-batch (:meth:`own_hidden`), on which the task's pooling, head and loss run as without
+        sequence parallelism. The whole row's hidden states are gathered, not only the tokens a pooler reads: every
+        pooling (first / CLS, last, mean, max, a head that pools itself, prompts left out) then reads them exactly as
+        on one process, at the cost of one all-gather of ``[1, T, H]`` per step. Only the keys the base reads are
+        exchanged (per-token keys and the boundaries); the per-example keys (labels, group ids, row and column
+        counts) stay on their rank: each rank's pooled outputs and loss are its own micro-batch's, as under data
+        parallelism (an in-batch-negatives loss sees the negatives of the rank's own micro-batch)."""
+        rows = gather_rows(base_inputs(batch), self.group)
         sizes = [packed_tokens(row) for row in rows]
         local = slice_row(join_rows(rows), self.group.rank, self.group.size, self.pad_token_id)
         start = sum(sizes[:self.group.rank])
 
         def hidden(inner: Any) -> torch.Tensor:
-            whole = gather_sequence(run_base(inner, local), self.group)
-            return whole[:, start:start + sizes[self.group.rank]]
+            return self.own_hidden(run_base(inner, local), start, sizes[self.group.rank])
 
         return self.inner(model, batch, hidden=hidden, **kwargs)
+
+    def own_hidden(self, hidden: torch.Tensor, start: int, length: int) -> torch.Tensor:
+        """This rank's own micro-batch's last hidden states ``[1, length, H]`` (from ``start`` in the group's row) out
+        of its slice ``hidden``: the group's slices all-gathered (differentiable: the gradient flows back summed over
+        the ranks into each slice's owner) and cut."""
+        return gather_sequence(hidden, self.group).narrow(1, start, length)
 
     def own_tokens(self, outputs: Sequence[tuple[Any, Any]], batch: Mapping) -> list[torch.Tensor]:
         """This rank's own micro-batch's tokens ``[1, T_own, ...]`` of the per-token ``outputs`` (``(name, value)``

@@ -18,7 +18,9 @@ Both leave a model run on one example alone exactly as it was, and change only p
   pixels) swapped, so each row's tokens get the other's images;
 * :func:`completions_start_from_zero`, :func:`completions_continue_a_sibling` and
   :func:`conv_taps_reach_into_a_sibling`: the three ways a hybrid's sequence mixers can go wrong in a row with shared
-  prefixes — a completion's state not taken from its prompt, taken from its sibling, its conv taps in its sibling.
+  prefixes — a completion's state not taken from its prompt, taken from its sibling, its conv taps in its sibling;
+* :func:`pooling_reads_local_slice`: a task that pools whole examples under sequence parallelism reads only the
+  hidden states of this rank's slice of the row (no gather), zeros where another rank computed them.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 from padfree_plugins.modeling import attention, mixers, patching, tiling
 from padfree_plugins.modeling.attention import backends
 from padfree_plugins.modeling.patching import unwrap_model
+from padfree_plugins.modeling.sequence_parallel import SequenceParallelForward
 from padfree_plugins.packing.batch import restarts
 from padfree_plugins.packing.prefixes import SharedPrefixes
 
@@ -322,4 +325,21 @@ def loss_normalised_per_tile() -> Iterator[None]:
         return torch.stack([s / c for s, c in zip(sums, counts) if c > 0]).mean()
 
     with mock.patch.object(tiling, "normalised", per_tile):
+        yield
+
+
+@contextmanager
+def pooling_reads_local_slice() -> Iterator[None]:
+    """Within the block, a pooled task under sequence parallelism (``SequenceParallelForward.pooled``: seq_cls,
+    embedding, reranker) pools from this rank's own slice of the group's row alone: its micro-batch's hidden states
+    where its slice holds them, zeros where another rank's slice does (the gather left out). An example that crosses
+    the cut, or lies in another rank's slice, is pooled wrongly."""
+
+    def local_only(self: SequenceParallelForward, hidden: torch.Tensor, start: int, length: int) -> torch.Tensor:
+        rank, size, local = self.group.rank, self.group.size, hidden.shape[1]
+        before = hidden.new_zeros((1, rank * local, *hidden.shape[2:]))
+        after = hidden.new_zeros((1, (size - rank - 1) * local, *hidden.shape[2:]))
+        return torch.cat([before, hidden, after], dim=1).narrow(1, start, length)
+
+    with mock.patch.object(SequenceParallelForward, "own_hidden", local_only):
         yield
