@@ -1,8 +1,9 @@
 """The tasks that pool whole examples under ``sequence_parallel: {size: 2}``, through HF ``Trainer`` on 2 CPU processes
 (gloo; the worker is tests/sequence_parallel_pooled_run.py, every run in one torchrun launch with a timeout):
 ``seq_cls`` on a tiny BERT (CLS -> pooler -> classifier), a tiny ModernBERT (mean pooling; local attention
-windows of 4 tokens on every other layer) and a tiny Llama (GQA; last token -> score), ``embedding`` (MultipleNegativesRankingLoss over mean-pooled anchor /
-positive texts) and ``reranker`` (a BERT cross-encoder on sentence pairs with token types, pointwise BCE).
+windows of 4 tokens on every other layer) and a tiny Llama (GQA; last token -> score), ``embedding``
+(MultipleNegativesRankingLoss over mean-pooled anchor / positive texts) and ``reranker`` (a BERT cross-encoder on
+sentence pairs with token types, pointwise BCE).
 
 Each rank loads its own micro-batch, as under data parallelism; the group joins them into one row and each rank
 runs the base model on half of it (an encoder's attention bidirectional over each whole example: Ulysses gives every
