@@ -5,16 +5,16 @@ windows of 4 tokens on every other layer) and a tiny Llama (GQA; last token -> s
 (MultipleNegativesRankingLoss over mean-pooled anchor / positive texts) and ``reranker`` (a BERT cross-encoder on
 sentence pairs with token types, pointwise BCE).
 
-Each rank loads its own micro-batch, as under data parallelism; the group joins them into one row and each rank
-runs the base model on half of it (an encoder's attention bidirectional over each whole example: Ulysses gives every
-rank all the row's tokens for its heads, windows included), the group's last hidden states are gathered and each
-rank pools, scores and computes the loss of its own examples (an in-batch-negatives loss: its own micro-batch's
-negatives, as under data parallelism). The reference is one process on the same global batches: the trainer with
-both ranks' micro-batches of a step accumulated (``gradient_accumulation_steps=2``; HF ``Trainer``'s own convention
-for each task's loss, the same under DDP). Logged losses (1e-5), every parameter's gradient at every step and the
-final weights (1e-4), and ``predict``'s predictions (1e-5) agree; the deliberate fault
-``pooling_reads_local_slice`` (each rank pools from its own slice alone) is far off. Bad input is refused at
-``accelerate()``, nothing changed.
+Each rank loads its own micro-batch, as under data parallelism; the group joins them into one row and each rank runs
+the base model on half of it (an encoder's attention bidirectional over each whole example: Ulysses gives every rank
+all the row's tokens for its heads, windows included), each rank's own examples' last hidden states come from the
+slices that computed them (one all-to-all) and each rank pools, scores and computes the loss of its own examples (an
+in-batch-negatives loss: its own micro-batch's negatives, as under data parallelism). The reference is one process on
+the same global batches: the trainer with both ranks' micro-batches of a step accumulated
+(``gradient_accumulation_steps=2``; HF ``Trainer``'s own convention for each task's loss, the same under DDP). Logged
+losses (1e-5), every parameter's gradient at every step and the final weights (1e-4), and ``predict``'s predictions
+(1e-5) agree; the deliberate fault ``pooling_reads_local_slice`` (each rank pools from its own slice alone) is far
+off. Bad input is refused at ``accelerate()``, nothing changed.
 """
 
 from __future__ import annotations
@@ -141,3 +141,21 @@ def test_a_task_that_does_not_pool_is_refused(monkeypatch, tmp_path, task, match
     assert patch_of(model) is None and model.config._attn_implementation == implementation
     assert trainer.data_collator is collator and "compute_loss" not in vars(trainer)
 
+
+
+@pytest.mark.parametrize("sizes, local, plans", [
+    # 2 ranks, 30 + 20 tokens, slices of 25: rank 0's slice all its own; rank 1's 5 of rank 0's, then its 20
+    ([30, 20], 25, [([25, 0], [25, 5]), ([5, 20], [0, 20])]),
+    # 31 + 20 tokens, slices of 26 (one padding token last): rank 1 sends 5 of rank 0's, 20 of its own
+    ([31, 20], 26, [([26, 0], [26, 5]), ([5, 20], [0, 20])]),
+    # 3 ranks, a long micro-batch on rank 0 spanning two slices, an empty one on rank 1
+    ([20, 0, 4], 8, [([8, 0, 0], [8, 8, 4]), ([8, 0, 0], [0, 0, 0]), ([4, 0, 4], [0, 0, 4])]),
+])
+def test_the_exchange_plan_sends_each_rank_its_own_tokens(sizes, local, plans):
+    from padfree_plugins.modeling.sequence_parallel import exchange_plan
+
+    for rank, plan in enumerate(plans):
+        assert exchange_plan(sizes, rank, local) == plan
+    for rank in range(len(sizes)):  # what every rank receives from rank q is what rank q sends it
+        assert [exchange_plan(sizes, q, local)[0][rank] for q in range(len(sizes))] == \
+            exchange_plan(sizes, rank, local)[1]

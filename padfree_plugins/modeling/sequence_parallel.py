@@ -15,9 +15,10 @@ its own contiguous slice of the tokens.
   out this rank's own micro-batch; a task that pools whole examples (``seq_cls``, ``embedding``, ``reranker``, on
   encoders and decoders) goes through :meth:`SequenceParallelForward.pooled`: the base on the slice (an encoder's
   attention is bidirectional over each whole example: Ulysses gives every rank all the row's tokens for its heads),
-  the last hidden states gathered differentiably and cut to this rank's micro-batch, the task's pooling, head and
-  loss on them (each rank's loss is its own examples', as under data parallelism; the gather's backward sums every
-  rank's gradient into the slice that computed it).
+  this rank's own micro-batch's last hidden states brought from the slices that computed them (one all-to-all,
+  differentiable: :func:`own_rows`), the task's pooling, head and loss on them (each rank's loss is its own
+  examples', as under data parallelism; the exchange's backward sends each token's gradient to the slice that
+  computed it).
 
 The loss: each rank's loss is the sum over its slice's tokens divided by ``num_items_in_batch``. A caller that
 counts the labels of every rank's micro-batch and sums them over all ranks (HF ``Trainer`` with
@@ -221,6 +222,53 @@ def base_inputs(batch: Mapping) -> PackedBatch:
     return kept
 
 
+def exchange_plan(sizes: Sequence[int], rank: int, local: int) -> tuple[list[int], list[int]]:
+    """For a row of micro-batches of ``sizes`` tokens (one per rank, in row order) cut into slices of ``local``
+    tokens: how many tokens of rank ``rank``'s slice each rank owns (what it sends, from the slice's start: the
+    owners' ranges follow each other, the padding segment last), and how many of its own tokens each rank's slice
+    holds (what it receives, in row order)."""
+    starts = [sum(sizes[:q]) for q in range(len(sizes))]
+
+    def overlap(a: int, b: int, c: int, d: int) -> int:
+        return max(0, min(b, d) - max(a, c))
+
+    low = rank * local
+    sends = [overlap(low, low + local, start, start + size) for start, size in zip(starts, sizes)]
+    mine = starts[rank], starts[rank] + sizes[rank]
+    receives = [overlap(q * local, (q + 1) * local, *mine) for q in range(len(sizes))]
+    return sends, receives
+
+
+class _OwnRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, sends: list[int], receives: list[int], group: SequenceGroup) -> torch.Tensor:
+        ctx.sends, ctx.receives, ctx.group, ctx.local = sends, receives, group, hidden.shape[1]
+        return _exchange(hidden[0, :sum(sends)], sends, receives, group).unsqueeze(0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        back = _exchange(grad[0], ctx.receives, ctx.sends, ctx.group)
+        whole = back.new_zeros((ctx.local, *back.shape[1:]))  # the padding segment's tokens: no gradient
+        whole[:back.shape[0]] = back
+        return whole.unsqueeze(0), None, None, None
+
+
+def _exchange(rows: torch.Tensor, sends: list[int], receives: list[int], group: SequenceGroup) -> torch.Tensor:
+    """``rows`` ``[sum(sends), ...]`` split ``sends`` to the ranks in order; returns ``[sum(receives), ...]``."""
+    received = rows.new_empty((sum(receives), *rows.shape[1:]))
+    dist.all_to_all_single(received, rows.contiguous(), output_split_sizes=receives, input_split_sizes=sends,
+                           group=group.group)
+    return received
+
+
+def own_rows(hidden: torch.Tensor, sizes: Sequence[int], group: SequenceGroup) -> torch.Tensor:
+    """This rank's own micro-batch's tokens ``[1, sizes[rank], ...]`` of the per-token ``hidden`` ``[1, T/N, ...]``
+    (this rank's slice of the group's row of micro-batches of ``sizes`` tokens): one all-to-all of uneven parts,
+    differentiable (its backward is the reverse exchange)."""
+    sends, receives = exchange_plan(sizes, group.rank, hidden.shape[1])
+    return _OwnRows.apply(hidden, sends, receives, group)
+
+
 def join_slices(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
     """The group's row ``[1, T_row, ...]`` of its ranks' slices ``pieces`` (in rank order, the row's order)."""
     return torch.cat(list(pieces), dim=1)
@@ -276,29 +324,32 @@ class SequenceParallelForward:
 
     def pooled(self, model: Any, batch: Mapping, **kwargs: Any) -> Any:
         """A task that pools whole examples (``seq_cls``, ``embedding``, ``reranker``; encoders and decoders alike):
-        the base model on this rank's slice of the group's row, the last hidden states gathered into the row and cut
-        to this rank's own micro-batch (:meth:`own_hidden`), on which the task's pooling, head and loss run as without
-        sequence parallelism. The whole row's hidden states are gathered, not only the tokens a pooler reads: every
-        pooling (first / CLS, last, mean, max, a head that pools itself, prompts left out) then reads them exactly as
-        on one process, at the cost of one all-gather of ``[1, T, H]`` per step. Only the keys the base reads are
-        exchanged (per-token keys and the boundaries); the per-example keys (labels, group ids, row and column
-        counts) stay on their rank: each rank's pooled outputs and loss are its own micro-batch's, as under data
-        parallelism (an in-batch-negatives loss sees the negatives of the rank's own micro-batch)."""
+        the base model on this rank's slice of the group's row, then this rank's own micro-batch's last hidden states
+        brought from the slices that computed them (:meth:`own_hidden`), on which the task's pooling, head and loss
+        run as without sequence parallelism.
+
+        What is exchanged is every token of the rank's own examples, not only the ones a pooler reads: every pooling
+        (first / CLS, last, mean, max, a head that pools itself, prompts left out) then reads them exactly as on one
+        process, and each rank receives about ``T / N`` tokens' hidden states (one all-to-all, not an all-gather of
+        the row). Only the keys the base reads are exchanged before (per-token keys and the boundaries); the
+        per-example keys (labels, group ids, row and column counts) stay on their rank: each rank's pooled outputs
+        and loss are its own micro-batch's, as under data parallelism (an in-batch-negatives loss sees the
+        negatives of the rank's own micro-batch)."""
         rows = gather_rows(base_inputs(batch), self.group)
         sizes = [packed_tokens(row) for row in rows]
         local = slice_row(join_rows(rows), self.group.rank, self.group.size, self.pad_token_id)
-        start = sum(sizes[:self.group.rank])
 
         def hidden(inner: Any) -> torch.Tensor:
-            return self.own_hidden(run_base(inner, local), start, sizes[self.group.rank])
+            return self.own_hidden(run_base(inner, local), sizes)
 
         return self.inner(model, batch, hidden=hidden, **kwargs)
 
-    def own_hidden(self, hidden: torch.Tensor, start: int, length: int) -> torch.Tensor:
-        """This rank's own micro-batch's last hidden states ``[1, length, H]`` (from ``start`` in the group's row) out
-        of its slice ``hidden``: the group's slices all-gathered (differentiable: the gradient flows back summed over
-        the ranks into each slice's owner) and cut."""
-        return gather_sequence(hidden, self.group).narrow(1, start, length)
+    def own_hidden(self, hidden: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+        """This rank's own micro-batch's last hidden states ``[1, sizes[rank], H]`` from the slices ``hidden``
+        ``[1, T/N, H]`` of the group (``sizes``: every rank's micro-batch's tokens, in row order): each rank sends
+        every other rank the part of its slice that rank owns (:func:`own_rows`; differentiable, the gradient goes
+        back to the slice that computed each token)."""
+        return own_rows(hidden, sizes, self.group)
 
     def own_tokens(self, outputs: Sequence[tuple[Any, Any]], batch: Mapping) -> list[torch.Tensor]:
         """This rank's own micro-batch's tokens ``[1, T_own, ...]`` of the per-token ``outputs`` (``(name, value)``

@@ -20,7 +20,7 @@ Both leave a model run on one example alone exactly as it was, and change only p
   :func:`conv_taps_reach_into_a_sibling`: the three ways a hybrid's sequence mixers can go wrong in a row with shared
   prefixes — a completion's state not taken from its prompt, taken from its sibling, its conv taps in its sibling;
 * :func:`pooling_reads_local_slice`: a task that pools whole examples under sequence parallelism reads only the
-  hidden states of this rank's slice of the row (no gather), zeros where another rank computed them.
+  hidden states of this rank's slice of the row (no exchange), zeros where another rank computed them.
 """
 
 from __future__ import annotations
@@ -332,14 +332,14 @@ def loss_normalised_per_tile() -> Iterator[None]:
 def pooling_reads_local_slice() -> Iterator[None]:
     """Within the block, a pooled task under sequence parallelism (``SequenceParallelForward.pooled``: seq_cls,
     embedding, reranker) pools from this rank's own slice of the group's row alone: its micro-batch's hidden states
-    where its slice holds them, zeros where another rank's slice does (the gather left out). An example that crosses
+    where its slice holds them, zeros where another rank's slice does (the exchange left out). An example that crosses
     the cut, or lies in another rank's slice, is pooled wrongly."""
 
-    def local_only(self: SequenceParallelForward, hidden: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    def local_only(self: SequenceParallelForward, hidden: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         rank, size, local = self.group.rank, self.group.size, hidden.shape[1]
         before = hidden.new_zeros((1, rank * local, *hidden.shape[2:]))
         after = hidden.new_zeros((1, (size - rank - 1) * local, *hidden.shape[2:]))
-        return torch.cat([before, hidden, after], dim=1).narrow(1, start, length)
+        return torch.cat([before, hidden, after], dim=1).narrow(1, sum(sizes[:rank]), sizes[rank])
 
     with mock.patch.object(SequenceParallelForward, "own_hidden", local_only):
         yield
