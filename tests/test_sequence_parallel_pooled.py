@@ -159,3 +159,22 @@ def test_the_exchange_plan_sends_each_rank_its_own_tokens(sizes, local, plans):
     for rank in range(len(sizes)):  # what every rank receives from rank q is what rank q sends it
         assert [exchange_plan(sizes, q, local)[0][rank] for q in range(len(sizes))] == \
             exchange_plan(sizes, rank, local)[1]
+
+
+def test_only_what_the_base_reads_is_exchanged_and_a_per_example_input_is_refused():
+    """The group's row carries the per-token keys and the boundaries; the per-example keys (labels, counts) stay on
+    their rank. A per-example input of the base (X-MOD's ``lang_ids`` per example) cannot be sliced: refused, before
+    any exchange."""
+    from padfree_plugins import PadfreeError
+    from padfree_plugins.modeling.sequence_parallel import base_inputs
+    from padfree_plugins.packing.batch import PackedBatch
+
+    batch = PackedBatch(input_ids=torch.arange(5)[None], position_ids=torch.tensor([[0, 1, 2, 0, 1]]),
+                        cu_seq_lens_q=torch.tensor([0, 3, 5], dtype=torch.int32), max_length_q=3,
+                        labels=torch.tensor([0, 1]), num_rows=2)
+    batch.model_keys = ("token_type_ids",)
+    kept = base_inputs(batch)
+    assert list(kept) == ["input_ids", "position_ids", "cu_seq_lens_q", "max_length_q"]
+    assert kept.model_keys == ("token_type_ids",)
+    with pytest.raises(PadfreeError, match=r"lang_ids holds one value per example.*sequence_parallel.size: 1"):
+        base_inputs(PackedBatch(batch, lang_ids=torch.tensor([0, 1])))
