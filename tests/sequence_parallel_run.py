@@ -45,6 +45,8 @@ LR = 0.5
 MODELS = {
     "llama": {},
     "qwen3": {"num_key_value_heads": 2},  # fewer key/value heads than SP4 ranks: replicated
+    # 6 attention heads (SP4 cannot split them: all-gather), 2 key / value heads (GQA groups of 3)
+    "llama_kv2": {"num_attention_heads": 6, "num_key_value_heads": 2, "hidden_size": 48, "intermediate_size": 96},
     "gpt_oss": {"sliding_window": 6},  # shorter than most examples, so the sliding layers' window bites
     "qwen3_5_text": {},  # gated delta rule layers around a full-attention one
     "nemotron_h": {},  # Mamba2 layers, attention, MoE
@@ -65,6 +67,8 @@ MODELS.update({model_type: {} for model_type in OTHER_HYBRIDS})
 MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_expand=1,
               mamba_chunk_size=16)
 MODELS.update(granitemoehybrid=MAMBA2, bamba=MAMBA2, falcon_h1={**MAMBA2, "mamba_d_ssm": 64})
+#: The model types of the variants of :data:`MODELS` that are not model types.
+BASE_TYPES = {"llama_kv2": "llama"}
 #: The model types whose sequence mixers the sequence-parallel patch must have wrapped.
 HYBRID_TYPES = ("qwen3_5_text", "nemotron_h", "lfm2", *OTHER_HYBRIDS)
 
@@ -135,7 +139,7 @@ def build(model_type: str, checkpointing: bool = False) -> torch.nn.Module:
     initialiser's 0.02, so that a convolution cut at a slice's start shows (by ~0.2 in the gradients, not 1e-4).
     Routers whose load-balancing loss is trained: weights of ~0.3 (not 0.02), so that no token's top-k pick is near
     a tie (the loss counts picks; tests/test_sequence_parallel.py asserts the gaps)."""
-    model = tiny_model(model_type, "causal_lm", vocab_size=VOCAB, **MODELS[model_type])
+    model = tiny_model(BASE_TYPES.get(model_type, model_type), "causal_lm", vocab_size=VOCAB, **MODELS[model_type])
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
