@@ -138,12 +138,19 @@ LAUNCHES = {
         Case("qwen3_5_text-sp2xdp2", "qwen3_5_text", 2),
         Case("qwen3_5_text-sp4", "qwen3_5_text", 4),
         Case("qwen3_moe-sp2xdp2-train", "qwen3_moe", 2, steps=3),
-        # 6 attention heads, 2 key / value heads: SP4 cannot split them, auto runs all-gather
+        # 6 attention heads, 2 key / value heads: SP4 cannot split them; auto runs Ulysses within blocks of 2 ranks
+        # and all-gather across the 2 blocks; allgather alone, forced
         Case("llama_kv2-sp4", "llama_kv2", 4, lengths="spanning"),
+        Case("llama_kv2-sp4-allgather", "llama_kv2", 4, attention="allgather", lengths="spanning"),
         Case("llama_kv2-sp4-train", "llama_kv2", 4, steps=3, labelled=True, checkpointing=True),
+        Case("llama_kv2-sp4-allgather-train", "llama_kv2", 4, attention="allgather", steps=3, labelled=True,
+             checkpointing=True),
         Case("llama_kv2-sp2xdp2-allgather", "llama_kv2", 2, attention="allgather"),
         Case("llama_kv2-sp4-own-slice-keys", "llama_kv2", 4, fault="own-slice-keys", lengths="spanning"),
-        Case("llama_kv2-sp4-query-ahead", "llama_kv2", 4, fault="query-ahead", lengths="spanning"),
+        Case("llama_kv2-sp4-allgather-own-slice-keys", "llama_kv2", 4, attention="allgather",
+             fault="own-slice-keys", lengths="spanning"),
+        Case("llama_kv2-sp4-allgather-query-ahead", "llama_kv2", 4, attention="allgather", fault="query-ahead",
+             lengths="spanning"),
     ],
 }
 WORLDS = {"sp2": 2, "sp4": 4}

@@ -43,7 +43,8 @@ CASES = {
                    "split_batches": True, "model": "moe"},
 }
 #: Cases on 4 processes, one group of 4 (not in :data:`CASES`, which run on 2): HF Trainer on a Llama of 6 attention
-#: heads and 2 key / value heads, which SP4 cannot split by heads (all-gather context parallelism runs).
+#: heads and 2 key / value heads, which SP4 cannot split by heads alone (auto: Ulysses within blocks of 2 ranks,
+#: all-gather across the blocks).
 SP4_CASES = {"hf-sp4-kv2": {"kind": "hf", "accumulation": 1, "checkpointing": True, "strategy": "tokens",
                             "model": "kv2", "sp": 4}}
 ALL_CASES = {**CASES, **SP4_CASES}

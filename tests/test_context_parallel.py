@@ -15,7 +15,7 @@ from padfree_plugins.config.schema import SequenceParallelConfig
 from padfree_plugins.errors import ConfigError
 from padfree_plugins.modeling.attention import PadfreeAttention
 from padfree_plugins.modeling.attention.backends import exact_varlen
-from padfree_plugins.modeling.attention.context_parallel import AllGatherAttention, choose_scheme
+from padfree_plugins.modeling.attention.context_parallel import AllGatherAttention, AttentionLayout, ulysses_share
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup
 from padfree_plugins.testing import faults
 from tests import sequence_parallel_run as worker
@@ -121,11 +121,27 @@ def test_a_deliberate_fault_breaks_the_equality(fault):
 
 
 def test_auto_runs_ulysses_where_the_heads_divide_and_says_why_it_does_not():
-    assert choose_scheme("auto", 8, 4) == ("ulysses", None)
-    scheme, note = choose_scheme("auto", 6, 4)
-    assert scheme == "allgather" and "does not divide the 6 attention heads" in note and "all-gather" in note
-    assert choose_scheme("ulysses", 6, 4) == ("ulysses", None)  # refused by assemble, with advice
-    assert choose_scheme("allgather", 8, 4) == ("allgather", None)
+    assert ulysses_share("auto", 8, 4) == (4, None)
+    share, note = ulysses_share("auto", 6, 4)  # Ulysses over 2 ranks (3 heads each), all-gather across 2 blocks
+    assert share == 2 and "does not divide the 6 attention heads" in note and "blocks of 2 consecutive ranks" in note
+    share, note = ulysses_share("auto", 4, 3)
+    assert share == 1 and "all-gather context parallelism" in note
+    assert ulysses_share("auto", 12, 8) == (4, ulysses_share("auto", 12, 8)[1])
+    assert ulysses_share("ulysses", 6, 4) == (4, None)  # refused by assemble, with advice
+    assert ulysses_share("allgather", 8, 4) == (1, None)
+
+
+def test_layout_names_and_wraps_each_scheme():
+    group = SequenceGroup(None, 1, 4)
+    ulysses, gather = SequenceGroup(None, 1, 2), SequenceGroup(None, 0, 2)
+    function = PadfreeAttention(_exact_backend())
+    assert AttentionLayout(4, group, None).suffix == "_sp4"
+    assert AttentionLayout(4, None, group).suffix == "_sp4_allgather"
+    mixed = AttentionLayout(4, ulysses, gather)
+    assert mixed.suffix == "_sp4_ulysses2x2"
+    wrapped = mixed.wrap(function)  # Ulysses within the block, all-gather across the blocks inside it
+    assert wrapped.group is ulysses and wrapped.row_size == 4
+    assert wrapped.inner.group is gather and wrapped.inner.inner is function
 
 
 def test_unknown_scheme_is_refused_with_the_nearest():

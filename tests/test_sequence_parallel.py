@@ -371,10 +371,19 @@ def test_the_spanning_step_crosses_every_cut_and_spans_three_ranks():
     assert any(begin < cuts[0] < end for begin, end in examples)
 
 
-def scheme(case: worker.Case) -> str:
-    """The attention scheme a case's group runs: all-gather where asked, or where auto finds the heads unsplittable."""
+def implementation_suffix(case: worker.Case) -> str:
+    """The attention a case's group runs, as its implementation's name ends: Ulysses (``""``), all-gather where
+    asked, or Ulysses within blocks and all-gather across them where auto finds the heads unsplittable."""
     heads = worker.build(case.model_type).config.num_attention_heads
-    return case.attention or ("ulysses" if heads % case.sp == 0 else "allgather")
+    share = case.sp if case.attention == "ulysses" else 1 if case.attention == "allgather" else \
+        max(n for n in range(1, case.sp + 1) if case.sp % n == 0 and heads % n == 0)
+    return "" if share == case.sp else "_allgather" if share == 1 else f"_ulysses{share}x{case.sp // share}"
+
+
+def test_the_kv2_cases_run_every_layout():
+    suffixes = {implementation_suffix(case) for launch in worker.LAUNCHES.values() for case in launch
+                if case.model_type == "llama_kv2"}
+    assert suffixes == {"", "_allgather", "_ulysses2x2"}
 
 
 @pytest.mark.parametrize("world, sp", [(2, 2), (4, 2), (4, 4)])
@@ -418,8 +427,7 @@ def test_the_tiny_models_have_what_the_cases_are_for():
 def test_sequence_parallel_equals_one_process(launches, launch_name, case):
     run = result(launches, launch_name, case)
     if case.model_type not in ATTENTION_FREE:
-        suffix = "_allgather" if scheme(case) == "allgather" else ""
-        assert run["implementation"] == f"padfree_exact_sp{case.sp}{suffix}"
+        assert run["implementation"] == f"padfree_exact_sp{case.sp}{implementation_suffix(case)}"
     assert (run["mixers"] > 0) == (case.model_type in worker.HYBRID_TYPES)
     assert (run["tiled"] > 0) == (case.tile_tokens is not None)  # tiled against the untiled reference
     want = reference(case.model_type, run["world"], case.steps, case.checkpointing, case.labelled, case.sp,

@@ -197,7 +197,8 @@ def test_predict_under_sequence_and_data_parallelism_equals_one_process(tmp_path
 
 def test_trainer_at_sp4_on_two_kv_heads_equals_one_process(tmp_path):
     """HF ``Trainer`` with ``sequence_parallel: {size: 4}`` on 4 processes, a Llama of 6 attention heads and 2 key /
-    value heads, which Ulysses cannot split 4 ways: ``auto`` runs all-gather context parallelism, and the logged
+    value heads, which Ulysses cannot split 4 ways: ``auto`` runs Ulysses within 2 blocks of 2 ranks and all-gather
+    context parallelism across them, and the logged
     losses, final weights and ``eval_loss`` equal one process on the same global batches; each rank computed a
     quarter of every row."""
     case = "hf-sp4-kv2"
@@ -208,7 +209,7 @@ def test_trainer_at_sp4_on_two_kv_heads_equals_one_process(tmp_path):
     returncode, output = run_group(command, env, timeout=300, results=[out])
     assert returncode == 0, output[-6000:]
     run = torch.load(out, weights_only=False)[case]
-    assert run["implementation"].endswith("_sp4_allgather"), run["implementation"]
+    assert run["implementation"].endswith("_sp4_ulysses2x2"), run["implementation"]
     trainer, _ = make_trainer(case, tempfile.mkdtemp(), TRAINER_CONFIG, ranks=4)
     trainer.train()
     want = trainer_result(trainer)

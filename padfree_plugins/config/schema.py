@@ -86,8 +86,9 @@ class SequenceParallelConfig:
     attention: Literal["auto", "ulysses", "allgather"] = _help(
         "how attention sees the whole row: ulysses (all-to-all from tokens to heads and back; size must divide the "
         "attention heads); allgather (each rank gathers the row's keys and values and attends its own slice of "
-        "queries to them: any size, the row's keys and values on every rank; causal models, with the exact or "
-        "flash_attn backend); auto (ulysses where size divides the heads, else allgather, with a warning)",
+        "queries to them: any size, the row's keys and values on every rank; with the exact or flash_attn "
+        "backend); auto (ulysses where size divides the heads; else Ulysses over the largest factor of "
+        "size that divides the heads and allgather over the rest, or allgather alone; with a warning)",
         default="auto")
 
 

@@ -252,12 +252,12 @@ def _shared_keys(module, backend: AttentionBackend, shared: SharedPrefixes, key:
 
 
 def register(backend: AttentionBackend, fallback: AttentionBackend | None = None,
-             attention_dropout: bool = True, default_causal: bool = True, sequence: Any = None,
-             scheme: str = "ulysses") -> str:
-    """Register the implementation of this variant with transformers and return its name; ``sequence`` (a
-    :class:`~padfree_plugins.modeling.attention.ulysses.SequenceGroup`): the variant for a sequence-parallel group
-    (each rank's packed calls hold its slice of the group's row), by ``scheme``: ``ulysses`` (all-to-all, named
-    ``…_sp<size>``) or ``allgather`` (the row's keys and values gathered, named ``…_sp<size>_allgather``).
+             attention_dropout: bool = True, default_causal: bool = True, sequence: Any = None) -> str:
+    """Register the implementation of this variant with transformers and return its name; ``sequence``: the variant
+    for a sequence-parallel group (each rank's packed calls hold its slice of the group's row), an
+    :class:`~padfree_plugins.modeling.attention.context_parallel.AttentionLayout` (Ulysses, all-gather or both; named
+    ``…_sp<size>``, ``…_sp<size>_allgather``, ``…_sp<size>_ulysses<u>x<r>``) or a
+    :class:`~padfree_plugins.modeling.attention.ulysses.SequenceGroup` (Ulysses over the group).
 
     Registering the same variant again replaces its function with an equal one; the registry belongs to
     transformers, so nothing here keeps state.
@@ -270,14 +270,10 @@ def register(backend: AttentionBackend, fallback: AttentionBackend | None = None
     name = implementation_name(backend, fallback, attention_dropout, default_causal)
     function: Any = PadfreeAttention(backend, fallback, attention_dropout, default_causal)
     if sequence is not None:
-        if scheme == "allgather":
-            from padfree_plugins.modeling.attention.context_parallel import AllGatherAttention
+        from padfree_plugins.modeling.attention.context_parallel import AttentionLayout
 
-            name, function = f"{name}_sp{sequence.size}_allgather", AllGatherAttention(function, sequence)
-        else:
-            from padfree_plugins.modeling.attention.ulysses import UlyssesAttention
-
-            name, function = f"{name}_sp{sequence.size}", UlyssesAttention(function, sequence)
+        layout = sequence if isinstance(sequence, AttentionLayout) else AttentionLayout(sequence.size, sequence, None)
+        name, function = name + layout.suffix, layout.wrap(function)
     AttentionInterface.register(name, function)
     AttentionMaskInterface.register(name, padfree_mask)
     return name

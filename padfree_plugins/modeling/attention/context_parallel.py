@@ -12,7 +12,9 @@ works, whatever the number of attention or key / value heads; the price is the r
   queries to the end of its keys), or all of them (bidirectional). Tensor ops only: nothing read on the host;
 * :func:`gather_row` — the row's keys or values on every rank, differentiable;
 * :class:`AllGatherAttention` — a registered padding-free attention function run this way;
-* :func:`choose_scheme` — which scheme a group runs (``sequence_parallel.attention``), and why.
+* :func:`ulysses_share` — how many of a group's ranks ``sequence_parallel.attention`` splits by heads (Ulysses),
+  the rest by all-gather, and why; :class:`AttentionLayout` — the process groups of that split (USP-style: Ulysses
+  within blocks of consecutive ranks, all-gather across the blocks) and the attention function it runs.
 
 A rank that attended to its own slice's keys alone, or whose queries were placed one token off, would be silently
 wrong: the faults of :mod:`padfree_plugins.testing.faults` show the tests catch both.
@@ -24,10 +26,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from padfree_plugins.errors import BoundaryError
 from padfree_plugins.modeling.attention import BLOCKS_KWARG, GATHERED_KEYS
-from padfree_plugins.modeling.attention.ulysses import SequenceGroup, gather_sequence
+from padfree_plugins.modeling.attention.ulysses import SequenceGroup, UlyssesAttention, gather_sequence
 from padfree_plugins.packing.batch import SHARED_PREFIXES_KEY
 from padfree_plugins.packing.prefixes import SHARED_PREFIXES_FEATURE
 
@@ -39,19 +42,29 @@ SCHEMES = ("auto", "ulysses", "allgather")
 ALIGNED_FEATURE = SHARED_PREFIXES_FEATURE
 
 
-def choose_scheme(requested: str, heads: int | None, size: int) -> tuple[str, str | None]:
-    """The scheme a group of ``size`` ranks runs for a model of ``heads`` attention heads, and, when ``auto`` chose
-    all-gather, the note that says why (``None`` otherwise). A forced ``ulysses`` is returned as asked: the caller
-    refuses heads it cannot split."""
-    if requested != "auto":
-        return requested, None
-    if not isinstance(heads, int) or heads % size == 0:
-        return "ulysses", None
-    return "allgather", (
-        f"sequence_parallel.size: {size} does not divide the {heads} attention heads, so Ulysses (which gives each "
-        f"rank heads/size of them) cannot run: attention runs all-gather context parallelism instead (each rank "
-        "gathers the row's keys and values and attends its own slice of queries to them; exact, costs the row's "
-        "keys and values on every rank). Set sequence_parallel.attention: allgather to choose it explicitly")
+def ulysses_share(requested: str, heads: int | None, size: int) -> tuple[int, str | None]:
+    """How many of a group's ``size`` ranks split a model of ``heads`` attention heads by heads (Ulysses), the other
+    factor of ``size`` splitting the row by all-gather: ``size`` for ``ulysses`` (the caller refuses heads it cannot
+    split), 1 for ``allgather``; ``auto``: the largest divisor of ``size`` that divides the heads. With the note that
+    says why, when ``auto`` chose anything but Ulysses alone (``None`` otherwise)."""
+    if requested == "ulysses" or not isinstance(heads, int):
+        return size, None
+    if requested == "allgather":
+        return 1, None
+    share = max(n for n in range(1, size + 1) if size % n == 0 and heads % n == 0)
+    if share == size:
+        return size, None
+    why = (f"sequence_parallel.size: {size} does not divide the {heads} attention heads, so Ulysses (which gives "
+           "each rank heads/size of them) cannot run alone: ")
+    if share == 1:
+        return 1, why + (
+            "attention runs all-gather context parallelism (each rank gathers the row's keys and values and attends "
+            "its own slice of queries to them; exact, costs the row's keys and values on every rank). Set "
+            "sequence_parallel.attention: allgather to choose it explicitly")
+    return share, why + (
+        f"attention runs Ulysses within blocks of {share} consecutive ranks ({heads // share} heads each) and "
+        f"all-gather context parallelism across the {size // share} blocks (each gathers the row's keys and values "
+        "of its heads; exact). Set sequence_parallel.attention: allgather for all-gather alone")
 
 
 def slice_boundaries(cu_seq_lens: torch.Tensor, start: int, local: int, causal: bool
@@ -120,3 +133,56 @@ class AllGatherAttention:
         if longest is not None:
             kwargs.update(max_length_q=min(int(longest), local), max_length_k=kwargs.get("max_length_k", longest))
         return self.inner(module, query, key, value, attention_mask, **kwargs)
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """How a sequence-parallel group's attention sees its row of ``size`` slices: Ulysses within ``ulysses`` (a block
+    of consecutive ranks, ``None``: none), all-gather across ``gather`` (the ranks at this rank's place in every
+    block, ``None``: none)."""
+
+    size: int
+    ulysses: SequenceGroup | None
+    gather: SequenceGroup | None
+
+    @classmethod
+    def of(cls, group: SequenceGroup, share: int) -> AttentionLayout:
+        """The layout of ``group`` with Ulysses over ``share`` ranks (:func:`ulysses_share`). Mixed, it creates the
+        blocks' and the places' process groups: every rank of the default group must call it (``new_group`` is
+        collective), as assembly does on every rank."""
+        size = group.size
+        if share == size:
+            return cls(size, group, None)
+        if share == 1:
+            return cls(size, None, group)
+        world, rank = dist.get_world_size(), dist.get_rank()
+        ulysses = gather = None
+        for start in range(0, world, size):  # every sequence-parallel group of the world, in the same order
+            for block in range(size // share):
+                ranks = list(range(start + block * share, start + (block + 1) * share))
+                made = dist.new_group(ranks)
+                if rank in ranks:
+                    ulysses = SequenceGroup(made, ranks.index(rank), share)
+            for place in range(share):
+                ranks = list(range(start + place, start + size, share))
+                made = dist.new_group(ranks)
+                if rank in ranks:
+                    gather = SequenceGroup(made, ranks.index(rank), size // share)
+        return cls(size, ulysses, gather)
+
+    @property
+    def suffix(self) -> str:
+        """The attention implementation's name suffix: ``_sp4`` (Ulysses), ``_sp4_allgather``, ``_sp4_ulysses2x2``."""
+        if self.gather is None:
+            return f"_sp{self.size}"
+        if self.ulysses is None:
+            return f"_sp{self.size}_allgather"
+        return f"_sp{self.size}_ulysses{self.ulysses.size}x{self.gather.size}"
+
+    def wrap(self, function: Any) -> Any:
+        """``function`` (a :class:`~padfree_plugins.modeling.attention.PadfreeAttention`) run on the group's row."""
+        if self.gather is not None:
+            function = AllGatherAttention(function, self.gather)
+        if self.ulysses is not None:
+            function = UlyssesAttention(function, self.ulysses, row_size=self.size)
+        return function
