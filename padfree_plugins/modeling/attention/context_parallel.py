@@ -34,9 +34,6 @@ from padfree_plugins.modeling.attention.ulysses import SequenceGroup, UlyssesAtt
 from padfree_plugins.packing.batch import SHARED_PREFIXES_KEY
 from padfree_plugins.packing.prefixes import SHARED_PREFIXES_FEATURE
 
-#: ``sequence_parallel.attention`` values: ``auto`` runs Ulysses where the group divides the attention heads, else
-#: all-gather.
-SCHEMES = ("auto", "ulysses", "allgather")
 #: The backend feature all-gather needs: queries aligned to the end of their keys within an example (the backends
 #: that take shared prefixes have it: ``exact``, ``flash_attn``).
 ALIGNED_FEATURE = SHARED_PREFIXES_FEATURE
@@ -47,10 +44,10 @@ def ulysses_share(requested: str, heads: int | None, size: int) -> tuple[int, st
     factor of ``size`` splitting the row by all-gather: ``size`` for ``ulysses`` (the caller refuses heads it cannot
     split), 1 for ``allgather``; ``auto``: the largest divisor of ``size`` that divides the heads. With the note that
     says why, when ``auto`` chose anything but Ulysses alone (``None`` otherwise)."""
-    if requested == "ulysses" or not isinstance(heads, int):
-        return size, None
     if requested == "allgather":
         return 1, None
+    if requested == "ulysses" or not isinstance(heads, int):
+        return size, None
     share = max(n for n in range(1, size + 1) if size % n == 0 and heads % n == 0)
     if share == size:
         return size, None
