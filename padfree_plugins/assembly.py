@@ -26,11 +26,11 @@ from padfree_plugins.errors import (
     UnsupportedArchitectureError,
     did_you_mean,
 )
+from padfree_plugins.modeling.attention.context_parallel import ALIGNED_FEATURE, AttentionLayout, ulysses_share
 from padfree_plugins.modeling.mixers import note_unused_mixer_backend
 from padfree_plugins.modeling.patching import ModelPatch, unwrap_model
 from padfree_plugins.modeling.pooling import unknown_mode_hint
 from padfree_plugins.modeling.probe import PROBE, PROBE_PLUGIN, probed_architecture, verify
-from padfree_plugins.modeling.attention.context_parallel import ALIGNED_FEATURE, AttentionLayout, ulysses_share
 from padfree_plugins.modeling.sequence_parallel import SequenceParallelForward, SequenceParallelPatch, sequence_group
 from padfree_plugins.modeling.tiling import MLPTiling, TiledLossForward, check_tiled_loss, resolve_tiles, tiled_modules
 from padfree_plugins.modeling.unpad import UnpadPatch

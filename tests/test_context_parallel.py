@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from padfree_plugins import AttentionBackend, PluginHost, assemble, hookimpl, load_config
+from padfree_plugins.builtin.backends import EXACT_FEATURES, SHARED_FEATURES
 from padfree_plugins.config.schema import SequenceParallelConfig
 from padfree_plugins.errors import ConfigError
 from padfree_plugins.modeling.attention import PadfreeAttention
@@ -19,7 +20,6 @@ from padfree_plugins.modeling.attention.context_parallel import AllGatherAttenti
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup
 from padfree_plugins.testing import faults
 from tests import sequence_parallel_run as worker
-from padfree_plugins.builtin.backends import EXACT_FEATURES, SHARED_FEATURES
 
 SIZE = 4
 #: 40 tokens in 4 slices of 10: an example of 23 spans slices 0-2, one of 1 token sits right after the cut at 30.
