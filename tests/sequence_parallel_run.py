@@ -29,6 +29,7 @@ import torch.distributed as dist
 from padfree_plugins import assemble
 from padfree_plugins.batching.distributed import num_label_tokens
 from padfree_plugins.packing.labelled_logits import keep_labelled_logits
+from padfree_plugins.testing import faults
 from padfree_plugins.testing.models import random_examples, tiny_model
 
 #: Example lengths of each rank's micro-batch (for up to 4 ranks), per micro-step. Micro-step 0: every cut of a
@@ -39,13 +40,22 @@ from padfree_plugins.testing.models import random_examples, tiny_model
 #: tests/test_sequence_parallel.py asserts these properties.
 LENGTHS = (([7, 19, 11], [1, 23, 6], [13, 2, 9], [17, 5]),
            ([9, 5, 1], [1, 10, 4], [1, 8, 6], [1, 13]))
+#: One more micro-step for the all-gather cases: at SP4 (78 tokens padded to 80, cuts 20 / 40 / 60) the example of 40
+#: tokens at 5..45 spans ranks 0-2, and the one at 57..64 crosses the last cut: every cut falls inside an example.
+SPANNING = ([5, 40], [9], [3, 7], [12, 2])
+#: The micro-steps of each case, by ``Case.lengths``.
+LENGTH_SETS = {"": LENGTHS, "spanning": (*LENGTHS, SPANNING)}
 VOCAB = 96
 LR = 0.5
 #: What each tiny model needs on top of tiny_model's defaults for the test to mean something.
 MODELS = {
     "llama": {},
     "qwen3": {"num_key_value_heads": 2},  # fewer key/value heads than SP4 ranks: replicated
+    # 6 attention heads (SP4 cannot split them: all-gather), 2 key / value heads (GQA groups of 3)
+    "llama_kv2": {"num_attention_heads": 6, "num_key_value_heads": 2, "hidden_size": 48, "intermediate_size": 96},
     "gpt_oss": {"sliding_window": 6},  # shorter than most examples, so the sliding layers' window bites
+    # soft-capped attention scores, sliding layers whose window bites (all-gather)
+    "gemma2": {"num_key_value_heads": 2, "head_dim": 16, "sliding_window": 6, "attn_logit_softcapping": 2.0},
     "qwen3_5_text": {},  # gated delta rule layers around a full-attention one
     "nemotron_h": {},  # Mamba2 layers, attention, MoE
     "lfm2": {"layer_types": ["conv", "full_attention", "conv"]},  # the tiny default has no conv layer
@@ -65,6 +75,8 @@ MODELS.update({model_type: {} for model_type in OTHER_HYBRIDS})
 MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_expand=1,
               mamba_chunk_size=16)
 MODELS.update(granitemoehybrid=MAMBA2, bamba=MAMBA2, falcon_h1={**MAMBA2, "mamba_d_ssm": 64})
+#: The model types of the variants of :data:`MODELS` that are not model types.
+BASE_TYPES = {"llama_kv2": "llama"}
 #: The model types whose sequence mixers the sequence-parallel patch must have wrapped.
 HYBRID_TYPES = ("qwen3_5_text", "nemotron_h", "lfm2", *OTHER_HYBRIDS)
 
@@ -85,6 +97,8 @@ class Case:
     counted: bool = True
     expect: str = ""
     tile_tokens: int | None = None  # memory.tile_tokens: the MLP and the loss tiled (compared with untiled)
+    attention: str = ""  # sequence_parallel.attention ("": the default, auto)
+    lengths: str = ""  # the micro-steps' example lengths: a key of LENGTH_SETS
 
 
 LAUNCHES = {
@@ -105,9 +119,16 @@ LAUNCHES = {
         Case("qwen3_moe-slice-aux", "qwen3_moe", 2, fault="slice-aux"),
         Case("qwen3_moe-slice-statistics", "qwen3_moe", 2, fault="slice-statistics"),
         Case("llama-refused-world", "llama", 4, expect="does not divide the 2 processes"),
-        Case("llama-refused-heads-and-world", "llama", 3,
+        Case("llama-refused-heads-and-world", "llama", 3, attention="ulysses",
              expect="cannot split (Ulysses gives each rank heads/size of them); and 3 does not divide the 2 processes; "
-                    "use one of [2]"),
+                    "use one of [2], or set sequence_parallel.attention: allgather"),
+        Case("llama-refused-world-allgather", "llama", 3, expect="does not divide the 2 processes"),
+        # all-gather context parallelism: forced where Ulysses runs too (both equal one process), with attention
+        # sinks and sliding windows (gpt-oss), soft-capping (Gemma 2), and its deliberate faults
+        Case("llama_kv2-allgather", "llama_kv2", 2, attention="allgather", lengths="spanning"),
+        Case("llama_kv2-ulysses", "llama_kv2", 2, attention="ulysses", lengths="spanning"),
+        Case("gpt_oss-allgather", "gpt_oss", 2, attention="allgather", lengths="spanning"),
+        Case("gemma2-allgather", "gemma2", 2, attention="allgather", lengths="spanning"),
         *(Case(model_type, model_type, 2) for model_type in OTHER_HYBRIDS),
     ],
     "sp4": [
@@ -117,16 +138,29 @@ LAUNCHES = {
         Case("qwen3_5_text-sp2xdp2", "qwen3_5_text", 2),
         Case("qwen3_5_text-sp4", "qwen3_5_text", 4),
         Case("qwen3_moe-sp2xdp2-train", "qwen3_moe", 2, steps=3),
+        # 6 attention heads, 2 key / value heads: SP4 cannot split them; auto runs Ulysses within blocks of 2 ranks
+        # and all-gather across the 2 blocks; allgather alone, forced
+        Case("llama_kv2-sp4", "llama_kv2", 4, lengths="spanning"),
+        Case("llama_kv2-sp4-allgather", "llama_kv2", 4, attention="allgather", lengths="spanning"),
+        Case("llama_kv2-sp4-train", "llama_kv2", 4, steps=3, labelled=True, checkpointing=True),
+        Case("llama_kv2-sp4-allgather-train", "llama_kv2", 4, attention="allgather", steps=3, labelled=True,
+             checkpointing=True),
+        Case("llama_kv2-sp2xdp2-allgather", "llama_kv2", 2, attention="allgather"),
+        Case("llama_kv2-sp4-own-slice-keys", "llama_kv2", 4, fault="own-slice-keys", lengths="spanning"),
+        Case("llama_kv2-sp4-allgather-own-slice-keys", "llama_kv2", 4, attention="allgather",
+             fault="own-slice-keys", lengths="spanning"),
+        Case("llama_kv2-sp4-allgather-query-ahead", "llama_kv2", 4, attention="allgather", fault="query-ahead",
+             lengths="spanning"),
     ],
 }
 WORLDS = {"sp2": 2, "sp4": 4}
 
 
-def micro_batches(world: int) -> list[list[list[dict]]]:
+def micro_batches(world: int, lengths: str = "") -> list[list[list[dict]]]:
     """The examples of every micro-step of a step, for each rank: ``[micro][rank]`` (the same on every rank; every
-    step trains the same batches, so that a training run's loss falls)."""
-    return [[random_examples(lengths[rank], VOCAB, seed=10 * micro + rank, low=3) for rank in range(world)]
-            for micro, lengths in enumerate(LENGTHS)]
+    step trains the same batches, so that a training run's loss falls); ``lengths``: a key of :data:`LENGTH_SETS`."""
+    return [[random_examples(step[rank], VOCAB, seed=10 * micro + rank, low=3) for rank in range(world)]
+            for micro, step in enumerate(LENGTH_SETS[lengths])]
 
 
 def build(model_type: str, checkpointing: bool = False) -> torch.nn.Module:
@@ -135,7 +169,7 @@ def build(model_type: str, checkpointing: bool = False) -> torch.nn.Module:
     initialiser's 0.02, so that a convolution cut at a slice's start shows (by ~0.2 in the gradients, not 1e-4).
     Routers whose load-balancing loss is trained: weights of ~0.3 (not 0.02), so that no token's top-k pick is near
     a tie (the loss counts picks; tests/test_sequence_parallel.py asserts the gaps)."""
-    model = tiny_model(model_type, "causal_lm", vocab_size=VOCAB, **MODELS[model_type])
+    model = tiny_model(BASE_TYPES.get(model_type, model_type), "causal_lm", vocab_size=VOCAB, **MODELS[model_type])
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -153,11 +187,22 @@ def build(model_type: str, checkpointing: bool = False) -> torch.nn.Module:
     return model
 
 
-def loss_of(assembly, model, examples: list[dict], count: torch.Tensor | None, labelled: bool) -> torch.Tensor:
+def outputs_of(assembly, model, examples: list[dict], count: torch.Tensor | None, labelled: bool):
     batch = assembly.collator(examples)
     if labelled:
         keep_labelled_logits(batch)
-    return assembly.forward(model, batch, num_items_in_batch=count).loss
+    return assembly.forward(model, batch, num_items_in_batch=count)
+
+
+def loss_of(assembly, model, examples: list[dict], count: torch.Tensor | None, labelled: bool) -> torch.Tensor:
+    return outputs_of(assembly, model, examples, count, labelled).loss
+
+
+def row_logits(logits: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The group's row of logits (SP = world): every rank's slice gathered, the padding segment cut off."""
+    pieces = [torch.empty_like(logits) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, logits.detach().contiguous())
+    return torch.cat(pieces, dim=1)[:, :tokens]
 
 
 def run_case(case: Case, rank: int, world: int) -> dict:
@@ -166,7 +211,9 @@ def run_case(case: Case, rank: int, world: int) -> dict:
     with FAULTS.get(case.fault, contextlib.nullcontext)(rank % case.sp):
         try:
             memory = {} if case.tile_tokens is None else {"memory": {"tile_tokens": case.tile_tokens}}
-            assembly = assemble(model, {"attention": "exact", "sequence_parallel": {"size": case.sp}, **memory})
+            scheme = {"attention": case.attention} if case.attention else {}
+            assembly = assemble(model, {"attention": "exact", "sequence_parallel": {"size": case.sp, **scheme},
+                                        **memory})
         except Exception as error:
             if not case.expect:
                 raise
@@ -179,15 +226,19 @@ def run_case(case: Case, rank: int, world: int) -> dict:
                     "tiled": sum(type(module.__dict__.get("forward")).__name__ == "_TiledForward"
                                  for module in model.modules())}
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-        losses = []
+        losses, logits = [], []
         for step in range(case.steps):
             total = torch.zeros(())
-            for micro in micro_batches(world):
+            for micro in micro_batches(world, case.lengths):
                 count = None
                 if case.counted:
                     count = num_label_tokens(assembly.collator(micro[rank])).clone()
                     dist.all_reduce(count)
-                loss = loss_of(assembly, model, micro[rank], count, case.labelled)
+                outputs = outputs_of(assembly, model, micro[rank], count, case.labelled)
+                loss = outputs.loss
+                if case.sp == world and not case.labelled and step == 0:  # the row's logits, every micro-step
+                    tokens = sum(len(example["input_ids"]) for examples in micro for example in examples)
+                    logits.append(row_logits(outputs.logits, tokens))
                 loss.backward()
                 total += loss.detach()
             dist.all_reduce(total)
@@ -205,7 +256,7 @@ def run_case(case: Case, rank: int, world: int) -> dict:
             optimizer.zero_grad()
     assembly.undo()
     state = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
-    return {"losses": losses, "grads": grads, "state": state, "world": world, **evidence}
+    return {"losses": losses, "grads": grads, "state": state, "world": world, "logits": logits, **evidence}
 
 
 def main(launch: str, out: str) -> None:
@@ -324,7 +375,9 @@ def patched(owner, name: str, value):
 
 
 FAULTS = {"local-attention": attend_locally, "labels-after-cut": labels_shifted_after_cut,
-          "local-mixer": scan_locally, "slice-aux": aux_of_the_slice, "slice-statistics": statistics_of_the_slice}
+          "local-mixer": scan_locally, "slice-aux": aux_of_the_slice, "slice-statistics": statistics_of_the_slice,
+          "own-slice-keys": lambda rank: faults.context_keys_from_own_slice_only(),
+          "query-ahead": lambda rank: faults.context_queries_one_token_ahead()}
 
 
 if __name__ == "__main__":

@@ -195,6 +195,33 @@ def test_predict_under_sequence_and_data_parallelism_equals_one_process(tmp_path
                            "predict (SP 2 x DP 2)")
 
 
+def test_trainer_at_sp4_on_two_kv_heads_equals_one_process(tmp_path):
+    """HF ``Trainer`` with ``sequence_parallel: {size: 4}`` on 4 processes, a Llama of 6 attention heads and 2 key /
+    value heads, which Ulysses cannot split 4 ways: ``auto`` runs Ulysses within 2 blocks of 2 ranks and all-gather
+    context parallelism across them, and the logged
+    losses, final weights and ``eval_loss`` equal one process on the same global batches; each rank computed a
+    quarter of every row."""
+    case = "hf-sp4-kv2"
+    out = tmp_path / "sp4.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
+               str(free_port()), str(ROOT / "tests" / "sequence_parallel_trainer_run.py"), str(out), case]
+    returncode, output = run_group(command, env, timeout=300, results=[out])
+    assert returncode == 0, output[-6000:]
+    run = torch.load(out, weights_only=False)[case]
+    assert run["implementation"].endswith("_sp4_ulysses2x2"), run["implementation"]
+    trainer, _ = make_trainer(case, tempfile.mkdtemp(), TRAINER_CONFIG, ranks=4)
+    trainer.train()
+    want = trainer_result(trainer)
+    loss, weight = differences(run, want, case)
+    evaluation = abs(run["eval_loss"] - want["eval_loss"])
+    print(f"{case}: max loss difference {loss:.2e}, max weight difference {weight:.2e}, eval_loss {evaluation:.2e}")
+    assert loss < TOLERANCE and weight < TOLERANCE and evaluation < TOLERANCE
+    embedded = [seen["embedded"] for seen in run["seen"]]
+    own = list(zip(*(seen["micro_batches"] for seen in run["seen"])))
+    assert all(e == embedded[0] for e in embedded) and embedded[0] == [-(-sum(sizes) // 4) for sizes in own]
+
+
 # -- refusals (one process: the group of 2 faked; each refusal comes before any collective) ------------------------
 
 

@@ -1,6 +1,7 @@
-"""Scale benchmark: one long packed row trained by 2 processes, three ways, side by side in one run.
+"""Scale benchmark: one long packed row trained by 2 processes (``--world``: N), three ways (four with
+``--allgather``), side by side in one run.
 
-Variants, each on 2 CPU processes (gloo), launched by :func:`run_scale_benchmark` with ``torch.distributed.run``
+Variants, each on N CPU processes (gloo), launched by :func:`run_scale_benchmark` with ``torch.distributed.run``
 (a subprocess with a timeout; this module is also its worker):
 
 * ``ddp`` — SP = 1: every rank trains its own packed row of ``tokens`` tokens (the same examples on both ranks),
@@ -8,7 +9,10 @@ Variants, each on 2 CPU processes (gloo), launched by :func:`run_scale_benchmark
 * ``fsdp2`` — SP = 1 as ``ddp``, the model sharded by ``torch.distributed.fsdp.fully_shard`` (every decoder layer,
   then the root);
 * ``sp2`` — SP = 2 (``sequence_parallel: {size: 2}``): both ranks train ONE row of ``tokens`` tokens, each rank
-  handing in its half of the examples and computing half of the tokens; under DDP for the gradient all-reduce.
+  handing in its half of the examples and computing half of the tokens; under DDP for the gradient all-reduce
+  (``sp<N>`` with N processes; attention by ``sequence_parallel.attention: auto``);
+* ``sp<N>-allgather`` (``allgather``) — the same with ``sequence_parallel.attention: allgather``: each rank gathers
+  the row's keys and values instead of exchanging heads.
 
 The row's examples are the same in every variant (lognormal lengths, median ``tokens / 8``, the last one cut so
 that the row holds ``tokens`` tokens exactly), as are the weights; no optimizer step, so the variants' losses must
@@ -55,8 +59,13 @@ from padfree_plugins.benchmarks.sft import MODEL_SIZES
 from padfree_plugins.errors import PadfreeError
 
 VARIANTS = ("ddp", "fsdp2", "sp2")
-#: Processes of every variant (sequence-parallel group size of ``sp2``).
+#: Processes of every variant by default (sequence-parallel group size of ``sp2``).
 WORLD = 2
+
+
+def variants(world: int = WORLD, allgather: bool = False) -> tuple[str, ...]:
+    """The variants of a run on ``world`` processes; ``allgather``: with all-gather sequence parallelism too."""
+    return ("ddp", "fsdp2", f"sp{world}") + ((f"sp{world}-allgather",) if allgather else ())
 #: Target: peak memory per rank at SP = 2 over SP = 1, for the Llama.
 MEMORY_TARGET = 0.6
 PROGRESS = "[bench scale] "
@@ -88,6 +97,8 @@ class ScaleSettings:
     seed: int = 0
     threads: int = 1
     timeout: float = 1800.0
+    world: int = WORLD
+    allgather: bool = False
 
 
 @dataclass
@@ -107,10 +118,11 @@ class ScaleRow:
     loss_rel_diff: float = 0.0
     memory_vs_ddp: float = 1.0
     speed_vs_ddp: float = 1.0
+    processes: int = WORLD
 
     @property
     def tokens_per_s_per_rank(self) -> float:
-        return self.tokens_per_s / WORLD
+        return self.tokens_per_s / self.processes
 
 
 @dataclass
@@ -124,10 +136,10 @@ class ScaleResult:
         return next(r for r in self.rows if r.model == model and r.variant == variant)
 
     def memory_target(self, model: str = "llama") -> bool | None:
-        """Whether peak memory per rank at SP = 2 is within :data:`MEMORY_TARGET` of SP = 1 (``None``: not run)."""
+        """Whether peak memory per rank at SP = N is within :data:`MEMORY_TARGET` of SP = 1 (``None``: not run)."""
         if not any(r.model == model for r in self.rows):
             return None
-        return self.row(model, "sp2").memory_vs_ddp <= MEMORY_TARGET
+        return self.row(model, f"sp{self.settings.world}").memory_vs_ddp <= MEMORY_TARGET
 
     def as_dict(self) -> dict[str, Any]:
         return {"settings": asdict(self.settings), "environment": self.environment,
@@ -176,7 +188,9 @@ def row_lengths(tokens: int, seed: int) -> list[int]:
 def communication(config: Any, tokens: int, size: int = WORLD, element_bytes: int = 4) -> dict[str, Any]:
     """What sequence parallelism over ``size`` ranks exchanges per layer of ``config`` for a row of ``tokens``
     tokens, per rank and direction (forward; the backward exchanges as much again). Bytes are the tensors that go
-    through the collectives; ``(size - 1) / size`` of them leave the rank."""
+    through the collectives; ``(size - 1) / size`` of them leave the rank. ``allgather bytes per layer``: the same
+    for all-gather attention (the row's keys and values gathered on every rank; their gradients reduce-scattered
+    back in the backward)."""
     from padfree_plugins.modeling.attention.ulysses import kv_repeats
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -185,13 +199,15 @@ def communication(config: Any, tokens: int, size: int = WORLD, element_bytes: in
     repeat = kv_repeats(heads, kv_heads, size)
     local = tokens // size
     attention = local * (2 * heads + 2 * kv_heads * repeat) * head_dim * element_bytes
+    allgather = tokens * 2 * kv_heads * head_dim * element_bytes
     mixer = tokens * text.hidden_size * element_bytes
     types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
     attentions = sum(t in ATTENTION_LAYERS for t in types)
     mixers = len(types) - attentions
     return {"attention layers": attentions, "mixer layers": mixers, "heads q / kv": f"{heads} / {kv_heads}",
             "kv repeat": repeat, "head dim": head_dim, "hidden": text.hidden_size,
-            "attention bytes per layer": attention, "mixer bytes per layer": mixer,
+            "attention bytes per layer": attention, "allgather bytes per layer": allgather,
+            "mixer bytes per layer": mixer,
             "bytes per step forward": attentions * attention + mixers * mixer,
             "off-rank share": (size - 1) / size}
 
@@ -210,7 +226,7 @@ COLUMNS = ("variant", "SP", "rows / step", "real tok/s", "tok/s per rank", "step
 
 def verdict(row: ScaleRow) -> str:
     """The memory target's verdict beside SP = 2's ratio: the Llama's pass / FAIL; the hybrid's, as measured."""
-    if row.variant != "sp2":
+    if not row.variant.startswith("sp"):
         return "-"
     if row.model != "llama":
         return "none (mixers: whole row)"
@@ -225,15 +241,20 @@ def cells(row: ScaleRow) -> tuple[str, ...]:
             f"{row.saved_bytes / 2**20:,.1f}", f"{row.weight_bytes / 2**20:,.1f}", f"{row.loss_rel_diff:.1e}")
 
 
-def communication_line(model: str, volume: dict[str, Any], tokens: int) -> str:
-    """SP = 2's exchange per layer of ``model`` in words."""
+def communication_line(model: str, volume: dict[str, Any], tokens: int, world: int = WORLD,
+                       allgather: bool = False) -> str:
+    """SP = N's exchange per layer of ``model`` in words (``allgather``: all-gather attention's too)."""
     mib = 2**20
     parts = []
     if volume["attention layers"]:
         kv = (f", k and v heads x{volume['kv repeat']}" if volume["kv repeat"] > 1 else "")
         parts.append(f"{volume['attention layers']} attention layer(s): 4 all-to-alls per layer (q, k, v in: "
-                     f"[T/N={tokens // WORLD}, H, D={volume['head dim']}], H = {volume['heads q / kv']}{kv}; "
+                     f"[T/N={tokens // world}, H, D={volume['head dim']}], H = {volume['heads q / kv']}{kv}; "
                      f"output back) = {volume['attention bytes per layer'] / mib:.2f} MiB per rank per layer")
+        if allgather:
+            parts.append(f"all-gather attention: 2 all-gathers per layer (k, v: [T={tokens}, H_kv, "
+                         f"D={volume['head dim']}]) = {volume['allgather bytes per layer'] / mib:.2f} MiB per rank "
+                         "per layer")
     if volume["mixer layers"]:
         parts.append(f"{volume['mixer layers']} mixer layer(s): 1 all-gather of [T={tokens}, "
                      f"hidden={volume['hidden']}] = {volume['mixer bytes per layer'] / mib:.2f} MiB per rank per "
@@ -253,25 +274,28 @@ def write_outputs(result: ScaleResult, out: Path) -> Path:
 
 
 def run_scale_benchmark(settings: ScaleSettings, progress: Callable[[str], None] | None = None) -> ScaleResult:
-    """Run every model's variants in one ``torch.distributed.run`` of :data:`WORLD` CPU processes; see the module
-    docstring."""
+    """Run every model's variants in one ``torch.distributed.run`` of ``settings.world`` CPU processes; see the
+    module docstring."""
     unknown = [m for m in settings.models if m not in MODELS]
     if unknown or not settings.models:
         raise PadfreeError(f"unknown model(s) {', '.join(unknown) or '(none given)'} for bench scale; choose from "
                            f"{', '.join(MODELS)}")
-    if settings.tokens < 64 or settings.tokens % WORLD:
-        raise PadfreeError(f"--tokens must be an even number of at least 64, got {settings.tokens}")
+    if settings.world < 2:
+        raise PadfreeError(f"--world must be at least 2 processes, got {settings.world}")
+    if settings.tokens < 64 or settings.tokens % settings.world:
+        raise PadfreeError(f"--tokens must be a multiple of the {settings.world} processes (an even number for 2) "
+                           f"of at least 64, got {settings.tokens}")
     if settings.rounds < 1:
         raise PadfreeError(f"--rounds must be at least 1 (the timed steps), got {settings.rounds}")
     say = progress or (lambda _: None)
     with tempfile.TemporaryDirectory(prefix="padfree-bench-scale-") as scratch:
         out = Path(scratch) / "result.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={settings.world}",
                    "-m", __name__, json.dumps(asdict(settings)), str(out)]
         env = {**os.environ, "OMP_NUM_THREADS": str(settings.threads), "TOKENIZERS_PARALLELISM": "false"}
-        say(f"launching {WORLD} processes (gloo): {', '.join(settings.models)}, a row of {settings.tokens} tokens, "
-            f"timeout {settings.timeout:.0f} s")
-        _launch(command, env, settings.timeout, say)
+        say(f"launching {settings.world} processes (gloo): {', '.join(settings.models)}, a row of {settings.tokens} "
+            f"tokens, timeout {settings.timeout:.0f} s")
+        _launch(command, env, settings.timeout, say, settings.world)
         raw = json.loads(out.read_text())
     rows = [ScaleRow(**row) for row in raw["rows"]]
     for model in settings.models:
@@ -281,7 +305,8 @@ def run_scale_benchmark(settings: ScaleSettings, progress: Callable[[str], None]
                 r.memory_vs_ddp = r.peak_bytes / base.peak_bytes
                 r.speed_vs_ddp = r.tokens_per_s / base.tokens_per_s
                 r.loss_rel_diff = abs(r.loss - base.loss) / abs(base.loss)
-    volumes = {m: communication(model_config(m, settings.tokens), settings.tokens) for m in settings.models}
+    volumes = {m: communication(model_config(m, settings.tokens), settings.tokens, settings.world)
+               for m in settings.models}
     environment = {**raw["environment"]}
     try:
         environment["load average (1, 5, 15 min)"] = [round(x, 2) for x in os.getloadavg()]
@@ -290,7 +315,7 @@ def run_scale_benchmark(settings: ScaleSettings, progress: Callable[[str], None]
     return ScaleResult(settings, rows, volumes, environment)
 
 
-def _launch(command: list[str], env: dict, timeout: float, say: Callable[[str], None]) -> None:
+def _launch(command: list[str], env: dict, timeout: float, say: Callable[[str], None], world: int = WORLD) -> None:
     """Run the workers; their progress lines go to ``say``, the rest is kept for an error. A run past ``timeout``
     is killed (its process group: the launcher and its workers)."""
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -311,7 +336,7 @@ def _launch(command: list[str], env: dict, timeout: float, say: Callable[[str], 
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, 9)
         process.wait()
-        raise PadfreeError(f"bench scale: the {WORLD} processes did not finish within {timeout:.0f} s (killed); "
+        raise PadfreeError(f"bench scale: the {world} processes did not finish within {timeout:.0f} s (killed); "
                            "use fewer --tokens or a longer --timeout. Last output:\n" + "\n".join(tail)) from None
     reader.join(timeout=10)
     if code:
@@ -353,8 +378,9 @@ class Variant:
         world, rank = dist.get_world_size(), dist.get_rank()
         model = build_model(model_name, tokens)
         config: dict[str, Any] = {"task": "causal_lm"}
-        if variant == "sp2":
-            config["sequence_parallel"] = {"size": world}
+        if variant.startswith("sp"):
+            scheme = "allgather" if variant.endswith("-allgather") else "auto"
+            config["sequence_parallel"] = {"size": world, "attention": scheme}
             half = _halves(examples, world)
             examples = half[rank]
         self.assembly = assemble(model, config)
@@ -362,7 +388,7 @@ class Variant:
         count = num_label_tokens(self.batch).clone()
         dist.all_reduce(count)
         self.count, self.world = count, world
-        self.rows, self.tokens = (1, tokens) if variant == "sp2" else (world, world * tokens)
+        self.rows, self.tokens = (1, tokens) if variant.startswith("sp") else (world, world * tokens)
         if variant == "fsdp2":
             from torch.distributed.fsdp import fully_shard
 
@@ -423,12 +449,13 @@ def worker(settings: ScaleSettings, out: str) -> None:
     for name in settings.models:
         lengths = row_lengths(settings.tokens, settings.seed)
         examples = random_examples(lengths, MODELS[name][1]["vocab_size"], seed=settings.seed, low=3)
-        say(f"{name}: building ddp, fsdp2, sp2 ({len(lengths)} examples in the row, longest {max(lengths)})")
-        variants = {v: Variant(name, v, examples, settings.tokens) for v in VARIANTS}
+        names = variants(dist.get_world_size(), settings.allgather)
+        say(f"{name}: building {', '.join(names)} ({len(lengths)} examples in the row, longest {max(lengths)})")
+        built = {v: Variant(name, v, examples, settings.tokens) for v in names}
         peaks: dict[str, list[int]] = {}
         saved: dict[str, int] = {}
         losses: dict[str, float] = {}
-        for v, variant in variants.items():
+        for v, variant in built.items():
             for _ in range(settings.warmup):
                 variant.step()
             measured: list = []  # one untimed step: its loss, its peak, what it saved for backward
@@ -445,24 +472,25 @@ def worker(settings: ScaleSettings, out: str) -> None:
             dist.all_reduce(loss)
             losses[v] = float(loss) / dist.get_world_size()
             say(f"{name} {v}: peak {max(peaks[v]) / 2**20:,.1f} MiB per rank, loss {losses[v]:.6f}")
-        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        times: dict[str, list[float]] = {v: [] for v in names}
         for r in range(settings.rounds):
-            order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+            order = names[r % len(names):] + names[:r % len(names)]
             for v in order:
                 dist.barrier()
                 start = time.perf_counter()
-                variants[v].step()
+                built[v].step()
                 times[v].append(max(gathered(time.perf_counter() - start)))  # a step lasts as its slowest rank
             say(f"{name} round {r + 1}/{settings.rounds}: "
-                + ", ".join(f"{v} {variants[v].tokens / times[v][-1]:,.0f} tok/s" for v in VARIANTS))
-        for v, variant in variants.items():
+                + ", ".join(f"{v} {built[v].tokens / times[v][-1]:,.0f} tok/s" for v in names))
+        for v, variant in built.items():
             step_s = statistics.median(times[v])
-            rows.append(dict(model=name, variant=v, sequence_parallel=WORLD if v == "sp2" else 1,
+            world = dist.get_world_size()
+            rows.append(dict(model=name, variant=v, sequence_parallel=world if v.startswith("sp") else 1,
                              rows_per_step=variant.rows, tokens_per_step=variant.tokens,
                              tokens_per_s=variant.tokens / step_s, step_s=step_s, peak_bytes=max(peaks[v]),
                              peak_bytes_by_rank=peaks[v], saved_bytes=saved[v], weight_bytes=variant.weight_bytes,
-                             loss=losses[v]))
-        del variants
+                             loss=losses[v], processes=world))
+        del built
     if rank == 0:
         environment = {"torch": torch.__version__, "processes": dist.get_world_size(), "backend": "gloo",
                        "threads per process": torch.get_num_threads(), "cpus": os.cpu_count(),

@@ -114,12 +114,15 @@ class SequenceParallelPatch:
     saved: list = field(default_factory=list)
 
     @classmethod
-    def install(cls, patch: ModelPatch, group: SequenceGroup) -> SequenceParallelPatch:
+    def install(cls, patch: ModelPatch, group: SequenceGroup, layout: Any = None) -> SequenceParallelPatch:
+        """``layout``: how attention sees the row (an :class:`~padfree_plugins.modeling.attention.context_parallel.
+        AttentionLayout`; ``None``: Ulysses over the group)."""
         installed = cls(patch, group)
         model = patch.model
         if patch.previous_implementation is not None:  # a model with attention (not Mamba)
             installed.implementation = attention.register(patch.backend, patch.fallback, patch.attention_dropout,
-                                                          patch.architecture.kind == "decoder", sequence=group)
+                                                          patch.architecture.kind == "decoder",
+                                                          sequence=layout or group)
             installed._set_implementation(installed.implementation)
         for module, mixer in sequence_mixers(model):
             if not isinstance(mixer, WholeRowMixer):

@@ -16,6 +16,9 @@ Both leave a model run on one example alone exactly as it was, and change only p
   tiled loss that averages each tile on its own instead of dividing the row's sum once;
 * :func:`rows_swap_media`: a padded image-text call split wrongly — two rows' media (of the same shapes, other
   pixels) swapped, so each row's tokens get the other's images;
+* :func:`context_keys_from_own_slice_only` and :func:`context_queries_one_token_ahead`: the two ways all-gather
+  sequence parallelism (:mod:`padfree_plugins.modeling.attention.context_parallel`) can go wrong — a rank that
+  attends only to its own slice's keys, queries placed one token off (each sees the next token of its example);
 * :func:`completions_start_from_zero`, :func:`completions_continue_a_sibling` and
   :func:`conv_taps_reach_into_a_sibling`: the three ways a hybrid's sequence mixers can go wrong in a row with shared
   prefixes — a completion's state not taken from its prompt, taken from its sibling, its conv taps in its sibling;
@@ -33,7 +36,7 @@ from unittest import mock
 import torch
 
 from padfree_plugins.modeling import attention, mixers, patching, tiling
-from padfree_plugins.modeling.attention import backends
+from padfree_plugins.modeling.attention import backends, context_parallel
 from padfree_plugins.modeling.patching import unwrap_model
 from padfree_plugins.modeling.sequence_parallel import SequenceParallelForward
 from padfree_plugins.packing.batch import restarts
@@ -342,4 +345,32 @@ def pooling_reads_local_slice() -> Iterator[None]:
         return torch.cat([before, hidden, after], dim=1).narrow(1, sum(sizes[:rank]), sizes[rank])
 
     with mock.patch.object(SequenceParallelForward, "own_hidden", local_only):
+        yield
+
+
+@contextmanager
+def context_keys_from_own_slice_only() -> Iterator[None]:
+    """Within the block, all-gather sequence parallelism lets each rank's queries see only the keys of its own slice:
+    an example crossing the slice's start loses its earlier keys (as if the slice were a row of its own)."""
+
+    def own(cu_seq_lens, start, local, causal):
+        return (cu_seq_lens - start).clamp(0, local), cu_seq_lens.clamp(start, start + local), start + local
+
+    with mock.patch.object(context_parallel, "slice_boundaries", own):
+        yield
+
+
+@contextmanager
+def context_queries_one_token_ahead() -> Iterator[None]:
+    """Within the block, all-gather sequence parallelism places each query one token off (causal): an example
+    crossing the end of a rank's slice gets one key more, so each of its queries there sees the next token."""
+    right = context_parallel.slice_boundaries
+
+    def ahead(cu_seq_lens, start, local, causal):
+        queries, keys, seen = right(cu_seq_lens, start, local, causal)
+        if seen is None:
+            return queries, keys, seen
+        return queries, cu_seq_lens.clamp(max=seen + 1), seen + 1
+
+    with mock.patch.object(context_parallel, "slice_boundaries", ahead):
         yield

@@ -65,6 +65,9 @@ _SINK_KWARGS = ("s_aux", "sinks")
 BLOCKS_KWARG = "block_sequence_ids"
 #: The backend feature that implements them (passed to its ``varlen`` as ``blocks=``; opt-in, as ``sinks``).
 BLOCKS_FEATURE = "bidirectional_blocks"
+#: Set (by all-gather sequence parallelism) when a packed call's keys are the group's whole row and its queries one
+#: rank's slice of it, the boundaries saying which keys each example's queries see.
+GATHERED_KEYS = "gathered_keys"
 
 
 def implementation_name(backend: AttentionBackend, fallback: AttentionBackend | None = None,
@@ -163,7 +166,7 @@ class PadfreeAttention:
                 "output_attentions=True on a packed row: padding-free attention never builds the [T, T] weights of "
                 "a packed row. Run the examples as an ordinary padded batch to inspect attention weights."
             )
-        if key.shape[2] != query.shape[2]:
+        if key.shape[2] != query.shape[2] and not kwargs.get(GATHERED_KEYS):  # all-gather: a slice's queries
             raise BoundaryError(
                 f"{type(module).__name__}: packed queries ({query.shape[2]} tokens) attend to {key.shape[2]} keys "
                 "(a KV cache or cross-attention); padding-free packing supports self-attention without cache only"
@@ -250,9 +253,11 @@ def _shared_keys(module, backend: AttentionBackend, shared: SharedPrefixes, key:
 
 def register(backend: AttentionBackend, fallback: AttentionBackend | None = None,
              attention_dropout: bool = True, default_causal: bool = True, sequence: Any = None) -> str:
-    """Register the implementation of this variant with transformers and return its name; ``sequence`` (a
-    :class:`~padfree_plugins.modeling.attention.ulysses.SequenceGroup`): the variant for a sequence-parallel group
-    (Ulysses: each rank's packed calls hold its slice of the group's row), named ``…_sp<size>``.
+    """Register the implementation of this variant with transformers and return its name; ``sequence``: the variant
+    for a sequence-parallel group (each rank's packed calls hold its slice of the group's row), an
+    :class:`~padfree_plugins.modeling.attention.context_parallel.AttentionLayout` (Ulysses, all-gather or both; named
+    ``…_sp<size>``, ``…_sp<size>_allgather``, ``…_sp<size>_ulysses<u>x<r>``) or a
+    :class:`~padfree_plugins.modeling.attention.ulysses.SequenceGroup` (Ulysses over the group).
 
     Registering the same variant again replaces its function with an equal one; the registry belongs to
     transformers, so nothing here keeps state.
@@ -265,9 +270,10 @@ def register(backend: AttentionBackend, fallback: AttentionBackend | None = None
     name = implementation_name(backend, fallback, attention_dropout, default_causal)
     function: Any = PadfreeAttention(backend, fallback, attention_dropout, default_causal)
     if sequence is not None:
-        from padfree_plugins.modeling.attention.ulysses import UlyssesAttention
+        from padfree_plugins.modeling.attention.context_parallel import AttentionLayout
 
-        name, function = f"{name}_sp{sequence.size}", UlyssesAttention(function, sequence)
+        layout = sequence if isinstance(sequence, AttentionLayout) else AttentionLayout(sequence.size, sequence, None)
+        name, function = name + layout.suffix, layout.wrap(function)
     AttentionInterface.register(name, function)
     AttentionMaskInterface.register(name, padfree_mask)
     return name
