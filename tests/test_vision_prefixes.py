@@ -191,7 +191,7 @@ def test_dpo_with_shared_image_prompts_trains_the_padded_run_qwen3_vl(media_call
     """``STEPS`` steps of sigmoid DPO with a reference model on Qwen3-VL pairs with 0, 1 or 2 images: every logged
     value within 1e-4 of its scale of TRL's padded run, every fused forward (policy and reference) sharing."""
     from tests import test_trl_preference
-    from tests.test_trl_preference import assert_same_run, differences, trained_reference
+    from tests.test_trl_preference import differences, trained_reference
     from tests.test_trl_vision_families import preferences
 
     monkeypatch.setattr(test_trl_preference, "STEPS", STEPS)
@@ -206,9 +206,16 @@ def test_dpo_with_shared_image_prompts_trains_the_padded_run_qwen3_vl(media_call
     assert len(media_calls) == 2 * STEPS and all(media_calls), "a fused forward ran padded"
     assert calls.shared == calls.packed == 2 * STEPS and not calls.padded, calls.describe()
     assert trainer.state.log_history[-2]["padfree/shared_calls"] == 2 * STEPS
-    worst = differences(trainer.state.log_history, want)
+    got = trainer.state.log_history
+    worst = differences(got, want)
     print("largest relative differences:", {key: f"{value:.1e}" for key, value in worst.items()})
-    assert_same_run(trainer.state.log_history, want)
+    assert {"loss", "grad_norm"} <= worst.keys() and max(worst.values()) <= 1e-4, worst
+    # the accuracies (discontinuous): equal but where rounding could flip a near-tie (all pairs tie at step 1)
+    for key, shares in want.flips.items():
+        for step, share in enumerate(shares):
+            assert abs(got[step][key] - want[step][key]) <= share + 1e-6, (key, step)
+    curve = [entry["loss"] for entry in want[:-1]]
+    assert max(curve) - min(curve) > 1e-2 * max(map(abs, curve)), "the run did not train: the comparison proves little"
 
 
 @pytest.fixture
@@ -217,3 +224,53 @@ def media_calls(monkeypatch):
     from tests.conftest import counted_packings
 
     return counted_packings(monkeypatch, trl_fused, "pack_media_call")
+
+
+# -- bidirectional blocks (Gemma 3's images) in a shared row ---------------------------------------------------------
+
+
+class Attention(torch.nn.Module):
+    is_causal = True
+
+
+def blocks_attention(block_columns: slice):
+    """A prompt of 5 tokens, completions of 3 and 2: the shared row's attention (exact backend) with a bidirectional
+    block at ``block_columns`` of the shared row, and what each whole row (prompt + completion, the block in every
+    row) gives at the shared row's tokens."""
+    from padfree_plugins.builtin.backends import EXACT_FEATURES, SHARED_FEATURES
+    from padfree_plugins.contract.declarations import AttentionBackend
+    from padfree_plugins.modeling.attention import PadfreeAttention
+    from padfree_plugins.modeling.attention.backends import exact_varlen
+    from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, SharedPrefixes
+
+    exact = AttentionBackend("exact", exact_varlen, features=EXACT_FEATURES | SHARED_FEATURES)
+    torch.manual_seed(0)
+    lengths, heads, dim = [5, 3, 2], 2, 8
+    q, k, v = (torch.randn(1, heads, sum(lengths), dim, dtype=torch.float64) for _ in range(3))
+    blocks = torch.full((1, sum(lengths)), -1)
+    blocks[0, block_columns] = 0
+    cu = torch.tensor([0, 5, 8, 10], dtype=torch.int32)
+    got, _ = PadfreeAttention(exact)(Attention(), q, k, v, None, cu_seq_lens_q=cu, max_length_q=5,
+                                     block_sequence_ids=blocks,
+                                     **{SHARED_PREFIXES_KEY: SharedPrefixes.build(lengths, [-1, 0, 0])})
+    whole = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 8, 9])  # prompt + first, prompt + second
+    whole_blocks = blocks[0, whole].clone()
+    whole_blocks[8:][whole_blocks[8:] >= 0] = 1  # the second row's block numbered apart
+    qw, kw, vw = (t[0].transpose(0, 1).index_select(0, whole) for t in (q, k, v))
+    want = exact_varlen(qw, kw, vw, torch.tensor([0, 8, 15], dtype=torch.int32),
+                        torch.tensor([0, 8, 15], dtype=torch.int32), 8, 8, causal=True, blocks=whole_blocks)
+    return got[0], want.index_select(0, torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 13, 14]))
+
+
+def test_bidirectional_blocks_inside_a_prompt_are_shared_exactly():
+    """An image block inside the prompt: each token of the shared row gets what it gets in its whole row."""
+    got, want = blocks_attention(slice(1, 4))
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def test_a_bidirectional_block_in_a_completion_is_refused():
+    """A block in a completion of a shared row (an image after the prompt) is a BoundaryError that says so."""
+    from padfree_plugins import BoundaryError
+
+    with pytest.raises(BoundaryError, match="a completion of a shared row holds a bidirectional block"):
+        blocks_attention(slice(6, 8))
