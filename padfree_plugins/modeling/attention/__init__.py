@@ -253,6 +253,16 @@ def _shared_keys(module, backend: AttentionBackend, shared: SharedPrefixes, key:
         shared.cu_seq_lens_k.to(key.device), shared.max_length_k
 
 
+def check_blocks_in_prompts(blocks: torch.Tensor, shared: SharedPrefixes, name: str = "attention") -> None:
+    """Refuse bidirectional blocks (``[T]`` or ``[1, T]``) in a completion of a shared row: only a segment without a
+    parent (a prompt) may hold one (one read from the device)."""
+    if bool((blocks.reshape(-1).index_select(0, shared.roots.children.to(blocks.device)) >= 0).any()):
+        raise BoundaryError(
+            f"{name}: a completion of a shared row holds a bidirectional block (an image's tokens after its prompt): "
+            "only a prompt (a segment without a parent) may hold one. Share only prompts that hold every image of "
+            "their rows, or set prefix_sharing: off")
+
+
 def _shared_with_blocks(module, backend: AttentionBackend, shared: SharedPrefixes, query: torch.Tensor,
                         key: torch.Tensor, value: torch.Tensor, causal: bool, blocks: torch.Tensor,
                         **options: Any) -> torch.Tensor:
@@ -269,11 +279,8 @@ def _shared_with_blocks(module, backend: AttentionBackend, shared: SharedPrefixe
         raise BoundaryError(f"{name}: shared prefixes are for causal attention; set prefix_sharing: off for this "
                             "model")
     split = shared.roots
-    if blocks.device.type == "cpu" and bool((blocks.index_select(0, split.children) >= 0).any()):
-        raise BoundaryError(
-            f"{name}: a completion of a shared row holds a bidirectional block (an image's tokens after its prompt): "
-            "only a prompt (a segment without a parent) may hold one. Share only prompts that hold every image of "
-            "their rows, or set prefix_sharing: off")
+    if blocks.device.type == "cpu":  # on an accelerator checked once per forward, where the blocks are made
+        check_blocks_in_prompts(blocks, shared, name)
     roots = backend.varlen(query.index_select(0, split.roots), key.index_select(0, split.roots),
                            value.index_select(0, split.roots), split.roots_cu, split.roots_cu, split.roots_max,
                            split.roots_max, causal=causal, blocks=blocks.index_select(0, split.roots), **options)
