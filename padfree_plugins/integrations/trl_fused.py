@@ -74,7 +74,7 @@ from padfree_plugins.modeling.sequence_parallel import gather_rows
 from padfree_plugins.packing.batch import BOUNDARY_KEYS, MEDIA_KEYS, MODEL_INPUT_KEYS, packed_tokens
 from padfree_plugins.packing.multimodal import MODALITY_KEYS, TOKEN_TYPES_KEY, MultimodalCollator, media_equal, \
     share_prompts
-from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY
+from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, SharedPrefixes
 from padfree_plugins.packing.sequence_parallel import MAX_KEYS, join_rows, slice_row
 
 
@@ -322,7 +322,7 @@ def pack_media_call(inputs: dict, mask: torch.Tensor, labels: torch.Tensor, coll
     for key in (*MODEL_INPUT_KEYS, *media_keys):
         if key in batch:
             value = batch[key]
-            packed[key] = value.to(device) if isinstance(value, torch.Tensor) else value
+            packed[key] = value.to(device) if isinstance(value, (torch.Tensor, SharedPrefixes)) else value
     return packed, unpad.Unpadded(mask.shape[0], mask.shape[1], index)
 
 
