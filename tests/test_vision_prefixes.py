@@ -132,9 +132,9 @@ def test_image_features_given_to_another_group_fail_the_comparison(family):
     assert float((got["log_probs"] - want["log_probs"]).abs().max()) > 1e-3
 
 
-def test_a_family_that_cannot_share_image_prompts_is_refused_with_its_reason(monkeypatch):
+def test_a_family_that_cannot_share_image_prompts_is_refused_with_its_reason(monkeypatch, caplog):
     """A family whose collator says why its image-text prompts cannot be shared: ``prefix_sharing: on`` is a
-    ConfigError at accelerate() naming it, the trainer untouched; ``auto`` packs every row whole."""
+    ConfigError at accelerate() naming it, the trainer untouched; ``auto`` packs every row whole and logs why."""
     from padfree_plugins.packing.multimodal import MultimodalPacking
 
     reason = "its tower mixes a row's images"
@@ -153,8 +153,11 @@ def test_a_family_that_cannot_share_image_prompts_is_refused_with_its_reason(mon
         accelerate(trainer, {"task": "causal_lm", "prefix_sharing": "on"})
     assert vars(trainer.model)["forward"] == forward and patch_of(trainer.model) is None
     batch = trainer.data_collator([dict(trainer.train_dataset[i]) for i in range(len(CALL_PAIRS))])
-    *_, calls, _ = shared_fused_call(trainer, batch, "auto")
+    with caplog.at_level("INFO", logger="padfree_plugins"):
+        *_, calls, _ = shared_fused_call(trainer, batch, "auto")
     assert (calls.packed, calls.shared) == (1, 0)
+    assert any("prompts are not shared for DPOTrainer: image-text prompts of qwen2_5_vl are not shared: " + reason
+               in record.getMessage() for record in caplog.records), [r.getMessage() for r in caplog.records]
 
 
 # -- training runs against TRL's padded ones ------------------------------------------------------------------------
