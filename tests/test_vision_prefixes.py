@@ -277,3 +277,16 @@ def test_a_bidirectional_block_in_a_completion_is_refused():
 
     with pytest.raises(BoundaryError, match="a completion of a shared row holds a bidirectional block"):
         blocks_attention(slice(6, 8))
+
+
+def test_roots_and_children_split_a_shared_row():
+    """Two prompts (one kept whole between them): the roots are the segments without a parent, each child's keys its
+    prompt's tokens then its own, and ``order`` puts the two parts back in packed order."""
+    from padfree_plugins.packing.prefixes import SharedPrefixes
+
+    split = SharedPrefixes.build([3, 2, 1, 4, 2, 2], [-1, 0, 0, -1, -1, 4]).roots
+    assert split.roots.tolist() == [0, 1, 2, 6, 7, 8, 9, 10, 11] and split.roots_cu.tolist() == [0, 3, 7, 9]
+    assert split.children.tolist() == [3, 4, 5, 12, 13] and split.children_cu_q.tolist() == [0, 2, 3, 5]
+    assert split.children_keys.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 5, 10, 11, 12, 13]
+    assert split.children_cu_k.tolist() == [0, 5, 9, 13] and (split.children_max_q, split.children_max_k) == (2, 5)
+    assert torch.cat([split.roots, split.children]).index_select(0, split.order).tolist() == list(range(14))

@@ -195,23 +195,21 @@ class RootsAndChildren:
     @classmethod
     def of(cls, shared: SharedPrefixes) -> RootsAndChildren:
         bounds_k = shared.cu_seq_lens_k.long().tolist()
-        lengths: list[int] = []
-        for segment, parent in enumerate(shared.parents):
-            keys = bounds_k[segment + 1] - bounds_k[segment]
-            lengths.append(keys - (lengths[parent] if parent >= 0 else 0))
+        counts = [end - start for start, end in zip(bounds_k, bounds_k[1:])]  # a segment's keys: its parent's, its own
+        lengths = [count - (counts[parent] if parent >= 0 else 0) for count, parent in zip(counts, shared.parents)]
         starts = [0]
         for length in lengths:
             starts.append(starts[-1] + length)
         device = shared.key_index.device
         parts: dict[bool, list] = {False: [], True: []}
-        keys = []
+        keys = []  # where the children's keys sit in key_index
         for segment, parent in enumerate(shared.parents):
             parts[parent >= 0].append(torch.arange(starts[segment], starts[segment + 1]))
             if parent >= 0:
-                keys.append(shared.key_index[bounds_k[segment]:bounds_k[segment + 1]].cpu())
+                keys.append(torch.arange(bounds_k[segment], bounds_k[segment + 1]))
         roots_len = [lengths[s] for s, parent in enumerate(shared.parents) if parent < 0]
         child_q = [lengths[s] for s, parent in enumerate(shared.parents) if parent >= 0]
-        child_k = [bounds_k[s + 1] - bounds_k[s] for s, parent in enumerate(shared.parents) if parent >= 0]
+        child_k = [counts[s] for s, parent in enumerate(shared.parents) if parent >= 0]
 
         def cat(pieces: list) -> torch.Tensor:
             return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
@@ -221,6 +219,7 @@ class RootsAndChildren:
 
         roots, children = cat(parts[False]), cat(parts[True])
         return cls(roots.to(device), bounds(roots_len).to(device), max(roots_len, default=0), children.to(device),
-                   bounds(child_q).to(device), cat(keys).to(device), bounds(child_k).to(device),
+                   bounds(child_q).to(device), shared.key_index.index_select(0, cat(keys).to(device)),
+                   bounds(child_k).to(device),
                    max(child_q, default=0), max(child_k, default=0),
                    torch.argsort(torch.cat([roots, children])).to(device))
