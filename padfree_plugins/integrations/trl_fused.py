@@ -31,11 +31,16 @@ fused forward as for text. A placeholder token of a media the call has none of, 
 ``mm_token_type_ids`` (one the policy generated in a completion: TRL types completions text, and the model, given no
 such media, embeds and positions it as text), is packed as text. A call that cannot be split exactly (placeholders
 that do not match the media, per-token modalities that are not the placeholders' — TRL's ``mm_token_type_ids`` laid
-out for right-padded prompts, say —, other per-token inputs, an empty row) runs TRL's forward, padded.
+out for right-padded prompts, say —, other per-token inputs, an empty row) runs TRL's forward, padded. With
+``prefix_sharing``, rows whose prompts are equal in their tokens and in the media they hold (:func:`media_prefixes`:
+pixels compared, not only placeholders) hold the prompt once, its media collated once
+(:func:`~padfree_plugins.packing.multimodal.share_prompts`): the vision tower encodes each distinct prompt's images
+once, and every completion keeps the positions of its whole row.
 
 Every fused call that runs padded says why in a warning, the first time for each reason (per trainer patch:
 :class:`FusedCalls`), and every fused call is counted, packed or padded by reason: ``Acceleration.describe()``
-(``fused calls``) and the trainer's log (``padfree/packed_calls``, ``padfree/padded_calls``, so far) show the counts.
+(``fused calls``) and the trainer's log (``padfree/packed_calls``, ``padfree/padded_calls``, ``padfree/shared_calls``:
+packed calls whose row shares a prompt; so far) show the counts.
 A call without any pad runs as it is (nothing to gain), counted apart and not said.
 
 Under sequence parallelism (``sequence_parallel.size: N``, the model's patch holding a
