@@ -61,7 +61,8 @@ def test_real_tokens_are_the_padded_batchs_non_pad_tokens():
 
 
 def test_the_reported_real_tokens_are_the_batches_attention_mask_sums():
-    """Both rows report the padded batches' non-pad tokens (their attention masks' sum), built as the run builds them."""
+    """Every row reports the padded batches' non-pad tokens (their attention masks' sum), built as the run builds
+    them."""
     from padfree_plugins.testing.vision import image_text_processor, tiny_vision_language_model
 
     settings = VisionPreferenceSettings(**{**QUICK, "batch_size": 3})

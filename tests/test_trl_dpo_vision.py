@@ -3,8 +3,8 @@ rows (every pair's prompt with its images + chosen, then + rejected) with the ro
 the plugin splits every fused log-probability call into its rows — each row's images with it, by its placeholder
 runs and the grids — packs them with the family's multimodal collator (per-example mRoPE positions) and scatters the
 per-token outputs back. 20 steps of DPO give TRL's padded run within 1e-4 relative per logged value; a call that
-cannot be split runs padded; what is not packed yet is refused; pairs share their prompts, images and all. Every family's single call, and the swap of two rows'
-images: tests/test_trl_vision_families.py."""
+cannot be split runs padded; what is not packed yet is refused; pairs share their prompts, images and all. Every
+family's single call, and the swap of two rows' images: tests/test_trl_vision_families.py."""
 
 from __future__ import annotations
 

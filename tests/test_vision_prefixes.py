@@ -16,8 +16,6 @@ its images once — the vision tower encodes each distinct prompt's images once 
 from __future__ import annotations
 
 import contextlib
-import copy
-import tempfile
 
 import datasets
 import pytest
