@@ -19,6 +19,8 @@ Both leave a model run on one example alone exactly as it was, and change only p
 * :func:`context_keys_from_own_slice_only` and :func:`context_queries_one_token_ahead`: the two ways all-gather
   sequence parallelism (:mod:`padfree_plugins.modeling.attention.context_parallel`) can go wrong — a rank that
   attends only to its own slice's keys, queries placed one token off (each sees the next token of its example);
+* :func:`image_features_to_another_group`: a row that shares image-text prompts with one group's image features in
+  another group's prompt;
 * :func:`completions_start_from_zero`, :func:`completions_continue_a_sibling` and
   :func:`conv_taps_reach_into_a_sibling`: the three ways a hybrid's sequence mixers can go wrong in a row with shared
   prefixes — a completion's state not taken from its prompt, taken from its sibling, its conv taps in its sibling;
@@ -39,6 +41,7 @@ from padfree_plugins.modeling import attention, mixers, patching, tiling
 from padfree_plugins.modeling.attention import backends, context_parallel
 from padfree_plugins.modeling.patching import unwrap_model
 from padfree_plugins.modeling.sequence_parallel import SequenceParallelForward
+from padfree_plugins.packing import multimodal
 from padfree_plugins.packing.batch import restarts
 from padfree_plugins.packing.prefixes import SharedPrefixes
 
@@ -258,6 +261,36 @@ def rows_swap_media(collator: Any) -> Iterator[list[int]]:
         yield swapped
     finally:
         del collator.split_call
+
+
+@contextmanager
+def image_features_to_another_group(collator: Any) -> Iterator[list[int]]:
+    """In a row that shares image-text prompts (:func:`~padfree_plugins.packing.multimodal.share_prompts`), the first
+    two shared prompts whose media can be swapped (same keys and shapes, other pixels) hold each other's media: one
+    group's image features fill another group's prompt. Yields the number of calls swapped (one entry per call); a
+    shared call with no such prompts raises, so that a test cannot pass unswapped."""
+    keys = set(collator.media_keys)
+    original = multimodal.prompt_examples
+    swapped: list[int] = []
+
+    def prompt_examples(examples: Any, segments: Any) -> list:
+        chosen = original(examples, segments)
+        parents = {segment.parent for segment in segments if segment.parent >= 0}
+        roots = [place for place, index in enumerate(i for i, s in enumerate(segments) if s.parent < 0)
+                 if index in parents]
+        media = [{key: value for key, value in example.items() if key in keys} for example in chosen]
+        for first in roots:
+            for second in roots:
+                if second > first and _swappable(media[first], media[second]):
+                    chosen = list(chosen)
+                    chosen[first] = {**chosen[first], **media[second]}
+                    chosen[second] = {**chosen[second], **media[first]}
+                    swapped.append(1)
+                    return chosen
+        raise AssertionError("image_features_to_another_group: no two shared prompts of this call have media to swap")
+
+    with mock.patch.object(multimodal, "prompt_examples", prompt_examples):
+        yield swapped
 
 
 def _sources_from_siblings(recurrent: bool, conv: bool) -> Any:
