@@ -29,6 +29,7 @@ import torch.distributed as dist
 from padfree_plugins import assemble
 from padfree_plugins.batching.distributed import num_label_tokens
 from padfree_plugins.packing.labelled_logits import keep_labelled_logits
+from padfree_plugins.testing import faults
 from padfree_plugins.testing.models import random_examples, tiny_model
 
 #: Example lengths of each rank's micro-batch (for up to 4 ranks), per micro-step. Micro-step 0: every cut of a
@@ -53,8 +54,8 @@ MODELS = {
     "qwen3_moe": {"output_router_logits": True, "router_aux_loss_coef": 0.5},
 }
 #: Every other hybrid family (tests/hybrids_common.py lists them all), at its tiny defaults (the Mamba2 ones smaller,
-#: below), in the sp2 launch: each runs its sequence mixers (gated delta rule, KDA, Mamba1 / Mamba2, short conv) on
-#: the whole row under sequence parallelism.
+#: below), in the sp2 launch: each runs its sequence mixers (gated delta rule, KDA, Mamba2, short conv) on its slice,
+#: the state passed across the cut (Mamba1: on the whole row) under sequence parallelism.
 OTHER_HYBRIDS = ("qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "kimi_linear", "granitemoehybrid", "bamba",
                  "falcon_h1", "jamba", "mamba", "falcon_mamba", "mamba2", "lfm2_moe")
 MAIN_MODELS = tuple(MODELS)
@@ -67,6 +68,8 @@ MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=
 MODELS.update(granitemoehybrid=MAMBA2, bamba=MAMBA2, falcon_h1={**MAMBA2, "mamba_d_ssm": 64})
 #: The model types whose sequence mixers the sequence-parallel patch must have wrapped.
 HYBRID_TYPES = ("qwen3_5_text", "nemotron_h", "lfm2", *OTHER_HYBRIDS)
+#: Those whose mixers run split across the ranks (Mamba1 cannot start from a state: gathered).
+SPLIT_TYPES = tuple(name for name in HYBRID_TYPES if name not in ("jamba", "mamba", "falcon_mamba"))
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ class Case:
     counted: bool = True
     expect: str = ""
     tile_tokens: int | None = None  # memory.tile_tokens: the MLP and the loss tiled (compared with untiled)
+    mixers: str = "split"  # sequence_parallel.mixers
 
 
 LAUNCHES = {
@@ -97,9 +101,11 @@ LAUNCHES = {
         Case("llama-uncounted", "llama", 2, counted=False),
         Case("llama-local-attention", "llama", 2, fault="local-attention"),
         Case("llama-labels-after-cut", "llama", 2, fault="labels-after-cut"),
-        Case("qwen3_5_text-local-mixer", "qwen3_5_text", 2, fault="local-mixer"),
-        Case("nemotron_h-local-mixer", "nemotron_h", 2, fault="local-mixer"),
-        Case("lfm2-local-mixer", "lfm2", 2, fault="local-mixer"),
+        Case("qwen3_5_text-gather", "qwen3_5_text", 2, mixers="gather"),
+        Case("qwen3_5_text-gather-local-mixer", "qwen3_5_text", 2, fault="local-mixer", mixers="gather"),
+        *(Case(f"{model_type}-{fault}", model_type, 2, fault=fault) for model_type in ("qwen3_5_text", "nemotron_h",
+                                                                                      "lfm2")
+          for fault in ("slice-only", "wrong-rank")),
         Case("qwen3_moe-train", "qwen3_moe", 2, steps=3),
         Case("qwen3_moe-uncounted", "qwen3_moe", 2, counted=False),
         Case("qwen3_moe-slice-aux", "qwen3_moe", 2, fault="slice-aux"),
@@ -153,11 +159,15 @@ def build(model_type: str, checkpointing: bool = False) -> torch.nn.Module:
     return model
 
 
-def loss_of(assembly, model, examples: list[dict], count: torch.Tensor | None, labelled: bool) -> torch.Tensor:
+def forward_of(assembly, model, examples: list[dict], count: torch.Tensor | None, labelled: bool):
     batch = assembly.collator(examples)
     if labelled:
         keep_labelled_logits(batch)
-    return assembly.forward(model, batch, num_items_in_batch=count).loss
+    return assembly.forward(model, batch, num_items_in_batch=count)
+
+
+def loss_of(assembly, model, examples: list[dict], count: torch.Tensor | None, labelled: bool) -> torch.Tensor:
+    return forward_of(assembly, model, examples, count, labelled).loss
 
 
 def run_case(case: Case, rank: int, world: int) -> dict:
@@ -166,7 +176,8 @@ def run_case(case: Case, rank: int, world: int) -> dict:
     with FAULTS.get(case.fault, contextlib.nullcontext)(rank % case.sp):
         try:
             memory = {} if case.tile_tokens is None else {"memory": {"tile_tokens": case.tile_tokens}}
-            assembly = assemble(model, {"attention": "exact", "sequence_parallel": {"size": case.sp}, **memory})
+            assembly = assemble(model, {"attention": "exact", **memory,
+                                        "sequence_parallel": {"size": case.sp, "mixers": case.mixers}})
         except Exception as error:
             if not case.expect:
                 raise
@@ -174,20 +185,27 @@ def run_case(case: Case, rank: int, world: int) -> dict:
                 "forward" in module.__dict__ for module in model.modules())
             return {"error": f"{type(error).__name__}: {error}", "untouched": untouched}
         evidence = {"implementation": model.config._attn_implementation,
-                    "mixers": sum(type(module.__dict__.get("forward")).__name__ == "WholeRowMixer"
+                    "mixers": sum(type(module.__dict__.get("forward")).__name__ in ("WholeRowMixer", "SplitMixer")
                                   for module in model.modules()),
+                    "split": sum(type(module.__dict__.get("forward")).__name__ == "SplitMixer"
+                                 for module in model.modules()),
                     "tiled": sum(type(module.__dict__.get("forward")).__name__ == "_TiledForward"
                                  for module in model.modules())}
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         losses = []
         for step in range(case.steps):
             total = torch.zeros(())
-            for micro in micro_batches(world):
+            for index, micro in enumerate(micro_batches(world)):
                 count = None
                 if case.counted:
                     count = num_label_tokens(assembly.collator(micro[rank])).clone()
                     dist.all_reduce(count)
-                loss = loss_of(assembly, model, micro[rank], count, case.labelled)
+                outputs = forward_of(assembly, model, micro[rank], count, case.labelled)
+                loss = outputs.loss
+                if step == index == 0 and not case.labelled and case.sp == world:  # the row's logits, gathered
+                    pieces = [torch.empty_like(outputs.logits) for _ in range(world)]
+                    dist.all_gather(pieces, outputs.logits.detach().contiguous())
+                    evidence["logits"] = torch.cat(pieces, dim=1)
                 loss.backward()
                 total += loss.detach()
             dist.all_reduce(total)
@@ -209,14 +227,18 @@ def run_case(case: Case, rank: int, world: int) -> dict:
 
 
 def main(launch: str, out: str) -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=int(os.environ.get("SP_TIMEOUT_S", 90))))
     rank, world = dist.get_rank(), dist.get_world_size()
+    only = os.environ.get("SP_CASES")  # a comma-separated subset of the launch's cases (for debugging)
     for case in LAUNCHES[launch]:
+        if only and case.name not in only.split(","):
+            continue
         started = time.monotonic()
         try:
             result = run_case(case, rank, world)
         except Exception:
             result = {"error": traceback.format_exc()}
+            print(f"rank {rank}, {case.name}: {result['error']}", file=sys.stderr, flush=True)
         if rank == 0:
             torch.save(result, Path(out) / f"{case.name}.pt")
             print(f"{case.name}: {time.monotonic() - started:.1f} s", flush=True)
@@ -324,7 +346,9 @@ def patched(owner, name: str, value):
 
 
 FAULTS = {"local-attention": attend_locally, "labels-after-cut": labels_shifted_after_cut,
-          "local-mixer": scan_locally, "slice-aux": aux_of_the_slice, "slice-statistics": statistics_of_the_slice}
+          "local-mixer": scan_locally, "slice-aux": aux_of_the_slice, "slice-statistics": statistics_of_the_slice,
+          "slice-only": lambda rank: faults.mixer_scans_only_its_slice(),
+          "wrong-rank": lambda rank: faults.state_from_wrong_rank()}
 
 
 if __name__ == "__main__":

@@ -41,6 +41,10 @@ CASES = {
     # the MoE load-balancing loss is the row's: each global batch is the group's row, as one process trains it
     "hf-moe-aux": {"kind": "hf", "accumulation": 1, "checkpointing": False, "strategy": "examples",
                    "split_batches": True, "model": "moe"},
+    # a gated-DeltaNet hybrid: its mixers split across the ranks, the state passed across the cut (recomputed under
+    # checkpointing without a second exchange)
+    "hf-hybrid": {"kind": "hf", "accumulation": 1, "checkpointing": True, "strategy": "examples",
+                  "model": "hybrid"},
 }
 EVAL_BATCH = 2  # per rank; the reference evaluates the group's 2 x 2 examples as one batch
 SPLIT_BATCH = 4  # split_batches=True: the examples of a global batch, 2 per rank (training and evaluation)
@@ -163,7 +167,24 @@ def tiny_moe():
 def make_model(case: str):
     from tests.test_distributed import load_example
 
-    return tiny_moe() if CASES[case].get("model") == "moe" else load_example().tiny_llama()
+    kind = CASES[case].get("model")
+    return tiny_moe() if kind == "moe" else tiny_hybrid() if kind == "hybrid" else load_example().tiny_llama()
+
+
+def tiny_hybrid():
+    """A tiny Qwen3.5-shaped hybrid (gated delta rule layers around a full-attention one), its mixers forgetting
+    slowly (``A_log`` at log(0.01), ``dt_bias`` at -4), so that the state passed across a cut matters."""
+    from padfree_plugins.testing.models import tiny_model
+
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_5_text", "causal_lm", vocab_size=256)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("A_log"):
+                parameter.fill_(-4.6)
+            elif name.endswith("dt_bias"):
+                parameter.fill_(-4.0)
+    return model
 
 
 def make_trainer(case: str, output_dir: str, config: dict, *, ranks: int | None = None):
@@ -251,6 +272,8 @@ def run_trainer(case: str) -> dict:
     result = trainer_result(trainer)
     result["labelled_logits"] = bool(getattr(trainer.data_collator, "labelled_logits", False))
     result["split_batches"] = trainer.accelerator.split_batches
+    result["split_mixers"] = sum(type(module.__dict__.get("forward")).__name__ == "SplitMixer"
+                                 for module in acceleration.assembly.model.modules())
     if CASES[case]["kind"] == "sft":
         result["uncounted"] = uncounted_sft_loss(trainer)
     result["seen"] = gathered(seen)

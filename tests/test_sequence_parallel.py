@@ -10,11 +10,14 @@ ranks packed into one row in rank order (the rows of the groups accumulated), th
 = the micro-step's label count. A row is what a group trains: the MoE load-balancing loss (Qwen3-MoE with
 ``output_router_logits``) is the row's, not a sum over tokens.
 
-Tolerance: the summed loss within 1e-5 and every gradient (and, for training, every weight) within 1e-5
-**absolute**; the gradients compared are O(1e-2 .. 1), so this is far below their scale. Each deliberate fault
-(a rank attending to its slice alone, labels shifted after the cut, a mixer scanning its slice alone, a router aux
-loss of the slice or of the slice's expert statistics) must differ by more than 1e-3 from the same reference: the
-comparison has teeth.
+Tolerance: the summed loss, the row's logits and every gradient (and, for training, every weight) within 1e-5
+**absolute**; the gradients compared are O(1e-2 .. 1), so this is far below their scale. Hybrid families run their
+sequence mixers split (each rank its slice, the state passed across the cut: micro-step 0 cuts an example 8 + 3
+tokens, the piece after the cut shorter than the conv kernel), Mamba1 families and one ``mixers: gather`` case on
+the whole row. Each deliberate fault (a rank attending to its slice alone, labels shifted after the cut, a split
+mixer's piece after the cut starting from zeros or from its own rank's state, a gathered mixer scanning its slice
+alone, a router aux loss of the slice or of the slice's expert statistics) must differ by more than 1e-3 from the
+same reference: the comparison has teeth.
 """
 
 from __future__ import annotations
@@ -293,14 +296,17 @@ def reference(model_type: str, world: int, steps: int = 1, checkpointing: bool =
     gaps: list = []
     hooks = [module.register_forward_hook(functools.partial(record_pick_gaps, gaps, model.config))
              for module in model.modules() if type(module).__name__.endswith("TopKRouter")]
-    losses = []
-    for _ in range(steps):
+    losses, logits = [], None
+    for step in range(steps):
         total = 0.0
-        for micro in worker.micro_batches(world):
+        for index, micro in enumerate(worker.micro_batches(world)):
             count = num_label_tokens(assembly.collator([example for rank in micro for example in rank]))
             for start in range(0, world, sp):
                 examples = [example for rank in micro[start:start + sp] for example in rank]
-                loss = worker.loss_of(assembly, model, examples, count, labelled)
+                outputs = worker.forward_of(assembly, model, examples, count, labelled)
+                if step == index == 0 and not labelled and sp == world:
+                    logits = outputs.logits.detach()
+                loss = outputs.loss
                 loss.backward()
                 total += loss.item()
         losses.append(total)
@@ -312,7 +318,7 @@ def reference(model_type: str, world: int, steps: int = 1, checkpointing: bool =
     assembly.undo()
     for hook in hooks:
         hook.remove()
-    return {"losses": losses, "grads": grads, "pick_gaps": torch.cat(gaps) if gaps else None,
+    return {"losses": losses, "grads": grads, "pick_gaps": torch.cat(gaps) if gaps else None, "logits": logits,
             "state": {name: p.detach().clone() for name, p in model.named_parameters()}}
 
 
@@ -391,6 +397,8 @@ def test_sequence_parallel_equals_one_process(launches, launch_name, case):
     if case.model_type not in ATTENTION_FREE:
         assert run["implementation"] == f"padfree_exact_sp{case.sp}"
     assert (run["mixers"] > 0) == (case.model_type in worker.HYBRID_TYPES)
+    # split: every mixer that can start from a state runs on the slice alone (Mamba1 families gather the row)
+    assert (run["split"] > 0) == (case.model_type in worker.SPLIT_TYPES and case.mixers == "split")
     assert (run["tiled"] > 0) == (case.tile_tokens is not None)  # tiled against the untiled reference
     want = reference(case.model_type, run["world"], case.steps, case.checkpointing, case.labelled, case.sp)
     diff = differences(run, want)
@@ -398,6 +406,9 @@ def test_sequence_parallel_equals_one_process(launches, launch_name, case):
     print(f"{case.name}: loss {diff['loss']:.1e}, grad {diff['grad']:.1e} (largest grad {scale:.2f}), "
           f"weight {diff['weight']:.1e}")
     assert diff["loss"] < TOLERANCE and diff["grad"] < TOLERANCE and diff["weight"] < TOLERANCE, diff
+    if want["logits"] is not None:  # the row's logits (micro-step 0), gathered from the ranks' slices
+        tokens = want["logits"].shape[1]
+        assert (run["logits"][:, :tokens] - want["logits"]).abs().max().item() < TOLERANCE
     assert scale > 1e-2  # gradients far above the tolerance
     if worker.MODELS[case.model_type].get("output_router_logits"):  # the load-balancing loss counts expert picks
         assert_clear(want["pick_gaps"], "router top-k gaps")
@@ -420,6 +431,8 @@ def test_a_deliberate_fault_fails_the_comparison(launches, launch_name, case):
     diff = differences(run, reference(case.model_type, run["world"], sp=case.sp))
     print(f"{case.name}: loss {diff['loss']:.1e}, grad {diff['grad']:.1e}")
     assert diff["grad"] > FAULT_GAP, diff
+    if case.fault in ("slice-only", "wrong-rank"):  # the split mixers' faults, on the split path
+        assert run["split"] > 0
 
 
 @pytest.mark.parametrize("launch_name, case", cases("sp2", refusals=True))

@@ -81,8 +81,15 @@ class SequenceParallelConfig:
 
     size: int = _help(
         "ranks that share one packed row (1: off). Each group of size consecutive ranks joins its micro-batches into "
-        "one row; every rank computes 1/size of its tokens, attention and sequence mixers see the whole row through "
-        "all-to-all. Must divide the number of processes and the attention heads", default=1, minimum=1)
+        "one row; every rank computes 1/size of its tokens, attention sees the whole row through all-to-all, "
+        "sequence mixers pass their state across the cuts (mixers). Must divide the number of processes and the "
+        "attention heads", default=1, minimum=1)
+    mixers: Literal["split", "gather"] = _help(
+        "sequence mixers of hybrid models (gated delta rule, KDA, Mamba2, short conv) under sequence parallelism: "
+        "split (each rank runs its own slice; an example crossing a cut continues from the previous rank's final "
+        "state and conv taps, passed point to point; Mamba1 mixers, which cannot start from a state, run gathered, "
+        "with a warning); gather (every rank runs the mixer on the whole row, its input all-gathered: more memory "
+        "and compute, no wait at a cut)", default="split")
 
 
 @dataclass
