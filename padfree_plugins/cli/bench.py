@@ -507,7 +507,10 @@ def bench_scale(
     tokens: Annotated[int, positive("Tokens of the packed row (even).")] = 16384,
     quick: Annotated[bool, typer.Option(help="The test suite's size: a row of 1024 tokens, no warm-up, one "
                                              "round (seconds, not minutes; its speeds mean little).")] = False,
-    models: Annotated[str, typer.Option(help="Comma-separated: llama, qwen3_5_text.")] = "llama,qwen3_5_text",
+    models: Annotated[str, typer.Option(help="Comma-separated: llama, qwen3_5_text, granite4h (a Mamba2 "
+                                             "hybrid).")] = "llama,qwen3_5_text",
+    variants: Annotated[str, typer.Option(help="Comma-separated: ddp (always), fsdp2, sp2 (hybrids: mixers "
+                                               "split), sp2-gather (mixers on the whole row).")] = "ddp,fsdp2,sp2",
     rounds: Annotated[int, positive("Interleaved timed rounds; figures are medians over rounds.")] = 2,
     warmup: Annotated[int, typer.Option(help="Untimed warm-up steps per variant.")] = 1,
     seed: Annotated[int, typer.Option(help="Seed of the lengths, the tokens and the weights.")] = 0,
@@ -522,7 +525,9 @@ def bench_scale(
 
     from padfree_plugins.benchmarks.scale import (
         COLUMNS,
+        HYBRID_MEMORY_TARGET,
         MEMORY_NOTE,
+        MEMORY_TARGET,
         QUICK,
         TITLES,
         ScaleSettings,
@@ -533,7 +538,8 @@ def bench_scale(
     )
 
     settings = ScaleSettings(tokens=tokens, models=tuple(m.strip() for m in models.split(",")), rounds=rounds,
-                             warmup=warmup, seed=seed, threads=threads, timeout=timeout)
+                             warmup=warmup, seed=seed, threads=threads, timeout=timeout,
+                             variants=tuple(v.strip() for v in variants.split(",")))
     if quick:
         settings = dataclasses.replace(settings, **QUICK)
     try:
@@ -557,7 +563,9 @@ def bench_scale(
     for model, volume in result.communication.items():
         stdout.print(f"SP=2 communication, {communication_line(model, volume, settings.tokens)}", highlight=False)
     stdout.print(f"{MEMORY_NOTE} real tok/s: the tokens of all rows of a step (ddp, fsdp2: one row per rank; "
-                 "sp2: one row for both) over the slowest rank's step time. On CPU the exchanges cost time: no "
+                 "sp2: one row for both) over the slowest rank's step time. Targets: peak memory per rank at SP=2 "
+                 f"<= {MEMORY_TARGET}x ddp for the Llama, <= {HYBRID_MEMORY_TARGET}x for the hybrids (mixers "
+                 "split). On CPU the exchanges cost time: no "
                  "speed target.", highlight=False)
     stdout.print(f"environment: {result.environment}", highlight=False)
     stdout.print(f"wrote {path}", highlight=False)
