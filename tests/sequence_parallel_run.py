@@ -40,6 +40,9 @@ from padfree_plugins.testing.models import random_examples, tiny_model
 #: tests/test_sequence_parallel.py asserts these properties.
 LENGTHS = (([7, 19, 11], [1, 23, 6], [13, 2, 9], [17, 5]),
            ([9, 5, 1], [1, 10, 4], [1, 8, 6], [1, 13]))
+#: Rows where one example spans three ranks of SP4 (the row 132 tokens, cuts 33 / 66 / 99: the example at 3..73
+#: covers all of rank 1's slice) and a 1-token piece follows a cut (the example at 80..100), for the split mixers.
+SPANNING = (([3, 70], [2], [5, 20], [32]),)
 VOCAB = 96
 LR = 0.5
 #: What each tiny model needs on top of tiny_model's defaults for the test to mean something.
@@ -89,6 +92,7 @@ class Case:
     expect: str = ""
     tile_tokens: int | None = None  # memory.tile_tokens: the MLP and the loss tiled (compared with untiled)
     mixers: str = "split"  # sequence_parallel.mixers
+    spanning: bool = False  # the micro-batches of SPANNING instead of LENGTHS
 
 
 LAUNCHES = {
@@ -123,16 +127,19 @@ LAUNCHES = {
         Case("qwen3_5_text-sp2xdp2", "qwen3_5_text", 2),
         Case("qwen3_5_text-sp4", "qwen3_5_text", 4),
         Case("qwen3_moe-sp2xdp2-train", "qwen3_moe", 2, steps=3),
+        *(Case(f"{model_type}-sp4-spanning", model_type, 4, spanning=True)
+          for model_type in ("qwen3_5_text", "nemotron_h", "lfm2")),
+        Case("qwen3_5_text-sp4-spanning-wrong-rank", "qwen3_5_text", 4, fault="wrong-rank", spanning=True),
     ],
 }
 WORLDS = {"sp2": 2, "sp4": 4}
 
 
-def micro_batches(world: int) -> list[list[list[dict]]]:
+def micro_batches(world: int, spanning: bool = False) -> list[list[list[dict]]]:
     """The examples of every micro-step of a step, for each rank: ``[micro][rank]`` (the same on every rank; every
-    step trains the same batches, so that a training run's loss falls)."""
+    step trains the same batches, so that a training run's loss falls); ``spanning``: those of :data:`SPANNING`."""
     return [[random_examples(lengths[rank], VOCAB, seed=10 * micro + rank, low=3) for rank in range(world)]
-            for micro, lengths in enumerate(LENGTHS)]
+            for micro, lengths in enumerate(SPANNING if spanning else LENGTHS)]
 
 
 def build(model_type: str, checkpointing: bool = False) -> torch.nn.Module:
@@ -195,7 +202,7 @@ def run_case(case: Case, rank: int, world: int) -> dict:
         losses = []
         for step in range(case.steps):
             total = torch.zeros(())
-            for index, micro in enumerate(micro_batches(world)):
+            for index, micro in enumerate(micro_batches(world, case.spanning)):
                 count = None
                 if case.counted:
                     count = num_label_tokens(assembly.collator(micro[rank])).clone()

@@ -286,7 +286,7 @@ def launch(name: str, out) -> dict:
 
 @functools.cache
 def reference(model_type: str, world: int, steps: int = 1, checkpointing: bool = False,
-              labelled: bool = False, sp: int | None = None) -> dict:
+              labelled: bool = False, sp: int | None = None, spanning: bool = False) -> dict:
     """One process on the same global batches: each micro-step's examples of every group of ``sp`` ranks (all
     ranks: ``None``) in one row, in rank order, the rows accumulated, the loss over the micro-step's label count."""
     model = worker.build(model_type, checkpointing)
@@ -299,7 +299,7 @@ def reference(model_type: str, world: int, steps: int = 1, checkpointing: bool =
     losses, logits = [], None
     for step in range(steps):
         total = 0.0
-        for index, micro in enumerate(worker.micro_batches(world)):
+        for index, micro in enumerate(worker.micro_batches(world, spanning)):
             count = num_label_tokens(assembly.collator([example for rank in micro for example in rank]))
             for start in range(0, world, sp):
                 examples = [example for rank in micro[start:start + sp] for example in rank]
@@ -348,10 +348,22 @@ def cases(launch_name: str, faulty: bool = False, refusals: bool = False) -> lis
             if bool(case.fault) == faulty and bool(case.expect) == refusals]
 
 
-def group_rows(world: int, sp: int) -> list[list[int]]:
+def group_rows(world: int, sp: int, steps=worker.LENGTHS) -> list[list[int]]:
     """The example lengths of every group's row, over the micro-steps."""
     return [[n for rank in range(start, start + sp) for n in lengths[rank]]
-            for lengths in worker.LENGTHS for start in range(0, world, sp)]
+            for lengths in steps for start in range(0, world, sp)]
+
+
+def test_the_spanning_data_crosses_three_ranks_and_leaves_one_token_after_a_cut():
+    """The SP4 rows of the split mixers' ``spanning`` cases: an example covers a whole slice (it crosses two cuts, so
+    its state passes through a rank), and a 1-token piece follows a cut."""
+    (lengths,) = group_rows(4, 4, worker.SPANNING)
+    local = padded_length(sum(lengths), 4) // 4
+    cuts = [rank * local for rank in range(1, 4)]
+    starts = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    examples = list(zip(starts[:-1], starts[1:]))
+    assert any(sum(begin < cut < end for cut in cuts) >= 2 for begin, end in examples)
+    assert any(begin < cut and end - cut == 1 for cut in cuts for begin, end in examples)
 
 
 @pytest.mark.parametrize("world, sp", [(2, 2), (4, 2), (4, 4)])
@@ -400,7 +412,8 @@ def test_sequence_parallel_equals_one_process(launches, launch_name, case):
     # split: every mixer that can start from a state runs on the slice alone (Mamba1 families gather the row)
     assert (run["split"] > 0) == (case.model_type in worker.SPLIT_TYPES and case.mixers == "split")
     assert (run["tiled"] > 0) == (case.tile_tokens is not None)  # tiled against the untiled reference
-    want = reference(case.model_type, run["world"], case.steps, case.checkpointing, case.labelled, case.sp)
+    want = reference(case.model_type, run["world"], case.steps, case.checkpointing, case.labelled, case.sp,
+                     case.spanning)
     diff = differences(run, want)
     scale = max(g.abs().max().item() for g in want["grads"].values())
     print(f"{case.name}: loss {diff['loss']:.1e}, grad {diff['grad']:.1e} (largest grad {scale:.2f}), "
@@ -425,10 +438,10 @@ def test_every_hybrid_family_is_tested_under_sequence_parallelism():
     assert {*HYBRIDS, "lfm2", "lfm2_moe"} <= tested
 
 
-@pytest.mark.parametrize("launch_name, case", cases("sp2", faulty=True))
+@pytest.mark.parametrize("launch_name, case", cases("sp2", faulty=True) + cases("sp4", faulty=True))
 def test_a_deliberate_fault_fails_the_comparison(launches, launch_name, case):
     run = result(launches, launch_name, case)
-    diff = differences(run, reference(case.model_type, run["world"], sp=case.sp))
+    diff = differences(run, reference(case.model_type, run["world"], sp=case.sp, spanning=case.spanning))
     print(f"{case.name}: loss {diff['loss']:.1e}, grad {diff['grad']:.1e}")
     assert diff["grad"] > FAULT_GAP, diff
     if case.fault in ("slice-only", "wrong-rank"):  # the split mixers' faults, on the split path
