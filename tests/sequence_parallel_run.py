@@ -43,8 +43,11 @@ LENGTHS = (([7, 19, 11], [1, 23, 6], [13, 2, 9], [17, 5]),
 #: One more micro-step for the all-gather cases: at SP4 (78 tokens padded to 80, cuts 20 / 40 / 60) the example of 40
 #: tokens at 5..45 spans ranks 0-2, and the one at 57..64 crosses the last cut: every cut falls inside an example.
 SPANNING = ([5, 40], [9], [3, 7], [12, 2])
+#: Rows where one example spans three ranks of SP4 (the row 132 tokens, cuts 33 / 66 / 99: the example at 3..73
+#: covers all of rank 1's slice) and a 1-token piece follows a cut (the example at 80..100), for the split mixers.
+SPANNING_MIXERS = ([3, 70], [2], [5, 20], [32])
 #: The micro-steps of each case, by ``Case.lengths``.
-LENGTH_SETS = {"": LENGTHS, "spanning": (*LENGTHS, SPANNING)}
+LENGTH_SETS = {"": LENGTHS, "spanning": (*LENGTHS, SPANNING), "spanning-mixers": (SPANNING_MIXERS,)}
 VOCAB = 96
 LR = 0.5
 #: What each tiny model needs on top of tiny_model's defaults for the test to mean something.
@@ -63,8 +66,8 @@ MODELS = {
     "qwen3_moe": {"output_router_logits": True, "router_aux_loss_coef": 0.5},
 }
 #: Every other hybrid family (tests/hybrids_common.py lists them all), at its tiny defaults (the Mamba2 ones smaller,
-#: below), in the sp2 launch: each runs its sequence mixers (gated delta rule, KDA, Mamba1 / Mamba2, short conv) on
-#: the whole row under sequence parallelism.
+#: below), in the sp2 launch: each runs its sequence mixers (gated delta rule, KDA, Mamba2, short conv) on its slice,
+#: the state passed across the cut (Mamba1: on the whole row) under sequence parallelism.
 OTHER_HYBRIDS = ("qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "kimi_linear", "granitemoehybrid", "bamba",
                  "falcon_h1", "jamba", "mamba", "falcon_mamba", "mamba2", "lfm2_moe")
 MAIN_MODELS = tuple(MODELS)
@@ -79,6 +82,8 @@ MODELS.update(granitemoehybrid=MAMBA2, bamba=MAMBA2, falcon_h1={**MAMBA2, "mamba
 BASE_TYPES = {"llama_kv2": "llama"}
 #: The model types whose sequence mixers the sequence-parallel patch must have wrapped.
 HYBRID_TYPES = ("qwen3_5_text", "nemotron_h", "lfm2", *OTHER_HYBRIDS)
+#: Those whose mixers run split across the ranks (Mamba1 cannot start from a state: gathered).
+SPLIT_TYPES = tuple(name for name in HYBRID_TYPES if name not in ("jamba", "mamba", "falcon_mamba"))
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,7 @@ class Case:
     tile_tokens: int | None = None  # memory.tile_tokens: the MLP and the loss tiled (compared with untiled)
     attention: str = ""  # sequence_parallel.attention ("": the default, auto)
     lengths: str = ""  # the micro-steps' example lengths: a key of LENGTH_SETS
+    mixers: str = "split"  # sequence_parallel.mixers
 
 
 LAUNCHES = {
@@ -111,9 +117,11 @@ LAUNCHES = {
         Case("llama-uncounted", "llama", 2, counted=False),
         Case("llama-local-attention", "llama", 2, fault="local-attention"),
         Case("llama-labels-after-cut", "llama", 2, fault="labels-after-cut"),
-        Case("qwen3_5_text-local-mixer", "qwen3_5_text", 2, fault="local-mixer"),
-        Case("nemotron_h-local-mixer", "nemotron_h", 2, fault="local-mixer"),
-        Case("lfm2-local-mixer", "lfm2", 2, fault="local-mixer"),
+        Case("qwen3_5_text-gather", "qwen3_5_text", 2, mixers="gather"),
+        Case("qwen3_5_text-gather-local-mixer", "qwen3_5_text", 2, fault="local-mixer", mixers="gather"),
+        *(Case(f"{model_type}-{fault}", model_type, 2, fault=fault) for model_type in ("qwen3_5_text", "nemotron_h",
+                                                                                      "lfm2")
+          for fault in ("slice-only", "wrong-rank")),
         Case("qwen3_moe-train", "qwen3_moe", 2, steps=3),
         Case("qwen3_moe-uncounted", "qwen3_moe", 2, counted=False),
         Case("qwen3_moe-slice-aux", "qwen3_moe", 2, fault="slice-aux"),
@@ -151,6 +159,9 @@ LAUNCHES = {
              fault="own-slice-keys", lengths="spanning"),
         Case("llama_kv2-sp4-allgather-query-ahead", "llama_kv2", 4, attention="allgather", fault="query-ahead",
              lengths="spanning"),
+        *(Case(f"{model_type}-sp4-spanning", model_type, 4, lengths="spanning-mixers")
+          for model_type in ("qwen3_5_text", "nemotron_h", "lfm2")),
+        Case("qwen3_5_text-sp4-spanning-wrong-rank", "qwen3_5_text", 4, fault="wrong-rank", lengths="spanning-mixers"),
     ],
 }
 WORLDS = {"sp2": 2, "sp4": 4}
@@ -212,8 +223,8 @@ def run_case(case: Case, rank: int, world: int) -> dict:
         try:
             memory = {} if case.tile_tokens is None else {"memory": {"tile_tokens": case.tile_tokens}}
             scheme = {"attention": case.attention} if case.attention else {}
-            assembly = assemble(model, {"attention": "exact", "sequence_parallel": {"size": case.sp, **scheme},
-                                        **memory})
+            assembly = assemble(model, {"attention": "exact", **memory,
+                                        "sequence_parallel": {"size": case.sp, "mixers": case.mixers, **scheme}})
         except Exception as error:
             if not case.expect:
                 raise
@@ -221,8 +232,10 @@ def run_case(case: Case, rank: int, world: int) -> dict:
                 "forward" in module.__dict__ for module in model.modules())
             return {"error": f"{type(error).__name__}: {error}", "untouched": untouched}
         evidence = {"implementation": model.config._attn_implementation,
-                    "mixers": sum(type(module.__dict__.get("forward")).__name__ == "WholeRowMixer"
+                    "mixers": sum(type(module.__dict__.get("forward")).__name__ in ("WholeRowMixer", "SplitMixer")
                                   for module in model.modules()),
+                    "split": sum(type(module.__dict__.get("forward")).__name__ == "SplitMixer"
+                                 for module in model.modules()),
                     "tiled": sum(type(module.__dict__.get("forward")).__name__ == "_TiledForward"
                                  for module in model.modules())}
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -260,14 +273,18 @@ def run_case(case: Case, rank: int, world: int) -> dict:
 
 
 def main(launch: str, out: str) -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=int(os.environ.get("SP_TIMEOUT_S", 90))))
     rank, world = dist.get_rank(), dist.get_world_size()
+    only = os.environ.get("SP_CASES")  # a comma-separated subset of the launch's cases (for debugging)
     for case in LAUNCHES[launch]:
+        if only and case.name not in only.split(","):
+            continue
         started = time.monotonic()
         try:
             result = run_case(case, rank, world)
         except Exception:
             result = {"error": traceback.format_exc()}
+            print(f"rank {rank}, {case.name}: {result['error']}", file=sys.stderr, flush=True)
         if rank == 0:
             torch.save(result, Path(out) / f"{case.name}.pt")
             print(f"{case.name}: {time.monotonic() - started:.1f} s", flush=True)
@@ -377,7 +394,9 @@ def patched(owner, name: str, value):
 FAULTS = {"local-attention": attend_locally, "labels-after-cut": labels_shifted_after_cut,
           "local-mixer": scan_locally, "slice-aux": aux_of_the_slice, "slice-statistics": statistics_of_the_slice,
           "own-slice-keys": lambda rank: faults.context_keys_from_own_slice_only(),
-          "query-ahead": lambda rank: faults.context_queries_one_token_ahead()}
+          "query-ahead": lambda rank: faults.context_queries_one_token_ahead(),
+          "slice-only": lambda rank: faults.mixer_scans_only_its_slice(),
+          "wrong-rank": lambda rank: faults.state_from_wrong_rank()}
 
 
 if __name__ == "__main__":

@@ -41,6 +41,10 @@ CASES = {
     # the MoE load-balancing loss is the row's: each global batch is the group's row, as one process trains it
     "hf-moe-aux": {"kind": "hf", "accumulation": 1, "checkpointing": False, "strategy": "examples",
                    "split_batches": True, "model": "moe"},
+    # a gated-DeltaNet hybrid: its mixers split across the ranks, the state passed across the cut (recomputed under
+    # checkpointing without a second exchange)
+    "hf-hybrid": {"kind": "hf", "accumulation": 1, "checkpointing": True, "strategy": "examples",
+                  "model": "hybrid"},
 }
 #: Cases on 4 processes, one group of 4 (not in :data:`CASES`, which run on 2): HF Trainer on a Llama of 6 attention
 #: heads and 2 key / value heads, which SP4 cannot split by heads alone (auto: Ulysses within blocks of 2 ranks,
@@ -179,7 +183,22 @@ def make_model(case: str):
     from tests.test_distributed import load_example
 
     model = ALL_CASES[case].get("model")
-    return tiny_moe() if model == "moe" else tiny_kv2() if model == "kv2" else load_example().tiny_llama()
+    return tiny_moe() if model == "moe" else tiny_kv2() if model == "kv2" else tiny_hybrid() if model == "hybrid" \
+        else load_example().tiny_llama()
+def tiny_hybrid():
+    """A tiny Qwen3.5-shaped hybrid (gated delta rule layers around a full-attention one), its mixers forgetting
+    slowly (``A_log`` at log(0.01), ``dt_bias`` at -4), so that the state passed across a cut matters."""
+    from padfree_plugins.testing.models import tiny_model
+
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_5_text", "causal_lm", vocab_size=256)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("A_log"):
+                parameter.fill_(-4.6)
+            elif name.endswith("dt_bias"):
+                parameter.fill_(-4.0)
+    return model
 
 
 def make_trainer(case: str, output_dir: str, config: dict, *, ranks: int | None = None):
@@ -269,6 +288,8 @@ def run_trainer(case: str) -> dict:
     result["labelled_logits"] = bool(getattr(trainer.data_collator, "labelled_logits", False))
     result["split_batches"] = trainer.accelerator.split_batches
     result["implementation"] = acceleration.assembly.model.config._attn_implementation
+    result["split_mixers"] = sum(type(module.__dict__.get("forward")).__name__ == "SplitMixer"
+                                 for module in acceleration.assembly.model.modules())
     if ALL_CASES[case]["kind"] == "sft":
         result["uncounted"] = uncounted_sft_loss(trainer)
     result["seen"] = gathered(seen)

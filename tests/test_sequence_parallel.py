@@ -10,11 +10,14 @@ ranks packed into one row in rank order (the rows of the groups accumulated), th
 = the micro-step's label count. A row is what a group trains: the MoE load-balancing loss (Qwen3-MoE with
 ``output_router_logits``) is the row's, not a sum over tokens.
 
-Tolerance: the summed loss within 1e-5 and every gradient (and, for training, every weight) within 1e-5
-**absolute**; the gradients compared are O(1e-2 .. 1), so this is far below their scale. Each deliberate fault
-(a rank attending to its slice alone, labels shifted after the cut, a mixer scanning its slice alone, a router aux
-loss of the slice or of the slice's expert statistics) must differ by more than 1e-3 from the same reference: the
-comparison has teeth.
+Tolerance: the summed loss, the row's logits and every gradient (and, for training, every weight) within 1e-5
+**absolute**; the gradients compared are O(1e-2 .. 1), so this is far below their scale. Hybrid families run their
+sequence mixers split (each rank its slice, the state passed across the cut: micro-step 0 cuts an example 8 + 3
+tokens, the piece after the cut shorter than the conv kernel), Mamba1 families and one ``mixers: gather`` case on
+the whole row. Each deliberate fault (a rank attending to its slice alone, labels shifted after the cut, a split
+mixer's piece after the cut starting from zeros or from its own rank's state, a gathered mixer scanning its slice
+alone, a router aux loss of the slice or of the slice's expert statistics) must differ by more than 1e-3 from the
+same reference: the comparison has teeth.
 """
 
 from __future__ import annotations
@@ -429,6 +432,8 @@ def test_sequence_parallel_equals_one_process(launches, launch_name, case):
     if case.model_type not in ATTENTION_FREE:
         assert run["implementation"] == f"padfree_exact_sp{case.sp}{implementation_suffix(case)}"
     assert (run["mixers"] > 0) == (case.model_type in worker.HYBRID_TYPES)
+    # split: every mixer that can start from a state runs on the slice alone (Mamba1 families gather the row)
+    assert (run["split"] > 0) == (case.model_type in worker.SPLIT_TYPES and case.mixers == "split")
     assert (run["tiled"] > 0) == (case.tile_tokens is not None)  # tiled against the untiled reference
     want = reference(case.model_type, run["world"], case.steps, case.checkpointing, case.labelled, case.sp,
                      case.lengths)
@@ -470,6 +475,8 @@ def test_a_deliberate_fault_fails_the_comparison(launches, launch_name, case):
     diff = differences(run, reference(case.model_type, run["world"], sp=case.sp, lengths=case.lengths))
     print(f"{case.name}: loss {diff['loss']:.1e}, grad {diff['grad']:.1e}")
     assert diff["grad"] > FAULT_GAP, diff
+    if case.fault in ("slice-only", "wrong-rank"):  # the split mixers' faults, on the split path
+        assert run["split"] > 0
 
 
 @pytest.mark.parametrize("launch_name, case", cases("sp2", refusals=True))

@@ -96,6 +96,7 @@ def test_trainer_under_sequence_parallelism_equals_one_process(launched, case):
     # the same loss on duplicated examples), and the group's row is the one process's batch
     split = [seen["examples"] for seen in run["seen"]]
     assert run["split_batches"] == CASES[case].get("split_batches", False)
+    assert (run["split_mixers"] > 0) == (CASES[case].get("model") == "hybrid")  # each rank ran its slice's mixers
     if run["split_batches"]:
         assert split[0] == split[1] == [SPLIT_BATCH // 2] * len(own), split
     if CASES[case]["kind"] == "hf":  # the LM head on the slice's labelled positions only (recomputed on the slice)

@@ -10,9 +10,12 @@ Variants, each on N CPU processes (gloo), launched by :func:`run_scale_benchmark
   then the root);
 * ``sp2`` — SP = 2 (``sequence_parallel: {size: 2}``): both ranks train ONE row of ``tokens`` tokens, each rank
   handing in its half of the examples and computing half of the tokens; under DDP for the gradient all-reduce
-  (``sp<N>`` with N processes; attention by ``sequence_parallel.attention: auto``);
+  (``sp<N>`` with N processes; attention by ``sequence_parallel.attention: auto``). A hybrid's sequence mixers run
+  split (each rank its slice, the state passed across the cut: :mod:`padfree_plugins.modeling.split_mixers`);
 * ``sp<N>-allgather`` (``allgather``) — the same with ``sequence_parallel.attention: allgather``: each rank gathers
-  the row's keys and values instead of exchanging heads.
+  the row's keys and values instead of exchanging heads;
+* ``sp<N>-gather`` (on request, ``variants``) — ``sp<N>`` with ``sequence_parallel.mixers: gather``: every rank runs
+  the mixers on the whole row.
 
 The row's examples are the same in every variant (lognormal lengths, median ``tokens / 8``, the last one cut so
 that the row holds ``tokens`` tokens exactly), as are the weights; no optimizer step, so the variants' losses must
@@ -33,8 +36,9 @@ Measured per variant:
 
 Communication of SP = 2 (:func:`communication`), computed from the model config: per attention layer four
 all-to-alls (q, k, v in: ``[T/N, H, D]`` each, k and v with their heads repeated when ``N`` does not divide them;
-the output back: ``[T/N, H, D]``), the same again in the backward; per sequence-mixer layer one all-gather of
-``[T, hidden]`` (the mixer runs the whole row on every rank), an all-to-all of the same size in the backward.
+the output back: ``[T/N, H, D]``), the same again in the backward; per sequence-mixer layer, split: one state per
+cut (the recurrent state and the conv taps transformers' cache keeps, sent point to point, its gradient back in the
+backward); gathered: one all-gather of ``[T, hidden]``, an all-to-all of the same size in the backward.
 """
 
 from __future__ import annotations
@@ -68,6 +72,8 @@ def variants(world: int = WORLD, allgather: bool = False) -> tuple[str, ...]:
     return ("ddp", "fsdp2", f"sp{world}") + ((f"sp{world}-allgather",) if allgather else ())
 #: Target: peak memory per rank at SP = 2 over SP = 1, for the Llama.
 MEMORY_TARGET = 0.6
+#: Target for the hybrids at SP = 2 with split mixers (their mixers' activations are split too).
+HYBRID_MEMORY_TARGET = 0.55
 PROGRESS = "[bench scale] "
 #: The models: name -> (model type, overrides of :func:`~padfree_plugins.testing.models.tiny_model`). Both at
 #: bench sft's tiny scale (d=256, 4 layers, vocab 4096): its tiny Llama, and the shape of
@@ -80,9 +86,15 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})),
+    "granite4h": ("granitemoehybrid", dict(  # configs/bench/granite4h_hybrid.json
+        vocab_size=4096, hidden_size=256, shared_intermediate_size=688, num_local_experts=0, num_hidden_layers=6,
+        layer_types=["mamba", "mamba", "mamba", "attention", "mamba", "mamba"], num_attention_heads=4,
+        num_key_value_heads=1, position_embedding_type="nope", mamba_n_heads=8, mamba_d_head=64, mamba_expand=2,
+        mamba_n_groups=1, mamba_d_state=64, mamba_d_conv=4, mamba_chunk_size=64, tie_word_embeddings=False)),
 }
 TITLES = {"llama": "Llama (4 layers, d=256, GQA 8/2)",
-          "qwen3_5_text": "Qwen3.5-shaped: 3 gated DeltaNet + 1 attention layer, d=256"}
+          "qwen3_5_text": "Qwen3.5-shaped: 3 gated DeltaNet + 1 attention layer, d=256",
+          "granite4h": "Granite-4.0-H-shaped (Mamba2 hybrid): 5 Mamba2 + 1 attention layer, d=256"}
 QUICK = dict(tokens=1024, rounds=1, warmup=0)
 #: ``layer_types`` entries of attention layers (the others are sequence mixers: gated DeltaNet, Mamba, conv).
 ATTENTION_LAYERS = ("full_attention", "sliding_attention", "attention")
@@ -99,6 +111,8 @@ class ScaleSettings:
     timeout: float = 1800.0
     world: int = WORLD
     allgather: bool = False
+    #: The variants to run (``ddp`` always among them); empty: :func:`variants`.
+    chosen: tuple[str, ...] = ()
 
 
 @dataclass
@@ -136,10 +150,12 @@ class ScaleResult:
         return next(r for r in self.rows if r.model == model and r.variant == variant)
 
     def memory_target(self, model: str = "llama") -> bool | None:
-        """Whether peak memory per rank at SP = N is within :data:`MEMORY_TARGET` of SP = 1 (``None``: not run)."""
-        if not any(r.model == model for r in self.rows):
+        """Whether peak memory per rank at SP = N is within its target (:func:`target_of`) of SP = 1 (``None``: not
+        run)."""
+        sp = f"sp{self.settings.world}"
+        if not any(r.model == model and r.variant == sp for r in self.rows):
             return None
-        return self.row(model, f"sp{self.settings.world}").memory_vs_ddp <= MEMORY_TARGET
+        return self.row(model, sp).memory_vs_ddp <= target_of(model)
 
     def as_dict(self) -> dict[str, Any]:
         return {"settings": asdict(self.settings), "environment": self.environment,
@@ -152,6 +168,11 @@ class ScaleResult:
 
 
 # -- what the model implies -------------------------------------------------------------------------------------
+
+
+def target_of(model: str) -> float:
+    """The memory target of ``model``'s ``sp2`` row: :data:`MEMORY_TARGET` (Llama), :data:`HYBRID_MEMORY_TARGET`."""
+    return MEMORY_TARGET if model == "llama" else HYBRID_MEMORY_TARGET
 
 
 def model_config(name: str, tokens: int) -> Any:
@@ -200,16 +221,37 @@ def communication(config: Any, tokens: int, size: int = WORLD, element_bytes: in
     local = tokens // size
     attention = local * (2 * heads + 2 * kv_heads * repeat) * head_dim * element_bytes
     allgather = tokens * 2 * kv_heads * head_dim * element_bytes
-    mixer = tokens * text.hidden_size * element_bytes
+    gathered = tokens * text.hidden_size * element_bytes
+    recurrent, conv = mixer_state(text)
+    split = (recurrent + conv) * element_bytes
     types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
     attentions = sum(t in ATTENTION_LAYERS for t in types)
     mixers = len(types) - attentions
     return {"attention layers": attentions, "mixer layers": mixers, "heads q / kv": f"{heads} / {kv_heads}",
             "kv repeat": repeat, "head dim": head_dim, "hidden": text.hidden_size,
             "attention bytes per layer": attention, "allgather bytes per layer": allgather,
-            "mixer bytes per layer": mixer,
-            "bytes per step forward": attentions * attention + mixers * mixer,
+            "mixer bytes per layer": gathered,
+            "mixer state bytes per cut": split, "mixer state elements (recurrent, conv)": [recurrent, conv],
+            "bytes per step forward": attentions * attention + mixers * split,
+            "bytes per step forward, mixers gathered": attentions * attention + mixers * gathered,
             "off-rank share": (size - 1) / size}
+
+
+def mixer_state(text: Any) -> tuple[int, int]:
+    """Elements of one sequence-mixer state that a split mixer passes across a cut: (recurrent, conv taps) — a
+    gated delta rule's ``[value heads, key dim, value dim]`` and conv cache ``[2 x keys + values, K]``; a Mamba2
+    scan's ``[heads, head dim, state]`` and conv cache ``[intermediate + 2 x groups x state, K]``; (0, 0) for a
+    model without such mixers."""
+    if getattr(text, "linear_num_value_heads", None):
+        keys = text.linear_num_key_heads * text.linear_key_head_dim
+        values = text.linear_num_value_heads * text.linear_value_head_dim
+        return (text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim,
+                (2 * keys + values) * text.linear_conv_kernel_dim)
+    if getattr(text, "mamba_n_heads", None):
+        inner = text.mamba_expand * text.hidden_size
+        return (text.mamba_n_heads * text.mamba_d_head * text.mamba_d_state,
+                (inner + 2 * text.mamba_n_groups * text.mamba_d_state) * text.mamba_d_conv)
+    return 0, 0
 
 
 # -- output -------------------------------------------------------------------------------------------------------
@@ -220,17 +262,19 @@ MEMORY_NOTE = ("peak MiB: the highest total of CPU bytes allocated during one fo
                "(weights, DDP buckets): activations, transients, gradients, FSDP's gathered weights; the largest "
                "rank. saved MiB: distinct storages autograd saved for backward (weights a layer saves included).")
 COLUMNS = ("variant", "SP", "rows / step", "real tok/s", "tok/s per rank", "step s", "speed vs ddp",
-           "peak MiB per rank", "vs ddp", f"target <= {MEMORY_TARGET}x", "saved MiB", "weights MiB per rank",
+           "peak MiB per rank", "vs ddp", f"target <= {MEMORY_TARGET}x (hybrids {HYBRID_MEMORY_TARGET}x)",
+           "saved MiB", "weights MiB per rank",
            "loss rel. diff")
 
 
 def verdict(row: ScaleRow) -> str:
-    """The memory target's verdict beside SP = 2's ratio: the Llama's pass / FAIL; the hybrid's, as measured."""
+    """The memory target's verdict beside SP = N's ratio (:func:`target_of`): pass / FAIL; none with the mixers
+    gathered."""
+    if row.variant.startswith("sp") and row.variant.endswith("-gather"):
+        return "none (mixers: whole row)"
     if not row.variant.startswith("sp"):
         return "-"
-    if row.model != "llama":
-        return "none (mixers: whole row)"
-    return "pass" if row.memory_vs_ddp <= MEMORY_TARGET else "FAIL"
+    return "pass" if row.memory_vs_ddp <= target_of(row.model) else "FAIL"
 
 
 def cells(row: ScaleRow) -> tuple[str, ...]:
@@ -256,9 +300,11 @@ def communication_line(model: str, volume: dict[str, Any], tokens: int, world: i
                          f"D={volume['head dim']}]) = {volume['allgather bytes per layer'] / mib:.2f} MiB per rank "
                          "per layer")
     if volume["mixer layers"]:
-        parts.append(f"{volume['mixer layers']} mixer layer(s): 1 all-gather of [T={tokens}, "
-                     f"hidden={volume['hidden']}] = {volume['mixer bytes per layer'] / mib:.2f} MiB per rank per "
-                     "layer")
+        recurrent, conv = volume["mixer state elements (recurrent, conv)"]
+        parts.append(f"{volume['mixer layers']} mixer layer(s), split: one state per cut (recurrent {recurrent:,} + "
+                     f"conv taps {conv:,} elements) = {volume['mixer state bytes per cut'] / 2**10:.1f} KiB per layer "
+                     f"(gathered: 1 all-gather of [T={tokens}, hidden={volume['hidden']}] = "
+                     f"{volume['mixer bytes per layer'] / mib:.2f} MiB per rank per layer)")
     return (f"{model}: " + "; ".join(parts) + f"; forward total {volume['bytes per step forward'] / mib:.2f} MiB "
             f"per rank (fp32), as much again in the backward, {volume['off-rank share']:.0%} of it leaves the rank")
 
@@ -287,6 +333,11 @@ def run_scale_benchmark(settings: ScaleSettings, progress: Callable[[str], None]
                            f"of at least 64, got {settings.tokens}")
     if settings.rounds < 1:
         raise PadfreeError(f"--rounds must be at least 1 (the timed steps), got {settings.rounds}")
+    known = (*variants(settings.world, True), f"sp{settings.world}-gather")
+    wrong = [v for v in settings.chosen if v not in known]
+    if wrong or (settings.chosen and "ddp" not in settings.chosen):
+        raise PadfreeError(f"--variants: {', '.join(wrong) or 'ddp missing'}; choose from {', '.join(known)} "
+                           "(ddp, the baseline, always among them)")
     say = progress or (lambda _: None)
     with tempfile.TemporaryDirectory(prefix="padfree-bench-scale-") as scratch:
         out = Path(scratch) / "result.json"
@@ -380,7 +431,8 @@ class Variant:
         config: dict[str, Any] = {"task": "causal_lm"}
         if variant.startswith("sp"):
             scheme = "allgather" if variant.endswith("-allgather") else "auto"
-            config["sequence_parallel"] = {"size": world, "attention": scheme}
+            mixers = "gather" if variant.endswith("-gather") and not variant.endswith("-allgather") else "split"
+            config["sequence_parallel"] = {"size": world, "attention": scheme, "mixers": mixers}
             half = _halves(examples, world)
             examples = half[rank]
         self.assembly = assemble(model, config)
@@ -449,7 +501,7 @@ def worker(settings: ScaleSettings, out: str) -> None:
     for name in settings.models:
         lengths = row_lengths(settings.tokens, settings.seed)
         examples = random_examples(lengths, MODELS[name][1]["vocab_size"], seed=settings.seed, low=3)
-        names = variants(dist.get_world_size(), settings.allgather)
+        names = settings.chosen or variants(dist.get_world_size(), settings.allgather)
         say(f"{name}: building {', '.join(names)} ({len(lengths)} examples in the row, longest {max(lengths)})")
         built = {v: Variant(name, v, examples, settings.tokens) for v in names}
         peaks: dict[str, list[int]] = {}
@@ -502,7 +554,7 @@ def worker(settings: ScaleSettings, out: str) -> None:
 
 if __name__ == "__main__":
     raw = json.loads(sys.argv[1])
-    worker(ScaleSettings(**{**raw, "models": tuple(raw["models"])}), sys.argv[2])
+    worker(ScaleSettings(**{**raw, "models": tuple(raw["models"]), "variants": tuple(raw["variants"])}), sys.argv[2])
     # The figures are on disk and every rank is past its last collective: leave without the interpreter's teardown,
     # where a thread of the process group can still abort the process (SIGABRT after a finished run, seen under load).
     sys.stdout.flush()

@@ -507,7 +507,12 @@ def bench_scale(
     tokens: Annotated[int, positive("Tokens of the packed row (even).")] = 16384,
     quick: Annotated[bool, typer.Option(help="The test suite's size: a row of 1024 tokens, no warm-up, one "
                                              "round (seconds, not minutes; its speeds mean little).")] = False,
-    models: Annotated[str, typer.Option(help="Comma-separated: llama, qwen3_5_text.")] = "llama,qwen3_5_text",
+    models: Annotated[str, typer.Option(help="Comma-separated: llama, qwen3_5_text, granite4h (a Mamba2 "
+                                             "hybrid).")] = "llama,qwen3_5_text",
+    variants: Annotated[str, typer.Option(help="Comma-separated: ddp (always), fsdp2, sp<N> (hybrids: mixers "
+                                               "split), sp<N>-allgather, sp<N>-gather (mixers on the whole row); "
+                                               "empty: ddp, fsdp2, sp<N> (and sp<N>-allgather with "
+                                               "--allgather).")] = "",
     rounds: Annotated[int, positive("Interleaved timed rounds; figures are medians over rounds.")] = 2,
     warmup: Annotated[int, typer.Option(help="Untimed warm-up steps per variant.")] = 1,
     seed: Annotated[int, typer.Option(help="Seed of the lengths, the tokens and the weights.")] = 0,
@@ -526,7 +531,9 @@ def bench_scale(
 
     from padfree_plugins.benchmarks.scale import (
         COLUMNS,
+        HYBRID_MEMORY_TARGET,
         MEMORY_NOTE,
+        MEMORY_TARGET,
         QUICK,
         TITLES,
         ScaleSettings,
@@ -538,7 +545,7 @@ def bench_scale(
 
     settings = ScaleSettings(tokens=tokens, models=tuple(m.strip() for m in models.split(",")), rounds=rounds,
                              warmup=warmup, seed=seed, threads=threads, timeout=timeout, world=world,
-                             allgather=allgather)
+                             allgather=allgather, chosen=tuple(v.strip() for v in variants.split(",") if v.strip()))
     if quick:
         settings = dataclasses.replace(settings, **QUICK)
     try:
@@ -563,8 +570,9 @@ def bench_scale(
         line = communication_line(model, volume, settings.tokens, settings.world, settings.allgather)
         stdout.print(f"SP={settings.world} communication, {line}", highlight=False)
     stdout.print(f"{MEMORY_NOTE} real tok/s: the tokens of all rows of a step (ddp, fsdp2: one row per rank; "
-                 f"sp{settings.world}: one row for all) over the slowest rank's step time. On CPU the exchanges cost "
-                 "time: no speed target.", highlight=False)
+                 f"sp{settings.world}: one row for all) over the slowest rank's step time. Targets: peak memory per rank at "
+                 f"SP=2 <= {MEMORY_TARGET}x ddp for the Llama, <= {HYBRID_MEMORY_TARGET}x for the hybrids (mixers "
+                 "split). On CPU the exchanges cost time: no speed target.", highlight=False)
     stdout.print(f"environment: {result.environment}", highlight=False)
     stdout.print(f"wrote {path}", highlight=False)
 

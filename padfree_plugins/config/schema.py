@@ -81,8 +81,9 @@ class SequenceParallelConfig:
 
     size: int = _help(
         "ranks that share one packed row (1: off). Each group of size consecutive ranks joins its micro-batches into "
-        "one row; every rank computes 1/size of its tokens, attention and sequence mixers see the whole row. Must "
-        "divide the number of processes (and, for attention: ulysses, the attention heads)", default=1, minimum=1)
+        "one row; every rank computes 1/size of its tokens, attention sees the whole row (attention), sequence "
+        "mixers pass their state across the cuts (mixers). Must divide the number of processes (and, for attention: "
+        "ulysses, the attention heads)", default=1, minimum=1)
     attention: Literal["auto", "ulysses", "allgather"] = _help(
         "how attention sees the whole row: ulysses (all-to-all from tokens to heads and back; size must divide the "
         "attention heads); allgather (each rank gathers the row's keys and values and attends its own slice of "
@@ -90,6 +91,12 @@ class SequenceParallelConfig:
         "backend); auto (ulysses where size divides the heads; else Ulysses over the largest factor of "
         "size that divides the heads and allgather over the rest, or allgather alone; with a warning)",
         default="auto")
+    mixers: Literal["split", "gather"] = _help(
+        "sequence mixers of hybrid models (gated delta rule, KDA, Mamba2, short conv) under sequence parallelism: "
+        "split (each rank runs its own slice; an example crossing a cut continues from the previous rank's final "
+        "state and conv taps, passed point to point; Mamba1 mixers, which cannot start from a state, run gathered, "
+        "with a warning); gather (every rank runs the mixer on the whole row, its input all-gathered: more memory "
+        "and compute, no wait at a cut)", default="split")
 
 
 @dataclass

@@ -36,6 +36,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache, partial
 from itertools import groupby
@@ -136,6 +137,9 @@ class PackedRow:
     #: The row's shared prefixes, where it has them: a completion's mixers continue its prompt's state.
     shared: SharedPrefixes | None = None
     _groups: dict = field(default_factory=dict, repr=False)
+    #: Per split mixer (:mod:`padfree_plugins.modeling.split_mixers`): the state it received in this forward, reused
+    #: (not received again) when gradient checkpointing recomputes its layer.
+    received: dict = field(default_factory=dict, repr=False)
     _seq_idx: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -247,23 +251,33 @@ def run_shared(forward: Any, hidden_states: torch.Tensor, row: PackedRow, chunk:
     mixer takes its one-token decoding step, which updates the state in place). The prompt runs once: the
     completions' gradients sum into it through the state."""
     bounds = row.cu_seq_lens.long().tolist()
-    count = len(bounds) - 1
     sources = state_sources(row.shared)
-    if len(sources) != count:
-        raise BoundaryError(f"the shared prefixes name {len(sources)} segments, the boundaries {count}")
-    lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+    if len(sources) != len(bounds) - 1:
+        raise BoundaryError(f"the shared prefixes name {len(sources)} segments, the boundaries {len(bounds) - 1}")
     read = {source for pair in sources for source in pair if source >= 0}
-    tokens, outputs, finals = hidden_states[0], [None] * count, {}
-    pending = list(range(count))
+    outputs: list = [None] * len(sources)
+    if run_ready(forward, hidden_states[0], bounds, sources, read, outputs, {}, chunk, cache_name, **kwargs):
+        raise BoundaryError(f"the segments' state sources {sources} form a cycle")
+    return torch.cat(outputs)[None]
+
+
+def run_ready(forward: Any, tokens: torch.Tensor, bounds: list[int], sources: Sequence[tuple[int, int]],
+              read: set[int], outputs: list, finals: dict, chunk: int, cache_name: str, **kwargs: Any) -> list[int]:
+    """The segments of ``tokens`` ``[T, H]`` (``bounds``) not yet in ``outputs`` whose state sources have run (or are
+    ``-1``, zeros; any other source is a key of ``finals``), run batched as in :func:`run_shared`, until none is
+    ready; their outputs written into ``outputs``, the final states of those in ``read`` into ``finals``. Returns
+    the segments left pending (their sources not in ``finals``)."""
+    lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+    pending = [s for s in range(len(lengths)) if outputs[s] is None]
     while pending:
-        ready = [s for s in pending if all(source < 0 or source in finals for source in sources[s])]
+        ready = [s for s in pending if all(source == -1 or source in finals for source in sources[s])]
         if not ready:
-            raise BoundaryError(f"the segments' state sources {sources} form a cycle")
+            return pending
         pending = [s for s in pending if s not in ready]
         groups: dict[tuple, list[int]] = {}
         for s in ready:  # read: one group per length; others: per number of chunks; and by the states they start from
             size = lengths[s] if s in read else -(-lengths[s] // chunk)
-            key = (s in read, size, tuple(source >= 0 for source in sources[s]))
+            key = (s in read, size, tuple(source != -1 for source in sources[s]))
             groups.setdefault(key, []).append(s)
         for (recorded, _, (recurrent, conv)), members in sorted(groups.items()):
             width = max(2, *(lengths[s] for s in members)) if not recorded else lengths[members[0]]
@@ -272,9 +286,8 @@ def run_shared(forward: Any, hidden_states: torch.Tensor, row: PackedRow, chunk:
             state = None
             if recorded or recurrent or conv:
                 state = MixerState(
-                    conv=torch.stack([finals[sources[s][1]].final_conv for s in members]) if conv else None,
-                    recurrent=torch.stack([finals[sources[s][0]].final_recurrent for s in members])
-                    if recurrent else None)
+                    conv=_stacked([finals[sources[s][1]].final_conv for s in members]) if conv else None,
+                    recurrent=_stacked([finals[sources[s][0]].final_recurrent for s in members]) if recurrent else None)
             output = forward(batch, **kwargs, **({cache_name: state} if state is not None else {}))
             if not isinstance(output, torch.Tensor):
                 raise BoundaryError(f"a sequence mixer returned {type(output).__name__}, not a tensor: "
@@ -284,7 +297,12 @@ def run_shared(forward: Any, hidden_states: torch.Tensor, row: PackedRow, chunk:
                 if recorded:
                     finals[s] = MixerState(final_conv=_row_of(state.final_conv, index),
                                            final_recurrent=_row_of(state.final_recurrent, index))
-    return torch.cat(outputs)[None]
+    return []
+
+
+def _stacked(states: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The sources' states as a batch; ``None`` where a mixer keeps no such state (LFM2: conv taps only)."""
+    return None if any(state is None for state in states) else torch.stack(states)
 
 
 def _row_of(state: torch.Tensor | None, index: int) -> torch.Tensor | None:
@@ -418,12 +436,17 @@ class PackedMixer:
             warnings.warn(f"{name}: rows with shared prefixes run their sequence mixers exact (torch code), not "
                           "through the CUDA kernels, which do not yet start a completion from its prompt's state",
                           stacklevel=2)
-        cache_name = next((name for name in CACHE_NAMES if name in self.__dict__["_signature"].parameters), None)
+        cache_name = self.cache_name()
         if cache_name is None:
             raise BoundaryError(f"{name}'s forward takes no cache ({' or '.join(CACHE_NAMES)}), so it cannot start "
                                 "from a prompt's state: set prefix_sharing: off for this model")
         alone = {key: value for key, value in inputs.items() if key not in ROW_KEYS and key not in CACHE_NAMES}
         return run_shared(self.original, hidden_states, row, self.chunk, cache_name, **alone)
+
+    def cache_name(self) -> str | None:
+        """The name under which the mixer's own forward takes a cache (the state it continues), or ``None``."""
+        parameters = inspect.signature(self.original).parameters
+        return next((name for name in CACHE_NAMES if name in parameters), None)
 
     def uses_kernels(self, device: torch.device) -> bool:
         """Whether this call runs the packed row through the boundary-aware kernels (see the module docstring)."""

@@ -6,8 +6,10 @@ its own contiguous slice of the tokens.
 * :class:`SequenceParallelPatch` — on a patched model: attention through
   :class:`~padfree_plugins.modeling.attention.ulysses.UlyssesAttention` (all-to-all, sequence -> heads and back),
   every sequence mixer of the model's plugin (gated delta rule, Mamba, short convolution: the forwards marked
-  ``packed_sequence_mixer``) run on the whole row (:class:`WholeRowMixer`), and the guard checking each rank's
-  slice; ``remove()`` (in ``patch.handles``) undoes it;
+  ``packed_sequence_mixer``) run on this rank's slice with the state passed between ranks
+  (:class:`~padfree_plugins.modeling.split_mixers.SplitMixer`, ``sequence_parallel.mixers: split``) or on the whole
+  row (:class:`WholeRowMixer`: ``gather``, and Mamba1, which cannot start from a state), and the guard checking each
+  rank's slice; ``remove()`` (in ``patch.handles``) undoes it;
 * :class:`SequenceParallelForward` — the assembly's forward under sequence parallelism: the group's micro-batches
   exchanged into one row (:func:`gather_rows`), shifted, padded and sliced
   (:mod:`padfree_plugins.packing.sequence_parallel`), this rank's slice through the model; for evaluation's
@@ -34,6 +36,7 @@ slice's) is replaced by this rank's share of the group row's (:mod:`padfree_plug
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -48,12 +51,16 @@ from padfree_plugins.modeling.heads import FAMILY_INPUT_KEYS, run_base
 from padfree_plugins.modeling.mixers import PACKED_ROW, sequence_mixers
 from padfree_plugins.modeling.patching import ModelPatch, own_attribute, restore_attributes, unwrap_model
 from padfree_plugins.modeling.router_aux import RouterAux
+from padfree_plugins.modeling.split_mixers import SplitMixer, why_not_split
 from padfree_plugins.packing.batch import PackedBatch, packed_tokens
 from padfree_plugins.packing.sequence_parallel import CU_KEYS, DROPPED_KEYS, MAX_KEYS, is_token_key, join_rows, \
     padded_length, slice_row
 
-__all__ = ["SequenceGroup", "SequenceParallelForward", "SequenceParallelPatch", "WholeRowMixer", "gather_rows",
-           "sequence_group"]
+#: How sequence mixers run under sequence parallelism (``sequence_parallel.mixers``).
+MIXER_MODES = ("split", "gather")
+
+__all__ = ["MIXER_MODES", "SequenceGroup", "SequenceParallelForward", "SequenceParallelPatch", "SplitMixer",
+           "WholeRowMixer", "gather_rows", "sequence_group"]
 
 
 def sequence_group(size: int) -> SequenceGroup:
@@ -114,9 +121,14 @@ class SequenceParallelPatch:
     saved: list = field(default_factory=list)
 
     @classmethod
-    def install(cls, patch: ModelPatch, group: SequenceGroup, layout: Any = None) -> SequenceParallelPatch:
+    def install(cls, patch: ModelPatch, group: SequenceGroup, layout: Any = None, mixers: str = "split"
+                ) -> SequenceParallelPatch:
         """``layout``: how attention sees the row (an :class:`~padfree_plugins.modeling.attention.context_parallel.
-        AttentionLayout`; ``None``: Ulysses over the group)."""
+        AttentionLayout`; ``None``: Ulysses over the group). ``mixers``: ``split`` (each rank's slice only, the state
+        passed between ranks: :mod:`~padfree_plugins.modeling.split_mixers`; the whole row, with a warning, for a mixer
+        that cannot start from a state) or ``gather`` (:class:`WholeRowMixer` for every mixer)."""
+        if mixers not in MIXER_MODES:
+            raise ConfigError(f"sequence_parallel.mixers: {mixers!r} is not one of {', '.join(MIXER_MODES)}")
         installed = cls(patch, group)
         model = patch.model
         if patch.previous_implementation is not None:  # a model with attention (not Mamba)
@@ -124,10 +136,22 @@ class SequenceParallelPatch:
                                                           patch.architecture.kind == "decoder",
                                                           sequence=layout or group)
             installed._set_implementation(installed.implementation)
+        unsplit = {}
         for module, mixer in sequence_mixers(model):
-            if not isinstance(mixer, WholeRowMixer):
-                installed.saved.append((module, own_attribute(module, "forward")))
+            if isinstance(mixer, (WholeRowMixer, SplitMixer)):
+                continue
+            installed.saved.append((module, own_attribute(module, "forward")))
+            reason = why_not_split(mixer) if mixers == "split" else "sequence_parallel.mixers: gather"
+            if reason:
+                unsplit.setdefault(type(module).__name__, reason)
                 module.forward = WholeRowMixer(mixer, group)
+            else:
+                module.forward = SplitMixer(mixer, group)
+        if mixers == "split" and unsplit:
+            why = "; ".join(f"{name}: {reason}" for name, reason in unsplit.items())
+            warnings.warn(f"sequence_parallel.mixers: split: these sequence mixers cannot start from another rank's "
+                          f"state, so every rank runs them on the whole row (gathered), which saves less memory: {why}",
+                          stacklevel=3)
         patch.sequence = group
         return installed
 

@@ -25,7 +25,10 @@ Both leave a model run on one example alone exactly as it was, and change only p
   :func:`conv_taps_reach_into_a_sibling`: the three ways a hybrid's sequence mixers can go wrong in a row with shared
   prefixes — a completion's state not taken from its prompt, taken from its sibling, its conv taps in its sibling;
 * :func:`pooling_reads_local_slice`: a task that pools whole examples under sequence parallelism reads only the
-  hidden states of this rank's slice of the row (no exchange), zeros where another rank computed them.
+  hidden states of this rank's slice of the row (no exchange), zeros where another rank computed them;
+* :func:`mixer_scans_only_its_slice` and :func:`state_from_wrong_rank`: the two ways sequence mixers split across the
+  ranks of a sequence-parallel group (:mod:`padfree_plugins.modeling.split_mixers`) can go wrong — the piece of an
+  example after a cut starting from zeros, or from a state that is not the previous rank's.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from unittest import mock
 
 import torch
 
-from padfree_plugins.modeling import attention, mixers, patching, tiling
+from padfree_plugins.modeling import attention, mixers, patching, split_mixers, tiling
 from padfree_plugins.modeling.attention import backends, context_parallel
 from padfree_plugins.modeling.patching import unwrap_model
 from padfree_plugins.modeling.sequence_parallel import SequenceParallelForward
@@ -406,4 +409,43 @@ def context_queries_one_token_ahead() -> Iterator[None]:
         return queries, cu_seq_lens.clamp(max=seen + 1), seen + 1
 
     with mock.patch.object(context_parallel, "slice_boundaries", ahead):
+        yield
+
+
+def _times_zero(state: torch.Tensor | None) -> torch.Tensor | None:
+    return None if state is None else state * 0
+
+
+@contextmanager
+def mixer_scans_only_its_slice() -> Iterator[None]:
+    """Within the block, a split sequence mixer's piece of an example after a cut starts from zeros (no recurrent
+    state, no conv taps from the previous rank), as a mixer scanning its rank's slice alone would. The exchange still
+    runs (its gradient is zero), so that the ranks stay in step."""
+
+    def zeros(received: mixers.MixerState, own: mixers.MixerState | None) -> mixers.MixerState:
+        return mixers.MixerState(final_conv=_times_zero(received.final_conv),
+                                 final_recurrent=_times_zero(received.final_recurrent))
+
+    with mock.patch.object(split_mixers, "continuation", zeros):
+        yield
+
+
+@contextmanager
+def state_from_wrong_rank() -> Iterator[None]:
+    """Within the block, a split sequence mixer's piece of an example after a cut starts from the final state of this
+    rank's own slice (its last segment's: the state it would send on, as if rank ``r`` were its own previous rank),
+    not from rank ``r-1``'s; zeros where the slice holds nothing else. The exchange still runs."""
+
+    def own_state(received: mixers.MixerState, own: mixers.MixerState | None) -> mixers.MixerState:
+        def pick(mine: torch.Tensor | None, theirs: torch.Tensor | None) -> torch.Tensor | None:
+            if theirs is None:
+                return None
+            return theirs * 0 if mine is None else mine.to(theirs.dtype) + theirs * 0
+
+        own = own or mixers.MixerState()
+        return mixers.MixerState(final_conv=pick(own.final_conv, received.final_conv),
+                                 final_recurrent=pick(own.final_recurrent, received.final_recurrent))
+
+    with mock.patch.object(split_mixers, "continuation", own_state), \
+            mock.patch.object(split_mixers, "recorded", lambda segments: {len(segments.bounds) - 2}):
         yield
