@@ -554,7 +554,7 @@ def worker(settings: ScaleSettings, out: str) -> None:
 
 if __name__ == "__main__":
     raw = json.loads(sys.argv[1])
-    worker(ScaleSettings(**{**raw, "models": tuple(raw["models"]), "variants": tuple(raw["variants"])}), sys.argv[2])
+    worker(ScaleSettings(**{**raw, "models": tuple(raw["models"]), "chosen": tuple(raw["chosen"])}), sys.argv[2])
     # The figures are on disk and every rank is past its last collective: leave without the interpreter's teardown,
     # where a thread of the process group can still abort the process (SIGABRT after a finished run, seen under load).
     sys.stdout.flush()

@@ -92,6 +92,13 @@ class PacksMedia(Protocol):
     media_keys: tuple[str, ...]
 
 
+class RefusesSharedMediaPrompts(Protocol):
+    """Optional (vision-language families): ``why_prompts_not_shared`` says why the family's image-text prompts
+    cannot be held once in a shared row (``None``: they can; :mod:`padfree_plugins.packing.multimodal`)."""
+
+    why_prompts_not_shared: str | None
+
+
 class DerivesLabels(Protocol):
     """Optional (``causal_lm``): ``labels_from_input_ids`` True says the collator takes the labels of examples
     without any from their ``input_ids``; the multimodal collator then leaves image and video placeholders
