@@ -219,7 +219,7 @@ def _attributes(*protocols: type) -> tuple[str, ...]:
 #: Hook -> the optional attributes the framework may read on its answer.
 OPTIONAL_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "collate": _attributes(WrapsPacking, ReadsDatasetColumns, ChecksTrainerDataset, NamesTextColumns,
-                           DescribesLabels, AsksLabelledLogits, DerivesLabels, PacksMedia),
+                           DescribesLabels, AsksLabelledLogits, DerivesLabels, PacksMedia, RefusesSharedMediaPrompts),
     "task_forward": _attributes(ChecksModel, RunsInsideModelForward, UsesAssemblyPooler, ChoosesMetrics,
                                 PoolsExamples, SaysLossScaling),
     "wrap_trainer": _attributes(ReportsRun),
