@@ -26,6 +26,7 @@ from padfree_plugins.errors import (
     UnsupportedArchitectureError,
     did_you_mean,
 )
+from padfree_plugins.modeling.attention.context_parallel import ALIGNED_FEATURE, AttentionLayout, ulysses_share
 from padfree_plugins.modeling.mixers import note_unused_mixer_backend
 from padfree_plugins.modeling.patching import ModelPatch, unwrap_model
 from padfree_plugins.modeling.pooling import unknown_mode_hint
@@ -392,18 +393,24 @@ def refuse_data_parallel(model: Any) -> None:
                         if isinstance(inner, torch.nn.Module)), None)
 
 
-def refuse_sequence_parallel(model: Any, config: PadfreeConfig, resolved: Plan, collator: Any) -> None:
+def refuse_sequence_parallel(model: Any, config: PadfreeConfig, resolved: Plan, collator: Any,
+                             forward: Any = None) -> int:
     """What sequence parallelism (``sequence_parallel.size > 1``) does not train, refused before anything is
-    patched: tasks other than causal LM, encoders, vision-language inputs, heads the group cannot split."""
+    patched: tasks other than causal LM and those whose forward pools whole examples (``pools_examples``: seq_cls,
+    embedding, reranker — encoders too), vision-language inputs, heads Ulysses cannot split, an attention backend
+    all-gather cannot use. Returns how many of the group's ranks split attention by heads (Ulysses; the size:
+    Ulysses alone; 1: all-gather alone; see :func:`ulysses_share`)."""
     size = config.sequence_parallel.size
     where = f"sequence_parallel.size: {size}"
-    if resolved.task.name not in ("causal_lm", "seq_cls"):
-        raise ConfigError(f"{where} trains causal language models (task: causal_lm) and decoder sequence "
-                          f"classifiers (task: seq_cls); task {resolved.task.name!r} pools or scores whole examples "
-                          "in a way a row split across ranks does not hold: set sequence_parallel.size: 1")
-    if resolved.architecture.kind != "decoder":
-        raise ConfigError(f"{where}: {resolved.architecture.name} is an encoder; sequence parallelism is for "
-                          "decoders (causal LM)")
+    task = resolved.task.name
+    pools = bool(getattr(forward, "pools_examples", False))
+    if task != "causal_lm" and not pools:
+        raise ConfigError(f"{where} trains causal language models (task: causal_lm) and the tasks that pool whole "
+                          f"examples (seq_cls, embedding, reranker); task {task!r} reads its outputs in a way a row "
+                          "split across ranks does not hold yet: set sequence_parallel.size: 1")
+    if resolved.architecture.kind != "decoder" and not pools:
+        raise ConfigError(f"{where}: {resolved.architecture.name} is an encoder; under sequence parallelism encoders "
+                          f"train the tasks that pool whole examples (seq_cls, embedding, reranker), not {task!r}")
     if getattr(collator, "media_keys", None):
         raise ConfigError(f"{where}: {resolved.architecture.name} is a vision-language family; sequence "
                           "parallelism over rows with images is not supported yet (train it with size 1)")
@@ -411,7 +418,8 @@ def refuse_sequence_parallel(model: Any, config: PadfreeConfig, resolved: Plan, 
     heads = getattr(text_config, "num_attention_heads", None)
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     world = torch.distributed.get_world_size() if distributed else None
-    if isinstance(heads, int) and heads % size:
+    share, note = ulysses_share(config.sequence_parallel.attention, heads, size)
+    if share == size and isinstance(heads, int) and heads % size:
         problems = [f"{type(model).__name__} has {heads} attention heads, which {size} ranks cannot split (Ulysses "
                     "gives each rank heads/size of them)"]
         if world is not None and world % size:
@@ -420,10 +428,34 @@ def refuse_sequence_parallel(model: Any, config: PadfreeConfig, resolved: Plan, 
         advice = (f"use one of {valid}" if valid else
                   f"no size above 1 divides both the {heads} heads and the {world} processes: set "
                   f"sequence_parallel.size: 1, or launch a multiple of a divisor of {heads} as the number of processes")
-        raise ConfigError(f"{where}: {'; and '.join(problems)}; {advice}")
+        raise ConfigError(f"{where}: {'; and '.join(problems)}; {advice}, or set sequence_parallel.attention: "
+                          "allgather (or auto), which splits the row, not the heads")
+    if share < size:
+        refuse_allgather(model, config, resolved, where)
     if config.unpad == "always":
         raise ConfigError(f"{where} with unpad: always: padded calls are not split across ranks; use unpad: auto "
                           "(padded calls then run the model's own code on each rank) or off")
+    if note is not None:
+        logger.warning("padfree-plugins: %s", note)
+    return share
+
+
+def refuse_allgather(model: Any, config: PadfreeConfig, resolved: Plan, where: str) -> None:
+    """What all-gather sequence parallelism does not run, refused before anything is patched: an attention backend
+    that does not align an example's queries to the end of its keys, a bidirectional sliding window."""
+    chosen = "chose" if config.sequence_parallel.attention == "auto" else "is set to"
+    for backend in (resolved.backend, resolved.fallback):
+        if backend is not None and ALIGNED_FEATURE not in backend.features:
+            raise ConfigError(
+                f"{where}: sequence_parallel.attention {chosen} all-gather, whose ranks attend their slice of queries "
+                f"to the row's keys, which the {backend.name!r} attention backend cannot do (it aligns queries and "
+                "keys at each example's start): set attention: exact or flash_attn, or a sequence_parallel.size that "
+                "divides the attention heads with sequence_parallel.attention: ulysses")
+    window = any(layer_values(model.config.get_text_config(), "sliding_window"))
+    if window and resolved.architecture.kind != "decoder":
+        raise ConfigError(f"{where}: sequence_parallel.attention {chosen} all-gather, which does not run "
+                          f"{type(model).__name__}'s bidirectional sliding windows: use sequence_parallel.attention: "
+                          "ulysses with a size that divides the attention heads")
 
 
 def tiling_of(model: Any, config: PadfreeConfig, resolved: Plan) -> tuple[int | None, int | None]:
@@ -460,10 +492,11 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
     if check_model is not None:  # the head the task reads (an LM head, a classifier …) exists
         check_model(inner)
     tile_mlp, tile_loss = tiling_of(inner, config, resolved)  # refused before anything is patched
-    sequence = None
+    sequence = layout = None
     if config.sequence_parallel.size > 1:
-        refuse_sequence_parallel(inner, config, resolved, parts.collator)
+        share = refuse_sequence_parallel(inner, config, resolved, parts.collator, parts.forward)
         sequence = sequence_group(config.sequence_parallel.size)
+        layout = AttentionLayout.of(sequence, share)
     patch = host.call_first("patch_model", model=inner, architecture=resolved.architecture,
                             backend=resolved.backend, fallback=resolved.fallback, config=config)
     if patch is None:
@@ -486,7 +519,7 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
     if tile_loss is not None:
         parts = dataclasses.replace(parts, forward=TiledLossForward(parts.forward, tile_loss))
     if sequence is not None:  # each rank computes its slice of the group's row
-        patch.handles.append(SequenceParallelPatch.install(patch, sequence))
+        patch.handles.append(SequenceParallelPatch.install(patch, sequence, layout, config.sequence_parallel.mixers))
         pad = getattr(inner.config.get_text_config(), "pad_token_id", None)
         parts = dataclasses.replace(parts, forward=SequenceParallelForward(parts.forward, sequence, pad or 0))
     return Assembly(inner, config, resolved, patch, parts.collator, parts.pooler, parts.reverter, parts.forward, host)

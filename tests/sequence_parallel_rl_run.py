@@ -19,6 +19,7 @@ joined row's tokens, the slice's), ``cuts`` per rank per split call whether an e
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
@@ -127,11 +128,14 @@ def train(kind: str, mode: str, seen: list, cuts: list) -> dict:
     from transformers import TrainerCallback
 
     from padfree_plugins import accelerate
+    from padfree_plugins.testing.faults import pooling_reads_local_slice
 
     saved = trl_fused.gather_sequence, trl_fused.slice_row, trl_fused.own_tokens
     pooled = sequence_parallel.gather_sequence, sequence_parallel.slice_row
+    faults = contextlib.ExitStack()
     if mode == "no-gather":
         trl_fused.gather_sequence = sequence_parallel.gather_sequence = no_gather
+        faults.enter_context(pooling_reads_local_slice())  # the reward model's texts: pooled from the slice alone
     elif mode == "first-range":
         trl_fused.own_tokens = first_range
 
@@ -163,6 +167,7 @@ def train(kind: str, mode: str, seen: list, cuts: list) -> dict:
         initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
         trainer.train()
     finally:
+        faults.close()
         trl_fused.gather_sequence, trl_fused.slice_row, trl_fused.own_tokens = saved
         sequence_parallel.gather_sequence, sequence_parallel.slice_row = pooled
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

@@ -41,7 +41,17 @@ CASES = {
     # the MoE load-balancing loss is the row's: each global batch is the group's row, as one process trains it
     "hf-moe-aux": {"kind": "hf", "accumulation": 1, "checkpointing": False, "strategy": "examples",
                    "split_batches": True, "model": "moe"},
+    # a gated-DeltaNet hybrid: its mixers split across the ranks, the state passed across the cut (recomputed under
+    # checkpointing without a second exchange)
+    "hf-hybrid": {"kind": "hf", "accumulation": 1, "checkpointing": True, "strategy": "examples",
+                  "model": "hybrid"},
 }
+#: Cases on 4 processes, one group of 4 (not in :data:`CASES`, which run on 2): HF Trainer on a Llama of 6 attention
+#: heads and 2 key / value heads, which SP4 cannot split by heads alone (auto: Ulysses within blocks of 2 ranks,
+#: all-gather across the blocks).
+SP4_CASES = {"hf-sp4-kv2": {"kind": "hf", "accumulation": 1, "checkpointing": True, "strategy": "tokens",
+                            "model": "kv2", "sp": 4}}
+ALL_CASES = {**CASES, **SP4_CASES}
 EVAL_BATCH = 2  # per rank; the reference evaluates the group's 2 x 2 examples as one batch
 SPLIT_BATCH = 4  # split_batches=True: the examples of a global batch, 2 per rank (training and evaluation)
 #: The ``predict`` case's evaluation rows: whole global batches (an odd count would have accelerate repeat an example
@@ -160,10 +170,35 @@ def tiny_moe():
     return model
 
 
+def tiny_kv2():
+    """The example's tiny Llama with 6 attention heads and 2 key / value heads (head dim 8)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024))
+
+
 def make_model(case: str):
     from tests.test_distributed import load_example
 
-    return tiny_moe() if CASES[case].get("model") == "moe" else load_example().tiny_llama()
+    model = ALL_CASES[case].get("model")
+    return tiny_moe() if model == "moe" else tiny_kv2() if model == "kv2" else tiny_hybrid() if model == "hybrid" \
+        else load_example().tiny_llama()
+def tiny_hybrid():
+    """A tiny Qwen3.5-shaped hybrid (gated delta rule layers around a full-attention one), its mixers forgetting
+    slowly (``A_log`` at log(0.01), ``dt_bias`` at -4), so that the state passed across a cut matters."""
+    from padfree_plugins.testing.models import tiny_model
+
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_5_text", "causal_lm", vocab_size=256)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("A_log"):
+                parameter.fill_(-4.6)
+            elif name.endswith("dt_bias"):
+                parameter.fill_(-4.0)
+    return model
 
 
 def make_trainer(case: str, output_dir: str, config: dict, *, ranks: int | None = None):
@@ -177,7 +212,7 @@ def make_trainer(case: str, output_dir: str, config: dict, *, ranks: int | None 
     from padfree_plugins import accelerate
     from padfree_plugins.batching.sampler import token_budget_dataloader
     from padfree_plugins.data.tokenizer import train_tokenizer
-    spec = CASES[case]
+    spec = ALL_CASES[case]
     split = spec.get("split_batches", False)
     accumulation = spec["accumulation"] * (1 if split else ranks or 1)
     settings = dict(output_dir=output_dir, num_train_epochs=1, learning_rate=1e-3, lr_scheduler_type="constant",
@@ -241,7 +276,8 @@ class TokenCounts:
 
 
 def run_trainer(case: str) -> dict:
-    trainer, acceleration = make_trainer(case, tempfile.mkdtemp(), SP_CONFIG)
+    config = {**TRAINER_CONFIG, "sequence_parallel": {"size": ALL_CASES[case].get("sp", 2)}}
+    trainer, acceleration = make_trainer(case, tempfile.mkdtemp(), config)
     counts = TokenCounts(acceleration.assembly.model)
     forward = acceleration.assembly.forward
     acceleration.assembly.forward = lambda model, batch, **kwargs: counts.own(batch) or forward(model, batch, **kwargs)
@@ -251,7 +287,10 @@ def run_trainer(case: str) -> dict:
     result = trainer_result(trainer)
     result["labelled_logits"] = bool(getattr(trainer.data_collator, "labelled_logits", False))
     result["split_batches"] = trainer.accelerator.split_batches
-    if CASES[case]["kind"] == "sft":
+    result["implementation"] = acceleration.assembly.model.config._attn_implementation
+    result["split_mixers"] = sum(type(module.__dict__.get("forward")).__name__ == "SplitMixer"
+                                 for module in acceleration.assembly.model.modules())
+    if ALL_CASES[case]["kind"] == "sft":
         result["uncounted"] = uncounted_sft_loss(trainer)
     result["seen"] = gathered(seen)
     acceleration.undo()
@@ -307,11 +346,12 @@ def main(out: str, cases: list[str]) -> None:
 
     PartialState(cpu=True)  # the gloo process group
     runs = {"loop": run_loop, "predict": run_predict, "predict-dp": run_predict_dp}
-    if dist.get_world_size() != (4 if cases == ["predict-dp"] else 2):
-        sys.exit("launch with torchrun --nproc_per_node 2 (case predict-dp alone: 4)")
-    unknown = [case for case in cases if case not in (*CASES, *runs)]
+    four = cases == ["predict-dp"] or (cases and all(case in SP4_CASES for case in cases))
+    if dist.get_world_size() != (4 if four else 2):
+        sys.exit("launch with torchrun --nproc_per_node 2 (case predict-dp alone, or the SP4 cases alone: 4)")
+    unknown = [case for case in cases if case not in (*ALL_CASES, *runs)]
     if unknown:
-        sys.exit(f"unknown cases {unknown}: choose from {[*CASES, *runs]}")
+        sys.exit(f"unknown cases {unknown}: choose from {[*ALL_CASES, *runs]}")
     results = {case: runs[case]() if case in runs else run_trainer(case) for case in cases}
     if dist.get_rank() == 0:
         partial = Path(f"{out}.partial")

@@ -17,6 +17,7 @@ from padfree_plugins.benchmarks.scale import (
     model_config,
     row_lengths,
     run_scale_benchmark,
+    variants,
 )
 from padfree_plugins.cli.app import app
 from padfree_plugins.errors import PadfreeError
@@ -58,9 +59,21 @@ def test_communication_per_layer_follows_the_config():
     replicated = communication(model_config("llama", 1024), 1024, size=4)  # 2 kv heads over 4 ranks: repeated
     assert replicated["kv repeat"] == 2
     assert replicated["attention bytes per layer"] == 256 * (2 * 8 + 2 * 2 * 2) * 32 * 4
+    assert llama["allgather bytes per layer"] == 1024 * 2 * 2 * 32 * 4  # the row's k and v, 2 kv heads
     hybrid = communication(model_config("qwen3_5_text", 1024), 1024)
     assert (hybrid["attention layers"], hybrid["mixer layers"]) == (1, 3)
-    assert hybrid["mixer bytes per layer"] == 1024 * 256 * 4
+    assert hybrid["mixer bytes per layer"] == 1024 * 256 * 4  # gathered: the whole row's input
+    # split: one state per cut, [4 value heads, 64, 64] and conv taps [2 x 2 x 64 + 4 x 64 channels, K=4]
+    assert hybrid["mixer state elements (recurrent, conv)"] == [4 * 64 * 64, (2 * 2 * 64 + 4 * 64) * 4]
+    mamba2 = communication(model_config("granite4h", 1024), 1024)  # [8 heads, 64, state 64]; conv 512 + 2 x 64
+    assert (mamba2["attention layers"], mamba2["mixer layers"]) == (1, 5)
+    assert mamba2["mixer state elements (recurrent, conv)"] == [8 * 64 * 64, (512 + 2 * 64) * 4]
+    assert mamba2["mixer state bytes per cut"] == (8 * 64 * 64 + 640 * 4) * 4
+
+
+def test_unknown_variants_are_refused():
+    with pytest.raises(PadfreeError, match="--variants: sp3; choose from ddp, fsdp2, sp2, sp2-allgather, sp2-gather"):
+        run_scale_benchmark(ScaleSettings(tokens=1024, models=("llama",), chosen=("ddp", "sp3")))
 
 
 def test_the_row_holds_exactly_its_tokens_and_splits_into_consecutive_halves():
@@ -74,6 +87,15 @@ def test_the_row_holds_exactly_its_tokens_and_splits_into_consecutive_halves():
 def test_a_run_past_its_timeout_is_killed_with_a_clear_error():
     with pytest.raises(PadfreeError, match="did not finish within 1 s"):
         run_scale_benchmark(ScaleSettings(tokens=1024, models=("llama",), timeout=1))
+
+
+def test_variants_of_a_larger_world_and_all_gather():
+    assert variants() == VARIANTS == ("ddp", "fsdp2", "sp2")
+    assert variants(4, allgather=True) == ("ddp", "fsdp2", "sp4", "sp4-allgather")
+    with pytest.raises(PadfreeError, match="multiple of the 4 processes"):
+        run_scale_benchmark(ScaleSettings(tokens=1026, world=4))
+    with pytest.raises(PadfreeError, match="at least 2 processes"):
+        run_scale_benchmark(ScaleSettings(world=1))
 
 
 def test_unknown_model_and_odd_row_are_refused():

@@ -1,5 +1,6 @@
 """Smoke test of ``padfree-plugins bench dpo --vision`` / ``bench grpo --vision`` at minimal sizes: each runs
-through the CLI and writes its outputs, the packed variant computes the padded losses and gradients, every packed
+through the CLI and writes its outputs, the packed variants (``native``, and ``shared``: each prompt's images once)
+compute the padded losses and gradients, every packed
 forward ran on the packed row (a fused call left padded stops the benchmark), and real tokens are the padded batch's
 non-pad tokens. Nothing here is timed."""
 
@@ -26,11 +27,20 @@ def test_the_command_runs_packed_and_writes_its_outputs(trainer, batch_size, tmp
                                       str(tmp_path)], env={"COLUMNS": "220"})
     assert result.exit_code == 0, result.output
     data = json.loads((tmp_path / f"bench_{trainer}_vision.json").read_text())
-    padded, native = data["rows"]
-    assert (padded["variant"], native["variant"]) == ("padded", "native") and data["images"] > 0
-    assert native["packed"] == ("policy + reference" if trainer == "dpo" else "policy")
-    assert native["loss_rel_diff"] < 1e-5 and native["grad_rel_diff"] < 1e-4
-    assert padded["real_tokens"] == native["real_tokens"] and 0 < padded["padding_fraction"] < 1
+    padded, native, shared = data["rows"]
+    assert (padded["variant"], native["variant"], shared["variant"]) == ("padded", "native", "shared")
+    assert data["images"] > 0
+    for row in (native, shared):
+        assert row["packed"] == ("policy + reference" if trainer == "dpo" else "policy")
+        assert row["loss_rel_diff"] < 1e-5 and row["grad_rel_diff"] < 1e-4
+    assert padded["real_tokens"] == native["real_tokens"] == shared["real_tokens"]
+    assert 0 < padded["padding_fraction"] < 1
+    # each prompt's images once: the tower's pixel rows halved (DPO pairs) or cut by the group size (GRPO)
+    rows = data["tower_rows"]
+    assert rows["padded"] == rows["native"] == (2 if trainer == "dpo" else 8) * rows["shared"] > 0, rows
+    assert shared["tokens_computed"] < native["tokens_computed"]
+    assert shared["ideal_vs_native"] == pytest.approx((native["tokens_computed"] + rows["native"]) /
+                                                      (shared["tokens_computed"] + rows["shared"]))
     assert native["tokens_per_s"] > 0 and native["memory_ratio"] > 0 and set(data["targets met"]) == {"speed",
                                                                                                        "memory"}
     assert "native" in result.output and "targets" in result.output
@@ -51,7 +61,8 @@ def test_real_tokens_are_the_padded_batchs_non_pad_tokens():
 
 
 def test_the_reported_real_tokens_are_the_batches_attention_mask_sums():
-    """Both rows report the padded batches' non-pad tokens (their attention masks' sum), built as the run builds them."""
+    """Every row reports the padded batches' non-pad tokens (their attention masks' sum), built as the run builds
+    them."""
     from padfree_plugins.testing.vision import image_text_processor, tiny_vision_language_model
 
     settings = VisionPreferenceSettings(**{**QUICK, "batch_size": 3})
@@ -59,7 +70,7 @@ def test_the_reported_real_tokens_are_the_batches_attention_mask_sums():
     processor = image_text_processor("qwen2_5_vl", min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 96)
     config = tiny_vision_language_model("qwen2_5_vl", processor, **settings.text).config
     masks = [dpo_batch(processor, config, settings, index)["attention_mask"] for index in range(settings.batches)]
-    assert [row.real_tokens for row in result.rows] == [int(sum(mask.sum() for mask in masks))] * 2
+    assert [row.real_tokens for row in result.rows] == [int(sum(mask.sum() for mask in masks))] * 3
 
 
 def test_a_packed_call_left_padded_stops_the_benchmark(monkeypatch):

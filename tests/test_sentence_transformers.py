@@ -601,3 +601,39 @@ def test_a_checkpoint_of_the_accelerated_trainer_loads_as_a_plain_model(tiny_dir
     assert (want - before).abs().max() > 1e-3  # training changed the model
     loaded = SentenceTransformer(str(tmp_path / "checkpoint-2"), device="cpu")
     torch.testing.assert_close(loaded.encode(texts, convert_to_tensor=True), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_sequence_parallelism_is_refused_before_anything_changes(tiny_dirs, cross):
+    """The sentence-transformers trainers run the model's own modules on the packed features, which are not split
+    across ranks: ``sequence_parallel.size > 1`` is refused before assembly (no process group needed), with the way
+    to train the task sequence-parallel (HF Trainer with the task); model and trainer untouched."""
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers.cross_encoder import CrossEncoderTrainer, CrossEncoderTrainingArguments
+    from sentence_transformers.cross_encoder.losses import BinaryCrossEntropyLoss
+    from sentence_transformers.sentence_transformer import losses
+
+    output_dir = tempfile.mkdtemp(prefix="padfree-st-")
+    if cross:
+        model = CrossEncoder(tiny_dirs["cross"], device="cpu")
+        data = Dataset.from_dict({"query": sentences(4, 1), "document": sentences(4, 2), "label": [0.0, 1.0] * 2})
+        trainer = CrossEncoderTrainer(model=model, train_dataset=data, loss=BinaryCrossEntropyLoss(model),
+                                      args=CrossEncoderTrainingArguments(output_dir=output_dir, report_to=[],
+                                                                         use_cpu=True))
+        inner, task = model.model, "reranker"
+    else:
+        model = tiny_sentence_transformer(tiny_dirs["encoder"])
+        data = Dataset.from_dict({"anchor": sentences(4, 1), "positive": sentences(4, 2)})
+        trainer = SentenceTransformerTrainer(model=model, train_dataset=data,
+                                             loss=losses.MultipleNegativesRankingLoss(model),
+                                             args=SentenceTransformerTrainingArguments(output_dir=output_dir,
+                                                                                       report_to=[], use_cpu=True))
+        inner, task = model[0].auto_model, "embedding"
+    implementation, collator = inner.config._attn_implementation, trainer.data_collator
+    with pytest.raises(padfree_plugins.ConfigError,
+                       match=rf"sequence_parallel.size: 2: the sentence-transformers trainers run their model's own "
+                             rf"modules.*HF Trainer \(task: {task}"):
+        padfree_plugins.accelerate(trainer, {"sequence_parallel": {"size": 2}})
+    assert padfree_plugins.patch_of(inner) is None and inner.config._attn_implementation == implementation
+    assert trainer.data_collator is collator and "compute_loss" not in vars(trainer)

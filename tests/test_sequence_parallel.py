@@ -10,11 +10,14 @@ ranks packed into one row in rank order (the rows of the groups accumulated), th
 = the micro-step's label count. A row is what a group trains: the MoE load-balancing loss (Qwen3-MoE with
 ``output_router_logits``) is the row's, not a sum over tokens.
 
-Tolerance: the summed loss within 1e-5 and every gradient (and, for training, every weight) within 1e-5
-**absolute**; the gradients compared are O(1e-2 .. 1), so this is far below their scale. Each deliberate fault
-(a rank attending to its slice alone, labels shifted after the cut, a mixer scanning its slice alone, a router aux
-loss of the slice or of the slice's expert statistics) must differ by more than 1e-3 from the same reference: the
-comparison has teeth.
+Tolerance: the summed loss, the row's logits and every gradient (and, for training, every weight) within 1e-5
+**absolute**; the gradients compared are O(1e-2 .. 1), so this is far below their scale. Hybrid families run their
+sequence mixers split (each rank its slice, the state passed across the cut: micro-step 0 cuts an example 8 + 3
+tokens, the piece after the cut shorter than the conv kernel), Mamba1 families and one ``mixers: gather`` case on
+the whole row. Each deliberate fault (a rank attending to its slice alone, labels shifted after the cut, a split
+mixer's piece after the cut starting from zeros or from its own rank's state, a gathered mixer scanning its slice
+alone, a router aux loss of the slice or of the slice's expert statistics) must differ by more than 1e-3 from the
+same reference: the comparison has teeth.
 """
 
 from __future__ import annotations
@@ -200,14 +203,14 @@ def refused(model, config) -> str:
     return str(error.value)
 
 
-def test_refuses_tasks_other_than_causal_lm():
-    message = refused(tiny_model("llama"), {"task": "embedding", "sequence_parallel": {"size": 2}})
-    assert "task 'embedding'" in message and "sequence_parallel.size: 1" in message
+def test_refuses_tasks_that_neither_model_language_nor_pool_examples():
+    message = refused(tiny_model("llama"), {"task": "hidden_states", "sequence_parallel": {"size": 2}})
+    assert "task 'hidden_states'" in message and "sequence_parallel.size: 1" in message
 
 
-def test_refuses_encoders():
+def test_refuses_encoders_but_for_the_tasks_that_pool_examples():
     message = refused(tiny_model("bert", "causal_lm"), {"sequence_parallel": {"size": 2}})
-    assert "is an encoder" in message
+    assert "is an encoder" in message and "(seq_cls, embedding, reranker), not 'causal_lm'" in message
 
 
 def test_refuses_vision_language_models():
@@ -218,9 +221,10 @@ def test_refuses_vision_language_models():
     assert "vision-language" in message
 
 
-def test_refuses_heads_the_group_cannot_split():
-    message = refused(tiny_model("llama", "causal_lm"), {"sequence_parallel": {"size": 3}})
+def test_refuses_heads_ulysses_cannot_split():
+    message = refused(tiny_model("llama", "causal_lm"), {"sequence_parallel": {"size": 3, "attention": "ulysses"}})
     assert "4 attention heads" in message and "use one of [2, 4]" in message
+    assert "sequence_parallel.attention: allgather" in message
 
 
 @pytest.mark.parametrize("world, size, fragments", [
@@ -235,7 +239,7 @@ def test_sizes_suggested_for_heads_the_group_cannot_split_suit_the_processes_too
     """Launched on ``world`` processes, the sizes suggested divide both the heads and the number of processes."""
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: world)
-    message = refused(tiny_model("llama", "causal_lm"), {"sequence_parallel": {"size": size}})
+    message = refused(tiny_model("llama", "causal_lm"), {"sequence_parallel": {"size": size, "attention": "ulysses"}})
     for fragment in fragments:
         assert fragment in message, (fragment, message)
     assert ("does not divide the" in message) == bool(world % size)
@@ -283,7 +287,7 @@ def launch(name: str, out) -> dict:
 
 @functools.cache
 def reference(model_type: str, world: int, steps: int = 1, checkpointing: bool = False,
-              labelled: bool = False, sp: int | None = None) -> dict:
+              labelled: bool = False, sp: int | None = None, lengths: str = "") -> dict:
     """One process on the same global batches: each micro-step's examples of every group of ``sp`` ranks (all
     ranks: ``None``) in one row, in rank order, the rows accumulated, the loss over the micro-step's label count."""
     model = worker.build(model_type, checkpointing)
@@ -293,14 +297,17 @@ def reference(model_type: str, world: int, steps: int = 1, checkpointing: bool =
     gaps: list = []
     hooks = [module.register_forward_hook(functools.partial(record_pick_gaps, gaps, model.config))
              for module in model.modules() if type(module).__name__.endswith("TopKRouter")]
-    losses = []
-    for _ in range(steps):
+    losses, logits = [], []
+    for step in range(steps):
         total = 0.0
-        for micro in worker.micro_batches(world):
+        for micro in worker.micro_batches(world, lengths):
             count = num_label_tokens(assembly.collator([example for rank in micro for example in rank]))
             for start in range(0, world, sp):
                 examples = [example for rank in micro[start:start + sp] for example in rank]
-                loss = worker.loss_of(assembly, model, examples, count, labelled)
+                outputs = worker.outputs_of(assembly, model, examples, count, labelled)
+                if sp == world and not labelled and step == 0:
+                    logits.append(outputs.logits.detach())
+                loss = outputs.loss
                 loss.backward()
                 total += loss.item()
         losses.append(total)
@@ -312,7 +319,7 @@ def reference(model_type: str, world: int, steps: int = 1, checkpointing: bool =
     assembly.undo()
     for hook in hooks:
         hook.remove()
-    return {"losses": losses, "grads": grads, "pick_gaps": torch.cat(gaps) if gaps else None,
+    return {"losses": losses, "grads": grads, "logits": logits, "pick_gaps": torch.cat(gaps) if gaps else None,
             "state": {name: p.detach().clone() for name, p in model.named_parameters()}}
 
 
@@ -332,9 +339,11 @@ def result(launches, launch_name: str, case: worker.Case) -> dict:
 def differences(run: dict, want: dict) -> dict[str, float]:
     """Largest differences of the losses, the gradients and the weights."""
     assert run["grads"].keys() == want["grads"].keys()
+    assert len(run["logits"]) == len(want["logits"])
     return {"loss": max(abs(a - b) for a, b in zip(run["losses"], want["losses"])),
             "grad": max((run["grads"][k] - want["grads"][k]).abs().max().item() for k in want["grads"]),
-            "weight": max((run["state"][k] - want["state"][k]).abs().max().item() for k in want["state"])}
+            "weight": max((run["state"][k] - want["state"][k]).abs().max().item() for k in want["state"]),
+            "logits": max([(a - b).abs().max().item() for a, b in zip(run["logits"], want["logits"])], default=0.0)}
 
 
 def cases(launch_name: str, faulty: bool = False, refusals: bool = False) -> list:
@@ -342,10 +351,42 @@ def cases(launch_name: str, faulty: bool = False, refusals: bool = False) -> lis
             if bool(case.fault) == faulty and bool(case.expect) == refusals]
 
 
-def group_rows(world: int, sp: int) -> list[list[int]]:
-    """The example lengths of every group's row, over the micro-steps."""
+def group_rows(world: int, sp: int, steps=worker.LENGTHS) -> list[list[int]]:
+    """The example lengths of every group's row, over the micro-steps ``steps``."""
     return [[n for rank in range(start, start + sp) for n in lengths[rank]]
-            for lengths in worker.LENGTHS for start in range(0, world, sp)]
+            for lengths in steps for start in range(0, world, sp)]
+
+
+def examples_and_cuts(lengths: list[int], sp: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """The ``(start, end)`` of every example of a group's row, and the cuts between its ranks' slices."""
+    local = padded_length(sum(lengths), sp) // sp
+    starts = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    return list(zip(starts[:-1], starts[1:])), [rank * local for rank in range(1, sp)]
+
+
+def test_the_spanning_step_crosses_every_cut_and_spans_three_ranks():
+    """The all-gather cases' extra micro-step: at SP4 every cut falls inside an example, one example spans three
+    ranks' slices; at SP2 the long example crosses the cut."""
+    examples, cuts = examples_and_cuts(group_rows(4, 4, [worker.SPANNING])[0], 4)
+    assert all(any(begin < cut < end for begin, end in examples) for cut in cuts)
+    assert any(begin < cuts[0] and end > cuts[1] for begin, end in examples)
+    examples, cuts = examples_and_cuts(group_rows(2, 2, [worker.SPANNING])[0], 2)
+    assert any(begin < cuts[0] < end for begin, end in examples)
+
+
+def implementation_suffix(case: worker.Case) -> str:
+    """The attention a case's group runs, as its implementation's name ends: Ulysses (``""``), all-gather where
+    asked, or Ulysses within blocks and all-gather across them where auto finds the heads unsplittable."""
+    heads = worker.build(case.model_type).config.num_attention_heads
+    share = case.sp if case.attention == "ulysses" else 1 if case.attention == "allgather" else \
+        max(n for n in range(1, case.sp + 1) if case.sp % n == 0 and heads % n == 0)
+    return "" if share == case.sp else "_allgather" if share == 1 else f"_ulysses{share}x{case.sp // share}"
+
+
+def test_the_kv2_cases_run_every_layout():
+    suffixes = {implementation_suffix(case) for launch in worker.LAUNCHES.values() for case in launch
+                if case.model_type == "llama_kv2"}
+    assert suffixes == {"", "_allgather", "_ulysses2x2"}
 
 
 @pytest.mark.parametrize("world, sp", [(2, 2), (4, 2), (4, 4)])
@@ -389,15 +430,19 @@ def test_the_tiny_models_have_what_the_cases_are_for():
 def test_sequence_parallel_equals_one_process(launches, launch_name, case):
     run = result(launches, launch_name, case)
     if case.model_type not in ATTENTION_FREE:
-        assert run["implementation"] == f"padfree_exact_sp{case.sp}"
+        assert run["implementation"] == f"padfree_exact_sp{case.sp}{implementation_suffix(case)}"
     assert (run["mixers"] > 0) == (case.model_type in worker.HYBRID_TYPES)
+    # split: every mixer that can start from a state runs on the slice alone (Mamba1 families gather the row)
+    assert (run["split"] > 0) == (case.model_type in worker.SPLIT_TYPES and case.mixers == "split")
     assert (run["tiled"] > 0) == (case.tile_tokens is not None)  # tiled against the untiled reference
-    want = reference(case.model_type, run["world"], case.steps, case.checkpointing, case.labelled, case.sp)
+    want = reference(case.model_type, run["world"], case.steps, case.checkpointing, case.labelled, case.sp,
+                     case.lengths)
     diff = differences(run, want)
     scale = max(g.abs().max().item() for g in want["grads"].values())
     print(f"{case.name}: loss {diff['loss']:.1e}, grad {diff['grad']:.1e} (largest grad {scale:.2f}), "
-          f"weight {diff['weight']:.1e}")
+          f"weight {diff['weight']:.1e}, logits {diff['logits']:.1e}")
     assert diff["loss"] < TOLERANCE and diff["grad"] < TOLERANCE and diff["weight"] < TOLERANCE, diff
+    assert diff["logits"] < TOLERANCE and bool(run["logits"]) == (case.sp == run["world"] and not case.labelled)
     assert scale > 1e-2  # gradients far above the tolerance
     if worker.MODELS[case.model_type].get("output_router_logits"):  # the load-balancing loss counts expert picks
         assert_clear(want["pick_gaps"], "router top-k gaps")
@@ -414,12 +459,24 @@ def test_every_hybrid_family_is_tested_under_sequence_parallelism():
     assert {*HYBRIDS, "lfm2", "lfm2_moe"} <= tested
 
 
-@pytest.mark.parametrize("launch_name, case", cases("sp2", faulty=True))
+def test_allgather_equals_ulysses(launches):
+    """The same model and rows through both schemes (SP2, where Ulysses splits the 6 heads): equal to each other,
+    as each equals one process."""
+    runs = launches("sp2")
+    allgather, ulysses = runs["llama_kv2-allgather"], runs["llama_kv2-ulysses"]
+    assert allgather["implementation"].endswith("_allgather") and not ulysses["implementation"].endswith("_allgather")
+    diff = differences(allgather, ulysses)
+    assert diff["loss"] < TOLERANCE and diff["grad"] < TOLERANCE, diff
+
+
+@pytest.mark.parametrize("launch_name, case", cases("sp2", faulty=True) + cases("sp4", faulty=True))
 def test_a_deliberate_fault_fails_the_comparison(launches, launch_name, case):
     run = result(launches, launch_name, case)
-    diff = differences(run, reference(case.model_type, run["world"], sp=case.sp))
+    diff = differences(run, reference(case.model_type, run["world"], sp=case.sp, lengths=case.lengths))
     print(f"{case.name}: loss {diff['loss']:.1e}, grad {diff['grad']:.1e}")
     assert diff["grad"] > FAULT_GAP, diff
+    if case.fault in ("slice-only", "wrong-rank"):  # the split mixers' faults, on the split path
+        assert run["split"] > 0
 
 
 @pytest.mark.parametrize("launch_name, case", cases("sp2", refusals=True))

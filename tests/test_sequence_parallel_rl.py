@@ -3,16 +3,16 @@ completions) and ``RewardTrainer`` under ``sequence_parallel: {size: 2}`` on 2 C
 tests/sequence_parallel_rl_run.py, every run in one torchrun launch with a timeout), on a tiny Qwen3 (a sequence
 classifier for the RewardTrainer).
 
-Each rank trains its own micro-batches, as under data parallelism; every fused log-probability call — the policy's,
-the old policy's (GRPO's second iteration), the reference model's, KTO's KL completions — packs its rows, the group
-joins them into one row and each rank computes half of it, then keeps its own examples' per-token outputs. The
-RewardTrainer's base model runs on the rank's half of the joined row, the group's last hidden states are gathered
-(the gradient flows back to each half's owner) and each rank scores its own texts with the head. TRL's generation
-(unsliced, per rank), advantages and loss code run unchanged. The reference is TRL's own run, not accelerated (padded
-rows), on the same 2 processes: the same global batch, the same sampled completions (asserted). Losses, every
-parameter's gradient at every step and the final weights agree within 1e-5 (SGD, no clipping); the faults (no
-gather of the per-token outputs, or of the hidden states the texts are scored from) are far off. Bad input is
-refused at ``accelerate()``, nothing changed.
+Each rank trains its own micro-batches, as under data parallelism; every fused log-probability call — the policy's, the
+old policy's (GRPO's second iteration), the reference model's, KTO's KL completions — packs its rows, the group joins
+them into one row and each rank computes half of it, then keeps its own examples' per-token outputs. The
+RewardTrainer's base model runs on the rank's half of the joined row, each rank's own texts' last hidden states come
+from the halves that computed them (the gradient flows back to each half's owner) and each rank scores its own texts
+with the head. TRL's generation (unsliced, per rank), advantages and loss code run unchanged. The reference is TRL's
+own run, not accelerated (padded rows), on the same 2 processes: the same global batch, the same sampled completions
+(asserted). Losses, every parameter's gradient at every step and the final weights agree within 1e-5 (SGD, no
+clipping); the faults (no gather of the per-token outputs; the texts scored from the rank's own half alone) are far
+off. Bad input is refused at ``accelerate()``, nothing changed.
 """
 
 from __future__ import annotations

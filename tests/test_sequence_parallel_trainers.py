@@ -96,6 +96,7 @@ def test_trainer_under_sequence_parallelism_equals_one_process(launched, case):
     # the same loss on duplicated examples), and the group's row is the one process's batch
     split = [seen["examples"] for seen in run["seen"]]
     assert run["split_batches"] == CASES[case].get("split_batches", False)
+    assert (run["split_mixers"] > 0) == (CASES[case].get("model") == "hybrid")  # each rank ran its slice's mixers
     if run["split_batches"]:
         assert split[0] == split[1] == [SPLIT_BATCH // 2] * len(own), split
     if CASES[case]["kind"] == "hf":  # the LM head on the slice's labelled positions only (recomputed on the slice)
@@ -195,6 +196,33 @@ def test_predict_under_sequence_and_data_parallelism_equals_one_process(tmp_path
                            "predict (SP 2 x DP 2)")
 
 
+def test_trainer_at_sp4_on_two_kv_heads_equals_one_process(tmp_path):
+    """HF ``Trainer`` with ``sequence_parallel: {size: 4}`` on 4 processes, a Llama of 6 attention heads and 2 key /
+    value heads, which Ulysses cannot split 4 ways: ``auto`` runs Ulysses within 2 blocks of 2 ranks and all-gather
+    context parallelism across them, and the logged
+    losses, final weights and ``eval_loss`` equal one process on the same global batches; each rank computed a
+    quarter of every row."""
+    case = "hf-sp4-kv2"
+    out = tmp_path / "sp4.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
+               str(free_port()), str(ROOT / "tests" / "sequence_parallel_trainer_run.py"), str(out), case]
+    returncode, output = run_group(command, env, timeout=300, results=[out])
+    assert returncode == 0, output[-6000:]
+    run = torch.load(out, weights_only=False)[case]
+    assert run["implementation"].endswith("_sp4_ulysses2x2"), run["implementation"]
+    trainer, _ = make_trainer(case, tempfile.mkdtemp(), TRAINER_CONFIG, ranks=4)
+    trainer.train()
+    want = trainer_result(trainer)
+    loss, weight = differences(run, want, case)
+    evaluation = abs(run["eval_loss"] - want["eval_loss"])
+    print(f"{case}: max loss difference {loss:.2e}, max weight difference {weight:.2e}, eval_loss {evaluation:.2e}")
+    assert loss < TOLERANCE and weight < TOLERANCE and evaluation < TOLERANCE
+    embedded = [seen["embedded"] for seen in run["seen"]]
+    own = list(zip(*(seen["micro_batches"] for seen in run["seen"])))
+    assert all(e == embedded[0] for e in embedded) and embedded[0] == [-(-sum(sizes) // 4) for sizes in own]
+
+
 # -- refusals (one process: the group of 2 faked; each refusal comes before any collective) ------------------------
 
 
@@ -230,18 +258,27 @@ def test_what_sequence_parallel_trainers_cannot_do_is_refused(fake_group, args, 
     assert_refused(hf_trainer(args=args, **overrides), PadfreeError, f"sequence_parallel.size: 2.*{match}")
 
 
-def test_a_sequence_classifier_under_hf_trainer_is_refused(fake_group):
-    """Under sequence parallelism only TRL's RewardTrainer scores examples across the group (tested in
-    tests/test_sequence_parallel_rl.py); an HF Trainer with task: seq_cls is refused, nothing changed."""
+def test_a_sequence_classifier_under_hf_trainer_is_accepted_but_not_a_loss_from_its_logits(fake_group):
+    """An HF Trainer with task: seq_cls trains under sequence parallelism (each rank scores its own examples:
+    tests/test_sequence_parallel_pooled.py); label smoothing is still refused there, nothing changed."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     config = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, num_labels=2, pad_token_id=0)
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(), report_to="none", use_cpu=True, disable_tqdm=True)
     data = [{**row, "labels": i % 2} for i, row in enumerate(rows(8, 0))]
-    trainer = Trainer(model=LlamaForSequenceClassification(config), args=args,
-                      train_dataset=datasets.Dataset.from_list(data))
-    assert_refused(trainer, PadfreeError, r"sequence_parallel.size: 2 with task: seq_cls.*RewardTrainer only",
+
+    def trainer(**arguments):
+        args = TrainingArguments(output_dir=tempfile.mkdtemp(), report_to="none", use_cpu=True, disable_tqdm=True,
+                                 **arguments)
+        return Trainer(model=LlamaForSequenceClassification(config), args=args,
+                       train_dataset=datasets.Dataset.from_list(data))
+
+    accepted = trainer()
+    acceleration = accelerate(accepted, {**SP_CONFIG, "task": "seq_cls"})
+    assert getattr(acceleration.assembly.forward, "pools_examples", False) and "compute_loss" in vars(accepted)
+    acceleration.undo()
+    assert_refused(trainer(label_smoothing_factor=0.1), PadfreeError,
+                   r"sequence_parallel.size: 2 with label smoothing or a compute_loss_func",
                    config={**SP_CONFIG, "task": "seq_cls"})
 
 

@@ -3,8 +3,8 @@ rows (every pair's prompt with its images + chosen, then + rejected) with the ro
 the plugin splits every fused log-probability call into its rows — each row's images with it, by its placeholder
 runs and the grids — packs them with the family's multimodal collator (per-example mRoPE positions) and scatters the
 per-token outputs back. 20 steps of DPO give TRL's padded run within 1e-4 relative per logged value; a call that
-cannot be split runs padded; what is not packed yet is refused. Every family's single call, and the swap of two rows'
-images: tests/test_trl_vision_families.py."""
+cannot be split runs padded; what is not packed yet is refused; pairs share their prompts, images and all. Every
+family's single call, and the swap of two rows' images: tests/test_trl_vision_families.py."""
 
 from __future__ import annotations
 
@@ -134,20 +134,20 @@ def test_other_fused_plugins_keep_refusing_images():
     assert vars(trainer.model)["forward"] == forward
 
 
-def test_prefix_sharing_on_is_refused_for_image_text_pairs_and_auto_packs_them_whole():
-    """A prompt with images is not shared yet (each pair's images and prompt run in both rows): ``on`` is a
-    ConfigError at accelerate() that leaves the models as they were; ``auto`` packs every row whole."""
-    from padfree_plugins import ConfigError
-
+def test_image_text_pairs_share_their_prompts_unless_prefix_sharing_is_off():
+    """A pair's prompt with its images is held once in the packed row under ``prefix_sharing: on`` and ``auto`` (the
+    default), and every row is packed whole under ``off`` (tests/test_vision_prefixes.py compares the values)."""
     trainer = trainer_for(preferences(4))
-    forwards = (vars(trainer.model)["forward"], vars(trainer.ref_model)["forward"])
-    with pytest.raises(ConfigError, match="prefix_sharing: on with DPOTrainer: image-text calls"):
-        accelerate(trainer, {"task": "causal_lm", "prefix_sharing": "on"})
-    assert (vars(trainer.model)["forward"], vars(trainer.ref_model)["forward"]) == forwards
-    assert patch_of(trainer.model) is None and patch_of(trainer.ref_model) is None
-    acceleration = accelerate(trainer, {"task": "causal_lm"})
-    assert acceleration.trainer_patch.shares_prefixes is False
-    acceleration.undo()
+    batch = trainer.data_collator([dict(trainer.train_dataset[i]) for i in range(4)])
+    for mode, shares in (("on", True), ("auto", True), ("off", False)):
+        acceleration = accelerate(trainer, {"task": "causal_lm", "prefix_sharing": mode})
+        try:
+            assert acceleration.trainer_patch.shares_prefixes is shares
+            fused_call(trainer, batch)
+        finally:
+            acceleration.undo()
+        calls = acceleration.trainer_patch.calls
+        assert (calls.packed, calls.shared) == (1, int(shares)), (mode, calls.describe())
 
 
 # -- token budgets of image-text pairs --------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ def test_a_malformed_call_runs_padded_said_once_and_counted(kind):
     assert len(said) == 1 and reason in said[0] and said[0].startswith("DPOTrainer: "), said
     calls = acceleration.trainer_patch.calls
     assert (calls.packed, calls.padded) == (1, {reason: 3})
-    assert acceleration.describe()["fused calls"] == f"1 packed, 3 padded; 3 padded: {reason}"
+    assert acceleration.describe()["fused calls"] == f"1 packed (1 with shared prompts), 3 padded; 3 padded: {reason}"
     trainer.log({"loss": 1.0})
     logged = trainer.state.log_history[-1]
     assert (logged["padfree/packed_calls"], logged["padfree/padded_calls"]) == (1, 3)

@@ -140,17 +140,19 @@ def build(kind: str, family: str, output_dir: str, *, lora: bool = False, seen: 
 
 
 def train(kind: str, family: str, accelerated: bool, media_calls: list | None = None, *, leak: float = 0.0,
-          **options) -> Run:
-    """``STEPS`` steps, padded or accelerated, with a layer leaking ``leak`` across boundaries if given."""
+          sharing: str = "off", **options) -> Run:
+    """``STEPS`` steps, padded or accelerated (``prefix_sharing``: ``sharing``), with a layer leaking ``leak`` across
+    boundaries if given."""
     completions: list = []
     run = Run(history=[])
     counter = None
     before = len(media_calls) if media_calls is not None else 0
     with tempfile.TemporaryDirectory() as output_dir:
         trainer = build(kind, family, output_dir, seen=completions, **options)
-        acceleration = accelerate(trainer, {"task": "causal_lm"}) if accelerated else None
+        acceleration = accelerate(trainer, {"task": "causal_lm", "prefix_sharing": sharing}) if accelerated else None
         if acceleration is not None:
-            assert acceleration.trainer_patch.kind == kind and not acceleration.trainer_patch.shares_prefixes
+            assert acceleration.trainer_patch.kind == kind
+            assert acceleration.trainer_patch.shares_prefixes == (sharing == "on")
             run.plugin = acceleration.trainer_plugin
         else:
             counter = count_fused_calls(trainer)

@@ -1,6 +1,7 @@
-"""Scale benchmark: one long packed row trained by 2 processes, three ways, side by side in one run.
+"""Scale benchmark: one long packed row trained by 2 processes (``--world``: N), three ways (four with
+``--allgather``), side by side in one run.
 
-Variants, each on 2 CPU processes (gloo), launched by :func:`run_scale_benchmark` with ``torch.distributed.run``
+Variants, each on N CPU processes (gloo), launched by :func:`run_scale_benchmark` with ``torch.distributed.run``
 (a subprocess with a timeout; this module is also its worker):
 
 * ``ddp`` — SP = 1: every rank trains its own packed row of ``tokens`` tokens (the same examples on both ranks),
@@ -8,7 +9,13 @@ Variants, each on 2 CPU processes (gloo), launched by :func:`run_scale_benchmark
 * ``fsdp2`` — SP = 1 as ``ddp``, the model sharded by ``torch.distributed.fsdp.fully_shard`` (every decoder layer,
   then the root);
 * ``sp2`` — SP = 2 (``sequence_parallel: {size: 2}``): both ranks train ONE row of ``tokens`` tokens, each rank
-  handing in its half of the examples and computing half of the tokens; under DDP for the gradient all-reduce.
+  handing in its half of the examples and computing half of the tokens; under DDP for the gradient all-reduce
+  (``sp<N>`` with N processes; attention by ``sequence_parallel.attention: auto``). A hybrid's sequence mixers run
+  split (each rank its slice, the state passed across the cut: :mod:`padfree_plugins.modeling.split_mixers`);
+* ``sp<N>-allgather`` (``allgather``) — the same with ``sequence_parallel.attention: allgather``: each rank gathers
+  the row's keys and values instead of exchanging heads;
+* ``sp<N>-gather`` (on request, ``variants``) — ``sp<N>`` with ``sequence_parallel.mixers: gather``: every rank runs
+  the mixers on the whole row.
 
 The row's examples are the same in every variant (lognormal lengths, median ``tokens / 8``, the last one cut so
 that the row holds ``tokens`` tokens exactly), as are the weights; no optimizer step, so the variants' losses must
@@ -29,8 +36,9 @@ Measured per variant:
 
 Communication of SP = 2 (:func:`communication`), computed from the model config: per attention layer four
 all-to-alls (q, k, v in: ``[T/N, H, D]`` each, k and v with their heads repeated when ``N`` does not divide them;
-the output back: ``[T/N, H, D]``), the same again in the backward; per sequence-mixer layer one all-gather of
-``[T, hidden]`` (the mixer runs the whole row on every rank), an all-to-all of the same size in the backward.
+the output back: ``[T/N, H, D]``), the same again in the backward; per sequence-mixer layer, split: one state per
+cut (the recurrent state and the conv taps transformers' cache keeps, sent point to point, its gradient back in the
+backward); gathered: one all-gather of ``[T, hidden]``, an all-to-all of the same size in the backward.
 """
 
 from __future__ import annotations
@@ -55,10 +63,17 @@ from padfree_plugins.benchmarks.sft import MODEL_SIZES
 from padfree_plugins.errors import PadfreeError
 
 VARIANTS = ("ddp", "fsdp2", "sp2")
-#: Processes of every variant (sequence-parallel group size of ``sp2``).
+#: Processes of every variant by default (sequence-parallel group size of ``sp2``).
 WORLD = 2
+
+
+def variants(world: int = WORLD, allgather: bool = False) -> tuple[str, ...]:
+    """The variants of a run on ``world`` processes; ``allgather``: with all-gather sequence parallelism too."""
+    return ("ddp", "fsdp2", f"sp{world}") + ((f"sp{world}-allgather",) if allgather else ())
 #: Target: peak memory per rank at SP = 2 over SP = 1, for the Llama.
 MEMORY_TARGET = 0.6
+#: Target for the hybrids at SP = 2 with split mixers (their mixers' activations are split too).
+HYBRID_MEMORY_TARGET = 0.55
 PROGRESS = "[bench scale] "
 #: The models: name -> (model type, overrides of :func:`~padfree_plugins.testing.models.tiny_model`). Both at
 #: bench sft's tiny scale (d=256, 4 layers, vocab 4096): its tiny Llama, and the shape of
@@ -71,9 +86,15 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})),
+    "granite4h": ("granitemoehybrid", dict(  # configs/bench/granite4h_hybrid.json
+        vocab_size=4096, hidden_size=256, shared_intermediate_size=688, num_local_experts=0, num_hidden_layers=6,
+        layer_types=["mamba", "mamba", "mamba", "attention", "mamba", "mamba"], num_attention_heads=4,
+        num_key_value_heads=1, position_embedding_type="nope", mamba_n_heads=8, mamba_d_head=64, mamba_expand=2,
+        mamba_n_groups=1, mamba_d_state=64, mamba_d_conv=4, mamba_chunk_size=64, tie_word_embeddings=False)),
 }
 TITLES = {"llama": "Llama (4 layers, d=256, GQA 8/2)",
-          "qwen3_5_text": "Qwen3.5-shaped: 3 gated DeltaNet + 1 attention layer, d=256"}
+          "qwen3_5_text": "Qwen3.5-shaped: 3 gated DeltaNet + 1 attention layer, d=256",
+          "granite4h": "Granite-4.0-H-shaped (Mamba2 hybrid): 5 Mamba2 + 1 attention layer, d=256"}
 QUICK = dict(tokens=1024, rounds=1, warmup=0)
 #: ``layer_types`` entries of attention layers (the others are sequence mixers: gated DeltaNet, Mamba, conv).
 ATTENTION_LAYERS = ("full_attention", "sliding_attention", "attention")
@@ -88,6 +109,10 @@ class ScaleSettings:
     seed: int = 0
     threads: int = 1
     timeout: float = 1800.0
+    world: int = WORLD
+    allgather: bool = False
+    #: The variants to run (``ddp`` always among them); empty: :func:`variants`.
+    chosen: tuple[str, ...] = ()
 
 
 @dataclass
@@ -107,10 +132,11 @@ class ScaleRow:
     loss_rel_diff: float = 0.0
     memory_vs_ddp: float = 1.0
     speed_vs_ddp: float = 1.0
+    processes: int = WORLD
 
     @property
     def tokens_per_s_per_rank(self) -> float:
-        return self.tokens_per_s / WORLD
+        return self.tokens_per_s / self.processes
 
 
 @dataclass
@@ -124,10 +150,12 @@ class ScaleResult:
         return next(r for r in self.rows if r.model == model and r.variant == variant)
 
     def memory_target(self, model: str = "llama") -> bool | None:
-        """Whether peak memory per rank at SP = 2 is within :data:`MEMORY_TARGET` of SP = 1 (``None``: not run)."""
-        if not any(r.model == model for r in self.rows):
+        """Whether peak memory per rank at SP = N is within its target (:func:`target_of`) of SP = 1 (``None``: not
+        run)."""
+        sp = f"sp{self.settings.world}"
+        if not any(r.model == model and r.variant == sp for r in self.rows):
             return None
-        return self.row(model, "sp2").memory_vs_ddp <= MEMORY_TARGET
+        return self.row(model, sp).memory_vs_ddp <= target_of(model)
 
     def as_dict(self) -> dict[str, Any]:
         return {"settings": asdict(self.settings), "environment": self.environment,
@@ -140,6 +168,11 @@ class ScaleResult:
 
 
 # -- what the model implies -------------------------------------------------------------------------------------
+
+
+def target_of(model: str) -> float:
+    """The memory target of ``model``'s ``sp2`` row: :data:`MEMORY_TARGET` (Llama), :data:`HYBRID_MEMORY_TARGET`."""
+    return MEMORY_TARGET if model == "llama" else HYBRID_MEMORY_TARGET
 
 
 def model_config(name: str, tokens: int) -> Any:
@@ -176,7 +209,9 @@ def row_lengths(tokens: int, seed: int) -> list[int]:
 def communication(config: Any, tokens: int, size: int = WORLD, element_bytes: int = 4) -> dict[str, Any]:
     """What sequence parallelism over ``size`` ranks exchanges per layer of ``config`` for a row of ``tokens``
     tokens, per rank and direction (forward; the backward exchanges as much again). Bytes are the tensors that go
-    through the collectives; ``(size - 1) / size`` of them leave the rank."""
+    through the collectives; ``(size - 1) / size`` of them leave the rank. ``allgather bytes per layer``: the same
+    for all-gather attention (the row's keys and values gathered on every rank; their gradients reduce-scattered
+    back in the backward)."""
     from padfree_plugins.modeling.attention.ulysses import kv_repeats
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -185,15 +220,38 @@ def communication(config: Any, tokens: int, size: int = WORLD, element_bytes: in
     repeat = kv_repeats(heads, kv_heads, size)
     local = tokens // size
     attention = local * (2 * heads + 2 * kv_heads * repeat) * head_dim * element_bytes
-    mixer = tokens * text.hidden_size * element_bytes
+    allgather = tokens * 2 * kv_heads * head_dim * element_bytes
+    gathered = tokens * text.hidden_size * element_bytes
+    recurrent, conv = mixer_state(text)
+    split = (recurrent + conv) * element_bytes
     types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
     attentions = sum(t in ATTENTION_LAYERS for t in types)
     mixers = len(types) - attentions
     return {"attention layers": attentions, "mixer layers": mixers, "heads q / kv": f"{heads} / {kv_heads}",
             "kv repeat": repeat, "head dim": head_dim, "hidden": text.hidden_size,
-            "attention bytes per layer": attention, "mixer bytes per layer": mixer,
-            "bytes per step forward": attentions * attention + mixers * mixer,
+            "attention bytes per layer": attention, "allgather bytes per layer": allgather,
+            "mixer bytes per layer": gathered,
+            "mixer state bytes per cut": split, "mixer state elements (recurrent, conv)": [recurrent, conv],
+            "bytes per step forward": attentions * attention + mixers * split,
+            "bytes per step forward, mixers gathered": attentions * attention + mixers * gathered,
             "off-rank share": (size - 1) / size}
+
+
+def mixer_state(text: Any) -> tuple[int, int]:
+    """Elements of one sequence-mixer state that a split mixer passes across a cut: (recurrent, conv taps) — a
+    gated delta rule's ``[value heads, key dim, value dim]`` and conv cache ``[2 x keys + values, K]``; a Mamba2
+    scan's ``[heads, head dim, state]`` and conv cache ``[intermediate + 2 x groups x state, K]``; (0, 0) for a
+    model without such mixers."""
+    if getattr(text, "linear_num_value_heads", None):
+        keys = text.linear_num_key_heads * text.linear_key_head_dim
+        values = text.linear_num_value_heads * text.linear_value_head_dim
+        return (text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim,
+                (2 * keys + values) * text.linear_conv_kernel_dim)
+    if getattr(text, "mamba_n_heads", None):
+        inner = text.mamba_expand * text.hidden_size
+        return (text.mamba_n_heads * text.mamba_d_head * text.mamba_d_state,
+                (inner + 2 * text.mamba_n_groups * text.mamba_d_state) * text.mamba_d_conv)
+    return 0, 0
 
 
 # -- output -------------------------------------------------------------------------------------------------------
@@ -204,17 +262,19 @@ MEMORY_NOTE = ("peak MiB: the highest total of CPU bytes allocated during one fo
                "(weights, DDP buckets): activations, transients, gradients, FSDP's gathered weights; the largest "
                "rank. saved MiB: distinct storages autograd saved for backward (weights a layer saves included).")
 COLUMNS = ("variant", "SP", "rows / step", "real tok/s", "tok/s per rank", "step s", "speed vs ddp",
-           "peak MiB per rank", "vs ddp", f"target <= {MEMORY_TARGET}x", "saved MiB", "weights MiB per rank",
+           "peak MiB per rank", "vs ddp", f"target <= {MEMORY_TARGET}x (hybrids {HYBRID_MEMORY_TARGET}x)",
+           "saved MiB", "weights MiB per rank",
            "loss rel. diff")
 
 
 def verdict(row: ScaleRow) -> str:
-    """The memory target's verdict beside SP = 2's ratio: the Llama's pass / FAIL; the hybrid's, as measured."""
-    if row.variant != "sp2":
-        return "-"
-    if row.model != "llama":
+    """The memory target's verdict beside SP = N's ratio (:func:`target_of`): pass / FAIL; none with the mixers
+    gathered."""
+    if row.variant.startswith("sp") and row.variant.endswith("-gather"):
         return "none (mixers: whole row)"
-    return "pass" if row.memory_vs_ddp <= MEMORY_TARGET else "FAIL"
+    if not row.variant.startswith("sp"):
+        return "-"
+    return "pass" if row.memory_vs_ddp <= target_of(row.model) else "FAIL"
 
 
 def cells(row: ScaleRow) -> tuple[str, ...]:
@@ -225,19 +285,26 @@ def cells(row: ScaleRow) -> tuple[str, ...]:
             f"{row.saved_bytes / 2**20:,.1f}", f"{row.weight_bytes / 2**20:,.1f}", f"{row.loss_rel_diff:.1e}")
 
 
-def communication_line(model: str, volume: dict[str, Any], tokens: int) -> str:
-    """SP = 2's exchange per layer of ``model`` in words."""
+def communication_line(model: str, volume: dict[str, Any], tokens: int, world: int = WORLD,
+                       allgather: bool = False) -> str:
+    """SP = N's exchange per layer of ``model`` in words (``allgather``: all-gather attention's too)."""
     mib = 2**20
     parts = []
     if volume["attention layers"]:
         kv = (f", k and v heads x{volume['kv repeat']}" if volume["kv repeat"] > 1 else "")
         parts.append(f"{volume['attention layers']} attention layer(s): 4 all-to-alls per layer (q, k, v in: "
-                     f"[T/N={tokens // WORLD}, H, D={volume['head dim']}], H = {volume['heads q / kv']}{kv}; "
+                     f"[T/N={tokens // world}, H, D={volume['head dim']}], H = {volume['heads q / kv']}{kv}; "
                      f"output back) = {volume['attention bytes per layer'] / mib:.2f} MiB per rank per layer")
+        if allgather:
+            parts.append(f"all-gather attention: 2 all-gathers per layer (k, v: [T={tokens}, H_kv, "
+                         f"D={volume['head dim']}]) = {volume['allgather bytes per layer'] / mib:.2f} MiB per rank "
+                         "per layer")
     if volume["mixer layers"]:
-        parts.append(f"{volume['mixer layers']} mixer layer(s): 1 all-gather of [T={tokens}, "
-                     f"hidden={volume['hidden']}] = {volume['mixer bytes per layer'] / mib:.2f} MiB per rank per "
-                     "layer")
+        recurrent, conv = volume["mixer state elements (recurrent, conv)"]
+        parts.append(f"{volume['mixer layers']} mixer layer(s), split: one state per cut (recurrent {recurrent:,} + "
+                     f"conv taps {conv:,} elements) = {volume['mixer state bytes per cut'] / 2**10:.1f} KiB per layer "
+                     f"(gathered: 1 all-gather of [T={tokens}, hidden={volume['hidden']}] = "
+                     f"{volume['mixer bytes per layer'] / mib:.2f} MiB per rank per layer)")
     return (f"{model}: " + "; ".join(parts) + f"; forward total {volume['bytes per step forward'] / mib:.2f} MiB "
             f"per rank (fp32), as much again in the backward, {volume['off-rank share']:.0%} of it leaves the rank")
 
@@ -253,25 +320,33 @@ def write_outputs(result: ScaleResult, out: Path) -> Path:
 
 
 def run_scale_benchmark(settings: ScaleSettings, progress: Callable[[str], None] | None = None) -> ScaleResult:
-    """Run every model's variants in one ``torch.distributed.run`` of :data:`WORLD` CPU processes; see the module
-    docstring."""
+    """Run every model's variants in one ``torch.distributed.run`` of ``settings.world`` CPU processes; see the
+    module docstring."""
     unknown = [m for m in settings.models if m not in MODELS]
     if unknown or not settings.models:
         raise PadfreeError(f"unknown model(s) {', '.join(unknown) or '(none given)'} for bench scale; choose from "
                            f"{', '.join(MODELS)}")
-    if settings.tokens < 64 or settings.tokens % WORLD:
-        raise PadfreeError(f"--tokens must be an even number of at least 64, got {settings.tokens}")
+    if settings.world < 2:
+        raise PadfreeError(f"--world must be at least 2 processes, got {settings.world}")
+    if settings.tokens < 64 or settings.tokens % settings.world:
+        raise PadfreeError(f"--tokens must be a multiple of the {settings.world} processes (an even number for 2) "
+                           f"of at least 64, got {settings.tokens}")
     if settings.rounds < 1:
         raise PadfreeError(f"--rounds must be at least 1 (the timed steps), got {settings.rounds}")
+    known = (*variants(settings.world, True), f"sp{settings.world}-gather")
+    wrong = [v for v in settings.chosen if v not in known]
+    if wrong or (settings.chosen and "ddp" not in settings.chosen):
+        raise PadfreeError(f"--variants: {', '.join(wrong) or 'ddp missing'}; choose from {', '.join(known)} "
+                           "(ddp, the baseline, always among them)")
     say = progress or (lambda _: None)
     with tempfile.TemporaryDirectory(prefix="padfree-bench-scale-") as scratch:
         out = Path(scratch) / "result.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={settings.world}",
                    "-m", __name__, json.dumps(asdict(settings)), str(out)]
         env = {**os.environ, "OMP_NUM_THREADS": str(settings.threads), "TOKENIZERS_PARALLELISM": "false"}
-        say(f"launching {WORLD} processes (gloo): {', '.join(settings.models)}, a row of {settings.tokens} tokens, "
-            f"timeout {settings.timeout:.0f} s")
-        _launch(command, env, settings.timeout, say)
+        say(f"launching {settings.world} processes (gloo): {', '.join(settings.models)}, a row of {settings.tokens} "
+            f"tokens, timeout {settings.timeout:.0f} s")
+        _launch(command, env, settings.timeout, say, settings.world)
         raw = json.loads(out.read_text())
     rows = [ScaleRow(**row) for row in raw["rows"]]
     for model in settings.models:
@@ -281,7 +356,8 @@ def run_scale_benchmark(settings: ScaleSettings, progress: Callable[[str], None]
                 r.memory_vs_ddp = r.peak_bytes / base.peak_bytes
                 r.speed_vs_ddp = r.tokens_per_s / base.tokens_per_s
                 r.loss_rel_diff = abs(r.loss - base.loss) / abs(base.loss)
-    volumes = {m: communication(model_config(m, settings.tokens), settings.tokens) for m in settings.models}
+    volumes = {m: communication(model_config(m, settings.tokens), settings.tokens, settings.world)
+               for m in settings.models}
     environment = {**raw["environment"]}
     try:
         environment["load average (1, 5, 15 min)"] = [round(x, 2) for x in os.getloadavg()]
@@ -290,7 +366,7 @@ def run_scale_benchmark(settings: ScaleSettings, progress: Callable[[str], None]
     return ScaleResult(settings, rows, volumes, environment)
 
 
-def _launch(command: list[str], env: dict, timeout: float, say: Callable[[str], None]) -> None:
+def _launch(command: list[str], env: dict, timeout: float, say: Callable[[str], None], world: int = WORLD) -> None:
     """Run the workers; their progress lines go to ``say``, the rest is kept for an error. A run past ``timeout``
     is killed (its process group: the launcher and its workers)."""
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -311,7 +387,7 @@ def _launch(command: list[str], env: dict, timeout: float, say: Callable[[str], 
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, 9)
         process.wait()
-        raise PadfreeError(f"bench scale: the {WORLD} processes did not finish within {timeout:.0f} s (killed); "
+        raise PadfreeError(f"bench scale: the {world} processes did not finish within {timeout:.0f} s (killed); "
                            "use fewer --tokens or a longer --timeout. Last output:\n" + "\n".join(tail)) from None
     reader.join(timeout=10)
     if code:
@@ -353,8 +429,10 @@ class Variant:
         world, rank = dist.get_world_size(), dist.get_rank()
         model = build_model(model_name, tokens)
         config: dict[str, Any] = {"task": "causal_lm"}
-        if variant == "sp2":
-            config["sequence_parallel"] = {"size": world}
+        if variant.startswith("sp"):
+            scheme = "allgather" if variant.endswith("-allgather") else "auto"
+            mixers = "gather" if variant.endswith("-gather") and not variant.endswith("-allgather") else "split"
+            config["sequence_parallel"] = {"size": world, "attention": scheme, "mixers": mixers}
             half = _halves(examples, world)
             examples = half[rank]
         self.assembly = assemble(model, config)
@@ -362,7 +440,7 @@ class Variant:
         count = num_label_tokens(self.batch).clone()
         dist.all_reduce(count)
         self.count, self.world = count, world
-        self.rows, self.tokens = (1, tokens) if variant == "sp2" else (world, world * tokens)
+        self.rows, self.tokens = (1, tokens) if variant.startswith("sp") else (world, world * tokens)
         if variant == "fsdp2":
             from torch.distributed.fsdp import fully_shard
 
@@ -423,12 +501,13 @@ def worker(settings: ScaleSettings, out: str) -> None:
     for name in settings.models:
         lengths = row_lengths(settings.tokens, settings.seed)
         examples = random_examples(lengths, MODELS[name][1]["vocab_size"], seed=settings.seed, low=3)
-        say(f"{name}: building ddp, fsdp2, sp2 ({len(lengths)} examples in the row, longest {max(lengths)})")
-        variants = {v: Variant(name, v, examples, settings.tokens) for v in VARIANTS}
+        names = settings.chosen or variants(dist.get_world_size(), settings.allgather)
+        say(f"{name}: building {', '.join(names)} ({len(lengths)} examples in the row, longest {max(lengths)})")
+        built = {v: Variant(name, v, examples, settings.tokens) for v in names}
         peaks: dict[str, list[int]] = {}
         saved: dict[str, int] = {}
         losses: dict[str, float] = {}
-        for v, variant in variants.items():
+        for v, variant in built.items():
             for _ in range(settings.warmup):
                 variant.step()
             measured: list = []  # one untimed step: its loss, its peak, what it saved for backward
@@ -445,24 +524,25 @@ def worker(settings: ScaleSettings, out: str) -> None:
             dist.all_reduce(loss)
             losses[v] = float(loss) / dist.get_world_size()
             say(f"{name} {v}: peak {max(peaks[v]) / 2**20:,.1f} MiB per rank, loss {losses[v]:.6f}")
-        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        times: dict[str, list[float]] = {v: [] for v in names}
         for r in range(settings.rounds):
-            order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
+            order = names[r % len(names):] + names[:r % len(names)]
             for v in order:
                 dist.barrier()
                 start = time.perf_counter()
-                variants[v].step()
+                built[v].step()
                 times[v].append(max(gathered(time.perf_counter() - start)))  # a step lasts as its slowest rank
             say(f"{name} round {r + 1}/{settings.rounds}: "
-                + ", ".join(f"{v} {variants[v].tokens / times[v][-1]:,.0f} tok/s" for v in VARIANTS))
-        for v, variant in variants.items():
+                + ", ".join(f"{v} {built[v].tokens / times[v][-1]:,.0f} tok/s" for v in names))
+        for v, variant in built.items():
             step_s = statistics.median(times[v])
-            rows.append(dict(model=name, variant=v, sequence_parallel=WORLD if v == "sp2" else 1,
+            world = dist.get_world_size()
+            rows.append(dict(model=name, variant=v, sequence_parallel=world if v.startswith("sp") else 1,
                              rows_per_step=variant.rows, tokens_per_step=variant.tokens,
                              tokens_per_s=variant.tokens / step_s, step_s=step_s, peak_bytes=max(peaks[v]),
                              peak_bytes_by_rank=peaks[v], saved_bytes=saved[v], weight_bytes=variant.weight_bytes,
-                             loss=losses[v]))
-        del variants
+                             loss=losses[v], processes=world))
+        del built
     if rank == 0:
         environment = {"torch": torch.__version__, "processes": dist.get_world_size(), "backend": "gloo",
                        "threads per process": torch.get_num_threads(), "cpus": os.cpu_count(),
@@ -474,7 +554,7 @@ def worker(settings: ScaleSettings, out: str) -> None:
 
 if __name__ == "__main__":
     raw = json.loads(sys.argv[1])
-    worker(ScaleSettings(**{**raw, "models": tuple(raw["models"])}), sys.argv[2])
+    worker(ScaleSettings(**{**raw, "models": tuple(raw["models"]), "variants": tuple(raw["variants"])}), sys.argv[2])
     # The figures are on disk and every rank is past its last collective: leave without the interpreter's teardown,
     # where a thread of the process group can still abort the process (SIGABRT after a finished run, seen under load).
     sys.stdout.flush()

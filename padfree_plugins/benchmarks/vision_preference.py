@@ -3,8 +3,12 @@ batches, padded vs padding-free, on the same Qwen2.5-VL-shaped model (the langua
 d=256, beside a tiny vision tower), the same batches and weights, measured in one run.
 
 * ``padded``: TRL as it is: every log-probability forward on TRL's padded batch, the rows' images together;
-* ``native``: ``accelerate(trainer)`` (plugins ``trl_dpo`` / ``trl_grpo``): every fused call split into its rows,
-  each row's images with it, and packed by the family's multimodal collator.
+* ``native``: ``accelerate(trainer)`` (plugins ``trl_dpo`` / ``trl_grpo``, ``prefix_sharing: off``): every fused
+  call split into its rows, each row's images with it, and packed by the family's multimodal collator;
+* ``shared``: the same with ``prefix_sharing: on``: each pair's / group's prompt once in the packed row, its images
+  once (the vision tower encodes each distinct prompt's images once). Its speed over ``native`` is printed beside the
+  ideal: the tokens and pixel rows (the vision tower's patches) ``native``'s policy computes over those ``shared``'s
+  computes.
 
 Batches are built as TRL's trainers hand them to ``compute_loss``:
 
@@ -34,7 +38,8 @@ from __future__ import annotations
 import copy
 import json
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +60,7 @@ from padfree_plugins.benchmarks.vlm import TEXT_SHAPE
 from padfree_plugins.errors import PadfreeError
 from padfree_plugins.testing.vision import image_text_processor, synthetic_image, tiny_vision_language_model
 
-VARIANTS = ("padded", "native")
+VARIANTS = ("padded", "native", "shared")
 MODEL_TYPE = "qwen2_5_vl"
 #: Prompt text tokens (besides the images'), and answer tokens (chosen, rejected, or a GRPO completion).
 PROMPT_TEXT: Mixture = ((1.0, 40, 0.8),)
@@ -93,6 +98,8 @@ class VisionPreferenceResult:
     rows: list[PreferenceRow]
     images: int  # over all batches, as often as the forwards compute them
     environment: dict[str, Any] = field(default_factory=dict)
+    #: Per variant: the pixel rows (patches) its policy's vision tower encodes in one pass over the batches.
+    tower_rows: dict[str, int] = field(default_factory=dict)
 
     def targets(self) -> dict[str, bool]:
         native = self.rows[1]
@@ -101,7 +108,7 @@ class VisionPreferenceResult:
 
     def to_json(self) -> str:
         return json.dumps({"settings": asdict(self.settings), "environment": self.environment, "targets": TARGETS,
-                           "targets met": self.targets(), "images": self.images,
+                           "targets met": self.targets(), "images": self.images, "tower_rows": self.tower_rows,
                            "rows": [asdict(row) for row in self.rows]}, indent=2)
 
 
@@ -262,7 +269,9 @@ def run_vision_preference_benchmark(settings: VisionPreferenceSettings,
             for name in VARIANTS:
                 trainer = build_trainer(settings, policy, reference, processor, str(Path(scratch) / "reference"),
                                         str(Path(scratch) / name))
-                acceleration = accelerate(trainer, {"task": "causal_lm"}) if name == "native" else None
+                sharing = "on" if name == "shared" else "off"
+                acceleration = accelerate(trainer, {"task": "causal_lm", "prefix_sharing": sharing}) \
+                    if name != "padded" else None
                 variants.append(Variant(name, trainer, acceleration))
             config = policy.config
             if settings.trainer == "dpo":
@@ -270,7 +279,11 @@ def run_vision_preference_benchmark(settings: VisionPreferenceSettings,
             else:
                 batches = [with_reference_logps(variants[0].trainer, grpo_batch(processor, config, settings, index))
                            for index in range(settings.batches)]
-            rows = measure_batches(settings.preference(), variants, batches, say)
+            with tower_rows_seen([variant.trainer.model for variant in variants]) as seen:
+                rows = measure_batches(settings.preference(), variants, batches, say)
+            passes = settings.rounds + 1  # the untimed checked steps, then every timed round
+            tower_rows = {variant.name: count // passes for variant, count in zip(variants, seen)}
+            with_pixels_ideal(rows, tower_rows)
         finally:
             for variant in variants:
                 if variant.acceleration is not None:
@@ -283,7 +296,35 @@ def run_vision_preference_benchmark(settings: VisionPreferenceSettings,
                    "model": f"{type(policy).__name__} (language model {settings.text})", "torch": torch.__version__,
                    "trl": trl.__version__, "transformers": transformers.__version__, "device": "cpu",
                    "threads": settings.threads or torch.get_num_threads()}
-    return VisionPreferenceResult(settings, rows, images, environment)
+    return VisionPreferenceResult(settings, rows, images, environment, tower_rows)
+
+
+@contextmanager
+def tower_rows_seen(models: list[Any]) -> Iterator[list[int]]:
+    """Per model: the pixel rows (patches) its vision tower (``visual``) is given, summed over the block."""
+    seen = [0] * len(models)
+    handles = []
+    for index, model in enumerate(models):
+        def count(module: Any, args: tuple, kwargs: dict, index: int = index) -> None:
+            seen[index] += int((args[0] if args else kwargs["hidden_states"]).shape[0])
+
+        tower = getattr(getattr(model, "model", model), "visual")
+        handles.append(tower.register_forward_pre_hook(count, with_kwargs=True))
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def with_pixels_ideal(rows: list[PreferenceRow], tower_rows: dict[str, int]) -> None:
+    """The ``shared`` row's ideal over ``native``: the tokens and pixel rows ``native``'s policy computes over those
+    ``shared``'s computes (the text benchmark's counts tokens alone)."""
+    native = next(row for row in rows if row.variant == "native")
+    for row in rows:
+        if row.variant == "shared":
+            row.ideal_vs_native = (native.tokens_computed + tower_rows["native"]) / \
+                (row.tokens_computed + tower_rows["shared"])
 
 
 # -- output ----------------------------------------------------------------------------------------------------------
@@ -296,10 +337,13 @@ def markdown(result: VisionPreferenceResult) -> str:
             f"float32 cpu, {s.batch_size or (8 if s.trainer == 'dpo' else 16)} {unit} = {padded.rows} padded rows, "
             f"{s.batches} batches x {s.rounds} interleaved rounds, {result.images} images (as computed), "
             f"{padded.padding_fraction:.0%} padding: real tokens/s (the padded run's non-pad tokens), medians")
-    lines = ["| variant | real tok/s | step ms | vs padded | activation MiB | memory vs padded | loss rel. diff | "
-             "grad rel. diff | packed forwards |", "|" + " --- |" * 9]
+    lines = ["| variant | real tok/s | step ms | vs padded | vs native (ideal: tokens + pixel rows) | tower pixel rows "
+             "| activation MiB | memory vs padded | loss rel. diff | grad rel. diff | packed forwards |",
+             "|" + " --- |" * 11]
     for row in result.rows:
+        versus = f"{row.speedup_vs_native:.2f}x (ideal {row.ideal_vs_native:.2f}x)" if row.variant == "shared" else "-"
         lines.append(f"| {row.variant} | {row.tokens_per_s:,.0f} | {row.step_ms:,.0f} | {row.speedup_vs_padded:.2f}x "
+                     f"| {versus} | {result.tower_rows.get(row.variant, 0):,} "
                      f"| {row.memory_bytes / 2**20:,.1f} | {row.memory_ratio:.2f}x | {row.loss_rel_diff:.1e} | "
                      f"{row.grad_rel_diff:.1e} | {row.packed} |")
     met = ", ".join(f"{key} {'yes' if ok else 'no'}" for key, ok in result.targets().items())

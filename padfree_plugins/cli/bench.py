@@ -507,22 +507,33 @@ def bench_scale(
     tokens: Annotated[int, positive("Tokens of the packed row (even).")] = 16384,
     quick: Annotated[bool, typer.Option(help="The test suite's size: a row of 1024 tokens, no warm-up, one "
                                              "round (seconds, not minutes; its speeds mean little).")] = False,
-    models: Annotated[str, typer.Option(help="Comma-separated: llama, qwen3_5_text.")] = "llama,qwen3_5_text",
+    models: Annotated[str, typer.Option(help="Comma-separated: llama, qwen3_5_text, granite4h (a Mamba2 "
+                                             "hybrid).")] = "llama,qwen3_5_text",
+    variants: Annotated[str, typer.Option(help="Comma-separated: ddp (always), fsdp2, sp<N> (hybrids: mixers "
+                                               "split), sp<N>-allgather, sp<N>-gather (mixers on the whole row); "
+                                               "empty: ddp, fsdp2, sp<N> (and sp<N>-allgather with "
+                                               "--allgather).")] = "",
     rounds: Annotated[int, positive("Interleaved timed rounds; figures are medians over rounds.")] = 2,
     warmup: Annotated[int, typer.Option(help="Untimed warm-up steps per variant.")] = 1,
     seed: Annotated[int, typer.Option(help="Seed of the lengths, the tokens and the weights.")] = 0,
     threads: Annotated[int, positive("torch intra-op threads per process.")] = 1,
-    timeout: Annotated[float, positive("Seconds before the 2 processes are killed.")] = 1800.0,
+    timeout: Annotated[float, positive("Seconds before the processes are killed.")] = 1800.0,
+    world: Annotated[int, positive("Processes (and sequence-parallel group size): 2, or more.")] = 2,
+    allgather: Annotated[bool, typer.Option(help="Also run sequence parallelism with all-gather attention "
+                                                 "(sequence_parallel.attention: allgather).")] = False,
     out: Annotated[Path, typer.Option(help="Directory for bench_scale.json.")] = Path("out/bench-scale"),
     as_json: JsonFlag = False,
 ) -> None:
-    """One long packed row on 2 CPU processes (gloo): sequence parallelism SP=2 vs SP=1 (DDP), and FSDP2 vs DDP;
-    peak memory per rank, real tokens/s and SP's communication per layer, one run."""
+    """One long packed row on 2 CPU processes (gloo; --world N): sequence parallelism SP=N vs SP=1 (DDP), and FSDP2
+    vs DDP (--allgather: all-gather attention too); peak memory per rank, real tokens/s and SP's communication per
+    layer, one run."""
     import dataclasses
 
     from padfree_plugins.benchmarks.scale import (
         COLUMNS,
+        HYBRID_MEMORY_TARGET,
         MEMORY_NOTE,
+        MEMORY_TARGET,
         QUICK,
         TITLES,
         ScaleSettings,
@@ -533,7 +544,8 @@ def bench_scale(
     )
 
     settings = ScaleSettings(tokens=tokens, models=tuple(m.strip() for m in models.split(",")), rounds=rounds,
-                             warmup=warmup, seed=seed, threads=threads, timeout=timeout)
+                             warmup=warmup, seed=seed, threads=threads, timeout=timeout, world=world,
+                             allgather=allgather, chosen=tuple(v.strip() for v in variants.split(",") if v.strip()))
     if quick:
         settings = dataclasses.replace(settings, **QUICK)
     try:
@@ -547,7 +559,7 @@ def bench_scale(
     stdout = console()
     for model in settings.models:
         table = Table(title=f"{TITLES[model]}: one row of {settings.tokens:,} tokens per step and SP group, fwd + "
-                            f"bwd, 2 CPU processes (gloo)")
+                            f"bwd, {settings.world} CPU processes (gloo)")
         for column in COLUMNS:
             table.add_column(column, justify="right")
         for row in result.rows:
@@ -555,10 +567,12 @@ def bench_scale(
                 table.add_row(*cells(row))
         stdout.print(table)
     for model, volume in result.communication.items():
-        stdout.print(f"SP=2 communication, {communication_line(model, volume, settings.tokens)}", highlight=False)
+        line = communication_line(model, volume, settings.tokens, settings.world, settings.allgather)
+        stdout.print(f"SP={settings.world} communication, {line}", highlight=False)
     stdout.print(f"{MEMORY_NOTE} real tok/s: the tokens of all rows of a step (ddp, fsdp2: one row per rank; "
-                 "sp2: one row for both) over the slowest rank's step time. On CPU the exchanges cost time: no "
-                 "speed target.", highlight=False)
+                 f"sp{settings.world}: one row for all) over the slowest rank's step time. Targets: peak memory per rank at "
+                 f"SP=2 <= {MEMORY_TARGET}x ddp for the Llama, <= {HYBRID_MEMORY_TARGET}x for the hybrids (mixers "
+                 "split). On CPU the exchanges cost time: no speed target.", highlight=False)
     stdout.print(f"environment: {result.environment}", highlight=False)
     stdout.print(f"wrote {path}", highlight=False)
 

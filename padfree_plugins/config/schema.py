@@ -77,12 +77,26 @@ class BatchingConfig:
 
 @dataclass
 class SequenceParallelConfig:
-    """Sequence parallelism (Ulysses): the ranks of a group train one packed row, each computing a slice of it."""
+    """Sequence parallelism: the ranks of a group train one packed row, each computing a slice of it."""
 
     size: int = _help(
         "ranks that share one packed row (1: off). Each group of size consecutive ranks joins its micro-batches into "
-        "one row; every rank computes 1/size of its tokens, attention and sequence mixers see the whole row through "
-        "all-to-all. Must divide the number of processes and the attention heads", default=1, minimum=1)
+        "one row; every rank computes 1/size of its tokens, attention sees the whole row (attention), sequence "
+        "mixers pass their state across the cuts (mixers). Must divide the number of processes (and, for attention: "
+        "ulysses, the attention heads)", default=1, minimum=1)
+    attention: Literal["auto", "ulysses", "allgather"] = _help(
+        "how attention sees the whole row: ulysses (all-to-all from tokens to heads and back; size must divide the "
+        "attention heads); allgather (each rank gathers the row's keys and values and attends its own slice of "
+        "queries to them: any size, the row's keys and values on every rank; with the exact or flash_attn "
+        "backend); auto (ulysses where size divides the heads; else Ulysses over the largest factor of "
+        "size that divides the heads and allgather over the rest, or allgather alone; with a warning)",
+        default="auto")
+    mixers: Literal["split", "gather"] = _help(
+        "sequence mixers of hybrid models (gated delta rule, KDA, Mamba2, short conv) under sequence parallelism: "
+        "split (each rank runs its own slice; an example crossing a cut continues from the previous rank's final "
+        "state and conv taps, passed point to point; Mamba1 mixers, which cannot start from a state, run gathered, "
+        "with a warning); gather (every rank runs the mixer on the whole row, its input all-gathered: more memory "
+        "and compute, no wait at a cut)", default="split")
 
 
 @dataclass

@@ -140,6 +140,15 @@ class ChoosesMetrics(Protocol):
     def for_metrics(self, outputs: Any, batch: Mapping[str, Any]) -> tuple[Any, Any]: ...
 
 
+class PoolsExamples(Protocol):
+    """Optional: ``pools_examples`` True — the forward pools whole examples and takes ``hidden=`` (a callable giving
+    the model's batch's last hidden states ``[1, T, H]`` computed elsewhere), so that under sequence parallelism
+    each rank pools, scores and computes the loss of its own micro-batch (``SequenceParallelForward.pooled``)
+    instead of being refused."""
+
+    pools_examples: bool
+
+
 class SaysLossScaling(Protocol):
     """Optional: ``loss_is_scaled_for_ga`` — False for a per-batch mean loss (the trainer averages it over gradient
     accumulation steps), True for a loss normalised by ``num_items_in_batch`` itself."""
@@ -205,6 +214,6 @@ OPTIONAL_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "collate": _attributes(WrapsPacking, ReadsDatasetColumns, ChecksTrainerDataset, NamesTextColumns,
                            DescribesLabels, AsksLabelledLogits, DerivesLabels, PacksMedia),
     "task_forward": _attributes(ChecksModel, RunsInsideModelForward, UsesAssemblyPooler, ChoosesMetrics,
-                                SaysLossScaling),
+                                PoolsExamples, SaysLossScaling),
     "wrap_trainer": _attributes(ReportsRun),
 }

@@ -341,7 +341,10 @@ def why_prompts_not_shared(trainer: Any, assembly: Any, prompt_column: bool = Tr
     if plan.architecture.kind != "decoder":
         return f"a shared prompt is read causally, and {plan.architecture.name} is an {plan.architecture.kind}"
     if getattr(trainer, "_is_vision_dataset", False) or getattr(trainer, "_is_vlm", False):
-        return "image-text calls are packed by the family's multimodal collator, which does not share prompts yet"
+        collator = getattr(assembly, "collator", None)
+        why = getattr(collator, "why_prompts_not_shared", "its family declares no multimodal collator")
+        if why:
+            return f"image-text prompts of {plan.architecture.name} are not shared: {why}"
     for backend in (plan.backend, plan.fallback):
         if backend is not None and SHARED_PREFIXES_FEATURE not in backend.features:
             return f"the {backend.name!r} attention backend does not take shared prefixes (exact and flash_attn do)"

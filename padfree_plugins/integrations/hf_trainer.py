@@ -23,8 +23,10 @@
   the logged loss (the mean over ranks), those of one process on the global batch. Evaluation's per-token outputs
   (``predict``, ``compute_metrics``) are the group's slices gathered back into the row, each rank keeping its own
   micro-batch's tokens (``SequenceParallelForward.own_tokens``), then re-padded as above: every rank hands the
-  trainer its own examples, so its gather over processes counts each example once. A loss the trainer computes
-  from the logits (label smoothing, ``compute_loss_func``) is refused.
+  trainer its own examples, so its gather over processes counts each example once. A task that pools whole
+  examples (``seq_cls``, ``embedding``, ``reranker``; ``SequenceParallelForward.pooled``) computes its own
+  examples' outputs and loss on each rank, as under data parallelism. A loss the trainer computes from the logits
+  (label smoothing, ``compute_loss_func``) is refused.
 
 :class:`HFTrainerPatch` is also the base of TRL's ``SFTTrainer`` plugin (:mod:`.trl_sft`), which changes only
 what its methods below say they are for.
@@ -128,16 +130,21 @@ class HFTrainerPatch(TrainerPatch):
         """Whether each rank computes a slice of its group's row (``sequence_parallel.size > 1``)."""
         return sequence_parallel_size(self.assembly.config) > 1
 
+    def pools_examples(self) -> bool:
+        """Whether the task's forward pools whole examples (seq_cls, embedding, reranker): under sequence parallelism
+        its outputs are this rank's own examples already (not per token of its slice)."""
+        return bool(getattr(self.assembly.forward, "pools_examples", False))
+
     def check_sequence_parallel(self) -> None:
         """Under sequence parallelism: refuse a loss the trainer computes from the logits, which are this rank's
         slice of the group's row while its labels are its own micro-batch's."""
         task = self.assembly.plan.task.name
-        if self.splits_rows() and task != "causal_lm":
+        if self.splits_rows() and task != "causal_lm" and not self.pools_examples():
             raise PadfreeError(
                 f"sequence_parallel.size: {sequence_parallel_size(self.assembly.config)} with task: {task}: under "
-                f"sequence parallelism {type(self.trainer).__name__} trains causal language models; a sequence "
-                "classifier's scores are gathered across the group for TRL's RewardTrainer only, the one tested so "
-                "far. Use sequence_parallel.size: 1 for this trainer")
+                f"sequence parallelism {type(self.trainer).__name__} trains causal language models and the tasks "
+                "that pool whole examples (seq_cls, embedding, reranker). Use sequence_parallel.size: 1 for this "
+                "task")
         if self.splits_rows() and uses_own_loss(self.trainer):
             raise PadfreeError(
                 f"sequence_parallel.size: {sequence_parallel_size(self.assembly.config)} with label smoothing or a "
@@ -309,7 +316,7 @@ class HFTrainerPatch(TrainerPatch):
         skip = (*ignore_keys, "loss")
         kept = [(k, v) for k, v in self.metric_outputs(outputs) if k not in skip and v is not None]
         values = [v for _, v in kept]
-        if self.splits_rows():  # this rank's slice of the group's row -> its own micro-batch's tokens
+        if self.splits_rows() and not self.pools_examples():  # this rank's slice -> its own micro-batch's tokens
             values = self.assembly.forward.own_tokens(kept, inputs)
         logits = tuple(self.repad(v, inputs, None) for v in values)
         labels = None

@@ -31,11 +31,16 @@ fused forward as for text. A placeholder token of a media the call has none of, 
 ``mm_token_type_ids`` (one the policy generated in a completion: TRL types completions text, and the model, given no
 such media, embeds and positions it as text), is packed as text. A call that cannot be split exactly (placeholders
 that do not match the media, per-token modalities that are not the placeholders' — TRL's ``mm_token_type_ids`` laid
-out for right-padded prompts, say —, other per-token inputs, an empty row) runs TRL's forward, padded.
+out for right-padded prompts, say —, other per-token inputs, an empty row) runs TRL's forward, padded. With
+``prefix_sharing``, rows whose prompts are equal in their tokens and in the media they hold (:func:`media_prefixes`:
+pixels compared, not only placeholders) hold the prompt once, its media collated once
+(:func:`~padfree_plugins.packing.multimodal.share_prompts`): the vision tower encodes each distinct prompt's images
+once, and every completion keeps the positions of its whole row.
 
 Every fused call that runs padded says why in a warning, the first time for each reason (per trainer patch:
 :class:`FusedCalls`), and every fused call is counted, packed or padded by reason: ``Acceleration.describe()``
-(``fused calls``) and the trainer's log (``padfree/packed_calls``, ``padfree/padded_calls``, so far) show the counts.
+(``fused calls``) and the trainer's log (``padfree/packed_calls``, ``padfree/padded_calls``, ``padfree/shared_calls``:
+packed calls whose row shares a prompt; so far) show the counts.
 A call without any pad runs as it is (nothing to gain), counted apart and not said.
 
 Under sequence parallelism (``sequence_parallel.size: N``, the model's patch holding a
@@ -73,8 +78,9 @@ from padfree_plugins.modeling.attention.ulysses import SequenceGroup, gather_seq
 from padfree_plugins.modeling.patching import own_attribute, patch_of, restore_attributes, unwrap_model
 from padfree_plugins.modeling.sequence_parallel import gather_rows
 from padfree_plugins.packing.batch import BOUNDARY_KEYS, MEDIA_KEYS, MODEL_INPUT_KEYS, packed_tokens
-from padfree_plugins.packing.multimodal import MODALITY_KEYS, TOKEN_TYPES_KEY, MultimodalCollator
-from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY
+from padfree_plugins.packing.multimodal import MODALITY_KEYS, TOKEN_TYPES_KEY, MultimodalCollator, media_equal, \
+    share_prompts
+from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, SharedPrefixes
 from padfree_plugins.packing.sequence_parallel import MAX_KEYS, join_rows, slice_row
 
 
@@ -220,12 +226,47 @@ def modality_mismatch(inputs: dict, spans: list, real: list[torch.Tensor], colla
     return None
 
 
+def media_prefixes(labels: torch.Tensor, spans: list[tuple[int, int]], examples: list[dict],
+                   collator: MultimodalCollator) -> list[tuple[int, tuple] | None]:
+    """Each row's shareable prompt, as :func:`~padfree_plugins.packing.prefixes.shared_layout` takes them: its
+    tokens before the first that predicts a label (at most all but its last, :func:`~padfree_plugins.modeling.unpad.
+    shared_rows`' rule), keyed by those tokens, their modalities and the media they hold — rows of equal tokens
+    whose images differ in any pixel get other keys. A row with a media placeholder after its prompt shares nothing
+    (its completion would hold an image). One read of the labels from the device."""
+    rows, width = labels.shape
+    predicts = labels[:, 1:] != -100  # token j predicts label j + 1
+    first = torch.where(predicts.any(1), predicts.int().argmax(1), width).tolist()
+    placeholders = torch.tensor(list(collator.token_ids.values()))
+    media_keys = set(collator.media_keys)
+    prefixes: list[tuple[int, tuple] | None] = []
+    seen: dict[tuple, list[dict]] = {}  # per prompt's tokens: the distinct media held by such prompts
+    for row, ((start, length), example) in enumerate(zip(spans, examples)):
+        shared = min(first[row] - start, length - 1)
+        tokens = torch.as_tensor(example["input_ids"])
+        if shared < 1 or bool(torch.isin(tokens[shared:], placeholders).any()):
+            prefixes.append(None)
+            continue
+        kinds = example.get(TOKEN_TYPES_KEY)
+        text = (tuple(tokens[:shared].tolist()), tuple(kinds[:shared]) if kinds is not None else None)
+        media = {key: value for key, value in example.items() if key in media_keys}
+        known = seen.setdefault(text, [])
+        which = next((number for number, other in enumerate(known) if media_equal(other, media)), None)
+        if which is None:
+            which = len(known)
+            known.append(media)
+        prefixes.append((shared, (text, which)))
+    return prefixes
+
+
 def pack_media_call(inputs: dict, mask: torch.Tensor, labels: torch.Tensor, collator: MultimodalCollator,
-                    refused: unpad.Refused = unpad.ignore_refusal) -> tuple[dict, unpad.Unpadded] | None:
+                    refused: unpad.Refused = unpad.ignore_refusal,
+                    share_prefixes: bool = False) -> tuple[dict, unpad.Unpadded] | None:
     """A padded fused call with media (``inputs``: its keyword arguments but the labels) split into its rows — each
     row's real tokens and, by the family's :meth:`~padfree_plugins.packing.multimodal.MultimodalCollator.split_call`,
     its own media — and packed by ``collator`` as those examples alone would be; and where its tokens went. ``None``
-    when the call cannot be split exactly: it then runs padded, and ``refused(reason, detail)`` is told why."""
+    when the call cannot be split exactly: it then runs padded, and ``refused(reason, detail)`` is told why.
+    ``share_prefixes``: rows whose prompts are equal in tokens and media (:func:`media_prefixes`) hold the prompt
+    once, its images once (:func:`~padfree_plugins.packing.multimodal.share_prompts`)."""
     ids = inputs.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape != mask.shape:
         refused("its input_ids are not [rows, width] of its attention_mask", "")
@@ -263,8 +304,9 @@ def pack_media_call(inputs: dict, mask: torch.Tensor, labels: torch.Tensor, coll
         if isinstance(types, torch.Tensor) else [None] * len(real)
     try:
         media = collator.split_call(inputs, real)
-        batch = collator([{"input_ids": tokens.tolist(), **own, **({TOKEN_TYPES_KEY: kinds} if kinds else {})}
-                          for tokens, own, kinds in zip(real, media, types)])
+        examples = [{"input_ids": tokens.tolist(), **own, **({TOKEN_TYPES_KEY: kinds} if kinds else {})}
+                    for tokens, own, kinds in zip(real, media, types)]
+        batch = collator(examples)
     except PadfreeError as error:
         refused("its media cannot be split by row", str(error))
         return None
@@ -275,13 +317,18 @@ def pack_media_call(inputs: dict, mask: torch.Tensor, labels: torch.Tensor, coll
         refused("the collator did not keep every real token of its rows (max_length?)",
                 f"rows of {lengths} tokens, packed {batch['cu_seq_lens_q'].diff().tolist()}")
         return None
+    if share_prefixes:
+        shared = share_prompts(collator, examples, batch, media_prefixes(labels, spans, examples, collator))
+        if shared is not None:
+            batch, kept = shared
+            index = index.index_select(0, kept)
     device = mask.device
     packed = {key: value for key, value in inputs.items()
               if key not in ("input_ids", "attention_mask", *MODALITY_KEYS) and key not in media_keys}
     for key in (*MODEL_INPUT_KEYS, *media_keys):
         if key in batch:
             value = batch[key]
-            packed[key] = value.to(device) if isinstance(value, torch.Tensor) else value
+            packed[key] = value.to(device) if isinstance(value, (torch.Tensor, SharedPrefixes)) else value
     return packed, unpad.Unpadded(mask.shape[0], mask.shape[1], index)
 
 
@@ -296,11 +343,14 @@ class FusedCalls:
     packed: int = 0
     unpadded: int = 0
     padded: dict[str, int] = field(default_factory=dict)
+    #: The packed calls whose row held a repeated prompt once (``prefix_sharing``), of :attr:`packed`.
+    shared: int = 0
     #: Packed calls whose repeated prompts were (in part) held more than once, by reason.
     unshared: dict[str, int] = field(default_factory=dict)
 
-    def ran_packed(self) -> None:
+    def ran_packed(self, shared: bool = False) -> None:
         self.packed += 1
+        self.shared += bool(shared)
 
     def ran_padded(self, reason: str, detail: str = "") -> None:
         """One call ran padded (or without padding, ``reason`` :data:`~padfree_plugins.modeling.unpad.NO_PADDING`)
@@ -329,11 +379,13 @@ class FusedCalls:
 
     def metrics(self) -> dict[str, int]:
         """The counts so far, as the trainer's log reports them."""
-        return {"padfree/packed_calls": self.packed, "padfree/padded_calls": self.padded_total}
+        return {"padfree/packed_calls": self.packed, "padfree/padded_calls": self.padded_total,
+                "padfree/shared_calls": self.shared}
 
     def describe(self) -> str:
-        """``"12 packed, 0 padded"``, then each reason's count."""
-        text = f"{self.packed} packed, {self.padded_total} padded"
+        """``"12 packed (12 with shared prompts), 0 padded"``, then each reason's count."""
+        shared = f" ({self.shared} with shared prompts)" if self.shared else ""
+        text = f"{self.packed} packed{shared}, {self.padded_total} padded"
         if self.unpadded:
             text += f", {self.unpadded} without padding (run as they are)"
         text += "".join(f"; {count} padded: {reason}" for reason, count in self.padded.items())
@@ -403,8 +455,8 @@ class PackedFusedHead:
         if packed is None:
             return self.original(*args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
                                  **kwargs)
-        self.calls.ran_packed()
         inputs, unpadded = packed
+        self.calls.ran_packed(inputs.get(SHARED_PREFIXES_KEY) is not None)
         # the label each packed token predicts: the padded row's next column (-100 past the row's end)
         shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
         inputs["shift_labels"] = shifted.reshape(-1).index_select(0, unpadded.index.to(shifted.device))[None]
@@ -432,7 +484,8 @@ class PackedFusedHead:
         elif any(kwargs.get(key) is not None for key in ("past_key_values", "inputs_embeds")):
             refused("it is given past_key_values or inputs_embeds")
         elif self.collator is not None:
-            packed = pack_media_call(kwargs, mask, labels.to(mask.device), self.collator, refused)
+            packed = pack_media_call(kwargs, mask, labels.to(mask.device), self.collator, refused,
+                                     self.share_prefixes)
         elif any(kwargs.get(key) is not None for key in UNPACKED_INPUTS):
             refused("it holds media, boundaries or shared prefixes, which this trainer's text calls do not pack",
                     ", ".join(key for key in UNPACKED_INPUTS if kwargs.get(key) is not None))

@@ -157,7 +157,7 @@ class RewardTrainerPatch(TrainerPatch):
     from the per-text scores of the ``seq_cls`` head."""
 
     kind = "reward"
-    sequence_parallel = True  # each rank scores its own texts from the group's gathered hidden states
+    sequence_parallel = True  # each rank scores its own texts (hidden states from the slices that computed them)
     shares_prompts = True
 
     @classmethod
@@ -236,7 +236,7 @@ def trainer_config(trainer, config):
     """A RewardTrainer trains a sequence classifier: the task is ``seq_cls``."""
     if not RewardTrainerPatch.claims(trainer):
         return None
-    # under sequence parallelism each rank scores its own texts from the group's gathered hidden states
+    # under sequence parallelism each rank scores its own texts, their hidden states brought from the slices
     check_sequence_parallel(trainer, config)
     if config.task == "seq_cls":
         return None

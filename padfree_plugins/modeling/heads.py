@@ -249,8 +249,10 @@ def _sharded(parameter: torch.Tensor) -> bool:
     return isinstance(parameter, DTensor) or hasattr(parameter, "ds_id")
 
 
-def token_logits(model: Any, batch: Mapping, token_ids: Sequence[int]) -> torch.Tensor:
-    """The logits of ``token_ids`` (python ints) at every example's last token: ``[n, k]``.
+def token_logits(model: Any, batch: Mapping, token_ids: Sequence[int],
+                 hidden: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits of ``token_ids`` (python ints) at every example's last token: ``[n, k]``; ``hidden``: the batch's
+    last hidden states where computed elsewhere (under sequence parallelism), else the base's on ``batch``.
 
     Only those ``k`` rows of the LM head are multiplied (never the whole vocabulary), picked by python ints (no index
     tensor copied from the host in every step, which would wait for the device); the output scaling a model applies
@@ -263,7 +265,7 @@ def token_logits(model: Any, batch: Mapping, token_ids: Sequence[int]) -> torch.
     """
     inner = unwrap_model(model)
     head = check_lm_head(inner, "reranker (scorer yes_no)")
-    last = _last(run_base(inner, batch), batch)
+    last = _last(run_base(inner, batch) if hidden is None else hidden, batch)
     if _sharded(head.weight):
         every = head(last)
         logits = torch.stack([every[:, i] for i in token_ids], dim=1)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache, partial
 from itertools import groupby
@@ -142,6 +143,9 @@ class PackedRow:
     #: The row's shared prefixes, where it has them: a completion's mixers continue its prompt's state.
     shared: SharedPrefixes | None = None
     _groups: dict = field(default_factory=dict, repr=False)
+    #: Per split mixer (:mod:`padfree_plugins.modeling.split_mixers`): the state it received in this forward, reused
+    #: (not received again) when gradient checkpointing recomputes its layer.
+    received: dict = field(default_factory=dict, repr=False)
     _seq_idx: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -262,64 +266,43 @@ def run_shared(forward: Any, hidden_states: torch.Tensor, row: PackedRow, chunk:
     the packed ``hidden_states`` ``[1, T, H]`` of a row with shared prefixes (``row.shared``): each segment starts
     from its parent's final state and conv taps (:func:`state_sources`), every segment without one from zeros.
 
-    Segments run once their sources have, down the prefix tree. A segment whose state others read runs unpadded,
-    with segments of its length only (a pad would move its final state); the others, batched like
-    :func:`run_per_example`, are right-padded to at least 2 tokens, so that no mixer takes its one-token decoding
-    step (which updates the state in place, out of autograd's reach). A one-token prefix that continues a state
-    (a tree's branch point) is not run alone for the same reason: its token leads each of its children's runs
+    Segments run once their sources have, down the prefix tree (:func:`run_ready`). A segment whose state others
+    read runs unpadded, with segments of its length only (a pad would move its final state); the others, batched
+    like :func:`run_per_example`, are right-padded to at least 2 tokens, so that no mixer takes its one-token
+    decoding step (which updates the state in place, out of autograd's reach). A one-token prefix that continues a
+    state (a tree's branch point) is not run alone for the same reason: its token leads each of its children's runs
     (:func:`_runs`). Each prefix runs once: its children's gradients sum into it through the state."""
     bounds = row.cu_seq_lens.long().tolist()
-    count = len(bounds) - 1
     sources = state_sources(row.shared)
-    if len(sources) != count:
-        raise BoundaryError(f"the shared prefixes name {len(sources)} segments, the boundaries {count}")
+    if len(sources) != len(bounds) - 1:
+        raise BoundaryError(f"the shared prefixes name {len(sources)} segments, the boundaries {len(bounds) - 1}")
     lengths = [end - start for start, end in zip(bounds, bounds[1:])]
-    runs = _runs(sources, lengths)  # segment -> (the segments whose tokens it runs, the sources it starts from)
-    run_sources = {s: start for s, (_, start) in runs.items()}
-    size = {s: sum(lengths[piece] for piece in pieces) for s, (pieces, _) in runs.items()}
-    read = {source for pair in run_sources.values() for source in pair if source >= 0}
-    tokens, outputs, finals = hidden_states[0], [None] * count, {}
-    pending = list(runs)
-    while pending:
-        ready = [s for s in pending if all(source < 0 or source in finals for source in run_sources[s])]
-        if not ready:
-            raise BoundaryError(f"the segments' state sources {sources} form a cycle")
-        pending = [s for s in pending if s not in ready]
-        groups: dict[tuple, list[int]] = {}
-        for s in ready:  # read: one group per length; others: per number of chunks; and by the states they start from
-            width = size[s] if s in read else -(-size[s] // chunk)
-            key = (s in read, width, tuple(source >= 0 for source in run_sources[s]))
-            groups.setdefault(key, []).append(s)
-        for (recorded, _, (recurrent, conv)), members in sorted(groups.items()):
-            width = max(2, *(size[s] for s in members)) if not recorded else size[members[0]]
-            if recorded and width == 1 and (recurrent or conv):
-                raise BoundaryError(f"segments {members} of one token continue a state and are read by others in "
-                                    "part only: a one-token run would take the mixer's decoding step")
-            batch = torch.stack([F.pad(torch.cat([tokens[bounds[piece]:bounds[piece + 1]] for piece in runs[s][0]]),
-                                       (0, 0, 0, width - size[s])) for s in members])
-            state = None
-            if recorded or recurrent or conv:
-                state = MixerState(
-                    conv=torch.stack([finals[run_sources[s][1]].final_conv for s in members]) if conv else None,
-                    recurrent=torch.stack([finals[run_sources[s][0]].final_recurrent for s in members])
-                    if recurrent else None)
-            output = forward(batch, **kwargs, **({cache_name: state} if state is not None else {}))
-            if not isinstance(output, torch.Tensor):
-                raise BoundaryError(f"a sequence mixer returned {type(output).__name__}, not a tensor: "
-                                    "padfree_plugins cannot put its segments back into the packed row")
-            for index, s in enumerate(members):
-                start = 0
-                for piece in runs[s][0]:
-                    if outputs[piece] is None:  # a lead token: its first child's run gives it
-                        outputs[piece] = output[index, start:start + lengths[piece]]
-                    start += lengths[piece]
-                if recorded:
-                    finals[s] = MixerState(final_conv=_row_of(state.final_conv, index),
-                                           final_recurrent=_row_of(state.final_recurrent, index))
-    return torch.cat(outputs)[None]
+    runs = _runs(sources, lengths)  # segment -> (the segments whose tokens its run holds, the sources it starts from)
+    order = list(runs)
+    position = {segment: index for index, segment in enumerate(order)}
+    tokens = hidden_states[0]
+    if all(len(pieces) == 1 for pieces, _ in runs.values()):
+        run_tokens, run_bounds = tokens, bounds
+    else:  # the lead tokens copied ahead of each child's
+        run_tokens = torch.cat([tokens[bounds[piece]:bounds[piece + 1]] for s in order for piece in runs[s][0]])
+        sizes = [sum(lengths[piece] for piece in runs[s][0]) for s in order]
+        run_bounds = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    run_sources = [tuple(position[source] if source >= 0 else -1 for source in runs[s][1]) for s in order]
+    read = {source for pair in run_sources for source in pair if source >= 0}
+    outputs: list = [None] * len(order)
+    if run_ready(forward, run_tokens, run_bounds, run_sources, read, outputs, {}, chunk, cache_name, **kwargs):
+        raise BoundaryError(f"the segments' state sources {sources} form a cycle")
+    segments: list = [None] * len(sources)
+    for index, s in enumerate(order):
+        start = 0
+        for piece in runs[s][0]:
+            if segments[piece] is None:  # a lead token: its first child's run gives it
+                segments[piece] = outputs[index][start:start + lengths[piece]]
+            start += lengths[piece]
+    return torch.cat(segments)[None]
 
 
-def _runs(sources: tuple[tuple[int, int], ...], lengths: list[int]) -> dict[int, tuple[list[int], tuple[int, int]]]:
+def _runs(sources: Sequence[tuple[int, int]], lengths: list[int]) -> dict[int, tuple[list[int], tuple[int, int]]]:
     """Per segment that runs: the segments whose tokens its run holds (its own last) and the sources it starts from.
     A one-token segment that continues a state and whose state others read — every reader continuing it in both the
     recurrent state and the taps — runs at the head of each reader instead (its one token would take the decoding
@@ -329,18 +312,67 @@ def _runs(sources: tuple[tuple[int, int], ...], lengths: list[int]) -> dict[int,
         for source in set(pair):
             if source >= 0:
                 readers.setdefault(source, []).append(s)
-    lead = {s for s in range(len(sources)) if lengths[s] == 1 and sources[s] != (-1, -1) and readers.get(s) and
-            all(sources[reader] == (s, s) for reader in readers[s])}
+    lead = {s for s in range(len(sources)) if lengths[s] == 1 and tuple(sources[s]) != (-1, -1) and readers.get(s)
+            and all(tuple(sources[reader]) == (s, s) for reader in readers[s])}
     runs = {}
     for s in range(len(sources)):
         if s in lead:
             continue
-        pieces, start = [s], sources[s]
+        pieces, start = [s], tuple(sources[s])
         while start[0] == start[1] and start[0] in lead:
             pieces.insert(0, start[0])
-            start = sources[start[0]]
+            start = tuple(sources[start[0]])
         runs[s] = (pieces, start)
     return runs
+
+
+def run_ready(forward: Any, tokens: torch.Tensor, bounds: list[int], sources: Sequence[tuple[int, int]],
+              read: set[int], outputs: list, finals: dict, chunk: int, cache_name: str, **kwargs: Any) -> list[int]:
+    """The segments of ``tokens`` ``[T, H]`` (``bounds``) not yet in ``outputs`` whose state sources have run (or are
+    ``-1``, zeros; any other source is a key of ``finals``), run batched as in :func:`run_shared`, until none is
+    ready; their outputs written into ``outputs``, the final states of those in ``read`` into ``finals``. Returns
+    the segments left pending (their sources not in ``finals``)."""
+    lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+    pending = [s for s in range(len(lengths)) if outputs[s] is None]
+    while pending:
+        ready = [s for s in pending if all(source == -1 or source in finals for source in sources[s])]
+        if not ready:
+            return pending
+        pending = [s for s in pending if s not in ready]
+        groups: dict[tuple, list[int]] = {}
+        for s in ready:  # read: one group per length; others: per number of chunks; and by the states they start from
+            size = lengths[s] if s in read else -(-lengths[s] // chunk)
+            key = (s in read, size, tuple(source != -1 for source in sources[s]))
+            groups.setdefault(key, []).append(s)
+        for (recorded, _, (recurrent, conv)), members in sorted(groups.items()):
+            width = max(2, *(lengths[s] for s in members)) if not recorded else lengths[members[0]]
+            if recorded and width == 1 and (recurrent or conv):
+                raise BoundaryError(f"segments {members} of one token continue a state and are read by others in "
+                                    "part only: a one-token run would take the mixer's decoding step")
+            batch = torch.stack([F.pad(tokens[bounds[s]:bounds[s + 1]], (0, 0, 0, width - lengths[s]))
+                                 for s in members])
+            state = None
+            if recorded or recurrent or conv:
+                state = MixerState(
+                    conv=_stacked([finals[sources[s][1]].final_conv for s in members]) if conv else None,
+                    recurrent=_stacked([finals[sources[s][0]].final_recurrent for s in members]) if recurrent else None)
+            output = forward(batch, **kwargs, **({cache_name: state} if state is not None else {}))
+            if not isinstance(output, torch.Tensor):
+                raise BoundaryError(f"a sequence mixer returned {type(output).__name__}, not a tensor: "
+                                    "padfree_plugins cannot put its segments back into the packed row")
+            if state is not None:
+                state.settle()
+            for index, s in enumerate(members):
+                outputs[s] = output[index, :lengths[s]]
+                if recorded:
+                    finals[s] = MixerState(final_conv=_row_of(state.final_conv, index),
+                                           final_recurrent=_row_of(state.final_recurrent, index))
+    return []
+
+
+def _stacked(states: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The sources' states as a batch; ``None`` where a mixer keeps no such state (LFM2: conv taps only)."""
+    return None if any(state is None for state in states) else torch.stack(states)
 
 
 def _row_of(state: torch.Tensor | None, index: int) -> torch.Tensor | None:
@@ -474,12 +506,17 @@ class PackedMixer:
             warnings.warn(f"{name}: rows with shared prefixes run their sequence mixers exact (torch code), not "
                           "through the CUDA kernels, which do not yet start a completion from its prompt's state",
                           stacklevel=2)
-        cache_name = next((name for name in CACHE_NAMES if name in self.__dict__["_signature"].parameters), None)
+        cache_name = self.cache_name()
         if cache_name is None:
             raise BoundaryError(f"{name}'s forward takes no cache ({' or '.join(CACHE_NAMES)}), so it cannot start "
                                 "from a prompt's state: set prefix_sharing: off for this model")
         alone = {key: value for key, value in inputs.items() if key not in ROW_KEYS and key not in CACHE_NAMES}
         return run_shared(self.original, hidden_states, row, self.chunk, cache_name, **alone)
+
+    def cache_name(self) -> str | None:
+        """The name under which the mixer's own forward takes a cache (the state it continues), or ``None``."""
+        parameters = inspect.signature(self.original).parameters
+        return next((name for name in CACHE_NAMES if name in parameters), None)
 
     def uses_kernels(self, device: torch.device) -> bool:
         """Whether this call runs the packed row through the boundary-aware kernels (see the module docstring)."""

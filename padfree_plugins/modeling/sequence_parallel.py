@@ -6,16 +6,21 @@ its own contiguous slice of the tokens.
 * :class:`SequenceParallelPatch` — on a patched model: attention through
   :class:`~padfree_plugins.modeling.attention.ulysses.UlyssesAttention` (all-to-all, sequence -> heads and back),
   every sequence mixer of the model's plugin (gated delta rule, Mamba, short convolution: the forwards marked
-  ``packed_sequence_mixer``) run on the whole row (:class:`WholeRowMixer`), and the guard checking each rank's
-  slice; ``remove()`` (in ``patch.handles``) undoes it;
+  ``packed_sequence_mixer``) run on this rank's slice with the state passed between ranks
+  (:class:`~padfree_plugins.modeling.split_mixers.SplitMixer`, ``sequence_parallel.mixers: split``) or on the whole
+  row (:class:`WholeRowMixer`: ``gather``, and Mamba1, which cannot start from a state), and the guard checking each
+  rank's slice; ``remove()`` (in ``patch.handles``) undoes it;
 * :class:`SequenceParallelForward` — the assembly's forward under sequence parallelism: the group's micro-batches
   exchanged into one row (:func:`gather_rows`), shifted, padded and sliced
   (:mod:`padfree_plugins.packing.sequence_parallel`), this rank's slice through the model; for evaluation's
   metrics, :meth:`SequenceParallelForward.own_tokens` gathers the group's output slices back into the row and cuts
-  out this rank's own micro-batch; a task that pools whole examples (``seq_cls``) goes through
-  :meth:`SequenceParallelForward.pooled`: the base on the slice, the last hidden states gathered differentiably and
-  cut to this rank's micro-batch, the task's head and loss on them (each rank's loss is its own examples', as under
-  data parallelism; the gather's backward sums every rank's gradient into the slice that computed it).
+  out this rank's own micro-batch; a task that pools whole examples (``seq_cls``, ``embedding``, ``reranker``, on
+  encoders and decoders) goes through :meth:`SequenceParallelForward.pooled`: the base on the slice (an encoder's
+  attention is bidirectional over each whole example: Ulysses gives every rank all the row's tokens for its heads),
+  this rank's own micro-batch's last hidden states brought from the slices that computed them (one all-to-all,
+  differentiable: :func:`own_rows`), the task's pooling, head and loss on them (each rank's loss is its own
+  examples', as under data parallelism; the exchange's backward sends each token's gradient to the slice that
+  computed it).
 
 The loss: each rank's loss is the sum over its slice's tokens divided by ``num_items_in_batch``. A caller that
 counts the labels of every rank's micro-batch and sums them over all ranks (HF ``Trainer`` with
@@ -31,6 +36,7 @@ slice's) is replaced by this rank's share of the group row's (:mod:`padfree_plug
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -41,16 +47,20 @@ import torch.distributed as dist
 from padfree_plugins.errors import ConfigError, PadfreeError
 from padfree_plugins.modeling import attention
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup, gather_sequence
-from padfree_plugins.modeling.heads import run_base
+from padfree_plugins.modeling.heads import FAMILY_INPUT_KEYS, run_base
 from padfree_plugins.modeling.mixers import PACKED_ROW, sequence_mixers
 from padfree_plugins.modeling.patching import ModelPatch, own_attribute, restore_attributes, unwrap_model
 from padfree_plugins.modeling.router_aux import RouterAux
+from padfree_plugins.modeling.split_mixers import SplitMixer, why_not_split
 from padfree_plugins.packing.batch import PackedBatch, packed_tokens
 from padfree_plugins.packing.sequence_parallel import CU_KEYS, DROPPED_KEYS, MAX_KEYS, is_token_key, join_rows, \
     padded_length, slice_row
 
-__all__ = ["SequenceGroup", "SequenceParallelForward", "SequenceParallelPatch", "WholeRowMixer", "gather_rows",
-           "sequence_group"]
+#: How sequence mixers run under sequence parallelism (``sequence_parallel.mixers``).
+MIXER_MODES = ("split", "gather")
+
+__all__ = ["MIXER_MODES", "SequenceGroup", "SequenceParallelForward", "SequenceParallelPatch", "SplitMixer",
+           "WholeRowMixer", "gather_rows", "sequence_group"]
 
 
 def sequence_group(size: int) -> SequenceGroup:
@@ -111,17 +121,37 @@ class SequenceParallelPatch:
     saved: list = field(default_factory=list)
 
     @classmethod
-    def install(cls, patch: ModelPatch, group: SequenceGroup) -> SequenceParallelPatch:
+    def install(cls, patch: ModelPatch, group: SequenceGroup, layout: Any = None, mixers: str = "split"
+                ) -> SequenceParallelPatch:
+        """``layout``: how attention sees the row (an :class:`~padfree_plugins.modeling.attention.context_parallel.
+        AttentionLayout`; ``None``: Ulysses over the group). ``mixers``: ``split`` (each rank's slice only, the state
+        passed between ranks: :mod:`~padfree_plugins.modeling.split_mixers`; the whole row, with a warning, for a mixer
+        that cannot start from a state) or ``gather`` (:class:`WholeRowMixer` for every mixer)."""
+        if mixers not in MIXER_MODES:
+            raise ConfigError(f"sequence_parallel.mixers: {mixers!r} is not one of {', '.join(MIXER_MODES)}")
         installed = cls(patch, group)
         model = patch.model
         if patch.previous_implementation is not None:  # a model with attention (not Mamba)
             installed.implementation = attention.register(patch.backend, patch.fallback, patch.attention_dropout,
-                                                          patch.architecture.kind == "decoder", sequence=group)
+                                                          patch.architecture.kind == "decoder",
+                                                          sequence=layout or group)
             installed._set_implementation(installed.implementation)
+        unsplit = {}
         for module, mixer in sequence_mixers(model):
-            if not isinstance(mixer, WholeRowMixer):
-                installed.saved.append((module, own_attribute(module, "forward")))
+            if isinstance(mixer, (WholeRowMixer, SplitMixer)):
+                continue
+            installed.saved.append((module, own_attribute(module, "forward")))
+            reason = why_not_split(mixer) if mixers == "split" else "sequence_parallel.mixers: gather"
+            if reason:
+                unsplit.setdefault(type(module).__name__, reason)
                 module.forward = WholeRowMixer(mixer, group)
+            else:
+                module.forward = SplitMixer(mixer, group)
+        if mixers == "split" and unsplit:
+            why = "; ".join(f"{name}: {reason}" for name, reason in unsplit.items())
+            warnings.warn(f"sequence_parallel.mixers: split: these sequence mixers cannot start from another rank's "
+                          f"state, so every rank runs them on the whole row (gathered), which saves less memory: {why}",
+                          stacklevel=3)
         patch.sequence = group
         return installed
 
@@ -202,6 +232,70 @@ def _all_gather_padded(value: torch.Tensor, lengths: list[int], dim: int, group:
     return [piece.narrow(dim, 0, length) for piece, length in zip(pieces, lengths)]
 
 
+def base_inputs(batch: Mapping) -> PackedBatch:
+    """What of a packed ``batch`` the base model of a pooled task reads, for the group's row: the per-token keys,
+    the boundaries and the max lengths (with the batch's ``model_keys``). A per-example input of the base (X-MOD's
+    ``lang_ids`` per example) cannot be sliced with the tokens: refused."""
+    tokens = packed_tokens(batch)
+    per_example = [key for key in (*FAMILY_INPUT_KEYS, *(getattr(batch, "model_keys", None) or ()))
+                   if key in batch and not is_token_key(batch[key], tokens)]
+    if per_example:
+        raise PadfreeError(f"sequence parallelism slices a row's per-token inputs; {', '.join(per_example)} holds one "
+                           "value per example, which a rank's slice cannot carry: give it per token, or train with "
+                           "sequence_parallel.size: 1")
+    kept = PackedBatch({key: value for key, value in batch.items()
+                        if key in CU_KEYS or key in MAX_KEYS or is_token_key(value, tokens)})
+    kept.model_keys = getattr(batch, "model_keys", None)
+    return kept
+
+
+def exchange_plan(sizes: Sequence[int], rank: int, local: int) -> tuple[list[int], list[int]]:
+    """For a row of micro-batches of ``sizes`` tokens (one per rank, in row order) cut into slices of ``local``
+    tokens: how many tokens of rank ``rank``'s slice each rank owns (what it sends, from the slice's start: the
+    owners' ranges follow each other, the padding segment last), and how many of its own tokens each rank's slice
+    holds (what it receives, in row order)."""
+    starts = [sum(sizes[:q]) for q in range(len(sizes))]
+
+    def overlap(a: int, b: int, c: int, d: int) -> int:
+        return max(0, min(b, d) - max(a, c))
+
+    low = rank * local
+    sends = [overlap(low, low + local, start, start + size) for start, size in zip(starts, sizes)]
+    mine = starts[rank], starts[rank] + sizes[rank]
+    receives = [overlap(q * local, (q + 1) * local, *mine) for q in range(len(sizes))]
+    return sends, receives
+
+
+class _OwnRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, sends: list[int], receives: list[int], group: SequenceGroup) -> torch.Tensor:
+        ctx.sends, ctx.receives, ctx.group, ctx.local = sends, receives, group, hidden.shape[1]
+        return _exchange(hidden[0, :sum(sends)], sends, receives, group).unsqueeze(0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        back = _exchange(grad[0], ctx.receives, ctx.sends, ctx.group)
+        whole = back.new_zeros((ctx.local, *back.shape[1:]))  # the padding segment's tokens: no gradient
+        whole[:back.shape[0]] = back
+        return whole.unsqueeze(0), None, None, None
+
+
+def _exchange(rows: torch.Tensor, sends: list[int], receives: list[int], group: SequenceGroup) -> torch.Tensor:
+    """``rows`` ``[sum(sends), ...]`` split ``sends`` to the ranks in order; returns ``[sum(receives), ...]``."""
+    received = rows.new_empty((sum(receives), *rows.shape[1:]))
+    dist.all_to_all_single(received, rows.contiguous(), output_split_sizes=receives, input_split_sizes=sends,
+                           group=group.group)
+    return received
+
+
+def own_rows(hidden: torch.Tensor, sizes: Sequence[int], group: SequenceGroup) -> torch.Tensor:
+    """This rank's own micro-batch's tokens ``[1, sizes[rank], ...]`` of the per-token ``hidden`` ``[1, T/N, ...]``
+    (this rank's slice of the group's row of micro-batches of ``sizes`` tokens): one all-to-all of uneven parts,
+    differentiable (its backward is the reverse exchange)."""
+    sends, receives = exchange_plan(sizes, group.rank, hidden.shape[1])
+    return _OwnRows.apply(hidden, sends, receives, group)
+
+
 def join_slices(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
     """The group's row ``[1, T_row, ...]`` of its ranks' slices ``pieces`` (in rank order, the row's order)."""
     return torch.cat(list(pieces), dim=1)
@@ -256,21 +350,33 @@ class SequenceParallelForward:
         return outputs
 
     def pooled(self, model: Any, batch: Mapping, **kwargs: Any) -> Any:
-        """A task that pools whole examples (``seq_cls``): the base model on this rank's slice of the group's row, the
-        last hidden states gathered into the row (the gradient flows back summed over the ranks into each slice's
-        owner) and cut to this rank's own micro-batch, on which the task's head and loss run as without sequence
-        parallelism. The per-example keys (labels) stay on their rank."""
-        rows = gather_rows({key: value for key, value in batch.items() if key not in ("labels", "label")},
-                           self.group)
+        """A task that pools whole examples (``seq_cls``, ``embedding``, ``reranker``; encoders and decoders alike):
+        the base model on this rank's slice of the group's row, then this rank's own micro-batch's last hidden states
+        brought from the slices that computed them (:meth:`own_hidden`), on which the task's pooling, head and loss
+        run as without sequence parallelism.
+
+        What is exchanged is every token of the rank's own examples, not only the ones a pooler reads: every pooling
+        (first / CLS, last, mean, max, a head that pools itself, prompts left out) then reads them exactly as on one
+        process, and each rank receives about ``T / N`` tokens' hidden states (one all-to-all, not an all-gather of
+        the row). Only the keys the base reads are exchanged before (per-token keys and the boundaries); the
+        per-example keys (labels, group ids, row and column counts) stay on their rank: each rank's pooled outputs
+        and loss are its own micro-batch's, as under data parallelism (an in-batch-negatives loss sees the
+        negatives of the rank's own micro-batch)."""
+        rows = gather_rows(base_inputs(batch), self.group)
         sizes = [packed_tokens(row) for row in rows]
         local = slice_row(join_rows(rows), self.group.rank, self.group.size, self.pad_token_id)
-        start = sum(sizes[:self.group.rank])
 
         def hidden(inner: Any) -> torch.Tensor:
-            whole = gather_sequence(run_base(inner, local), self.group)
-            return whole[:, start:start + sizes[self.group.rank]]
+            return self.own_hidden(run_base(inner, local), sizes)
 
         return self.inner(model, batch, hidden=hidden, **kwargs)
+
+    def own_hidden(self, hidden: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+        """This rank's own micro-batch's last hidden states ``[1, sizes[rank], H]`` from the slices ``hidden``
+        ``[1, T/N, H]`` of the group (``sizes``: every rank's micro-batch's tokens, in row order): each rank sends
+        every other rank the part of its slice that rank owns (:func:`own_rows`; differentiable, the gradient goes
+        back to the slice that computed each token)."""
+        return own_rows(hidden, sizes, self.group)
 
     def own_tokens(self, outputs: Sequence[tuple[Any, Any]], batch: Mapping) -> list[torch.Tensor]:
         """This rank's own micro-batch's tokens ``[1, T_own, ...]`` of the per-token ``outputs`` (``(name, value)``

@@ -28,7 +28,9 @@ import numpy as np
 import torch
 
 from padfree_plugins.errors import BatchError
+from padfree_plugins.packing.batch import SHARED_PREFIXES_KEY, PackedBatch
 from padfree_plugins.packing.collator import as_examples
+from padfree_plugins.packing.prefixes import Segment, SharedPrefixes, shared_layout
 
 #: The per-token modality of a processor's output (0 text, 1 image, 2 video), consumed for the positions.
 TOKEN_TYPES_KEY = "mm_token_type_ids"
@@ -96,6 +98,10 @@ class MultimodalCollator:
     row_tokens: Mapping[str, int] = field(default_factory=dict)
     #: Pixels of one grid cell (the vision tower's patch, ``patch_size²``), for :meth:`media_pixels`.
     patch_area: int = 1
+    #: Why this family's image-text prompts cannot be held once in a shared row (:func:`share_prompts`), or ``None``:
+    #: they can (its media of equal prompts computed once give what each row computes alone). A family whose model
+    #: mixes media across a row's items sets the reason; ``prefix_sharing: auto`` is then off, ``on`` refused.
+    why_prompts_not_shared: str | None = None
 
     @property
     def packing(self) -> Any:
@@ -335,6 +341,65 @@ class MultimodalCollator:
             rows.append(self.positions(ids, types, grids))
         text = batch["position_ids"].reshape(1, 1, -1)
         return torch.cat([text, torch.cat(rows, dim=1)[:, None].to(text.dtype)])
+
+
+def media_equal(one: Mapping[str, Any], two: Mapping[str, Any]) -> bool:
+    """Whether two examples' media (as :meth:`MultimodalCollator.split_call` gives them) are the same: the same keys,
+    and tensors of equal shapes and values (pixels compared, never only the placeholders)."""
+    if one.keys() != two.keys():
+        return False
+    for key in one:
+        a, b = torch.as_tensor(one[key]), torch.as_tensor(two[key])
+        if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b.to(a.device)):
+            return False
+    return True
+
+
+def prompt_examples(examples: Sequence[Mapping[str, Any]], segments: Sequence[Segment]) -> list[Mapping[str, Any]]:
+    """The examples whose media a shared row holds, in the row's order: the example of every segment without a
+    parent (a shared prompt's first row, or a row kept whole); a completion holds no media."""
+    return [examples[segment.row] for segment in segments if segment.parent < 0]
+
+
+def share_prompts(collator: MultimodalCollator, examples: Sequence[Mapping[str, Any]], batch: PackedBatch,
+                  prefixes: Sequence[tuple[int, Any] | None]) -> tuple[PackedBatch, torch.Tensor] | None:
+    """``batch`` (``collator``'s packed row of ``examples`` whole) with each repeated prompt held once, its media
+    once, and the packed tokens the shared row keeps (int64, into ``batch``'s row); ``None`` when no prompt repeats.
+
+    ``prefixes``: per example, as :func:`~padfree_plugins.packing.prefixes.shared_layout` takes them — equal keys only
+    for prompts equal in their tokens and in the media they hold, and every media placeholder of an example that
+    shares inside its prompt. Every per-token value keeps the tokens the shared row holds, so a completion keeps the
+    positions (the mRoPE rows too, ``[4, 1, T]``) it has in its whole row; the media are the collator's for the
+    examples of :func:`prompt_examples`, in the row's order (each prompt's images once)."""
+    cu = batch["cu_seq_lens_q"].long().tolist()
+    total = cu[-1]
+    segments = shared_layout([end - start for start, end in zip(cu, cu[1:])], prefixes)
+    if not any(segment.parent >= 0 for segment in segments):
+        return None
+    index = torch.cat([torch.arange(segment.length) + cu[segment.row] + segment.start for segment in segments])
+    media = collator(prompt_examples(examples, segments))
+    shared = PackedBatch()
+    for key, value in batch.items():
+        if key in collator.media_keys:
+            continue
+        if isinstance(value, torch.Tensor) and key == "position_ids" and value.ndim == 3:
+            shared[key] = value.index_select(2, index.to(value.device))
+        elif isinstance(value, torch.Tensor) and value.ndim >= 2 and tuple(value.shape[:2]) == (1, total):
+            shared[key] = value.index_select(1, index.to(value.device))
+        else:
+            shared[key] = value
+    for key in collator.media_keys:
+        if key in media:
+            shared[key] = media[key]
+    sizes = [segment.length for segment in segments]
+    bounds = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
+    shared.update(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=max(sizes), max_length_k=max(sizes))
+    if "seq_idx" in batch:
+        shared["seq_idx"] = torch.repeat_interleave(torch.arange(len(sizes), dtype=batch["seq_idx"].dtype),
+                                                    torch.tensor(sizes))[None]
+    shared[SHARED_PREFIXES_KEY] = SharedPrefixes.build(sizes, [segment.parent for segment in segments])
+    shared.model_keys = getattr(batch, "model_keys", None)
+    return shared, index
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 
@@ -88,6 +89,12 @@ class SharedPrefixes:
     def to(self, device: torch.device | str) -> SharedPrefixes:
         """The structure with its index tensors on ``device`` (a batch moved to the model's device)."""
         return replace(self, key_index=self.key_index.to(device), cu_seq_lens_k=self.cu_seq_lens_k.to(device))
+
+    @cached_property
+    def roots(self) -> RootsAndChildren:
+        """The row's tokens split into those of segments without a parent and those of segments with one (computed
+        once per structure: one read of ``cu_seq_lens_k``), for attention with bidirectional blocks."""
+        return RootsAndChildren.of(self)
 
     def whole(self, segments: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The packed positions of the tokens of ``segments``' examples whole (a segment's ancestors, root first,
@@ -267,3 +274,55 @@ def share_segments(batch: Mapping, segments: Sequence[Segment]) -> tuple[PackedB
     shared[SHARED_PREFIXES_KEY] = SharedPrefixes.build(sizes, [segment.parent for segment in segments])
     shared.model_keys = getattr(batch, "model_keys", None)
     return shared, [ends[row] for row in range(count)]
+
+
+@dataclass(frozen=True)
+class RootsAndChildren:
+    """A shared row's tokens in two parts, for attention that must keep bidirectional blocks (Gemma 3's images)
+    inside self-attended segments: ``roots`` (int64), the packed tokens of every segment without a parent, which
+    attend to their own tokens only, split by ``roots_cu`` (int32); ``children``, those of every segment with a
+    parent, split by ``children_cu_q``, whose keys are ``children_keys`` (their parent's tokens, then their own),
+    split by ``children_cu_k``; ``order`` puts ``cat(roots, children)`` back in packed order."""
+
+    roots: torch.Tensor
+    roots_cu: torch.Tensor
+    roots_max: int
+    children: torch.Tensor
+    children_cu_q: torch.Tensor
+    children_keys: torch.Tensor
+    children_cu_k: torch.Tensor
+    children_max_q: int
+    children_max_k: int
+    order: torch.Tensor
+
+    @classmethod
+    def of(cls, shared: SharedPrefixes) -> RootsAndChildren:
+        bounds_k = shared.cu_seq_lens_k.long().tolist()
+        counts = [end - start for start, end in zip(bounds_k, bounds_k[1:])]  # a segment's keys: its parent's, its own
+        lengths = [count - (counts[parent] if parent >= 0 else 0) for count, parent in zip(counts, shared.parents)]
+        starts = [0]
+        for length in lengths:
+            starts.append(starts[-1] + length)
+        device = shared.key_index.device
+        parts: dict[bool, list] = {False: [], True: []}
+        keys = []  # where the children's keys sit in key_index
+        for segment, parent in enumerate(shared.parents):
+            parts[parent >= 0].append(torch.arange(starts[segment], starts[segment + 1]))
+            if parent >= 0:
+                keys.append(torch.arange(bounds_k[segment], bounds_k[segment + 1]))
+        roots_len = [lengths[s] for s, parent in enumerate(shared.parents) if parent < 0]
+        child_q = [lengths[s] for s, parent in enumerate(shared.parents) if parent >= 0]
+        child_k = [counts[s] for s, parent in enumerate(shared.parents) if parent >= 0]
+
+        def cat(pieces: list) -> torch.Tensor:
+            return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+
+        def bounds(sizes: list[int]) -> torch.Tensor:
+            return torch.tensor([0, *torch.tensor(sizes, dtype=torch.long).cumsum(0).tolist()], dtype=torch.int32)
+
+        roots, children = cat(parts[False]), cat(parts[True])
+        return cls(roots.to(device), bounds(roots_len).to(device), max(roots_len, default=0), children.to(device),
+                   bounds(child_q).to(device), shared.key_index.index_select(0, cat(keys).to(device)),
+                   bounds(child_k).to(device),
+                   max(child_q, default=0), max(child_k, default=0),
+                   torch.argsort(torch.cat([roots, children])).to(device))

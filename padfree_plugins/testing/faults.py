@@ -17,10 +17,20 @@ Both leave a model run on one example alone exactly as it was, and change only p
   tiled loss that averages each tile on its own instead of dividing the row's sum once;
 * :func:`rows_swap_media`: a padded image-text call split wrongly — two rows' media (of the same shapes, other
   pixels) swapped, so each row's tokens get the other's images;
+* :func:`context_keys_from_own_slice_only` and :func:`context_queries_one_token_ahead`: the two ways all-gather
+  sequence parallelism (:mod:`padfree_plugins.modeling.attention.context_parallel`) can go wrong — a rank that
+  attends only to its own slice's keys, queries placed one token off (each sees the next token of its example);
+* :func:`image_features_to_another_group`: a row that shares image-text prompts with one group's image features in
+  another group's prompt;
 * :func:`completions_start_from_zero`, :func:`completions_continue_a_sibling` and
   :func:`conv_taps_reach_into_a_sibling`: the three ways a hybrid's sequence mixers can go wrong in a row with shared
   prefixes — a completion's state not taken from its prompt, taken from its sibling, its conv taps in its sibling;
-  :func:`conv_taps_stop_at_the_parent`: in a prefix tree, taps that do not reach past a short branch point.
+  :func:`conv_taps_stop_at_the_parent`: in a prefix tree, taps that do not reach past a short branch point;
+* :func:`pooling_reads_local_slice`: a task that pools whole examples under sequence parallelism reads only the
+  hidden states of this rank's slice of the row (no exchange), zeros where another rank computed them;
+* :func:`mixer_scans_only_its_slice` and :func:`state_from_wrong_rank`: the two ways sequence mixers split across the
+  ranks of a sequence-parallel group (:mod:`padfree_plugins.modeling.split_mixers`) can go wrong — the piece of an
+  example after a cut starting from zeros, or from a state that is not the previous rank's.
 """
 
 from __future__ import annotations
@@ -32,9 +42,11 @@ from unittest import mock
 
 import torch
 
-from padfree_plugins.modeling import attention, mixers, patching, tiling
-from padfree_plugins.modeling.attention import backends
+from padfree_plugins.modeling import attention, mixers, patching, split_mixers, tiling
+from padfree_plugins.modeling.attention import backends, context_parallel
 from padfree_plugins.modeling.patching import unwrap_model
+from padfree_plugins.modeling.sequence_parallel import SequenceParallelForward
+from padfree_plugins.packing import multimodal
 from padfree_plugins.packing.batch import restarts
 from padfree_plugins.packing.prefixes import SharedPrefixes
 
@@ -271,6 +283,36 @@ def rows_swap_media(collator: Any) -> Iterator[list[int]]:
         del collator.split_call
 
 
+@contextmanager
+def image_features_to_another_group(collator: Any) -> Iterator[list[int]]:
+    """In a row that shares image-text prompts (:func:`~padfree_plugins.packing.multimodal.share_prompts`), the first
+    two shared prompts whose media can be swapped (same keys and shapes, other pixels) hold each other's media: one
+    group's image features fill another group's prompt. Yields the number of calls swapped (one entry per call); a
+    shared call with no such prompts raises, so that a test cannot pass unswapped."""
+    keys = set(collator.media_keys)
+    original = multimodal.prompt_examples
+    swapped: list[int] = []
+
+    def prompt_examples(examples: Any, segments: Any) -> list:
+        chosen = original(examples, segments)
+        parents = {segment.parent for segment in segments if segment.parent >= 0}
+        roots = [place for place, index in enumerate(i for i, s in enumerate(segments) if s.parent < 0)
+                 if index in parents]
+        media = [{key: value for key, value in example.items() if key in keys} for example in chosen]
+        for first in roots:
+            for second in roots:
+                if second > first and _swappable(media[first], media[second]):
+                    chosen = list(chosen)
+                    chosen[first] = {**chosen[first], **media[second]}
+                    chosen[second] = {**chosen[second], **media[first]}
+                    swapped.append(1)
+                    return chosen
+        raise AssertionError("image_features_to_another_group: no two shared prompts of this call have media to swap")
+
+    with mock.patch.object(multimodal, "prompt_examples", prompt_examples):
+        yield swapped
+
+
 def _sources_from_siblings(recurrent: bool, conv: bool) -> Any:
     """:func:`~padfree_plugins.modeling.mixers.state_sources` where every completion after the first of its prompt
     continues its previous sibling (its recurrent state if ``recurrent``, its conv taps if ``conv``)."""
@@ -358,4 +400,88 @@ def loss_normalised_per_tile() -> Iterator[None]:
         return torch.stack([s / c for s, c in zip(sums, counts) if c > 0]).mean()
 
     with mock.patch.object(tiling, "normalised", per_tile):
+        yield
+
+
+@contextmanager
+def pooling_reads_local_slice() -> Iterator[None]:
+    """Within the block, a pooled task under sequence parallelism (``SequenceParallelForward.pooled``: seq_cls,
+    embedding, reranker) pools from this rank's own slice of the group's row alone: its micro-batch's hidden states
+    where its slice holds them, zeros where another rank's slice does (the exchange left out). An example that crosses
+    the cut, or lies in another rank's slice, is pooled wrongly."""
+
+    def local_only(self: SequenceParallelForward, hidden: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        rank, size, local = self.group.rank, self.group.size, hidden.shape[1]
+        before = hidden.new_zeros((1, rank * local, *hidden.shape[2:]))
+        after = hidden.new_zeros((1, (size - rank - 1) * local, *hidden.shape[2:]))
+        return torch.cat([before, hidden, after], dim=1).narrow(1, sum(sizes[:rank]), sizes[rank])
+
+    with mock.patch.object(SequenceParallelForward, "own_hidden", local_only):
+        yield
+
+
+@contextmanager
+def context_keys_from_own_slice_only() -> Iterator[None]:
+    """Within the block, all-gather sequence parallelism lets each rank's queries see only the keys of its own slice:
+    an example crossing the slice's start loses its earlier keys (as if the slice were a row of its own)."""
+
+    def own(cu_seq_lens, start, local, causal):
+        return (cu_seq_lens - start).clamp(0, local), cu_seq_lens.clamp(start, start + local), start + local
+
+    with mock.patch.object(context_parallel, "slice_boundaries", own):
+        yield
+
+
+@contextmanager
+def context_queries_one_token_ahead() -> Iterator[None]:
+    """Within the block, all-gather sequence parallelism places each query one token off (causal): an example
+    crossing the end of a rank's slice gets one key more, so each of its queries there sees the next token."""
+    right = context_parallel.slice_boundaries
+
+    def ahead(cu_seq_lens, start, local, causal):
+        queries, keys, seen = right(cu_seq_lens, start, local, causal)
+        if seen is None:
+            return queries, keys, seen
+        return queries, cu_seq_lens.clamp(max=seen + 1), seen + 1
+
+    with mock.patch.object(context_parallel, "slice_boundaries", ahead):
+        yield
+
+
+def _times_zero(state: torch.Tensor | None) -> torch.Tensor | None:
+    return None if state is None else state * 0
+
+
+@contextmanager
+def mixer_scans_only_its_slice() -> Iterator[None]:
+    """Within the block, a split sequence mixer's piece of an example after a cut starts from zeros (no recurrent
+    state, no conv taps from the previous rank), as a mixer scanning its rank's slice alone would. The exchange still
+    runs (its gradient is zero), so that the ranks stay in step."""
+
+    def zeros(received: mixers.MixerState, own: mixers.MixerState | None) -> mixers.MixerState:
+        return mixers.MixerState(final_conv=_times_zero(received.final_conv),
+                                 final_recurrent=_times_zero(received.final_recurrent))
+
+    with mock.patch.object(split_mixers, "continuation", zeros):
+        yield
+
+
+@contextmanager
+def state_from_wrong_rank() -> Iterator[None]:
+    """Within the block, a split sequence mixer's piece of an example after a cut starts from the final state of this
+    rank's own slice (its last segment's: the state it would send on, as if rank ``r`` were its own previous rank),
+    not from rank ``r-1``'s; zeros where the slice holds nothing else. The exchange still runs."""
+
+    def own_state(received: mixers.MixerState, own: mixers.MixerState | None) -> mixers.MixerState:
+        def pick(mine: torch.Tensor | None, theirs: torch.Tensor | None) -> torch.Tensor | None:
+            if theirs is None:
+                return None
+            return theirs * 0 if mine is None else mine.to(theirs.dtype) + theirs * 0
+
+        own = own or mixers.MixerState()
+        return mixers.MixerState(final_conv=pick(own.final_conv, received.final_conv),
+                                 final_recurrent=pick(own.final_recurrent, received.final_recurrent))
+
+    with mock.patch.object(split_mixers, "continuation", own_state), \
+            mock.patch.object(split_mixers, "recorded", lambda segments: {len(segments.bounds) - 2}):
         yield

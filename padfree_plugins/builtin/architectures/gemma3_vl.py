@@ -11,7 +11,9 @@ across the packed row — a run never continues across an example's start — an
 feature take them (``exact``, ``repad``: ``auto`` picks ``exact`` on a CPU and ``repad`` on a GPU; ``varlen`` and
 ``flash_attn`` run causal or not only, and are refused), and they apply them inside each example: an image's tokens
 never see another example's. On a sliding layer the window limits how far back a token sees, never an image's later
-tokens — transformers' ``(causal | blockwise) & sliding window``.
+tokens — transformers' ``(causal | blockwise) & sliding window``. In a row that holds a prompt once (shared prefixes),
+every image lies in a prompt (a completion holding a block is refused): the prompts attend to themselves with their
+blocks, the completions to their prompt causally.
 
 The images are found from the ``token_type_ids`` the model is given, as transformers finds them; without them, from
 the image placeholders (``image_token_id``) — the ``token_type_ids`` the processor would have made (transformers
@@ -31,11 +33,12 @@ import torch
 from padfree_plugins.builtin.architectures._features import softcap_features, window_features
 from padfree_plugins.contract.declarations import Architecture
 from padfree_plugins.errors import BoundaryError, UnsupportedArchitectureError
-from padfree_plugins.modeling.attention import BLOCKS_FEATURE, BLOCKS_KWARG
+from padfree_plugins.modeling.attention import BLOCKS_FEATURE, BLOCKS_KWARG, check_blocks_in_prompts
 from padfree_plugins.modeling.patching import ModelPatch, bound_inputs
 from padfree_plugins.modeling.families import Family, Trait
 from padfree_plugins.modeling.vision import VisionTowers
 from padfree_plugins.packing.multimodal import Media, MultimodalPacking
+from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY
 
 #: What Gemma3Processor makes: every pixel row (an image, or a pan-and-scan crop of one) is ``mm_tokens_per_image``
 #: placeholders in one run (between ``<start_of_image>`` and ``<end_of_image>``).
@@ -92,6 +95,8 @@ class ImageBlocks:
         blocks = image_blocks(images, cu_seq_lens)
         if blocks.device.type == "cpu" and not bool((blocks >= 0).any()):
             return None
+        if inputs.get(SHARED_PREFIXES_KEY) is not None:  # images in prompts only
+            check_blocks_in_prompts(blocks, inputs[SHARED_PREFIXES_KEY], "Gemma 3")
         return args, {**kwargs, BLOCKS_KWARG: blocks}
 
 

@@ -25,7 +25,7 @@ reads (``dataset_columns``), and :func:`padfree_plugins.accelerate` keeps them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,26 +95,32 @@ class EmbeddingForward:
     runs_inside_model_forward = True  # see heads.call_model
     uses_assembly_pooler = True  # assembly hands it the pooler of the pool hook (a plugin's mode included)
     loss_is_scaled_for_ga = False  # a loss over the batch: the trainer averages it over accumulation steps
+    #: Under sequence parallelism: ``hidden(inner)`` gives this rank's own batch's last hidden states
+    #: (:meth:`~padfree_plugins.modeling.sequence_parallel.SequenceParallelForward.pooled`); the loss (in-batch
+    #: negatives included) is over the rank's own micro-batch, as under data parallelism.
+    pools_examples = True
 
     pooler: Any = None
     loss: Any = None
     normalize: bool = False
 
-    def embed(self, model: Any, batch: Mapping) -> torch.Tensor:
-        """One vector per packed text ``[n_texts, H]``."""
-        embeddings = self.pooler(run_base(model, batch), batch)
+    def embed(self, model: Any, batch: Mapping, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """One vector per packed text ``[n_texts, H]``; ``hidden``: the batch's last hidden states ``[1, T, H]`` where
+        computed elsewhere (under sequence parallelism), else the base's on ``batch``."""
+        embeddings = self.pooler(run_base(model, batch) if hidden is None else hidden, batch)
         return F.normalize(embeddings, p=2, dim=-1) if self.normalize else embeddings
 
-    def __call__(self, model: Any, batch: Mapping, **loss_kwargs: Any) -> EmbeddingOutput:
-        return call_model(model, lambda inner: self.compute(inner, batch))
+    def __call__(self, model: Any, batch: Mapping, hidden: Callable | None = None,
+                 **loss_kwargs: Any) -> EmbeddingOutput:
+        return call_model(model, lambda inner: self.compute(inner, batch, None if hidden is None else hidden(inner)))
 
     def for_metrics(self, outputs: EmbeddingOutput, batch: Mapping) -> tuple[tuple[torch.Tensor, ...], Any]:
         """What ``evaluate`` / ``predict`` hand ``compute_metrics``, one entry per dataset row: every column's
         embeddings ``[rows, H]`` (a tuple, in column order) and the row labels."""
         return outputs.column_embeddings, batch.get("labels")
 
-    def compute(self, model: Any, batch: Mapping) -> EmbeddingOutput:
-        embeddings = self.embed(model, batch)
+    def compute(self, model: Any, batch: Mapping, hidden: torch.Tensor | None = None) -> EmbeddingOutput:
+        embeddings = self.embed(model, batch, hidden)
         rows, columns = batch.get("num_rows", embeddings.shape[0]), batch.get("num_columns", 1)
         if rows * columns != embeddings.shape[0]:
             raise BatchError(

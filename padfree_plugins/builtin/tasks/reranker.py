@@ -21,7 +21,7 @@ Objectives (``task_options.objective``):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,22 +94,27 @@ class RerankerForward:
 
     runs_inside_model_forward = True  # see heads.call_model
     loss_is_scaled_for_ga = False  # a mean over the batch: the trainer averages it over accumulation steps
+    #: Under sequence parallelism: ``hidden(inner)`` gives this rank's own batch's last hidden states
+    #: (:meth:`~padfree_plugins.modeling.sequence_parallel.SequenceParallelForward.pooled`).
+    pools_examples = True
 
     objective: str = "pointwise"
     scorer: str = "head"
     yes_token_id: int | None = None
     no_token_id: int | None = None
 
-    def logits(self, model: Any, batch: Mapping) -> torch.Tensor:
+    def logits(self, model: Any, batch: Mapping, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """``[n, 1]`` (head) or ``[n, 2]`` (yes, no); ``hidden``: the batch's last hidden states where computed
+        elsewhere (under sequence parallelism)."""
         if self.scorer == "yes_no":
-            return token_logits(model, batch, (self.yes_token_id, self.no_token_id))
+            return token_logits(model, batch, (self.yes_token_id, self.no_token_id), hidden)
         num_labels = unwrap_model(model).config.num_labels
         if num_labels != 1:
             raise UnsupportedArchitectureError(
                 f"a reranker head gives one relevance score, so the model needs num_labels=1; it has {num_labels}. "
                 "Load it with num_labels=1, or use task seq_cls to classify"
             )
-        return sequence_logits(model, batch)
+        return sequence_logits(model, batch, hidden)
 
     def check_model(self, model: Any) -> None:
         """At assembly: the head this scorer reads exists."""
@@ -118,8 +123,9 @@ class RerankerForward:
         else:
             check_sequence_head(model, "reranker (scorer head)")
 
-    def __call__(self, model: Any, batch: Mapping, **loss_kwargs: Any) -> RerankerOutput:
-        return call_model(model, lambda inner: self.compute(inner, batch))
+    def __call__(self, model: Any, batch: Mapping, hidden: Callable | None = None,
+                 **loss_kwargs: Any) -> RerankerOutput:
+        return call_model(model, lambda inner: self.compute(inner, batch, None if hidden is None else hidden(inner)))
 
     def for_metrics(self, outputs: RerankerOutput, batch: Mapping) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What ``evaluate`` / ``predict`` hand ``compute_metrics`` (predictions, labels), one entry per dataset row.
@@ -131,8 +137,8 @@ class RerankerForward:
         return (group_table(outputs.scores, batch, -100),
                 None if labels is None else group_table(labels.to(outputs.scores.device), batch, -100))
 
-    def compute(self, model: Any, batch: Mapping) -> RerankerOutput:
-        logits = self.logits(model, batch)
+    def compute(self, model: Any, batch: Mapping, hidden: torch.Tensor | None = None) -> RerankerOutput:
+        logits = self.logits(model, batch, hidden)
         scores = logits[:, 0] - logits[:, 1] if self.scorer == "yes_no" else logits[:, 0]
         loss = None
         labels = batch.get("labels")

@@ -65,6 +65,9 @@ _SINK_KWARGS = ("s_aux", "sinks")
 BLOCKS_KWARG = "block_sequence_ids"
 #: The backend feature that implements them (passed to its ``varlen`` as ``blocks=``; opt-in, as ``sinks``).
 BLOCKS_FEATURE = "bidirectional_blocks"
+#: Set (by all-gather sequence parallelism) when a packed call's keys are the group's whole row and its queries one
+#: rank's slice of it, the boundaries saying which keys each example's queries see.
+GATHERED_KEYS = "gathered_keys"
 
 
 def implementation_name(backend: AttentionBackend, fallback: AttentionBackend | None = None,
@@ -165,7 +168,7 @@ class PadfreeAttention:
                 "output_attentions=True on a packed row: padding-free attention never builds the [T, T] weights of "
                 "a packed row. Run the examples as an ordinary padded batch to inspect attention weights."
             )
-        if key.shape[2] != query.shape[2]:
+        if key.shape[2] != query.shape[2] and not kwargs.get(GATHERED_KEYS):  # all-gather: a slice's queries
             raise BoundaryError(
                 f"{type(module).__name__}: packed queries ({query.shape[2]} tokens) attend to {key.shape[2]} keys "
                 "(a KV cache or cross-attention); padding-free packing supports self-attention without cache only"
@@ -202,6 +205,11 @@ class PadfreeAttention:
                 )
             extra["blocks"] = blocks.reshape(-1)
         shared = kwargs.get(SHARED_PREFIXES_KEY)
+        if shared is not None and blocks is not None:
+            extra.pop("blocks")
+            out = _shared_with_blocks(module, backend, shared, q, k, v, causal, blocks.reshape(-1), scale=scaling,
+                                      window=sliding_window, softcap=softcap, dropout=dropout, **extra)
+            return out.unsqueeze(0), None
         if shared is not None:
             k, v, cu_seq_lens_k, max_k = _shared_keys(module, backend, shared, k, v, causal, blocks)
         out = backend.varlen(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_q, max_k, causal=causal,
@@ -244,18 +252,57 @@ def _shared_keys(module, backend: AttentionBackend, shared: SharedPrefixes, key:
             f"{name} is given a packed row with shared prefixes, which the {backend.name!r} attention backend does "
             "not implement: use attention: exact or flash_attn, or prefix_sharing: off")
     if not causal or blocks is not None:
-        raise BoundaryError(f"{name}: shared prefixes are for causal attention without bidirectional blocks; set "
-                            "prefix_sharing: off for this model")
+        raise BoundaryError(f"{name}: shared prefixes are for causal attention (bidirectional blocks are taken "
+                            "inside prompts only); set prefix_sharing: off for this model")
     index = shared.key_index.to(key.device)
     return key.index_select(0, index), value.index_select(0, index), \
         shared.cu_seq_lens_k.to(key.device), shared.max_length_k
 
 
+def check_blocks_in_prompts(blocks: torch.Tensor, shared: SharedPrefixes, name: str = "attention") -> None:
+    """Refuse bidirectional blocks (``[T]`` or ``[1, T]``) in a completion of a shared row: only a segment without a
+    parent (a prompt) may hold one (one read from the device)."""
+    if bool((blocks.reshape(-1).index_select(0, shared.roots.children.to(blocks.device)) >= 0).any()):
+        raise BoundaryError(
+            f"{name}: a completion of a shared row holds a bidirectional block (an image's tokens after its prompt): "
+            "only a prompt (a segment without a parent) may hold one. Share only prompts that hold every image of "
+            "their rows, or set prefix_sharing: off")
+
+
+def _shared_with_blocks(module, backend: AttentionBackend, shared: SharedPrefixes, query: torch.Tensor,
+                        key: torch.Tensor, value: torch.Tensor, causal: bool, blocks: torch.Tensor,
+                        **options: Any) -> torch.Tensor:
+    """Attention over a shared row that holds bidirectional blocks (Gemma 3's images in a prompt): the segments
+    without a parent (prompts, and examples kept whole) attend to themselves with their blocks, the completions to
+    their parent's keys and their own, causally (two calls of the backend). A block in a completion is refused: its
+    tokens would have to see each other both ways across the parent's keys, which no backend takes."""
+    name = type(module).__name__
+    if SHARED_PREFIXES_FEATURE not in backend.features:
+        raise NotImplementedError(
+            f"{name} is given a packed row with shared prefixes, which the {backend.name!r} attention backend does "
+            "not implement: use attention: exact or flash_attn, or prefix_sharing: off")
+    if not causal:
+        raise BoundaryError(f"{name}: shared prefixes are for causal attention; set prefix_sharing: off for this "
+                            "model")
+    split = shared.roots
+    if blocks.device.type == "cpu":  # on an accelerator checked once per forward, where the blocks are made
+        check_blocks_in_prompts(blocks, shared, name)
+    roots = backend.varlen(query.index_select(0, split.roots), key.index_select(0, split.roots),
+                           value.index_select(0, split.roots), split.roots_cu, split.roots_cu, split.roots_max,
+                           split.roots_max, causal=causal, blocks=blocks.index_select(0, split.roots), **options)
+    children = backend.varlen(query.index_select(0, split.children), key.index_select(0, split.children_keys),
+                              value.index_select(0, split.children_keys), split.children_cu_q, split.children_cu_k,
+                              split.children_max_q, split.children_max_k, causal=causal, **options)
+    return torch.cat([roots, children]).index_select(0, split.order)
+
+
 def register(backend: AttentionBackend, fallback: AttentionBackend | None = None,
              attention_dropout: bool = True, default_causal: bool = True, sequence: Any = None) -> str:
-    """Register the implementation of this variant with transformers and return its name; ``sequence`` (a
-    :class:`~padfree_plugins.modeling.attention.ulysses.SequenceGroup`): the variant for a sequence-parallel group
-    (Ulysses: each rank's packed calls hold its slice of the group's row), named ``…_sp<size>``.
+    """Register the implementation of this variant with transformers and return its name; ``sequence``: the variant
+    for a sequence-parallel group (each rank's packed calls hold its slice of the group's row), an
+    :class:`~padfree_plugins.modeling.attention.context_parallel.AttentionLayout` (Ulysses, all-gather or both; named
+    ``…_sp<size>``, ``…_sp<size>_allgather``, ``…_sp<size>_ulysses<u>x<r>``) or a
+    :class:`~padfree_plugins.modeling.attention.ulysses.SequenceGroup` (Ulysses over the group).
 
     Registering the same variant again replaces its function with an equal one; the registry belongs to
     transformers, so nothing here keeps state.
@@ -268,9 +315,10 @@ def register(backend: AttentionBackend, fallback: AttentionBackend | None = None
     name = implementation_name(backend, fallback, attention_dropout, default_causal)
     function: Any = PadfreeAttention(backend, fallback, attention_dropout, default_causal)
     if sequence is not None:
-        from padfree_plugins.modeling.attention.ulysses import UlyssesAttention
+        from padfree_plugins.modeling.attention.context_parallel import AttentionLayout
 
-        name, function = f"{name}_sp{sequence.size}", UlyssesAttention(function, sequence)
+        layout = sequence if isinstance(sequence, AttentionLayout) else AttentionLayout(sequence.size, sequence, None)
+        name, function = name + layout.suffix, layout.wrap(function)
     AttentionInterface.register(name, function)
     AttentionMaskInterface.register(name, padfree_mask)
     return name

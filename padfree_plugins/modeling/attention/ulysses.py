@@ -134,10 +134,13 @@ class UlyssesAttention:
     """A padding-free attention function (``inner``, one :class:`~padfree_plugins.modeling.attention.
     PadfreeAttention`) run on the whole packed row of a sequence-parallel group: packed calls get this rank's slice
     of the tokens with every head and exchange them for every token with ``H/N`` heads; ordinary calls (padded,
-    ``generate()``) go to ``inner`` unchanged."""
+    ``generate()``) go to ``inner`` unchanged. ``row_size``: the ranks whose slices make the row the boundaries
+    describe (``None``: the group's; more when the group is one block of a larger row, whose ``inner`` then gathers
+    the other blocks' keys: :mod:`~padfree_plugins.modeling.attention.context_parallel`)."""
 
     inner: Any
     group: SequenceGroup
+    row_size: int | None = None
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         cu_seq_lens = kwargs.get("cu_seq_lens_q")
@@ -146,10 +149,12 @@ class UlyssesAttention:
         group, heads = self.group, query.shape[1]
         if heads % group.size:
             raise BoundaryError(f"{type(module).__name__} has {heads} attention heads, which a sequence-parallel group "
-                                f"of {group.size} cannot split; use a size that divides {heads}")
-        if cu_seq_lens.device.type == "cpu" and query.shape[2] * group.size != int(cu_seq_lens[-1]):  # no sync
+                                f"of {group.size} cannot split; use a size that divides {heads}, or "
+                                "sequence_parallel.attention: auto or allgather")
+        ranks = self.row_size or group.size
+        if cu_seq_lens.device.type == "cpu" and query.shape[2] * ranks != int(cu_seq_lens[-1]):  # no sync
             raise BoundaryError(
-                f"{type(module).__name__}: {query.shape[2]} local tokens x {group.size} ranks, but the boundaries "
+                f"{type(module).__name__}: {query.shape[2]} local tokens x {ranks} ranks, but the boundaries "
                 f"describe {int(cu_seq_lens[-1])} tokens: a sequence-parallel forward takes each rank's slice of the "
                 "group's row (assembly.forward slices it)")
         repeat = kv_repeats(heads, key.shape[1], group.size)

@@ -83,7 +83,16 @@ def module_config(config: Any, module: Any) -> Any:
             f"pooling: {config.pooling} in the config: a sentence-transformers model pools with its own Pooling "
             "module, which runs padding-free as configured; remove pooling from the config"
         )
-    return dataclasses.replace(config, task=MODULE_TASKS[module.transformer_task])
+    task = MODULE_TASKS[module.transformer_task]
+    if config.sequence_parallel.size > 1:
+        trained = "reranker" if task == "seq_cls" else "embedding"
+        raise ConfigError(
+            f"sequence_parallel.size: {config.sequence_parallel.size}: the sentence-transformers trainers run their "
+            "model's own modules on the packed features, which are not split across ranks. Train the transformer "
+            f"under sequence parallelism with HF Trainer (task: {trained}, accelerate(trainer, cfg)) or with "
+            "assembly.forward in your own loop, or use sequence_parallel.size: 1 here"
+        )
+    return dataclasses.replace(config, task=task)
 
 
 @dataclass

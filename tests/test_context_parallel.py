@@ -1,0 +1,193 @@
+"""All-gather context parallelism (padfree_plugins/modeling/attention/context_parallel.py), in one process: each
+rank's slice of queries attended to the row's keys with :func:`slice_boundaries` equals the row's attention, in
+values and in every gradient, for causal and bidirectional attention, GQA, sliding windows, soft-capping and
+sinks, with examples crossing every cut (one spanning three slices) and 1-token examples at cuts. The deliberate
+faults of padfree_plugins.testing.faults must break it. The scheme choice and its refusals (model untouched) are
+checked here too; the distributed runs are in tests/test_sequence_parallel.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from padfree_plugins import AttentionBackend, PluginHost, assemble, hookimpl, load_config
+from padfree_plugins.builtin.backends import EXACT_FEATURES, SHARED_FEATURES
+from padfree_plugins.config.schema import SequenceParallelConfig
+from padfree_plugins.errors import ConfigError
+from padfree_plugins.modeling.attention import PadfreeAttention
+from padfree_plugins.modeling.attention.backends import exact_varlen
+from padfree_plugins.modeling.attention.context_parallel import AllGatherAttention, AttentionLayout, ulysses_share
+from padfree_plugins.modeling.attention.ulysses import SequenceGroup
+from padfree_plugins.testing import faults
+from tests import sequence_parallel_run as worker
+
+SIZE = 4
+#: 40 tokens in 4 slices of 10: an example of 23 spans slices 0-2, one of 1 token sits right after the cut at 30.
+LENGTHS = (2, 23, 5, 1, 9)
+HEADS, KV_HEADS, DIM = 6, 2, 8
+
+
+class Module(torch.nn.Module):
+    def __init__(self, causal: bool, window: int | None = None):
+        super().__init__()
+        self.is_causal, self.sliding_window = causal, window
+
+
+def boundaries(lengths=LENGTHS) -> torch.Tensor:
+    return torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0).to(torch.int32)
+
+
+def inputs(seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    total = sum(LENGTHS)
+    shapes = [(1, HEADS, total, DIM), (1, KV_HEADS, total, DIM), (1, KV_HEADS, total, DIM)]
+    return [torch.randn(*shape, generator=generator, requires_grad=True) for shape in shapes]
+
+
+def attention(causal: bool, window=None, softcap=None, sinks=None):
+    """The exact attention function and the kwargs of one packed call of a row."""
+    cu = boundaries()
+    kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(LENGTHS), max_length_k=max(LENGTHS),
+                  sliding_window=window, softcap=softcap, s_aux=sinks)
+    function = PadfreeAttention(_exact_backend())
+    return function, Module(causal, window), kwargs
+
+
+def _exact_backend():
+    return AttentionBackend("exact", exact_varlen, features=EXACT_FEATURES | SHARED_FEATURES)
+
+
+def sliced(function, module, query, key, value, kwargs, causal) -> torch.Tensor:
+    """Every rank's output (its queries against the row's keys: :meth:`AllGatherAttention.attend`), joined."""
+    local = query.shape[2] // SIZE
+    outputs = []
+    for rank in range(SIZE):
+        ranked = AllGatherAttention(function, SequenceGroup(None, rank, SIZE))
+        out, _ = ranked.attend(module, query[:, :, rank * local:(rank + 1) * local], key, value, None, causal,
+                               **kwargs)
+        outputs.append(out)
+    return torch.cat(outputs, dim=1)
+
+
+def outputs_and_grads(compute, query, key, value):
+    out = compute()
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+    grads = torch.autograd.grad((out * weights).sum(), (query, key, value))
+    return out.detach(), grads
+
+
+VARIANTS = {
+    "causal": dict(causal=True),
+    "bidirectional": dict(causal=False),
+    "causal-window": dict(causal=True, window=4),
+    "softcap": dict(causal=True, softcap=2.0),
+    "sinks": dict(causal=True, sinks=torch.randn(HEADS, generator=torch.Generator().manual_seed(3))),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_slices_of_queries_against_the_row_equal_the_row(variant):
+    options = VARIANTS[variant]
+    function, module, kwargs = attention(**options)
+    query, key, value = inputs()
+    want, want_grads = outputs_and_grads(lambda: function(module, query, key, value, None, **kwargs)[0],
+                                         query, key, value)
+    got, got_grads = outputs_and_grads(lambda: sliced(function, module, query, key, value, kwargs,
+                                                      options["causal"]), query, key, value)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    for got_grad, want_grad in zip(got_grads, want_grads):
+        torch.testing.assert_close(got_grad, want_grad, atol=1e-5, rtol=1e-5)
+
+
+def test_the_row_has_an_example_across_three_slices_and_one_token_at_a_cut():
+    starts = boundaries().tolist()
+    local = sum(LENGTHS) // SIZE
+    spans = list(zip(starts[:-1], starts[1:]))
+    assert any(a < local and b > 2 * local for a, b in spans)  # crosses the cuts at 10 and 20
+    assert (3 * local, 3 * local + 1) in spans  # a 1-token example right after the cut at 30
+
+
+@pytest.mark.parametrize("fault", [faults.context_keys_from_own_slice_only, faults.context_queries_one_token_ahead])
+def test_a_deliberate_fault_breaks_the_equality(fault):
+    function, module, kwargs = attention(causal=True)
+    query, key, value = inputs()
+    want = function(module, query, key, value, None, **kwargs)[0].detach()
+    with fault():
+        got = sliced(function, module, query, key, value, kwargs, True).detach()
+    assert (got - want).abs().max() > 1e-2
+
+
+# --- the scheme and its refusals ---------------------------------------------------------------------------------
+
+
+def test_auto_runs_ulysses_where_the_heads_divide_and_says_why_it_does_not():
+    assert ulysses_share("auto", 8, 4) == (4, None)
+    share, note = ulysses_share("auto", 6, 4)  # Ulysses over 2 ranks (3 heads each), all-gather across 2 blocks
+    assert share == 2 and "does not divide the 6 attention heads" in note and "blocks of 2 consecutive ranks" in note
+    share, note = ulysses_share("auto", 4, 3)
+    assert share == 1 and "all-gather context parallelism" in note
+    assert ulysses_share("auto", 12, 8) == (4, ulysses_share("auto", 12, 8)[1])
+    assert ulysses_share("ulysses", 6, 4) == (4, None)  # refused by assemble, with advice
+    assert ulysses_share("allgather", 8, 4) == (1, None)
+
+
+def test_layout_names_and_wraps_each_scheme():
+    group = SequenceGroup(None, 1, 4)
+    ulysses, gather = SequenceGroup(None, 1, 2), SequenceGroup(None, 0, 2)
+    function = PadfreeAttention(_exact_backend())
+    assert AttentionLayout(4, group, None).suffix == "_sp4"
+    assert AttentionLayout(4, None, group).suffix == "_sp4_allgather"
+    mixed = AttentionLayout(4, ulysses, gather)
+    assert mixed.suffix == "_sp4_ulysses2x2"
+    wrapped = mixed.wrap(function)  # Ulysses within the block, all-gather across the blocks inside it
+    assert wrapped.group is ulysses and wrapped.row_size == 4
+    assert wrapped.inner.group is gather and wrapped.inner.inner is function
+
+
+def test_unknown_scheme_is_refused_with_the_nearest():
+    with pytest.raises(ConfigError, match="allgather"):
+        load_config({"sequence_parallel": {"size": 2, "attention": "all_gather"}})
+    assert load_config({"sequence_parallel": {"attention": "allgather"}}).sequence_parallel.attention == "allgather"
+    assert SequenceParallelConfig().attention == "auto"
+
+
+def kv2_model():
+    """The tiny Llama of 6 attention heads and 2 key / value heads of the distributed runs."""
+    return worker.build("llama_kv2")
+
+
+def refused(model, config, host=None) -> str:
+    implementation = model.config._attn_implementation
+    with pytest.raises(ConfigError) as error:
+        assemble(model, config, host=host)
+    assert model.config._attn_implementation == implementation
+    assert not any("forward" in module.__dict__ for module in model.modules())
+    return str(error.value)
+
+
+def test_forced_ulysses_on_heads_it_cannot_split_names_allgather():
+    message = refused(kv2_model(), {"attention": "exact", "sequence_parallel": {"size": 4, "attention": "ulysses"}})
+    assert "6 attention heads, which 4 ranks cannot split" in message and "attention: allgather" in message
+
+
+def test_allgather_on_a_backend_that_cannot_align_queries_to_keys_is_refused():
+    class StartAligned:
+        @hookimpl
+        def register_attention_backends(self):
+            return [AttentionBackend("startaligned", exact_varlen, features=EXACT_FEATURES)]
+
+    host = PluginHost({"startaligned": StartAligned()})
+    for scheme in ("auto", "allgather"):
+        message = refused(kv2_model(), {"attention": "startaligned",
+                                        "sequence_parallel": {"size": 4, "attention": scheme}}, host=host)
+        assert "'startaligned' attention backend" in message and "attention: exact or flash_attn" in message
+
+
+def test_auto_warns_once_which_scheme_runs(caplog):
+    """Without torch.distributed the assembly is refused after the scheme is chosen: the warning names it."""
+    model = kv2_model()
+    with caplog.at_level("WARNING", logger="padfree_plugins"):
+        message = refused(model, {"attention": "exact", "sequence_parallel": {"size": 4}})
+    assert "needs torch.distributed initialised" in message
+    notes = [record.getMessage() for record in caplog.records if "all-gather" in record.getMessage()]
+    assert len(notes) == 1 and "does not divide the 6 attention heads" in notes[0]
