@@ -51,8 +51,11 @@ def test_each_segment_attends_to_its_parent_and_itself():
     structure = SharedPrefixes.build([3, 2, 1, 2], [-1, 0, 0, -1])
     assert structure.key_index.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7]
     assert structure.cu_seq_lens_k.tolist() == [0, 3, 8, 12, 14] and structure.max_length_k == 5
-    with pytest.raises(ValueError, match="not an earlier segment without a parent"):
-        SharedPrefixes.build([2, 1, 1], [-1, 0, 1])  # two levels
+    tree = SharedPrefixes.build([2, 1, 1, 2], [-1, 0, 1, 0])  # two levels: segment 2 continues 1, which continues 0
+    assert tree.key_index.tolist() == [0, 1, 0, 1, 2, 0, 1, 2, 3, 0, 1, 4, 5]
+    assert tree.cu_seq_lens_k.tolist() == [0, 2, 5, 9, 13] and tree.max_length_k == 4
+    with pytest.raises(ValueError, match="not an earlier segment"):
+        SharedPrefixes.build([2, 1, 1], [-1, 2, 0])
     with pytest.raises(ValueError, match="at least one"):
         SharedPrefixes.build([2, 0], [-1, 0])
 
@@ -205,7 +208,7 @@ def test_the_guard_refuses_a_shared_row_that_would_cross_examples(llama):
                              structure.max_length_k)
     leaking.key_index[5] = 6  # a key of the second completion taken from the first
     cases = {"positions continue from its prompt's end": {**packed, "position_ids": restarted},
-             "keys are not each segment's parent": {**packed, SHARED_PREFIXES_KEY: leaking},
+             "keys are not each segment's ancestors'": {**packed, SHARED_PREFIXES_KEY: leaking},
              "names parents for 4 segments": {**packed, SHARED_PREFIXES_KEY: SharedPrefixes.build(
                  [4, 2, 3, 1], [-1, 0, 0, 0])},
              "must be a padfree_plugins.packing.prefixes.SharedPrefixes": {**packed, SHARED_PREFIXES_KEY: [0, 1]}}

@@ -42,7 +42,7 @@ def installed(model_type: str, mixers: str = "split"):
     assembly = assemble(model, {"attention": "exact"})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        patch = SequenceParallelPatch.install(assembly.patch, SequenceGroup(None, 0, 2), mixers)
+        patch = SequenceParallelPatch.install(assembly.patch, SequenceGroup(None, 0, 2), mixers=mixers)
     return model, assembly, patch, [str(w.message) for w in caught if "sequence_parallel.mixers" in str(w.message)]
 
 

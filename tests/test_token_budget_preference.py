@@ -99,8 +99,8 @@ def test_a_budget_that_counts_half_a_pair_is_caught(monkeypatch):
     test above fails."""
     original = trl_dpo.pair_lengths
 
-    def chosen_only(dataset, max_length, shared):
-        return original(dataset, max_length, shared) // 2
+    def chosen_only(dataset, max_length, shared, chunk=1):
+        return original(dataset, max_length, shared, chunk) // 2
 
     monkeypatch.setattr(trl_dpo, "pair_lengths", chosen_only)
     with pytest.raises(AssertionError):

@@ -48,17 +48,37 @@ def hybrid_dir(model_type: str) -> str:
     return path
 
 
+#: Families whose mixers pad every run to a chunk (64 tokens for transformers' gated delta rule, the config's
+#: chunk_size for Mamba2): a prompt is shared only where that saves chunks (padfree_plugins.packing.prefixes.
+#: prefix_tree), so their prompts begin with a long system text.
+CHUNKED = {"qwen3_5_text", "bamba"}
+SYSTEM = " ".join(["a tiny corpus for the tokenizer"] * 14)
+SHORT_PROMPTS = test_trl_rl.prompts
+
+
+@functools.lru_cache(maxsize=1)
+def long_prompts():
+    """tests/test_trl_rl.py's prompts after :data:`SYSTEM`: 70 tokens and more, each of another length."""
+    return SHORT_PROMPTS().map(lambda row: {"prompt": f"{SYSTEM} {row['prompt']}"})
+
+
+def use_model(patch: pytest.MonkeyPatch, model_type: str) -> None:
+    patch.setattr(test_trl_rl, "model_dir", lambda: hybrid_dir(model_type))
+    if model_type in CHUNKED:
+        patch.setattr(test_trl_rl, "prompts", long_prompts)
+
+
 @functools.lru_cache(maxsize=None)
 def padded(model_type: str, kind: str) -> test_trl_rl.Run:
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(test_trl_rl, "model_dir", lambda: hybrid_dir(model_type))
+        use_model(patch, model_type)
         return test_trl_rl.train(kind, False, loss_type="grpo") if kind == "grpo" else test_trl_rl.train(kind, False)
 
 
 def accelerated(model_type: str, kind: str, packed_calls: list, fault=None) -> test_trl_rl.Run:
     options = dict(loss_type="grpo") if kind == "grpo" else {}
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(test_trl_rl, "model_dir", lambda: hybrid_dir(model_type))
+        use_model(patch, model_type)
         return test_trl_rl.train(kind, True, packed_calls, fault=fault, **options)
 
 
@@ -94,9 +114,14 @@ def dpo_run(accelerated: bool, fault=None) -> tuple[list[dict], list[int]]:
     def policy(dtype: torch.dtype = torch.float32):
         return slow(hybrid_model("qwen3_5_text", vocab_size=len(tokenizer()))).to(dtype).train()
 
+    def long_pairs(count: int = 40):
+        return original_pairs(count).map(lambda row: {"prompt": f"{SYSTEM} {row['prompt']}"})
+
+    original_pairs = test_trl_preference.pairs
     with pytest.MonkeyPatch.context() as patch, fault or contextlib.nullcontext(), \
             record_attention_calls() as calls:
         patch.setattr(test_trl_preference, "policy", policy)
+        patch.setattr(test_trl_preference, "pairs", long_pairs)
         history = test_trl_preference.run("dpo", accelerated)
     return history, [call.shared_prompts for call in calls]
 

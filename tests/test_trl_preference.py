@@ -236,9 +236,14 @@ def test_the_trainer_gives_trls_padded_run(case, packed_calls):
         got = run(kind, True, **settings)
     assert packed_calls and all(packed_calls), "a log-probability forward ran padded"
     # DPO's pairs share their prompts (prefix_sharing: auto, the default): each forward holds every pair's prompt once
-    shares = kind == "dpo" and settings.get("config", {}).get("prefix_sharing") != "off"
+    # (and the words that several prompts begin with once more: a prefix tree); off, nothing is shared
+    off = settings.get("config", {}).get("prefix_sharing") == "off"
     pairs_per_call = settings.get("per_device_train_batch_size", 4)
-    assert [call.shared_prompts for call in calls] == [pairs_per_call * shares] * len(calls)
+    shared = [call.shared_prompts for call in calls]
+    if off:
+        assert shared == [0] * len(calls)
+    elif kind == "dpo":
+        assert all(prompts >= pairs_per_call for prompts in shared), shared
     assert_same_run(got, want)
 
 

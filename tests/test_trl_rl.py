@@ -108,6 +108,7 @@ class Run:
     plugin: str = ""
     has_ref_model: bool = False  # False under LoRA: the reference is the policy with its adapter disabled
     shared_prompts: list[int] = field(default_factory=list)  # per packed attention call: the prompts its row shares
+    shared_depths: list[int] = field(default_factory=list)  # per packed attention call: its prefix tree's depth
     calls: Any = None  # the trainer patch's FusedCalls (accelerated runs): packed, padded by reason
     flips: dict[str, list[float]] = field(default_factory=dict)  # per clip metric and step: see recording_clip_ties
 
@@ -231,6 +232,7 @@ def train(kind: str, accelerated: bool, packed_calls: list | None = None, *, lea
             run.flips = {key: [sum(call[key] for call in clip_calls[step * per_step:(step + 1) * per_step]) / per_step
                                for step in range(STEPS)] for key in CLIP_METRICS}
         run.shared_prompts = [call.shared_prompts for call in calls]
+        run.shared_depths = [call.shared_depth for call in calls]
         if acceleration is not None:
             acceleration.undo()
     run.history = [entry for entry in trainer.state.log_history if "loss" in entry]

@@ -29,6 +29,7 @@ import numpy as np
 from padfree_plugins.batching.sampler import column_lengths
 from padfree_plugins.contract.hookspecs import hookimpl
 from padfree_plugins.integrations.trl_fused import FusedTrainerPatch
+from padfree_plugins.modeling.mixers import mixer_chunk
 
 
 class DPOTrainerPatch(FusedTrainerPatch):
@@ -46,18 +47,25 @@ class DPOTrainerPatch(FusedTrainerPatch):
         """Every pair's tokens as its forwards compute them: prompt + chosen and prompt + rejected, each cut to
         ``max_length`` as TRL's collator cuts it, the prompt counted once when the pair shares it (and neither text
         was cut: otherwise twice, an upper bound)."""
-        return pair_lengths(self.trainer.train_dataset, self.trainer.args.max_length, self.shares_prefixes)
+        return pair_lengths(self.trainer.train_dataset, self.trainer.args.max_length, self.shares_prefixes,
+                            mixer_chunk(self.assembly.model))
 
 
-def pair_lengths(dataset: Any, max_length: int | None, shared: bool) -> np.ndarray:
+def pair_lengths(dataset: Any, max_length: int | None, shared: bool, chunk: int = 1) -> np.ndarray:
     """The tokens of every row of a tokenized DPO dataset (``prompt_ids``, ``chosen_ids``, ``rejected_ids``): see
-    :meth:`DPOTrainerPatch.row_lengths`."""
+    :meth:`DPOTrainerPatch.row_lengths`; with sequence mixers that pad each run to ``chunk``, a prompt counted once
+    only where sharing it pays (:func:`~padfree_plugins.packing.prefixes.prefix_tree`)."""
     columns = column_lengths(dataset, ("prompt_ids", "chosen_ids", "rejected_ids"), "DPO pairs")
     prompt, chosen, rejected = columns["prompt_ids"], columns["chosen_ids"], columns["rejected_ids"]
     limit = np.iinfo(np.int64).max if max_length is None else max_length
     with_chosen, with_rejected = np.minimum(prompt + chosen, limit), np.minimum(prompt + rejected, limit)
     whole = (prompt + chosen <= limit) & (prompt + rejected <= limit)
-    once = np.minimum(prompt, np.minimum(with_chosen, with_rejected) - 1) if shared else 0
+    once = np.minimum(prompt, np.minimum(with_chosen, with_rejected) - 1) if shared else np.zeros_like(prompt)
+    if chunk > 1:
+        padded = lambda size: -(-size // chunk) * chunk  # noqa: E731
+        pays = padded(once) + padded(with_chosen - once) + padded(with_rejected - once) <= \
+            padded(with_chosen) + padded(with_rejected)
+        once = np.where(pays, once, 0)
     return with_chosen + with_rejected - np.where(whole, once, 0)
 
 

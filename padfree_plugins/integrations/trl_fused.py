@@ -73,6 +73,7 @@ from padfree_plugins.integrations.checks import check_parallelism, check_whole_r
     refuse_own_batches_options, sequence_parallel_size, shares_prefixes
 from padfree_plugins.integrations.resume import ResumeGuard, plan_fingerprint
 from padfree_plugins.modeling import unpad
+from padfree_plugins.modeling.mixers import mixer_chunk
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup, gather_sequence
 from padfree_plugins.modeling.patching import own_attribute, patch_of, restore_attributes, unwrap_model
 from padfree_plugins.modeling.sequence_parallel import gather_rows
@@ -344,6 +345,8 @@ class FusedCalls:
     padded: dict[str, int] = field(default_factory=dict)
     #: The packed calls whose row held a repeated prompt once (``prefix_sharing``), of :attr:`packed`.
     shared: int = 0
+    #: Packed calls whose repeated prompts were (in part) held more than once, by reason.
+    unshared: dict[str, int] = field(default_factory=dict)
 
     def ran_packed(self, shared: bool = False) -> None:
         self.packed += 1
@@ -362,6 +365,14 @@ class FusedCalls:
                           "padfree/padded_calls)", UserWarning, stacklevel=4)
         self.padded[reason] = self.padded.get(reason, 0) + 1
 
+    def ran_unshared(self, reason: str, detail: str = "") -> None:
+        """One packed call held repeated prompts more than once for ``reason``; said in a warning the first time."""
+        if reason not in self.unshared:
+            warnings.warn(f"{self.owner}: a log-probability call packs repeated prompts whole, not shared: {reason}. "
+                          "Later calls are counted, not said again (Acceleration.describe())", UserWarning,
+                          stacklevel=4)
+        self.unshared[reason] = self.unshared.get(reason, 0) + 1
+
     @property
     def padded_total(self) -> int:
         return sum(self.padded.values())
@@ -377,7 +388,8 @@ class FusedCalls:
         text = f"{self.packed} packed{shared}, {self.padded_total} padded"
         if self.unpadded:
             text += f", {self.unpadded} without padding (run as they are)"
-        return text + "".join(f"; {count} padded: {reason}" for reason, count in self.padded.items())
+        text += "".join(f"; {count} padded: {reason}" for reason, count in self.padded.items())
+        return text + "".join(f"; {count} with prompts unshared: {reason}" for reason, count in self.unshared.items())
 
 
 @dataclass
@@ -397,6 +409,9 @@ class PackedFusedHead:
     share_prefixes: bool = False
     #: Where the fused calls are counted, packed or padded (by reason): the trainer patch's, shared by its heads.
     calls: FusedCalls = field(default_factory=FusedCalls)
+    #: The chunk the model's sequence mixers pad each shared segment to (:func:`~padfree_plugins.modeling.mixers.
+    #: mixer_chunk`): a prefix is shared where it saves that much.
+    chunk: int = 1
 
     @classmethod
     def install(cls, model: Any, collator: MultimodalCollator | None = None, share_prefixes: bool = False,
@@ -421,7 +436,7 @@ class PackedFusedHead:
             raise PadfreeError("shared prefixes are not split across ranks: set prefix_sharing: off under sequence "
                                "parallelism")
         head = cls(model, original, {"forward": own_attribute(model, "forward")}, collator, sequence,
-                   share_prefixes, calls if calls is not None else FusedCalls())
+                   share_prefixes, calls if calls is not None else FusedCalls(), mixer_chunk(model))
 
         @functools.wraps(original)  # the model's own signature, which generate() checks its model kwargs against
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -477,7 +492,7 @@ class PackedFusedHead:
         else:
             # under sequence parallelism a call without padding is packed too (the group exchanges every call)
             packed = unpad.pack_padded_call(kwargs, mask, labels.to(mask.device), self.sequence is not None,
-                                            self.share_prefixes, refused)
+                                            self.share_prefixes, refused, self.chunk, self.calls.ran_unshared)
         if why or packed is None:
             self.calls.ran_padded(*(why[0] if why else ("it was not packed", "")))
             return None

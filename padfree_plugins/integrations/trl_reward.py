@@ -32,7 +32,8 @@ from padfree_plugins.errors import BatchError, ConfigError
 from padfree_plugins.integrations.base import TrainerPatch, keeps_methods, library_class
 from padfree_plugins.integrations.checks import check_sequence_parallel, check_whole_rows_budget, shares_prefixes
 from padfree_plugins.packing.collator import as_examples
-from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, share_packed
+from padfree_plugins.modeling.mixers import mixer_chunk
+from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, share_packed, shared_layout, tokens_saved
 
 #: The token-id columns of a tokenized preference dataset, in the order TRL's collator stacks them.
 PREFERENCE_COLUMNS = ("chosen_ids", "rejected_ids")
@@ -55,11 +56,15 @@ def shared_length(a: list[int], b: list[int], pad_token_id: int | None) -> int:
     return min(common, scored_token(a, pad_token_id), scored_token(b, pad_token_id))
 
 
-def pair_lengths(dataset: Any, share: bool, pad_token_id: int | None) -> np.ndarray:
-    """The tokens of every pair of a tokenized preference dataset as its packed row holds them: both texts, what
-    they share once when ``share``."""
-    lengths = [len(a) + len(b) - (shared_length(a, b, pad_token_id) if share else 0)
-               for a, b in zip(*(dataset[key] for key in PREFERENCE_COLUMNS))]
+def pair_lengths(dataset: Any, share: bool, pad_token_id: int | None, chunk: int = 1) -> np.ndarray:
+    """The tokens of every pair of a tokenized preference dataset as its packed row holds them at most: both texts,
+    what they share once when ``share`` (and the sharing pays for the model's mixer ``chunk``: see
+    :func:`~padfree_plugins.packing.prefixes.prefix_tree`)."""
+    lengths = []
+    for a, b in zip(*(dataset[key] for key in PREFERENCE_COLUMNS)):
+        common = shared_length(a, b, pad_token_id) if share else 0
+        prefixes = [(common, None)] * 2 if 0 < common < min(len(a), len(b)) else [None, None]
+        lengths.append(len(a) + len(b) - tokens_saved(shared_layout([len(a), len(b)], prefixes, chunk)))
     return np.asarray(lengths, dtype=np.int64)
 
 
@@ -89,6 +94,9 @@ class PreferenceCollator:
     collator: Any
     share_prefixes: bool = False
     pad_token_id: int | None = None
+    #: The chunk the model's sequence mixers pad each shared segment to (:func:`~padfree_plugins.modeling.mixers.
+    #: mixer_chunk`).
+    chunk: int = 1
     id_columns = PREFERENCE_COLUMNS  # what the dataset check reads (see padfree_plugins.packing.datacheck)
 
     @property
@@ -104,7 +112,7 @@ class PreferenceCollator:
         batch = self.collator([{"input_ids": row[key]} for key in PREFERENCE_COLUMNS for row in rows])
         if self.share_prefixes:
             tokens = batch.num_tokens
-            batch, ends = share_packed(batch, pair_prefixes(batch, self.pad_token_id))
+            batch, ends = share_packed(batch, pair_prefixes(batch, self.pad_token_id), self.chunk)
             if SHARED_PREFIXES_KEY in batch:
                 batch[TEXT_SEGMENTS_KEY], batch[TEXT_TOKENS_KEY] = torch.tensor(ends), tokens
         if "margin" in rows[0]:
@@ -161,12 +169,14 @@ class RewardTrainerPatch(TrainerPatch):
         :class:`ConfigError` under ``on`` where it cannot, before anything changes)."""
         share = shares_prefixes(self.trainer, self.assembly, prompt_column=False)
         self.pairs = PreferenceCollator(self.assembly.collator, share,
-                                        self.assembly.model.config.get_text_config().pad_token_id)
+                                        self.assembly.model.config.get_text_config().pad_token_id,
+                                        mixer_chunk(self.assembly.model))
         return self.pairs
 
     def pair_lengths(self) -> np.ndarray:
         """Every training pair's tokens as its packed row holds them (:func:`pair_lengths`)."""
-        return pair_lengths(self.trainer.train_dataset, self.pairs.share_prefixes, self.pairs.pad_token_id)
+        return pair_lengths(self.trainer.train_dataset, self.pairs.share_prefixes, self.pairs.pad_token_id,
+                            self.pairs.chunk)
 
     def check(self) -> None:
         """``batching.strategy: tokens``: every pair (never split) within the budget."""

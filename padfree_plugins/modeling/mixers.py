@@ -81,8 +81,8 @@ def boundary_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     bias, padding=K - 1, groups=C)[..., :T]`` run on each example alone.
 
     Tap ``j`` (looking ``j`` tokens back) is multiplied in only where the token is at least ``j`` into its example.
-    With ``shared`` prefixes, a tap that reaches back past a completion's start reads its prompt's last tokens
-    (:func:`state_sources`), as in the completion's padded row.
+    With ``shared`` prefixes, a tap that reaches back past a segment's start reads its parent's last tokens, and its
+    grandparent's where the parent is shorter (:func:`state_sources`), as in the completion's padded row.
     """
     if x.ndim != 3 or x.shape[0] != 1:
         raise ValueError(f"a packed row is [1, C, T]; got {tuple(x.shape)}")
@@ -91,42 +91,48 @@ def boundary_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     position = positions_in_examples(cu_seq_lens, total)
     x = x.to(weight.dtype)
     out = x * weight[:, kernel - 1, None]
-    sources = _conv_sources(shared, cu_seq_lens, total) if shared is not None else None
-    for back in range(1, min(kernel, total)):
-        if sources is None:
+    context = _conv_context(shared, cu_seq_lens, kernel - 1) if shared is not None else None
+    segment = token_examples(cu_seq_lens, total) if shared is not None else None
+    for back in range(1, min(kernel, total) if context is None else kernel):
+        if context is None:
             shifted = F.pad(x, (back, 0))[..., :total] * (position >= back).to(x.dtype)
         else:
-            shifted = _tap(x, back, position, *sources)
+            shifted = _tap(x, back, position, segment, context)
         out = out + shifted * weight[:, kernel - 1 - back, None]
     if bias is not None:
         out = out + bias[:, None]
     return out
 
 
-def _conv_sources(shared: SharedPrefixes, cu_seq_lens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token: the packed index just past the end of the segment its conv taps continue, and that segment's
-    length (0: none)."""
-    bounds = cu_seq_lens.long()
-    source = torch.tensor([conv for _, conv in state_sources(shared)], device=bounds.device)
-    if source.numel() != bounds.numel() - 1:
-        raise BoundaryError(f"the shared prefixes name {source.numel()} segments, the boundaries "
-                            f"{bounds.numel() - 1}")
-    source = source[token_examples(cu_seq_lens, total)]
-    known = source >= 0
-    source = source.clamp(min=0)
-    end = torch.where(known, bounds[source + 1], 0)
-    return end, torch.where(known, bounds[source + 1] - bounds[source], 0)
+def _conv_context(shared: SharedPrefixes, cu_seq_lens: torch.Tensor, reach: int) -> torch.Tensor:
+    """Per segment (int64 ``[S, reach]``): the packed indices of the ``reach`` inputs before its first token that its
+    conv taps read, oldest first — its conv source's last tokens, then (where that segment is shorter) its source's
+    source's, up the prefix tree (:func:`state_sources`); ``-1`` where the chain runs out (zeros, as at a row's
+    start)."""
+    bounds = cu_seq_lens.long().tolist()
+    sources = [conv for _, conv in state_sources(shared)]
+    if len(sources) != len(bounds) - 1:
+        raise BoundaryError(f"the shared prefixes name {len(sources)} segments, the boundaries {len(bounds) - 1}")
+    context = []
+    for segment in range(len(sources)):
+        before, source = [], sources[segment]
+        while len(before) < reach and source >= 0:
+            before.extend(range(bounds[source + 1] - 1, bounds[source] - 1, -1)[:reach - len(before)])
+            source = sources[source]
+        context.append([-1] * (reach - len(before)) + before[::-1])
+    return torch.tensor(context, dtype=torch.long, device=cu_seq_lens.device).reshape(len(sources), reach)
 
 
-def _tap(x: torch.Tensor, back: int, position: torch.Tensor, source_end: torch.Tensor,
-         source_length: torch.Tensor) -> torch.Tensor:
-    """Every token's input ``back`` tokens before it: its own segment's, else its conv source's last ones, else 0."""
+def _tap(x: torch.Tensor, back: int, position: torch.Tensor, segment: torch.Tensor,
+         context: torch.Tensor) -> torch.Tensor:
+    """Every token's input ``back`` tokens before it: its own segment's, else its segment's conv context
+    (:func:`_conv_context`), else 0."""
     own = position >= back
-    reach = back - position
-    from_source = ~own & (reach <= source_length)
+    reach = context.shape[1]
+    before = context[segment, (reach - back + position).clamp(min=0, max=reach - 1)]
     here = torch.arange(x.shape[-1], device=x.device)
-    index = torch.where(own, here - back, torch.where(from_source, source_end - reach, 0))
-    return x.index_select(-1, index) * (own | from_source).to(x.dtype)
+    index = torch.where(own, here - back, before.clamp(min=0))
+    return x.index_select(-1, index) * (own | (before >= 0)).to(x.dtype)
 
 
 @dataclass
@@ -215,12 +221,27 @@ class MixerState:
     recurrent: torch.Tensor | None = None
     final_conv: torch.Tensor | None = None
     final_recurrent: torch.Tensor | None = None
+    #: The copies of ``conv`` and ``recurrent`` handed to the mixer: a one-token call of a mixer that steps its state
+    #: in place (a decoding step: Kimi's conv, Mamba2's scan) leaves its final state there.
+    _given: dict = field(default_factory=dict, repr=False)
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        return self.conv
+        return self._copy("conv")
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        return self.recurrent
+        return self._copy("recurrent")
+
+    def _copy(self, name: str) -> torch.Tensor | None:
+        if getattr(self, name) is not None and name not in self._given:
+            self._given[name] = getattr(self, name).clone()
+        return self._given.get(name)
+
+    def settle(self) -> MixerState:
+        """After the call: its final state, also where the mixer stepped the given one in place."""
+        for name, given in self._given.items():
+            if getattr(self, f"final_{name}") is None and given._version > 0:
+                setattr(self, f"final_{name}", given)
+        return self
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return True  # the multi-token path (a conv over state + inputs), never the in-place one-token step
@@ -242,23 +263,67 @@ class MixerState:
 def run_shared(forward: Any, hidden_states: torch.Tensor, row: PackedRow, chunk: int, cache_name: str,
                **kwargs: Any) -> torch.Tensor:
     """``forward`` (a mixer's own, which continues the state of a cache given as ``cache_name``) on every segment of
-    the packed ``hidden_states`` ``[1, T, H]`` of a row with shared prefixes (``row.shared``): each completion
-    starts from its prompt's final state and conv taps (:func:`state_sources`), every other segment from zeros.
+    the packed ``hidden_states`` ``[1, T, H]`` of a row with shared prefixes (``row.shared``): each segment starts
+    from its parent's final state and conv taps (:func:`state_sources`), every segment without one from zeros.
 
-    Segments run once their sources have: first the prompts and the segments alone, then the completions. A
-    segment whose state others read runs unpadded, with segments of its length only (a pad would move its final
-    state); the others, batched like :func:`run_per_example`, are right-padded to at least 2 tokens (so that no
-    mixer takes its one-token decoding step, which updates the state in place). The prompt runs once: the
-    completions' gradients sum into it through the state."""
+    Segments run once their sources have, down the prefix tree (:func:`run_ready`). A segment whose state others
+    read runs unpadded, with segments of its length only (a pad would move its final state); the others, batched
+    like :func:`run_per_example`, are right-padded to at least 2 tokens, so that no mixer takes its one-token
+    decoding step (which updates the state in place, out of autograd's reach). A one-token prefix that continues a
+    state (a tree's branch point) is not run alone for the same reason: its token leads each of its children's runs
+    (:func:`_runs`). Each prefix runs once: its children's gradients sum into it through the state."""
     bounds = row.cu_seq_lens.long().tolist()
     sources = state_sources(row.shared)
     if len(sources) != len(bounds) - 1:
         raise BoundaryError(f"the shared prefixes name {len(sources)} segments, the boundaries {len(bounds) - 1}")
-    read = {source for pair in sources for source in pair if source >= 0}
-    outputs: list = [None] * len(sources)
-    if run_ready(forward, hidden_states[0], bounds, sources, read, outputs, {}, chunk, cache_name, **kwargs):
+    lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+    runs = _runs(sources, lengths)  # segment -> (the segments whose tokens its run holds, the sources it starts from)
+    order = list(runs)
+    position = {segment: index for index, segment in enumerate(order)}
+    tokens = hidden_states[0]
+    if all(len(pieces) == 1 for pieces, _ in runs.values()):
+        run_tokens, run_bounds = tokens, bounds
+    else:  # the lead tokens copied ahead of each child's
+        run_tokens = torch.cat([tokens[bounds[piece]:bounds[piece + 1]] for s in order for piece in runs[s][0]])
+        sizes = [sum(lengths[piece] for piece in runs[s][0]) for s in order]
+        run_bounds = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    run_sources = [tuple(position[source] if source >= 0 else -1 for source in runs[s][1]) for s in order]
+    read = {source for pair in run_sources for source in pair if source >= 0}
+    outputs: list = [None] * len(order)
+    if run_ready(forward, run_tokens, run_bounds, run_sources, read, outputs, {}, chunk, cache_name, **kwargs):
         raise BoundaryError(f"the segments' state sources {sources} form a cycle")
-    return torch.cat(outputs)[None]
+    segments: list = [None] * len(sources)
+    for index, s in enumerate(order):
+        start = 0
+        for piece in runs[s][0]:
+            if segments[piece] is None:  # a lead token: its first child's run gives it
+                segments[piece] = outputs[index][start:start + lengths[piece]]
+            start += lengths[piece]
+    return torch.cat(segments)[None]
+
+
+def _runs(sources: Sequence[tuple[int, int]], lengths: list[int]) -> dict[int, tuple[list[int], tuple[int, int]]]:
+    """Per segment that runs: the segments whose tokens its run holds (its own last) and the sources it starts from.
+    A one-token segment that continues a state and whose state others read — every reader continuing it in both the
+    recurrent state and the taps — runs at the head of each reader instead (its one token would take the decoding
+    step), the readers starting from its own sources."""
+    readers: dict[int, list[int]] = {}
+    for s, pair in enumerate(sources):
+        for source in set(pair):
+            if source >= 0:
+                readers.setdefault(source, []).append(s)
+    lead = {s for s in range(len(sources)) if lengths[s] == 1 and tuple(sources[s]) != (-1, -1) and readers.get(s)
+            and all(tuple(sources[reader]) == (s, s) for reader in readers[s])}
+    runs = {}
+    for s in range(len(sources)):
+        if s in lead:
+            continue
+        pieces, start = [s], tuple(sources[s])
+        while start[0] == start[1] and start[0] in lead:
+            pieces.insert(0, start[0])
+            start = tuple(sources[start[0]])
+        runs[s] = (pieces, start)
+    return runs
 
 
 def run_ready(forward: Any, tokens: torch.Tensor, bounds: list[int], sources: Sequence[tuple[int, int]],
@@ -281,6 +346,9 @@ def run_ready(forward: Any, tokens: torch.Tensor, bounds: list[int], sources: Se
             groups.setdefault(key, []).append(s)
         for (recorded, _, (recurrent, conv)), members in sorted(groups.items()):
             width = max(2, *(lengths[s] for s in members)) if not recorded else lengths[members[0]]
+            if recorded and width == 1 and (recurrent or conv):
+                raise BoundaryError(f"segments {members} of one token continue a state and are read by others in "
+                                    "part only: a one-token run would take the mixer's decoding step")
             batch = torch.stack([F.pad(tokens[bounds[s]:bounds[s + 1]], (0, 0, 0, width - lengths[s]))
                                  for s in members])
             state = None
@@ -292,6 +360,8 @@ def run_ready(forward: Any, tokens: torch.Tensor, bounds: list[int], sources: Se
             if not isinstance(output, torch.Tensor):
                 raise BoundaryError(f"a sequence mixer returned {type(output).__name__}, not a tensor: "
                                     "padfree_plugins cannot put its segments back into the packed row")
+            if state is not None:
+                state.settle()
             for index, s in enumerate(members):
                 outputs[s] = output[index, :lengths[s]]
                 if recorded:
@@ -479,6 +549,12 @@ def why_no_prompt_state(model: Any, backend: str = "auto") -> str | None:
             return ("mixers: kernels does not yet start a completion's sequence mixers from its prompt's state "
                     "(use mixers: auto or exact)")
     return None
+
+
+def mixer_chunk(model: Any) -> int:
+    """The chunk ``model``'s sequence mixers pad every run of a shared row to (the largest; 1 without mixers): what a
+    prefix must save to be shared (:func:`~padfree_plugins.packing.prefixes.prefix_tree`)."""
+    return max((getattr(mixer, "chunk", 1) for _, mixer in sequence_mixers(model)), default=1)
 
 
 def run_in_row(row: PackedRow, function: Any, *args: Any, **kwargs: Any) -> Any:

@@ -163,7 +163,7 @@ def _check_slice_boundaries(cu: torch.Tensor, cu_k: Any, restarts: torch.Tensor,
 
 def _check_shared_prefixes(cu: Any, cu_k: Any, position_ids: torch.Tensor, shared: Any, sequence: Any) -> None:
     """A packed row with shared prefixes (:mod:`padfree_plugins.packing.prefixes`): one parent per segment, the keys
-    each segment attends to exactly its parent's tokens and its own, and positions that restart at every segment
+    each segment attends to exactly its ancestors' tokens and its own, and positions that restart at every segment
     without a parent and continue its parent's end in every other (checked on the host only, as the boundaries)."""
     _check_boundary_types(cu, cu_k)
     if cu_k is not None and cu_k.device.type == cu.device.type == "cpu" and not torch.equal(cu_k.long(), cu.long()):
@@ -187,8 +187,8 @@ def _check_shared_prefixes(cu: Any, cu_k: Any, position_ids: torch.Tensor, share
     expected = SharedPrefixes.build([e - b for b, e in zip(bounds, bounds[1:])], shared.parents)
     if not (torch.equal(shared.key_index.cpu(), expected.key_index) and
             torch.equal(shared.cu_seq_lens_k.cpu().long(), expected.cu_seq_lens_k.long())):
-        raise BoundaryError("shared_prefixes' keys are not each segment's parent and its own tokens: attention would "
-                            "cross examples. Build the structure with SharedPrefixes.build")
+        raise BoundaryError("shared_prefixes' keys are not each segment's ancestors' and its own tokens: attention "
+                            "would cross examples. Build the structure with SharedPrefixes.build")
     for segment, (start, end, parent) in enumerate(zip(bounds, bounds[1:], shared.parents)):
         inside = positions[start:end]
         if inside != list(range(inside[0], inside[0] + len(inside))):

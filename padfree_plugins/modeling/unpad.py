@@ -30,7 +30,8 @@ import torch
 
 from padfree_plugins.modeling.patching import bound_inputs
 from padfree_plugins.packing.batch import BOUNDARY_KEYS, MEDIA_KEYS
-from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, Segment, SharedPrefixes, shared_layout
+from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, Segment, SharedPrefixes, prefix_tree, \
+    tokens_saved
 
 #: ``unpad`` modes a config may name.
 UNPAD_MODES = ("auto", "always", "off")
@@ -38,6 +39,10 @@ UNPAD_MODES = ("auto", "always", "off")
 REPLACED_KEYS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "cache_position")
 #: Why a call without any pad is not packed: nothing to gain (it runs as it is, padded by nothing).
 NO_PADDING = "it holds no pad"
+#: Why a call's repeated prompts were held more than once: sharing them would not save the mixers' chunks.
+CHUNK_RULE = ("its sequence mixers pad every segment to {chunk} tokens, and sharing these prompts (prompts or "
+              "completions shorter than a chunk) would keep more activations than the rows whole; they are packed "
+              "whole instead")
 #: Told why a call is not packed: ``refused(reason, detail)`` (``reason`` a short fixed phrase, one per kind of
 #: refusal; ``detail`` this call's particulars, or ``""``).
 Refused = Callable[[str, str], None]
@@ -113,14 +118,17 @@ def contiguous_rows(mask: torch.Tensor, labels: torch.Tensor | None = None,
 
 def pack_padded_call(inputs: dict, mask: torch.Tensor, labels: torch.Tensor | None = None,
                      without_padding: bool = False, share_prefixes: bool = False,
-                     refused: Refused = ignore_refusal) -> tuple[dict, Unpadded] | None:
+                     refused: Refused = ignore_refusal, chunk: int = 1, unshared: Refused = ignore_refusal
+                     ) -> tuple[dict, Unpadded] | None:
     """The packed call of a padded one (``inputs``: the base model's keyword arguments; ``labels``: those the
     model's head got), and where its tokens went; ``None`` when the call is not one to unpad (see the module
     docstring). ``without_padding``: a call without any pad is packed too (sequence parallelism splits its row).
     ``share_prefixes``: rows that begin with the same unlabelled tokens at the same positions (a DPO pair's prompt,
-    a GRPO group's) hold them once, as a prefix segment their rests continue (:func:`shared_rows`); such a call is
-    packed even without a pad. ``refused`` is told why a call is not packed (:data:`NO_PADDING` for a call without
-    a pad)."""
+    a GRPO group's, the turns a multi-turn episode's rollouts share) hold them once, as prefix segments their rests
+    continue (:func:`shared_rows`; ``chunk``: the model's mixers',
+    :func:`~padfree_plugins.modeling.mixers.mixer_chunk`; ``unshared`` is told where the chunk keeps repeated prompts
+    whole, :data:`CHUNK_RULE`); such a call is packed even without a pad. ``refused`` is told why a call is not
+    packed (:data:`NO_PADDING` for a call without a pad)."""
     tokens = inputs.get("input_ids")
     tokens = inputs.get("inputs_embeds") if tokens is None else tokens
     if tokens is None or mask.ndim != 2 or tuple(tokens.shape[:2]) != tuple(mask.shape):
@@ -135,7 +143,7 @@ def pack_padded_call(inputs: dict, mask: torch.Tensor, labels: torch.Tensor | No
         return None
     given = inputs.get("position_ids")
     given = given if isinstance(given, torch.Tensor) and given.shape == mask.shape else None
-    segments = shared_rows(inputs.get("input_ids"), given, labels, spans) if share_prefixes else None
+    segments = shared_rows(inputs.get("input_ids"), given, labels, spans, chunk, unshared) if share_prefixes else None
     if segments is None and not without_padding and all(length == width for _, length in spans):
         refused(NO_PADDING, "")
         return None
@@ -164,11 +172,13 @@ def pack_padded_call(inputs: dict, mask: torch.Tensor, labels: torch.Tensor | No
 
 
 def shared_rows(input_ids: torch.Tensor | None, position_ids: torch.Tensor | None, labels: torch.Tensor | None,
-                spans: list[tuple[int, int]]) -> list[Segment] | None:
-    """The segments of a padded call's rows (real tokens ``spans``) with their repeated prefixes shared, or ``None``
-    when no two rows share one. A row's shareable prefix is its tokens before the first that predicts a label (at
-    most all but its last token: every completion keeps one), identified by those tokens and their positions; one
-    read from the device. Without token ids or labels nothing is shared."""
+                spans: list[tuple[int, int]], chunk: int = 1, unshared: Refused = ignore_refusal
+                ) -> list[Segment] | None:
+    """The segments of a padded call's rows (real tokens ``spans``) with their repeated prefixes shared, to any depth
+    (:func:`~padfree_plugins.packing.prefixes.prefix_tree`), or ``None`` when no two rows share one. A row's
+    shareable prefix is its tokens before the first that predicts a label (at most all but its last token: every
+    completion keeps one), each with its position; one read from the device. Without token ids or labels nothing is
+    shared."""
     if not isinstance(input_ids, torch.Tensor) or not isinstance(labels, torch.Tensor) or \
             labels.shape != input_ids.shape:
         return None
@@ -181,15 +191,18 @@ def shared_rows(input_ids: torch.Tensor | None, position_ids: torch.Tensor | Non
     host = torch.cat([part.to(input_ids.dtype) for part in parts]).cpu()
     ids, first = host[:rows * width].view(rows, width), host[rows * width:rows * width + rows].tolist()
     positions = host[rows * (width + 1):].view(rows, width) if position_ids is not None else None
-    prefixes: list[tuple[int, tuple] | None] = []
+    shareable: list[list[tuple[int, int]] | None] = []
     for row, (start, length) in enumerate(spans):
         shared = min(first[row] - start, length - 1)
         if shared < 1:
-            prefixes.append(None)
+            shareable.append(None)
             continue
         where = positions[row, start:start + shared] if positions is not None else torch.arange(start, start + shared)
-        prefixes.append((shared, (tuple(ids[row, start:start + shared].tolist()), tuple(where.tolist()))))
-    segments = shared_layout([length for _, length in spans], prefixes)
+        shareable.append(list(zip(ids[row, start:start + shared].tolist(), where.tolist())))
+    lengths = [length for _, length in spans]
+    segments = prefix_tree(lengths, shareable, chunk)
+    if chunk > 1 and tokens_saved(segments) < tokens_saved(prefix_tree(lengths, shareable)):
+        unshared(CHUNK_RULE.format(chunk=chunk), "")
     return segments if any(segment.parent >= 0 for segment in segments) else None
 
 

@@ -2,11 +2,13 @@
 
 A DPO pair packs ``prompt + chosen`` and ``prompt + rejected``, a GRPO group ``G`` copies of its prompt, each followed
 by one completion: every prompt token is computed 2× or G×. A shared row holds each prompt once as a *prefix
-segment*, then every completion as a segment of its own whose *parent* is that prefix:
+segment*, then every completion as a segment of its own whose *parent* is that prefix. Prefixes nest: a segment's
+parent may have a parent of its own (a prefix *tree*: the turns of a multi-turn episode that its rollouts share, under
+the system prompt that every episode shares):
 
-* a completion's tokens attend to its parent's tokens and causally to its own, never to a sibling's;
+* a segment's tokens attend to its ancestors' tokens (root first) and causally to its own, never to a sibling's;
 * its positions continue from its parent's end, as in the padded row;
-* the gradient of every completion reaches the one copy of the prompt (the keys are gathered from it).
+* the gradient of every completion reaches the one copy of each prefix (the keys are gathered from it).
 
 The structure travels with the packed row as one model input, ``shared_prefixes`` (a :class:`SharedPrefixes`),
 built once on the host where the row is packed. Attention reads it (each segment's queries over its key segment:
@@ -15,9 +17,12 @@ checks it against the positions. A backend implements it only where it declares 
 and sequence mixers (a recurrent state, conv taps) refuse it: their state at a prompt's end does not yet carry into
 its completions.
 
-Which rows share is decided by :func:`shared_layout`: rows whose shareable prefixes (the tokens before the first one
-that predicts a label, with their positions) are equal. :func:`share_packed` turns a collator's packed batch of whole
-examples into a shared one (a RewardTrainer's pairs).
+Which rows share is decided by :func:`prefix_tree`: the trie of the rows' shareable prefixes (the tokens before the
+first one that predicts a label, with their positions), each branch point a segment; :func:`shared_layout` is its one
+level form (rows whose whole prefixes are equal). A shared row never keeps more activations than its examples packed
+whole (:func:`gathered_keys`).
+:func:`share_packed` and :func:`share_segments` turn a collator's packed batch of whole examples into a shared one (a
+RewardTrainer's pairs, an SFT batch).
 """
 
 from __future__ import annotations
@@ -41,8 +46,8 @@ class SharedPrefixes:
     """The prefix structure of a packed row of ``len(parents)`` segments (its ``cu_seq_lens_q``).
 
     ``parents[i]``: the segment whose tokens segment ``i`` continues (an earlier prefix segment), or ``-1``.
-    ``key_index`` (int64 ``[T_k]``): the packed tokens each segment attends to, segment after segment — its parent's,
-    then its own; ``cu_seq_lens_k`` (int32 ``[S + 1]``) splits it by segment and ``max_length_k`` is its longest."""
+    ``key_index`` (int64 ``[T_k]``): the packed tokens each segment attends to, segment after segment — its
+    ancestors', root first, then its own; ``cu_seq_lens_k`` (int32 ``[S + 1]``) splits it by segment and ``max_length_k`` is its longest."""
 
     parents: tuple[int, ...]
     key_index: torch.Tensor
@@ -53,7 +58,7 @@ class SharedPrefixes:
     def build(cls, lengths: Sequence[int], parents: Sequence[int], device: torch.device | str | None = None
               ) -> SharedPrefixes:
         """The structure of segments of ``lengths`` with ``parents`` (see the class docstring). A parent comes
-        before its children and has none itself (one prompt level); a segment is never empty."""
+        before its children and may have a parent itself (a prefix tree); a segment is never empty."""
         if len(lengths) != len(parents):
             raise ValueError(f"{len(lengths)} segment lengths but {len(parents)} parents")
         starts = [0]
@@ -61,19 +66,25 @@ class SharedPrefixes:
             if length < 1:
                 raise ValueError(f"a segment of {length} tokens: every segment holds at least one")
             starts.append(starts[-1] + length)
+        chains: list[list[int]] = []  # per segment: its ancestors root first, then itself
         keys, bounds = [], [0]
-        for segment, (start, length, parent) in enumerate(zip(starts, lengths, parents)):
-            if parent >= 0:
-                if parent >= segment or parents[parent] != -1:
-                    raise ValueError(f"segment {segment}'s parent {parent} is not an earlier segment without a "
-                                     "parent of its own")
-                keys.append(torch.arange(starts[parent], starts[parent] + lengths[parent]))
-            keys.append(torch.arange(start, start + length))
-            bounds.append(bounds[-1] + length + (lengths[parent] if parent >= 0 else 0))
+        for segment, parent in enumerate(parents):
+            if parent >= 0 and parent >= segment:
+                raise ValueError(f"segment {segment}'s parent {parent} is not an earlier segment")
+            chains.append((chains[parent] if parent >= 0 else []) + [segment])
+            keys.extend(torch.arange(starts[s], starts[s] + lengths[s]) for s in chains[-1])
+            bounds.append(bounds[-1] + sum(lengths[s] for s in chains[-1]))
         cu_k = torch.tensor(bounds, dtype=torch.int32)
         return cls(tuple(int(parent) for parent in parents), torch.cat(keys).to(device),
                    cu_k.to(device), int(cu_k.diff().max()))
 
+    @property
+    def depth(self) -> int:
+        """The most prefixes above one segment: 1 where completions continue one prompt, more in a prefix tree."""
+        levels: list[int] = []
+        for parent in self.parents:
+            levels.append(levels[parent] + 1 if parent >= 0 else 0)
+        return max(levels, default=0)
 
     def to(self, device: torch.device | str) -> SharedPrefixes:
         """The structure with its index tensors on ``device`` (a batch moved to the model's device)."""
@@ -86,8 +97,9 @@ class SharedPrefixes:
         return RootsAndChildren.of(self)
 
     def whole(self, segments: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The packed positions of the tokens of ``segments``' examples whole (a completion's prompt, then its own
-        tokens; a segment without a parent alone), one example after the other, and their boundaries (int32)."""
+        """The packed positions of the tokens of ``segments``' examples whole (a segment's ancestors, root first,
+        then its own tokens; a segment without a parent alone), one example after the other, and their boundaries
+        (int32)."""
         bounds = self.cu_seq_lens_k.long().tolist()
         index = torch.cat([self.key_index[bounds[s]:bounds[s + 1]] for s in segments])
         sizes = torch.tensor([bounds[s + 1] - bounds[s] for s in segments])
@@ -105,58 +117,149 @@ class Segment:
     parent: int = -1
 
 
-def shared_layout(lengths: Sequence[int], prefixes: Sequence[tuple[int, Hashable] | None]) -> list[Segment]:
-    """The segments of a shared row for rows of ``lengths`` real tokens (empty rows are left out).
+def prefix_tree(lengths: Sequence[int], shareable: Sequence[Sequence[Hashable] | None], chunk: int = 1
+                ) -> list[Segment]:
+    """The segments of a shared row for rows of ``lengths`` real tokens (empty rows are left out): the trie of the
+    rows' shareable prefixes, no layout assumed.
 
-    ``prefixes[r]``: ``(s, key)`` — row ``r``'s first ``s`` tokens may be shared with every row of an equal ``key``
-    (their tokens and positions), ``0 < s < lengths[r]`` — or ``None``. Rows of one key (two or more) become one
-    prefix segment (the first row's tokens) followed by each row's rest, in row order, where the first of them
-    appears; every other row is one segment alone, in its place."""
-    groups: dict[Hashable, list[int]] = {}
+    ``shareable[r]``: one hashable per token of row ``r``'s first tokens that may be shared (a token with its
+    position), fewer than ``lengths[r]`` (every row keeps a token of its own), or ``None``. Rows that begin with the
+    same items share them: every branch point of the trie closes a prefix segment whose children are the rows'
+    continuations (further prefixes, or each row's rest). Segments come depth first, each tree where its first row
+    appears, children in row order; a row alone is one segment in its place.
+
+    Every prefix segment has two children or more, which bounds what the row keeps (:func:`gathered_keys`).
+    ``chunk``: the chunk a model's sequence mixers pad every run to (1: none, or no mixers; see
+    :func:`~padfree_plugins.modeling.mixers.run_shared`). A prefix is shared only where its children save at least
+    the chunks it costs, and a tree whose segments would pad to more chunks than the rows whole
+    (:func:`padded_tokens`) is not shared at all (every row one segment alone): so the mixers keep no more either."""
+    items = [list(prefix) if prefix is not None and length else [] for prefix, length in zip(shareable, lengths)]
+    for row, (prefix, length) in enumerate(zip(items, lengths)):
+        if len(prefix) >= length > 0:
+            raise ValueError(f"row {row}: a shared prefix of {len(prefix)} tokens in a row of {length}")
+    segments: list[Segment] = []
+
+    def branches(rows: list[int], depth: int) -> list[list[int]]:
+        """``rows`` split by their item at ``depth`` (a row without one alone), in order of first appearance."""
+        split: dict[Hashable, list[int]] = {}
+        for row in rows:
+            split.setdefault((True, items[row][depth]) if len(items[row]) > depth else (False, row), []).append(row)
+        return list(split.values())
+
+    def place(rows: list[int], depth: int, parent: int) -> None:
+        if len(rows) == 1:
+            segments.append(Segment(rows[0], depth, lengths[rows[0]] - depth, parent))
+            return
+        end = depth + common(rows, depth)  # the rows share their item at depth, and maybe more
+        children = branches(rows, end)
+        if chunk > 1 and not pays(children, depth, end):
+            for child in children:  # each child holds the prefix's tokens itself
+                place(child, depth, parent)
+            return
+        node = len(segments)
+        segments.append(Segment(rows[0], depth, end - depth, parent))
+        for child in children:
+            place(child, end, node)
+
+    def pays(children: list[list[int]], depth: int, end: int) -> bool:
+        """Whether a prefix ``[depth, end)`` saves its children at least the chunks it costs (each child's segment:
+        its own prefix, or its row's rest)."""
+        sizes = [common(child, end) if len(child) > 1 else lengths[child[0]] - end for child in children]
+        return padded(end - depth) + sum(map(padded, sizes)) <= sum(padded(end - depth + size) for size in sizes)
+
+    def common(rows: list[int], depth: int) -> int:
+        first, end = items[rows[0]], depth + 1
+        while end < len(first) and all(len(items[row]) > end and items[row][end] == first[end] for row in rows[1:]):
+            end += 1
+        return end - depth
+
+    def padded(size: int) -> int:
+        return -(-size // chunk) * chunk
+
+    for rows in branches([row for row, length in enumerate(lengths) if length], 0):
+        place(rows, 0, -1)
+    if chunk > 1 and padded_tokens(segments, chunk) > sum(padded(length) for length in lengths if length):
+        return [Segment(row, 0, length) for row, length in enumerate(lengths) if length]
+    return segments
+
+
+def padded_tokens(segments: Sequence[Segment], chunk: int) -> int:
+    """The tokens the sequence mixers of a model that pads every run to ``chunk`` compute for ``segments``."""
+    return sum(-(-segment.length // chunk) * chunk for segment in segments)
+
+
+def shared_layout(lengths: Sequence[int], prefixes: Sequence[tuple[int, Hashable] | None], chunk: int = 1
+                  ) -> list[Segment]:
+    """The one-level :func:`prefix_tree`: ``prefixes[r]``: ``(s, key)`` — row ``r``'s first ``s`` tokens may be
+    shared with every row of an equal ``key`` (their tokens and positions), ``0 < s < lengths[r]`` — or ``None``.
+    Rows of one key (two or more) become one prefix segment (the first row's tokens) followed by each row's rest, in
+    row order, where the first of them appears; every other row is one segment alone, in its place."""
+    shareable = []
     for row, prefix in enumerate(prefixes):
         if prefix is not None and lengths[row]:
             length, key = prefix
             if not 0 < length < lengths[row]:
                 raise ValueError(f"row {row}: a shared prefix of {length} tokens in a row of {lengths[row]}")
-            groups.setdefault((length, key), []).append(row)
-    group_of = {rows[0]: (length, rows) for (length, _), rows in groups.items() if len(rows) > 1}
-    in_group = {row for _, rows in group_of.values() for row in rows}
-    segments: list[Segment] = []
-    for row, length in enumerate(lengths):
-        if row in group_of:
-            shared, rows = group_of[row]
-            parent = len(segments)
-            segments.append(Segment(row, 0, shared))
-            segments.extend(Segment(member, shared, lengths[member] - shared, parent) for member in rows)
-        elif row not in in_group and length:
-            segments.append(Segment(row, 0, length))
-    return segments
+            shareable.append([(length, key, index) for index in range(length)])
+        else:
+            shareable.append(None)
+    return prefix_tree(lengths, shareable, chunk)
+
+
+def gathered_keys(segments: Sequence[Segment]) -> int:
+    """How many keys attention gathers for the shared row of ``segments`` (each segment's ancestors' and its own).
+
+    The bound on a shared row's memory: the segments that end an example gather exactly the keys of the examples
+    whole, and each prefix segment gathers its ancestors' and its own once more. A prefix's tokens are thereby
+    gathered once per prefix in its subtree (itself included), and a tree whose prefixes each have two children or
+    more (:func:`prefix_tree`'s) has fewer prefixes than rows under each: so the keys gathered beyond the whole rows'
+    never exceed the tokens sharing saves (:func:`tokens_saved`). A shared row keeps, per layer, its tokens'
+    activations and these keys and values; the rows whole keep every token's activations, keys and values
+    included — so the shared row keeps no more as long as a token's other saved activations (its queries alone, in a
+    model with grouped keys and values; with its normed inputs and feed-forward projections, in every decoder layer)
+    outweigh its keys and values."""
+    reach: list[int] = []
+    for segment in segments:
+        reach.append(segment.length + (reach[segment.parent] if segment.parent >= 0 else 0))
+    return sum(reach)
 
 
 def tokens_saved(segments: Sequence[Segment]) -> int:
     """How many tokens fewer the shared row holds than the row of every example whole."""
-    sizes = {index: segment.length for index, segment in enumerate(segments) if segment.parent < 0}
-    return sum(sizes[segment.parent] for segment in segments if segment.parent >= 0) - \
-        sum(sizes[index] for index in {segment.parent for segment in segments if segment.parent >= 0})
+    reach: list[int] = []  # per segment: its tokens and its ancestors'
+    for segment in segments:
+        reach.append(segment.length + (reach[segment.parent] if segment.parent >= 0 else 0))
+    parents = {segment.parent for segment in segments}
+    return sum(reach[index] for index in range(len(segments)) if index not in parents) - \
+        sum(segment.length for segment in segments)
 
 
-def share_packed(batch: Mapping, prefixes: Sequence[tuple[int, Hashable] | None]) -> tuple[PackedBatch, list[int]]:
-    """``batch`` (a collator's packed batch of whole examples) with repeated prefixes held once, and for every example
-    the segment that holds its end (its tokens after the shared prefix, or all of them).
+def share_packed(batch: Mapping, prefixes: Sequence[tuple[int, Hashable] | None], chunk: int = 1
+                 ) -> tuple[PackedBatch, list[int]]:
+    """``batch`` (a collator's packed batch of whole examples) with repeated prefixes held once (``prefixes``: one
+    per example, as :func:`shared_layout` takes them), and for every example the segment that holds its end; see
+    :func:`share_segments`."""
+    cu = batch["cu_seq_lens_q"].long().tolist()
+    return share_segments(batch, shared_layout([end - start for start, end in zip(cu, cu[1:])], prefixes, chunk))
 
-    ``prefixes``: one per example, as :func:`shared_layout` takes them. Every per-token tensor (``[1, T, …]``) keeps
-    the tokens the shared row holds, so a completion's ``position_ids`` go on from its prefix's end; ``seq_idx``
-    numbers the segments; the structure is added as :data:`SHARED_PREFIXES_KEY`. Other values (per-example ones
-    included: one per example, not per segment) are kept as they are. Without a repeated prefix the batch is
-    returned as it is."""
+
+def share_segments(batch: Mapping, segments: Sequence[Segment]) -> tuple[PackedBatch, list[int]]:
+    """``batch`` (a collator's packed batch of whole examples) as the shared row of ``segments`` (their ``row`` an
+    example of the batch: :func:`prefix_tree`, :func:`shared_layout`), and for every example the segment that holds
+    its end (its tokens after its shared prefixes, or all of them).
+
+    Every per-token tensor (``[1, T, …]``) keeps the tokens the shared row holds, so a segment's ``position_ids`` go
+    on from its parent's end; ``seq_idx`` numbers the segments; the structure is added as
+    :data:`SHARED_PREFIXES_KEY`. Other values (per-example ones included: one per example, not per segment) are kept
+    as they are. Without a shared prefix the batch is returned as it is."""
     cu = batch["cu_seq_lens_q"].long().tolist()
     count, total = len(cu) - 1, cu[-1]
-    segments = shared_layout([end - start for start, end in zip(cu, cu[1:])], prefixes)
     if not any(segment.parent >= 0 for segment in segments):
         return batch if isinstance(batch, PackedBatch) else PackedBatch(batch), list(range(count))
-    ends = {segment.row: index for index, segment in enumerate(segments)}  # a row's last segment holds its end
+    parents = {segment.parent for segment in segments}
+    ends = {segment.row: index for index, segment in enumerate(segments) if index not in parents}
     if len(ends) != count:
-        raise ValueError("every example of a batch to share holds at least one token")
+        raise ValueError("every example of a batch to share holds at least one token of its own")
     index = torch.cat([torch.arange(segment.length) + cu[segment.row] + segment.start for segment in segments])
     shared = PackedBatch()
     for key, value in batch.items():

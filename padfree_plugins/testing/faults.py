@@ -8,7 +8,8 @@ Both leave a model run on one example alone exactly as it was, and change only p
   example;
 * :func:`completions_see_a_sibling` and :func:`completion_positions_restart`: the two ways a row with shared prefixes
   (:mod:`padfree_plugins.packing.prefixes`) can go wrong — a completion that sees a token of its sibling, a
-  completion whose positions restart at 0 instead of continuing from its prompt;
+  completion whose positions restart at 0 instead of continuing from its prompt; :func:`branch_sees_a_sibling_branch`
+  the first alone two or more levels down a prefix tree;
 * :func:`examples_merge_under_compile` and :func:`boundary_guard_silenced`: the two ways a compiled forward can go
   wrong — attention that lets an example see its neighbour, a guard that no longer refuses wrong boundaries;
 * :func:`tile_drops_last_token` and :func:`loss_normalised_per_tile`: the two ways tiled computation
@@ -24,6 +25,7 @@ Both leave a model run on one example alone exactly as it was, and change only p
 * :func:`completions_start_from_zero`, :func:`completions_continue_a_sibling` and
   :func:`conv_taps_reach_into_a_sibling`: the three ways a hybrid's sequence mixers can go wrong in a row with shared
   prefixes — a completion's state not taken from its prompt, taken from its sibling, its conv taps in its sibling;
+  :func:`conv_taps_stop_at_the_parent`: in a prefix tree, taps that do not reach past a short branch point;
 * :func:`pooling_reads_local_slice`: a task that pools whole examples under sequence parallelism reads only the
   hidden states of this rank's slice of the row (no exchange), zeros where another rank computed them;
 * :func:`mixer_scans_only_its_slice` and :func:`state_from_wrong_rank`: the two ways sequence mixers split across the
@@ -153,9 +155,24 @@ def positions_run_on(model: Any) -> Iterator[None]:
 
 @contextmanager
 def completions_see_a_sibling() -> Iterator[None]:
-    """Within the block, every completion of a shared row that follows a sibling (another completion of its prompt)
-    also attends to that sibling's first token: one key more, as from a kernel that leaks across siblings. Inside
-    attention, past the model's guard."""
+    """Within the block, every segment of a shared row that follows a sibling (another child of its parent: a
+    completion of its prompt, a branch of a prefix tree) also attends to that sibling's first token: one key more, as
+    from a kernel that leaks across siblings. Inside attention, past the model's guard."""
+    with _siblings_leak(deepest_only=False):
+        yield
+
+
+@contextmanager
+def branch_sees_a_sibling_branch() -> Iterator[None]:
+    """Within the block, only the segments two or more levels down a prefix tree (a branch under a branch: a later
+    turn's continuation, its completions) attend to their previous sibling's first token as well; one-level rows
+    are untouched. Inside attention, past the model's guard."""
+    with _siblings_leak(deepest_only=True):
+        yield
+
+
+@contextmanager
+def _siblings_leak(deepest_only: bool) -> Iterator[None]:
     original = attention._shared_keys
 
     def leaking(module, backend, shared: SharedPrefixes, key, value, causal, blocks):
@@ -166,11 +183,11 @@ def completions_see_a_sibling() -> Iterator[None]:
         for segment, parent in enumerate(shared.parents):
             start, end = bounds[segment], bounds[segment + 1]
             piece = torch.arange(start, end)
-            if parent >= 0:
-                prompt = bounds[parent + 1] - bounds[parent]
-                if parent in last_child:  # the sibling's first own key, after the prompt's keys
-                    sibling = bounds[last_child[parent]] + prompt
-                    piece = torch.cat([piece[:prompt], torch.tensor([sibling]), piece[prompt:]])
+            if parent >= 0 and (not deepest_only or shared.parents[parent] >= 0):
+                ancestors = bounds[parent + 1] - bounds[parent]  # the parent's keys: its ancestors' and its own
+                if parent in last_child:  # the sibling's first own key, after the ancestors' keys
+                    sibling = bounds[last_child[parent]] + ancestors
+                    piece = torch.cat([piece[:ancestors], torch.tensor([sibling]), piece[ancestors:]])
                 last_child[parent] = segment
             pieces.append(piece)
             sizes.append(piece.numel())
@@ -311,6 +328,25 @@ def _sources_from_siblings(recurrent: bool, conv: bool) -> Any:
         return tuple(found)
 
     return sources
+
+
+@contextmanager
+def conv_taps_stop_at_the_parent() -> Iterator[None]:
+    """Within the block, a conv tap that reaches back past its segment's parent (a branch point shorter than the
+    kernel, in a prefix tree) reads zeros instead of its grandparent's last inputs."""
+    original = mixers._conv_context
+
+    def stopping(shared: SharedPrefixes, cu_seq_lens: torch.Tensor, reach: int) -> torch.Tensor:
+        context = original(shared, cu_seq_lens, reach)
+        bounds = cu_seq_lens.long().tolist()
+        for segment, parent in enumerate(shared.parents):
+            if parent >= 0:
+                inside = min(reach, bounds[parent + 1] - bounds[parent])
+                context[segment, :reach - inside] = -1
+        return context
+
+    with mock.patch.object(mixers, "_conv_context", stopping):
+        yield
 
 
 @contextmanager

@@ -93,6 +93,8 @@ class AttentionCall:
     sinks: bool
     #: The prompts the call's row shares (segments that others continue); 0 without shared prefixes.
     shared_prompts: int = 0
+    #: The most prefixes above one segment of the call's row (1: one level of prompts; more: a prefix tree).
+    shared_depth: int = 0
 
 
 @contextmanager
@@ -181,7 +183,8 @@ class PadfreeAttention:
         if recorded is not None:
             shared = kwargs.get(SHARED_PREFIXES_KEY)
             prompts = len({parent for parent in shared.parents if parent >= 0}) if shared is not None else 0
-            recorded.append(AttentionCall(type(module).__name__, causal, sliding_window, sinks is not None, prompts))
+            recorded.append(AttentionCall(type(module).__name__, causal, sliding_window, sinks is not None, prompts,
+                                          shared.depth if shared is not None else 0))
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
         backend = self._backend_for(q)
         extra = {}
