@@ -5,9 +5,11 @@ as TRL's own run (not accelerated) on the same per-rank batches.
     OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 tests/sequence_parallel_shared_run.py \
         RUN[,RUN...] OUT
 
-A run is ``KIND-MODE``: ``KIND`` ``grpo`` or ``dpo``, ``MODE`` ``shared`` (size 2, prompts shared), ``padded``
-(TRL's own run: the reference) or ``no-exchange`` (shared, under the fault
-:func:`~padfree_plugins.testing.faults.parent_keys_not_exchanged`).
+A run is ``KIND-MODE``: ``KIND`` ``grpo``, ``dpo`` or ``lfm2`` (GRPO on a tiny LFM2, its mixers gathered), ``MODE`` ``shared`` (size 2, prompts shared), ``padded``
+(TRL's own run: the reference), ``no-exchange`` (shared, under the fault
+:func:`~padfree_plugins.testing.faults.parent_keys_not_exchanged`) or ``zero-state`` (LFM2, shared, under
+:func:`~padfree_plugins.testing.faults.completions_start_from_zero`); ``guard-check``: the model's guard on a split
+shared row (:func:`guard_check`).
 Rank 0 writes ``{run: {"losses", "grads", "initial", "state", "completions", "calls", "crossing", "attention"}}`` to
 ``OUT``: ``grads`` every parameter's gradient at each optimizer step, ``completions`` per rank the completion ids
 each reward call scored (GRPO), ``calls`` per rank per split fused call (the joined row's tokens, the slice's, its
@@ -31,23 +33,32 @@ from padfree_plugins.integrations import trl_fused
 from padfree_plugins.packing.batch import SHARED_PREFIXES_KEY, packed_tokens
 
 STEPS = 2
-KINDS = ("grpo", "dpo")
-MODES = ("shared", "padded", "no-exchange")
+KINDS = ("grpo", "dpo", "lfm2", "guard")
+MODES = ("shared", "padded", "no-exchange", "zero-state", "check")
 CONFIG = {"task": "causal_lm", "sequence_parallel": {"size": 2, "attention": "ulysses"}, "prefix_sharing": "on"}
+#: LFM2 (short convolutions beside attention): its mixers run on the whole row, where the shared row's conv taps
+#: reach into each completion's prompt.
+HYBRID_CONFIG = {**CONFIG, "sequence_parallel": {**CONFIG["sequence_parallel"], "mixers": "gather"}}
 
 
-def llama_dir(tok) -> str:
-    """A tiny Llama saved by rank 0 (GRPO loads its reference model from ``_name_or_path``), its EOS row scaled so
-    that completions end after a few tokens (completions of many lengths)."""
+def model_dir(kind: str, tok) -> str:
+    """The tiny Llama (``lfm2``: the tiny LFM2 of tests/test_trl_hybrid_prefixes.py, slow decays) saved by rank 0
+    (GRPO loads its reference model from ``_name_or_path``; transformers writes from the main process only), its EOS
+    row scaled so that completions end after a few tokens (completions of many lengths)."""
     from tests.test_trl_preference import policy
 
     path = [None]
     if dist.get_rank() == 0:
-        model = policy()
-        with torch.no_grad():
-            model.lm_head.weight[tok.eos_token_id] *= 40
-        path = [tempfile.mkdtemp(prefix="padfree-sp-shared-")]
-        model.save_pretrained(path[0])
+        if kind == "lfm2":
+            from tests.test_trl_hybrid_prefixes import hybrid_dir
+
+            path = [hybrid_dir("lfm2")]
+        else:
+            model = policy()
+            with torch.no_grad():
+                model.lm_head.weight[tok.eos_token_id] *= 40
+            path = [tempfile.mkdtemp(prefix="padfree-sp-shared-")]
+            model.save_pretrained(path[0])
     dist.broadcast_object_list(path, src=0)
     return path[0]
 
@@ -73,14 +84,14 @@ def build(kind: str, output_dir: str, scored: list):
         args = trl.DPOConfig(per_device_train_batch_size=2, **common)
         return trl.DPOTrainer(model=model, ref_model=copy.deepcopy(model).eval(), args=args,
                               train_dataset=pairs(4 * STEPS), processing_class=copy.deepcopy(right_padded()))
-    model = AutoModelForCausalLM.from_pretrained(llama_dir(tok))
+    model = AutoModelForCausalLM.from_pretrained(model_dir(kind, tok))
 
     def length_reward(completions: list[str], completion_ids: list, **kwargs) -> list[float]:
         scored.append([tuple(ids) for ids in completion_ids])
         return [len(text) / 10 for text in completions]
 
     words = "a tiny corpus for the tokenizer".split()
-    texts = [" ".join(words[(i * 7 + j) % len(words)] for j in range(1 + 3 * i)) for i in range(8)]
+    texts = [" ".join(words[(i * 7 + j) % len(words)] for j in range(2 + 3 * i)) for i in range(8)]
     data = datasets.Dataset.from_list([{"prompt": text} for text in texts])
     args = trl.GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
                           num_iterations=2, **common)
@@ -104,7 +115,7 @@ def train(kind: str, mode: str, calls: list, crossing: list, attention: list) ->
 
     from padfree_plugins import accelerate
     from padfree_plugins.modeling.attention import record_attention_calls
-    from padfree_plugins.testing.faults import parent_keys_not_exchanged
+    from padfree_plugins.testing.faults import completions_start_from_zero, parent_keys_not_exchanged
 
     right = trl_fused.slice_row
 
@@ -129,11 +140,13 @@ def train(kind: str, mode: str, calls: list, crossing: list, attention: list) ->
     try:
         trainer = build(kind, tempfile.mkdtemp(), completions)
         if mode != "padded":
-            plugin = accelerate(trainer, CONFIG).trainer_plugin
-            if plugin != f"trl_{kind}":
+            plugin = accelerate(trainer, HYBRID_CONFIG if kind == "lfm2" else CONFIG).trainer_plugin
+            if plugin != f"trl_{'grpo' if kind == 'lfm2' else kind}":
                 sys.exit(f"{kind}: accelerate() took {plugin}, not trl_{kind}")
         if mode == "no-exchange":
             stack.enter_context(parent_keys_not_exchanged())
+        elif mode == "zero-state":
+            stack.enter_context(completions_start_from_zero())
         trainer.add_callback(Gradients())
         initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
         with record_attention_calls() as recorded:
@@ -147,6 +160,46 @@ def train(kind: str, mode: str, calls: list, crossing: list, attention: list) ->
             "state": {name: p.detach().clone() for name, p in trainer.model.named_parameters()}}
 
 
+def guard_check() -> dict:
+    """The model's guard on a shared row split over the 2 ranks (a prompt of 6 tokens, two completions of 5 and 7;
+    the cut at 9 puts the second completion on rank 1, its prompt on rank 0): the right row passes; positions of the
+    completion restarting in rank 1's slice, or a structure naming the wrong parent, are refused on both ranks."""
+    from padfree_plugins import BoundaryError, assemble
+    from padfree_plugins.packing.prefixes import SharedPrefixes
+    from padfree_plugins.packing.sequence_parallel import segment_parents, slice_row
+    from tests.test_trl_preference import policy
+
+    model = policy()
+    assembly = assemble(model, {"task": "causal_lm", "sequence_parallel": {"size": 2, "attention": "ulysses"}})
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    sizes = [6, 5, 7]
+    bounds = torch.tensor([0, 6, 11, 18], dtype=torch.int32)
+    right = torch.cat([torch.arange(6), torch.arange(6, 11), torch.arange(6, 13)])
+
+    def run(positions: torch.Tensor, parents: list[int]) -> str:
+        row = {"input_ids": torch.randint(3, 60, (1, 18)), "position_ids": positions[None],
+               "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": 7, "max_length_k": 7,
+               SHARED_PREFIXES_KEY: SharedPrefixes.build(sizes, parents)}
+        row["segment_parents"] = segment_parents(row)
+        local = slice_row(row, rank, 2)
+        try:
+            with torch.no_grad():
+                model(**{key: local[key] for key in ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
+                                                     "max_length_q", "max_length_k", SHARED_PREFIXES_KEY)},
+                      use_cache=False)
+        except BoundaryError as error:
+            return str(error)
+        return "passed"
+
+    restarted = right.clone()
+    restarted[11:] = torch.arange(7)  # the second completion's positions restart (in rank 1's slice only)
+    results = {"right": run(right, [-1, 0, 0]), "restarted": run(restarted, [-1, 0, 0]),
+               "wrong parent": run(right, [-1, 0, 1])}
+    assembly.undo()
+    return results
+
+
 def main(runs: list[str], out: str) -> None:
     from accelerate import PartialState
 
@@ -156,6 +209,11 @@ def main(runs: list[str], out: str) -> None:
     results = {}
     for run in runs:
         kind, mode = run.split("-", 1)
+        if kind == "guard":
+            everyone: list = [None] * 2
+            dist.all_gather_object(everyone, guard_check())
+            results[run] = everyone
+            continue
         calls: list = []
         crossing: list = []
         attention: list = []
