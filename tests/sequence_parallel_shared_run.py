@@ -33,7 +33,7 @@ from padfree_plugins.integrations import trl_fused
 from padfree_plugins.packing.batch import SHARED_PREFIXES_KEY, packed_tokens
 
 STEPS = 2
-KINDS = ("grpo", "dpo", "lfm2", "guard")
+KINDS = ("grpo", "dpo", "lfm2", "rloo", "kto", "guard")
 MODES = ("shared", "padded", "no-exchange", "zero-state", "check")
 CONFIG = {"task": "causal_lm", "sequence_parallel": {"size": 2, "attention": "ulysses"}, "prefix_sharing": "on"}
 #: LFM2 (short convolutions beside attention): its mixers run on the whole row, where the shared row's conv taps
@@ -73,6 +73,10 @@ def build(kind: str, output_dir: str, scored: list):
     from tests.sequence_parallel_rl_run import tokenizer
     from tests.test_trl_preference import pairs, policy
 
+    if kind in ("rloo", "kto"):  # tests/sequence_parallel_rl_run.py's, on its tiny Qwen3
+        from tests.sequence_parallel_rl_run import build as rl_build
+
+        return rl_build(kind, output_dir, scored)
     tok = tokenizer()
     common = dict(output_dir=output_dir, max_steps=STEPS, learning_rate=0.05, optim="sgd",
                   lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, beta=0.1,
@@ -141,7 +145,7 @@ def train(kind: str, mode: str, calls: list, crossing: list, attention: list) ->
         trainer = build(kind, tempfile.mkdtemp(), completions)
         if mode != "padded":
             plugin = accelerate(trainer, HYBRID_CONFIG if kind == "lfm2" else CONFIG).trainer_plugin
-            if plugin != f"trl_{'grpo' if kind == 'lfm2' else kind}":
+            if plugin != f"trl_{'grpo' if kind == 'lfm2' else kind}":  # noqa: E501
                 sys.exit(f"{kind}: accelerate() took {plugin}, not trl_{kind}")
         if mode == "no-exchange":
             stack.enter_context(parent_keys_not_exchanged())

@@ -30,11 +30,12 @@ pytest.importorskip("trl")
 
 TOLERANCE = 1e-5
 RUNS = ("guard-check", "grpo-shared", "grpo-padded", "grpo-no-exchange", "dpo-shared", "dpo-padded",
-        "dpo-no-exchange", "lfm2-shared", "lfm2-padded", "lfm2-zero-state")
+        "dpo-no-exchange", "lfm2-shared", "lfm2-padded", "lfm2-zero-state", "rloo-shared", "rloo-padded",
+        "kto-shared", "kto-padded")
 #: Split fused calls per rank over the 2 steps. GRPO: the old policy's and the reference model's (once: the second
 #: iteration reuses the generation) and the policy's at each step. DPO: the policy's and the reference model's at
 #: each step.
-SPLIT_CALLS = {"grpo": 4, "dpo": 4, "lfm2": 4}
+SPLIT_CALLS = {"grpo": 4, "dpo": 4, "lfm2": 4, "rloo": 6, "kto": 8}
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +83,26 @@ def test_shared_prompts_under_sequence_parallelism_equal_trls_run(launched, kind
     assert all(prompts >= 2 for _, _, prompts in calls[0])
     assert all(all(rank) for rank in run["crossing"])  # a completion in the other half than its prompt, every call
     assert all(rank and min(rank) >= 2 for rank in run["attention"])  # every packed attention call shares
+
+
+@pytest.mark.parametrize("kind", ["rloo", "kto"])
+def test_rloo_and_kto_with_prefix_sharing_under_sequence_parallelism_equal_trls_run(launched, kind):
+    """RLOO and KTO (tests/sequence_parallel_rl_run.py's setups, tiny Qwen3) with ``prefix_sharing: on``: RLOO shares
+    its prompts in every split call, a completion across the cut each time; KTO's rows rarely repeat a prompt (its KL
+    completions pair each prompt with another row's completion), so some of its calls share one. Both equal TRL's
+    run."""
+    run, want = launched[f"{kind}-shared"], launched[f"{kind}-padded"]
+    assert run["completions"] == want["completions"]
+    loss, grad, weight = differences(run, want)
+    print(f"{kind} sp2 shared: max loss difference {loss:.2e}, gradients {grad:.2e}, weights {weight:.2e}")
+    assert loss < TOLERANCE and grad < TOLERANCE and weight < TOLERANCE
+    calls = run["calls"]
+    assert len(calls[0]) == len(calls[1]) == SPLIT_CALLS[kind] and calls[0] == calls[1]
+    if kind == "rloo":
+        assert all(prompts >= 1 for _, _, prompts in calls[0]) and all(all(rank) for rank in run["crossing"])
+        assert all(rank and min(rank) >= 1 for rank in run["attention"])
+    else:
+        assert any(prompts for _, _, prompts in calls[0])
 
 
 @pytest.mark.parametrize("run, reference", [("grpo-no-exchange", "grpo-padded"), ("dpo-no-exchange", "dpo-padded"),
@@ -147,3 +168,49 @@ def test_split_mixers_with_shared_prompts_are_refused(monkeypatch, tmp_path):
         accelerate(trainer, config)
     assert patch_of(trainer.model) is None and fused_forward_of(trainer.model) == forward
     assert "log" not in vars(trainer) and "get_train_dataloader" not in vars(trainer)
+
+
+# -- one process: the joined row's structure -----------------------------------------------------------------------
+
+
+def shared_row(sizes: list[int], parents: list[int]) -> dict:
+    """A packed row of segments of ``sizes`` with ``parents`` (positions continuing each parent's end)."""
+    from padfree_plugins.packing.prefixes import SharedPrefixes
+    from padfree_plugins.packing.sequence_parallel import SEGMENT_PARENTS_KEY, segment_parents
+
+    ends: list[int] = []
+    positions = []
+    for size, parent in zip(sizes, parents):
+        start = ends[parent] if parent >= 0 else 0
+        positions.append(torch.arange(start, start + size))
+        ends.append(start + size)
+    bounds = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
+    row = {"input_ids": torch.arange(sum(sizes))[None] + 3, "position_ids": torch.cat(positions)[None],
+           "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": max(sizes), "max_length_k": max(sizes)}
+    if any(parent >= 0 for parent in parents):
+        row["shared_prefixes"] = SharedPrefixes.build(sizes, parents)
+    row[SEGMENT_PARENTS_KEY] = segment_parents(row)
+    row.pop("shared_prefixes", None)
+    return row
+
+
+def test_joined_rows_slice_into_one_shared_structure():
+    """Two ranks' rows (one shares a prompt, one does not) joined and sliced: both slices carry the joined row's
+    structure, the second row's parents offset, the padding segment a root — what sharing the joined row gives."""
+    from padfree_plugins.errors import BatchError
+    from padfree_plugins.packing.prefixes import SharedPrefixes
+    from padfree_plugins.packing.sequence_parallel import join_rows, slice_row
+
+    first, second = shared_row([4, 3, 2], [-1, 0, 0]), shared_row([3, 2, 3], [-1, 0, -1])
+    joined = join_rows([first, second])
+    assert joined["segment_parents"].tolist() == [-1, 0, 0, -1, 3, -1]
+    want = SharedPrefixes.build([4, 3, 2, 3, 2, 3, 1], [-1, 0, 0, -1, 3, -1, -1])
+    for rank in (0, 1):
+        local = slice_row(joined, rank, 2)
+        got = local["shared_prefixes"]
+        assert "segment_parents" not in local and got.parents == want.parents
+        assert torch.equal(got.key_index, want.key_index) and torch.equal(got.cu_seq_lens_k, want.cu_seq_lens_k)
+    plain = shared_row([4, 3], [-1, -1])
+    assert "shared_prefixes" not in slice_row(join_rows([plain, plain]), 0, 2)  # nothing shared: no structure
+    with pytest.raises(BatchError, match="segment_parents"):
+        join_rows([{**first, "shared_prefixes": want}, {**second, "shared_prefixes": want}])
