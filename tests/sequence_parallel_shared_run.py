@@ -5,7 +5,8 @@ as TRL's own run (not accelerated) on the same per-rank batches.
     OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 tests/sequence_parallel_shared_run.py \
         RUN[,RUN...] OUT
 
-A run is ``KIND-MODE``: ``KIND`` ``grpo``, ``dpo`` or ``lfm2`` (GRPO on a tiny LFM2, its mixers gathered), ``MODE`` ``shared`` (size 2, prompts shared), ``padded``
+A run is ``KIND-MODE``: ``KIND`` ``grpo``, ``dpo``, ``lfm2`` (GRPO on a tiny LFM2, its mixers gathered), ``rloo`` or
+``kto`` (tests/sequence_parallel_rl_run.py's, on a tiny Qwen3); ``MODE`` ``shared`` (size 2, prompts shared), ``padded``
 (TRL's own run: the reference), ``no-exchange`` (shared, under the fault
 :func:`~padfree_plugins.testing.faults.parent_keys_not_exchanged`) or ``zero-state`` (LFM2, shared, under
 :func:`~padfree_plugins.testing.faults.completions_start_from_zero`); ``guard-check``: the model's guard on a split
@@ -144,9 +145,10 @@ def train(kind: str, mode: str, calls: list, crossing: list, attention: list) ->
     try:
         trainer = build(kind, tempfile.mkdtemp(), completions)
         if mode != "padded":
+            wanted = "trl_grpo" if kind == "lfm2" else f"trl_{kind}"
             plugin = accelerate(trainer, HYBRID_CONFIG if kind == "lfm2" else CONFIG).trainer_plugin
-            if plugin != f"trl_{'grpo' if kind == 'lfm2' else kind}":  # noqa: E501
-                sys.exit(f"{kind}: accelerate() took {plugin}, not trl_{kind}")
+            if plugin != wanted:
+                sys.exit(f"{kind}: accelerate() took {plugin}, not {wanted}")
         if mode == "no-exchange":
             stack.enter_context(parent_keys_not_exchanged())
         elif mode == "zero-state":
