@@ -51,7 +51,13 @@ gathered back to the whole row (differentiable: each rank's gradient flows to th
 its own call's tokens. Each rank's TRL loss then reads exactly its own examples' log-probabilities, as under data
 parallelism. The ranks of a group agree at every fused call whether all of them pack it (one small all-reduce): if
 one cannot, every rank runs its own call through TRL's forward, padded, so that their collectives stay in step.
-Image-text calls are not packed under sequence parallelism (refused at ``accelerate()``).
+Image-text calls are not packed under sequence parallelism (refused at ``accelerate()``). With ``prefix_sharing``
+each rank's call shares its prompts, and its row's prompt structure travels with it (one parent per segment:
+:data:`~padfree_plugins.packing.sequence_parallel.SEGMENT_PARENTS_KEY`): the joined row is one shared row, built
+alike on every rank, and attention (Ulysses: every rank holds every token of its heads) applies it to the whole row,
+so a completion whose prompt lies in another rank's slice attends to it. All-gather attention and split sequence
+mixers do not take a split shared row (refused at ``accelerate()``: :func:`~padfree_plugins.integrations.checks.
+why_not_split_shared`).
 """
 
 from __future__ import annotations

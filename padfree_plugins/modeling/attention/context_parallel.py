@@ -103,10 +103,15 @@ class AllGatherAttention:
                 f"{name}: {local} local tokens x {group.size} ranks, but the boundaries describe "
                 f"{int(cu_seq_lens[-1])} tokens: a sequence-parallel forward takes each rank's slice of the group's "
                 "row (assembly.forward slices it)")
-        for unsupported, what in ((BLOCKS_KWARG, "bidirectional blocks (image tokens)"),
-                                  (SHARED_PREFIXES_KEY, "shared prefixes")):
-            if kwargs.get(unsupported) is not None:
-                raise NotImplementedError(f"{name}: {what} are not supported under all-gather sequence parallelism")
+        if kwargs.get(BLOCKS_KWARG) is not None:
+            raise NotImplementedError(f"{name}: bidirectional blocks (image tokens) are not supported under all-gather "
+                                      "sequence parallelism")
+        if kwargs.get(SHARED_PREFIXES_KEY) is not None:
+            raise NotImplementedError(f"{name}: shared prefixes are not supported under all-gather sequence "
+                                      "parallelism (a slice's queries against the gathered keys by plain boundaries "
+                                      "do not say which prompt a completion continues): use sequence_parallel."
+                                      "attention: ulysses with a size that divides the attention heads, or "
+                                      "prefix_sharing: off")
         causal = kwargs.get("is_causal")
         causal = bool(getattr(module, "is_causal", self.inner.default_causal) if causal is None else causal)
         window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
