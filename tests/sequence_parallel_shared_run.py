@@ -8,7 +8,8 @@ as TRL's own run (not accelerated) on the same per-rank batches.
 A run is ``KIND-MODE``: ``KIND`` ``grpo``, ``dpo``, ``lfm2`` (GRPO on a tiny LFM2, its mixers gathered), ``rloo`` or
 ``kto`` (tests/sequence_parallel_rl_run.py's, on a tiny Qwen3); ``MODE`` ``shared`` (size 2, prompts shared), ``padded``
 (TRL's own run: the reference), ``no-exchange`` (shared, under the fault
-:func:`~padfree_plugins.testing.faults.parent_keys_not_exchanged`) or ``zero-state`` (LFM2, shared, under
+:func:`~padfree_plugins.testing.faults.parent_keys_not_exchanged`), ``allgather`` / ``allgather-no-exchange`` (the
+same with ``sequence_parallel.attention: allgather``) or ``zero-state`` (LFM2, shared, under
 :func:`~padfree_plugins.testing.faults.completions_start_from_zero`); ``guard-check``: the model's guard on a split
 shared row (:func:`guard_check`).
 Rank 0 writes ``{run: {"losses", "grads", "initial", "state", "completions", "calls", "crossing", "attention"}}`` to
@@ -35,11 +36,13 @@ from padfree_plugins.packing.batch import SHARED_PREFIXES_KEY, packed_tokens
 
 STEPS = 2
 KINDS = ("grpo", "dpo", "lfm2", "rloo", "kto", "guard")
-MODES = ("shared", "padded", "no-exchange", "zero-state", "check")
+MODES = ("shared", "padded", "no-exchange", "zero-state", "check", "allgather", "allgather-no-exchange")
 CONFIG = {"task": "causal_lm", "sequence_parallel": {"size": 2, "attention": "ulysses"}, "prefix_sharing": "on"}
 #: LFM2 (short convolutions beside attention): its mixers run on the whole row, where the shared row's conv taps
 #: reach into each completion's prompt.
 HYBRID_CONFIG = {**CONFIG, "sequence_parallel": {**CONFIG["sequence_parallel"], "mixers": "gather"}}
+#: All-gather attention: each rank's queries against their segments' keys of the gathered row.
+ALLGATHER_CONFIG = {**CONFIG, "sequence_parallel": {"size": 2, "attention": "allgather"}}
 
 
 def model_dir(kind: str, tok) -> str:
@@ -146,10 +149,11 @@ def train(kind: str, mode: str, calls: list, crossing: list, attention: list) ->
         trainer = build(kind, tempfile.mkdtemp(), completions)
         if mode != "padded":
             wanted = "trl_grpo" if kind == "lfm2" else f"trl_{kind}"
-            plugin = accelerate(trainer, HYBRID_CONFIG if kind == "lfm2" else CONFIG).trainer_plugin
+            config = HYBRID_CONFIG if kind == "lfm2" else ALLGATHER_CONFIG if "allgather" in mode else CONFIG
+            plugin = accelerate(trainer, config).trainer_plugin
             if plugin != wanted:
                 sys.exit(f"{kind}: accelerate() took {plugin}, not {wanted}")
-        if mode == "no-exchange":
+        if mode.endswith("no-exchange"):
             stack.enter_context(parent_keys_not_exchanged())
         elif mode == "zero-state":
             stack.enter_context(completions_start_from_zero())

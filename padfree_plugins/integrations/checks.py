@@ -368,17 +368,17 @@ def why_prompts_not_shared(trainer: Any, assembly: Any, prompt_column: bool = Tr
 def why_not_split_shared(assembly: Any, size: int) -> str | None:
     """Why a shared row cannot be split across a sequence-parallel group of ``size`` for ``assembly``'s model, or
     ``None``: attention must be Ulysses alone (after its all-to-all every rank holds the whole row of its heads, so
-    a completion's prompt is there whichever rank's slice holds it); all-gather attention gives a slice's queries the
-    row's keys by plain boundaries, which do not say which prompt a completion continues; split sequence mixers cut
-    a segment without its parent's state."""
+    a completion's prompt is there whichever rank's slice holds it) or all-gather alone (each slice's queries against
+    their segments' keys of the gathered row); Ulysses within blocks mixed with all-gather across them is not tested
+    with shared rows; split sequence mixers cut a segment without its parent's state."""
     config = assembly.config
     heads = getattr(assembly.model.config.get_text_config(), "num_attention_heads", None)
     share, _ = ulysses_share(config.sequence_parallel.attention, heads, size)
-    if share != size:
-        return (f"under sequence_parallel.size: {size} attention runs all-gather context parallelism "
-                f"(sequence_parallel.attention: {config.sequence_parallel.attention}, {heads} heads), which does not "
-                "apply a shared row's structure to a slice's queries; use sequence_parallel.attention: ulysses with "
-                "a size that divides the attention heads")
+    if 1 < share < size:
+        return (f"under sequence_parallel.size: {size} attention runs Ulysses over blocks of {share} ranks mixed with "
+                f"all-gather across them (sequence_parallel.attention: {config.sequence_parallel.attention}, {heads} "
+                "heads), which is not yet supported with shared prefixes; use sequence_parallel.attention: ulysses "
+                "with a size that divides the attention heads, or allgather")
     if sequence_mixers(assembly.model) and config.sequence_parallel.mixers == "split":
         return ("its sequence mixers run split across ranks (sequence_parallel.mixers: split), and a split mixer "
                 "cannot start a completion on one rank from its prompt's state on another; set "

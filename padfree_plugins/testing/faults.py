@@ -495,7 +495,8 @@ def parent_keys_not_exchanged() -> Iterator[None]:
     """Within the block, under sequence parallelism with one group of every process, a segment of a shared row sees
     zeros for the keys and values of its ancestors' tokens that lie in another rank's slice of the row: as if each rank
     applied the shared structure to its own slice, the parent keys and values of a completion across the cut never
-    exchanged. Rows whose prompts and completions sit in one slice are unchanged."""
+    exchanged (under all-gather attention: those keys left out of the segment's keys). Rows whose prompts and
+    completions sit in one slice are unchanged."""
     import torch.distributed as dist
 
     right = attention._shared_keys
@@ -515,5 +516,21 @@ def parent_keys_not_exchanged() -> Iterator[None]:
         keep = (~(ancestor & elsewhere)).to(key.device, key.dtype)[:, None, None]
         return key * keep, value * keep, cu_k, longest
 
-    with mock.patch.object(attention, "_shared_keys", local):
+    right_slice = SharedPrefixes.slice_keys
+
+    def local_slice(self: SharedPrefixes, start: int, end: int):  # all-gather: ancestors outside the slice dropped
+        index, bounds, _ = right_slice(self, start, end)
+        counts = self.cu_seq_lens_k.long().diff().tolist()
+        pieces, edges = [], bounds.long().tolist()
+        for segment, parent in enumerate(self.parents):
+            piece = index[edges[segment]:edges[segment + 1]]
+            ancestors = min(counts[parent] if parent >= 0 else 0, piece.numel())
+            head = piece[:ancestors]
+            pieces.append(torch.cat([head[(head >= start) & (head < end)], piece[ancestors:]]))
+        sizes = torch.tensor([piece.numel() for piece in pieces])
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)]).to(torch.int32)
+        return torch.cat(pieces), cu.to(bounds.device), int(sizes.max())
+
+    with mock.patch.object(attention, "_shared_keys", local), \
+            mock.patch.object(SharedPrefixes, "slice_keys", local_slice):
         yield

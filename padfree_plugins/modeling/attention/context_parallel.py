@@ -106,12 +106,6 @@ class AllGatherAttention:
         if kwargs.get(BLOCKS_KWARG) is not None:
             raise NotImplementedError(f"{name}: bidirectional blocks (image tokens) are not supported under all-gather "
                                       "sequence parallelism")
-        if kwargs.get(SHARED_PREFIXES_KEY) is not None:
-            raise NotImplementedError(f"{name}: shared prefixes are not supported under all-gather sequence "
-                                      "parallelism (a slice's queries against the gathered keys by plain boundaries "
-                                      "do not say which prompt a completion continues): use sequence_parallel."
-                                      "attention: ulysses with a size that divides the attention heads, or "
-                                      "prefix_sharing: off")
         causal = kwargs.get("is_causal")
         causal = bool(getattr(module, "is_causal", self.inner.default_causal) if causal is None else causal)
         window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
@@ -131,9 +125,16 @@ class AllGatherAttention:
         if keys is not None:
             key, value = key[:, :, :keys], value[:, :, :keys]
         longest = kwargs.get("max_length_q")
+        longest_k = kwargs.get("max_length_k", longest)
+        shared = kwargs.get(SHARED_PREFIXES_KEY)
+        if shared is not None and causal:  # each segment's keys: its ancestors', then its own up to the slice's end
+            index, cu_k, longest_k = shared.slice_keys(start, start + local)
+            index = index.to(key.device)
+            key, value = key.index_select(2, index), value.index_select(2, index)
+            cu_k = cu_k.to(cu_q.device)
         kwargs.update(cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, **{GATHERED_KEYS: True})
         if longest is not None:
-            kwargs.update(max_length_q=min(int(longest), local), max_length_k=kwargs.get("max_length_k", longest))
+            kwargs.update(max_length_q=min(int(longest), local), max_length_k=longest_k)
         return self.inner(module, query, key, value, attention_mask, **kwargs)
 
 
