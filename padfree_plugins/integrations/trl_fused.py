@@ -54,10 +54,10 @@ one cannot, every rank runs its own call through TRL's forward, padded, so that 
 Image-text calls are not packed under sequence parallelism (refused at ``accelerate()``). With ``prefix_sharing``
 each rank's call shares its prompts, and its row's prompt structure travels with it (one parent per segment:
 :data:`~padfree_plugins.packing.sequence_parallel.SEGMENT_PARENTS_KEY`): the joined row is one shared row, built
-alike on every rank, and attention (Ulysses: every rank holds every token of its heads) applies it to the whole row,
-so a completion whose prompt lies in another rank's slice attends to it. All-gather attention and split sequence
-mixers do not take a split shared row (refused at ``accelerate()``: :func:`~padfree_plugins.integrations.checks.
-why_not_split_shared`).
+alike on every rank, and attention applies it to the whole row (Ulysses: every rank holds every token of its heads;
+all-gather: each slice's queries against their segments' keys of the gathered row), so a completion whose prompt lies
+in another rank's slice attends to it. Ulysses mixed with all-gather and split sequence mixers do not take a split
+shared row (refused at ``accelerate()``: :func:`~padfree_plugins.integrations.checks.why_not_split_shared`).
 """
 
 from __future__ import annotations
