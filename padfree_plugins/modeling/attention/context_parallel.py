@@ -118,7 +118,9 @@ class AllGatherAttention:
 
     def attend(self, module, query, key, value, attention_mask, causal: bool, **kwargs):
         """This rank's queries ``[1, H, T/N, D]`` attended to the row's keys and values ``[1, H_kv, T, D]``
-        (causal: those up to the slice's end only, the later ones never seen)."""
+        (causal: those up to the slice's end only, the later ones never seen). A row with shared prefixes: each
+        segment's queries against its ancestors' keys, then its own up to the slice's end
+        (:meth:`~padfree_plugins.packing.prefixes.SharedPrefixes.slice_keys`), wherever in the row they lie."""
         local = query.shape[2]
         start = self.group.rank * local
         cu_q, cu_k, keys = slice_boundaries(kwargs["cu_seq_lens_q"], start, local, causal)
