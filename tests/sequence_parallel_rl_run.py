@@ -159,7 +159,8 @@ def train(kind: str, mode: str, seen: list, cuts: list) -> dict:
     try:
         trainer = build(kind, tempfile.mkdtemp(), completions)
         if mode != "padded":
-            config = {"task": "causal_lm", "sequence_parallel": {"size": 2}}
+            # every example whole (the shared rows: tests/sequence_parallel_shared_run.py)
+            config = {"task": "causal_lm", "sequence_parallel": {"size": 2}, "prefix_sharing": "off"}
             plugin = accelerate(trainer, config).trainer_plugin
             if plugin != f"trl_{kind}":
                 sys.exit(f"{kind}: accelerate() took {plugin}, not trl_{kind}")

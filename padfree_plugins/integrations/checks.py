@@ -26,7 +26,8 @@ import numpy as np
 
 from padfree_plugins.batching.sampler import check_whole_micro_batches, combined_loads, example_lengths
 from padfree_plugins.errors import BatchError, ConfigError, PadfreeError
-from padfree_plugins.modeling.mixers import why_no_prompt_state
+from padfree_plugins.modeling.attention.context_parallel import ulysses_share
+from padfree_plugins.modeling.mixers import sequence_mixers, why_no_prompt_state
 from padfree_plugins.packing.datacheck import inspect_dataset
 from padfree_plugins.packing.prefixes import SHARED_PREFIXES_FEATURE
 
@@ -330,14 +331,19 @@ def refuse_own_batches_options(trainer: Any, config: Any, name: str, batches: st
             f"row it sees, which {noise}")
 
 
-def why_prompts_not_shared(trainer: Any, assembly: Any, prompt_column: bool = True) -> str | None:
+def why_prompts_not_shared(trainer: Any, assembly: Any, prompt_column: bool = True,
+                           splits_shared_rows: bool = False) -> str | None:
     """Why ``trainer``'s packed rows cannot hold each repeated prompt once (see :mod:`padfree_plugins.packing.
     prefixes`), or ``None``. ``prompt_column``: rows repeat a prompt only when the dataset has a prompt column (TRL's
-    preference and RL trainers; a RewardTrainer's pairs share whatever tokens they begin with)."""
+    preference and RL trainers; a RewardTrainer's pairs share whatever tokens they begin with).
+    ``splits_shared_rows``: the trainer's plugin splits a shared row across a sequence-parallel group (the fused
+    log-probability calls): then only what the split row cannot do is a reason (:func:`why_not_split_shared`)."""
     config, plan = assembly.config, assembly.plan
     size = sequence_parallel_size(config)
-    if size > 1:
+    if size > 1 and not splits_shared_rows:
         return f"a shared row is not split across ranks (sequence_parallel.size: {size})"
+    if size > 1 and (reason := why_not_split_shared(assembly, size)):
+        return reason
     if plan.architecture.kind != "decoder":
         return f"a shared prompt is read causally, and {plan.architecture.name} is an {plan.architecture.kind}"
     if getattr(trainer, "_is_vision_dataset", False) or getattr(trainer, "_is_vlm", False):
@@ -359,7 +365,29 @@ def why_prompts_not_shared(trainer: Any, assembly: Any, prompt_column: bool = Tr
     return None
 
 
-def shares_prefixes(trainer: Any, assembly: Any, prompt_column: bool = True) -> bool:
+def why_not_split_shared(assembly: Any, size: int) -> str | None:
+    """Why a shared row cannot be split across a sequence-parallel group of ``size`` for ``assembly``'s model, or
+    ``None``: attention must be Ulysses alone (after its all-to-all every rank holds the whole row of its heads, so
+    a completion's prompt is there whichever rank's slice holds it) or all-gather alone (each slice's queries against
+    their segments' keys of the gathered row); Ulysses within blocks mixed with all-gather across them is not tested
+    with shared rows; split sequence mixers cut a segment without its parent's state."""
+    config = assembly.config
+    heads = getattr(assembly.model.config.get_text_config(), "num_attention_heads", None)
+    share, _ = ulysses_share(config.sequence_parallel.attention, heads, size)
+    if 1 < share < size:
+        return (f"under sequence_parallel.size: {size} attention runs Ulysses over blocks of {share} ranks mixed with "
+                f"all-gather across them (sequence_parallel.attention: {config.sequence_parallel.attention}, {heads} "
+                "heads), which is not yet supported with shared prefixes; use sequence_parallel.attention: ulysses "
+                "with a size that divides the attention heads, or allgather")
+    if sequence_mixers(assembly.model) and config.sequence_parallel.mixers == "split":
+        return ("its sequence mixers run split across ranks (sequence_parallel.mixers: split), and a split mixer "
+                "cannot start a completion on one rank from its prompt's state on another; set "
+                "sequence_parallel.mixers: gather (every rank runs the shared row's mixers whole)")
+    return None
+
+
+def shares_prefixes(trainer: Any, assembly: Any, prompt_column: bool = True, splits_shared_rows: bool = False
+                    ) -> bool:
     """Whether ``trainer``'s packed rows share repeated prompts under the config's ``prefix_sharing``: ``off`` never;
     ``auto`` where :func:`why_prompts_not_shared` finds no reason against (the reason is logged); ``on`` the same,
     refusing (a :class:`ConfigError`, nothing changed yet) where it cannot apply."""
@@ -367,7 +395,7 @@ def shares_prefixes(trainer: Any, assembly: Any, prompt_column: bool = True) -> 
     if mode == "off":
         return False
     name = type(trainer).__name__
-    reason = why_prompts_not_shared(trainer, assembly, prompt_column)
+    reason = why_prompts_not_shared(trainer, assembly, prompt_column, splits_shared_rows)
     if reason and mode == "on":
         raise ConfigError(f"prefix_sharing: on with {name}: {reason}. Set prefix_sharing: auto (shared where it "
                           "applies) or off")

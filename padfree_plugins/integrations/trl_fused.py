@@ -51,7 +51,13 @@ gathered back to the whole row (differentiable: each rank's gradient flows to th
 its own call's tokens. Each rank's TRL loss then reads exactly its own examples' log-probabilities, as under data
 parallelism. The ranks of a group agree at every fused call whether all of them pack it (one small all-reduce): if
 one cannot, every rank runs its own call through TRL's forward, padded, so that their collectives stay in step.
-Image-text calls are not packed under sequence parallelism (refused at ``accelerate()``).
+Image-text calls are not packed under sequence parallelism (refused at ``accelerate()``). With ``prefix_sharing``
+each rank's call shares its prompts, and its row's prompt structure travels with it (one parent per segment:
+:data:`~padfree_plugins.packing.sequence_parallel.SEGMENT_PARENTS_KEY`): the joined row is one shared row, built
+alike on every rank, and attention applies it to the whole row (Ulysses: every rank holds every token of its heads;
+all-gather: each slice's queries against their segments' keys of the gathered row), so a completion whose prompt lies
+in another rank's slice attends to it. Ulysses mixed with all-gather and split sequence mixers do not take a split
+shared row (refused at ``accelerate()``: :func:`~padfree_plugins.integrations.checks.why_not_split_shared`).
 """
 
 from __future__ import annotations
@@ -81,7 +87,8 @@ from padfree_plugins.packing.batch import BOUNDARY_KEYS, MEDIA_KEYS, MODEL_INPUT
 from padfree_plugins.packing.multimodal import MODALITY_KEYS, TOKEN_TYPES_KEY, MultimodalCollator, media_equal, \
     share_prompts
 from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, SharedPrefixes
-from padfree_plugins.packing.sequence_parallel import MAX_KEYS, join_rows, slice_row
+from padfree_plugins.packing.sequence_parallel import MAX_KEYS, SEGMENT_PARENTS_KEY, join_rows, segment_parents, \
+    slice_row
 
 
 #: Inputs with which a fused call is left to TRL's own forward: a cache, embeddings instead of tokens, boundaries
@@ -133,11 +140,19 @@ def own_tokens(whole: torch.Tensor, sizes: list[int], rank: int) -> torch.Tensor
     return whole[:, start:start + sizes[rank]]
 
 
-def fused_on_slice(original: Any, inputs: dict, group: SequenceGroup) -> Any:
+def fused_on_slice(original: Any, inputs: dict, group: SequenceGroup, shares: bool = False) -> Any:
     """TRL's fused forward ``original`` of this rank's packed call ``inputs`` (pre-shifted ``shift_labels``) under
     sequence parallelism: the group's packed rows joined, this rank's slice through ``original``, every per-token
     output gathered back to the whole row (in one exchange) and cut to this rank's own tokens; the label mask and the
-    loss recomputed on them."""
+    loss recomputed on them. ``shares``: the group's heads share prefixes (every rank's, so each rank sends its row's
+    segment parents, ``-1`` where its row shares nothing): the joined row carries the structure of every rank's row,
+    built alike on every rank (:func:`~padfree_plugins.packing.sequence_parallel.slice_row`)."""
+    inputs = dict(inputs)
+    structure = inputs.pop(SHARED_PREFIXES_KEY, None)
+    if shares:
+        inputs[SEGMENT_PARENTS_KEY] = segment_parents({**inputs, SHARED_PREFIXES_KEY: structure})
+    elif structure is not None:
+        raise PadfreeError("a shared row under sequence parallelism from a head that does not share prefixes")
     rows = {key: value for key, value in inputs.items() if isinstance(value, torch.Tensor) or key in MAX_KEYS}
     rest = {key: value for key, value in inputs.items() if key not in rows}
     gathered = gather_rows(rows, group, dropped=())
@@ -432,9 +447,6 @@ class PackedFusedHead:
         if sequence is not None and collator is not None:
             raise PadfreeError("image-text log-probability calls are not packed under sequence parallelism: train "
                                "them with sequence_parallel.size: 1")
-        if sequence is not None and share_prefixes:
-            raise PadfreeError("shared prefixes are not split across ranks: set prefix_sharing: off under sequence "
-                               "parallelism")
         head = cls(model, original, {"forward": own_attribute(model, "forward")}, collator, sequence,
                    share_prefixes, calls if calls is not None else FusedCalls(), mixer_chunk(model))
 
@@ -461,7 +473,7 @@ class PackedFusedHead:
         shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
         inputs["shift_labels"] = shifted.reshape(-1).index_select(0, unpadded.index.to(shifted.device))[None]
         if self.sequence is not None:
-            output = fused_on_slice(self.original, inputs, self.sequence)
+            output = fused_on_slice(self.original, inputs, self.sequence, self.share_prefixes)
         else:
             output = self.original(fused_lm_head=True, **inputs)
         for key in list(output.keys()):
@@ -589,7 +601,7 @@ class FusedTrainerPatch:
         if self.assembly.plan.architecture.kind != "decoder":
             raise PadfreeError(f"{name} trains a causal language model; {type(self.assembly.model).__name__} is an "
                                f"{self.assembly.plan.architecture.kind}")
-        self.shares_prefixes = shares_prefixes(trainer, self.assembly)
+        self.shares_prefixes = shares_prefixes(trainer, self.assembly, splits_shared_rows=self.sequence_parallel)
         if uses_token_budget(config):
             self.check_budget(vision)
 

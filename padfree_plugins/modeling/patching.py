@@ -164,7 +164,10 @@ def _check_slice_boundaries(cu: torch.Tensor, cu_k: Any, restarts: torch.Tensor,
 def _check_shared_prefixes(cu: Any, cu_k: Any, position_ids: torch.Tensor, shared: Any, sequence: Any) -> None:
     """A packed row with shared prefixes (:mod:`padfree_plugins.packing.prefixes`): one parent per segment, the keys
     each segment attends to exactly its ancestors' tokens and its own, and positions that restart at every segment
-    without a parent and continue its parent's end in every other (checked on the host only, as the boundaries)."""
+    without a parent and continue its parent's end in every other (checked on the host only, as the boundaries).
+    Under sequence parallelism (``sequence``) the boundaries and the structure describe the group's whole row and
+    ``position_ids`` this rank's slice: the slices' positions are gathered (one all-gather) and the whole row checked,
+    so a completion whose parent sits in another rank's slice is checked against that parent's end."""
     _check_boundary_types(cu, cu_k)
     if cu_k is not None and cu_k.device.type == cu.device.type == "cpu" and not torch.equal(cu_k.long(), cu.long()):
         raise BoundaryError("a shared row carries its keys' boundaries in shared_prefixes: cu_seq_lens_k must equal "
@@ -172,14 +175,13 @@ def _check_shared_prefixes(cu: Any, cu_k: Any, position_ids: torch.Tensor, share
     if not isinstance(shared, SharedPrefixes):
         raise BoundaryError(f"shared_prefixes must be a padfree_plugins.packing.prefixes.SharedPrefixes; got "
                             f"{type(shared).__name__}")
-    if sequence is not None:
-        raise BoundaryError("shared prefixes under sequence parallelism: a shared row is not split across ranks; "
-                            "set prefix_sharing: off, or sequence_parallel.size: 1")
     if len(shared.parents) != cu.numel() - 1:
         raise BoundaryError(f"shared_prefixes names parents for {len(shared.parents)} segments, but cu_seq_lens_q "
                             f"holds {cu.numel() - 1}")
     if cu.device.type != "cpu" or position_ids.device.type != "cpu" or position_ids.ndim != 2:
         return
+    if sequence is not None:
+        position_ids = _joined_positions(cu, position_ids, sequence)
     bounds, positions = cu.long().tolist(), position_ids[0].tolist()
     if bounds[0] != 0 or bounds[-1] != len(positions) or any(b >= e for b, e in zip(bounds, bounds[1:])):
         raise BoundaryError(f"cu_seq_lens_q {bounds[:8]} does not split the packed row of {len(positions)} tokens "
@@ -217,6 +219,22 @@ def text_positions(position_ids: Any) -> Any:
         f"position_ids of shape {tuple(position_ids.shape)} in a packed row: a packed multimodal row carries "
         "[4, 1, T] — the text positions (restarting at every example) first, then the three mRoPE rows — as "
         "padfree_plugins' multimodal collator builds them")
+
+
+def _joined_positions(cu: torch.Tensor, position_ids: torch.Tensor, sequence: Any) -> torch.Tensor:
+    """The positions ``[1, T]`` of a sequence-parallel group's row, of which ``position_ids`` is this rank's slice:
+    the slices all-gathered (every rank of the group checks the same row, so all refuse a wrong one alike)."""
+    local = position_ids.shape[-1]
+    if int(cu[-1]) != local * sequence.size:
+        raise BoundaryError(
+            f"a sequence-parallel forward got {local} tokens on each of {sequence.size} ranks, but cu_seq_lens_q "
+            f"describes a row of {int(cu[-1])}: each rank takes its slice of the group's row, as "
+            "assembly.forward cuts it (padfree_plugins.packing.sequence_parallel.slice_row)")
+    import torch.distributed as dist
+
+    pieces = [torch.empty_like(position_ids) for _ in range(sequence.size)]
+    dist.all_gather(pieces, position_ids.contiguous(), group=sequence.group)
+    return torch.cat(pieces, dim=1)
 
 
 def check_boundaries(module: torch.nn.Module, args: tuple, kwargs: dict, sequence: Any = None) -> bool:

@@ -231,8 +231,10 @@ class SplitMixer:
         if row is None or (cu is not None and cu is not row.cu_seq_lens):
             row = PackedRow(cu, inputs.get(SHARED_PREFIXES_KEY))
         if row.shared is not None:
-            raise BoundaryError(f"{name}: a row with shared prefixes under sequence parallelism; set "
-                                "prefix_sharing: off or sequence_parallel.size: 1")
+            raise BoundaryError(f"{name}: a row with shared prefixes under sequence_parallel.mixers: split; a split "
+                                "mixer cannot start a completion on one rank from its prompt's state on another. Set "
+                                "sequence_parallel.mixers: gather (the shared row's mixers run whole on every rank) "
+                                "or prefix_sharing: off")
         hidden = inputs.pop("hidden_states", None)
         if hidden is None or hidden.ndim != 3 or hidden.shape[0] != 1:
             raise BoundaryError(f"{name} got a packed call without a [1, T, H] hidden_states")

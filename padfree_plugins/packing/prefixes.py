@@ -96,6 +96,23 @@ class SharedPrefixes:
         once per structure: one read of ``cu_seq_lens_k``), for attention with bidirectional blocks."""
         return RootsAndChildren.of(self)
 
+    def slice_keys(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """For the queries ``[start, end)`` of the row (one rank's slice, against the row's keys: all-gather sequence
+        parallelism): each segment's keys — its ancestors', then its own up to ``end`` (none for a segment that
+        starts at ``end`` or later) — as packed positions (int64), their boundaries (int32) and the longest, so that
+        every query of the slice stays aligned to the end of its segment's keys."""
+        bounds = self.cu_seq_lens_k.long().tolist()
+        counts = [finish - begin for begin, finish in zip(bounds, bounds[1:])]
+        pieces, sizes, own_start = [], [], 0
+        for segment, parent in enumerate(self.parents):
+            length = counts[segment] - (counts[parent] if parent >= 0 else 0)
+            kept = 0 if own_start >= end else counts[segment] - length + min(length, end - own_start)
+            pieces.append(self.key_index[bounds[segment]:bounds[segment] + kept])
+            sizes.append(kept)
+            own_start += length
+        cu = torch.tensor([0, *torch.tensor(sizes, dtype=torch.long).cumsum(0).tolist()], dtype=torch.int32)
+        return torch.cat(pieces), cu.to(self.key_index.device), max(sizes, default=0)
+
     def whole(self, segments: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The packed positions of the tokens of ``segments``' examples whole (a segment's ancestors, root first,
         then its own tokens; a segment without a parent alone), one example after the other, and their boundaries

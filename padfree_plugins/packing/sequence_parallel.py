@@ -17,6 +17,13 @@ micro-batch, as under data parallelism; the group's row is their micro-batches b
 A row whose targets are shifted already (``shift_labels``, no ``labels``: TRL's fused LM head) is sliced with
 ``pre_shifted=True``: its ``shift_labels`` are cut as they are, the padding segment's -100.
 
+A row with shared prefixes (:mod:`padfree_plugins.packing.prefixes`) is joined and sliced alike: each rank's
+structure travels as :data:`SEGMENT_PARENTS_KEY` (one parent per segment, a tensor the group exchanges like any
+per-example key; :func:`segment_parents`), :func:`join_rows` offsets the parents by the segments of the rows before,
+and :func:`slice_row` builds the joined row's :class:`~padfree_plugins.packing.prefixes.SharedPrefixes` (the padding
+segment a root) for every slice alike: the structure describes the whole row, as the boundaries do, and attention
+applies it after Ulysses' all-to-all, where every rank holds every token of its heads.
+
 Nothing here communicates: the exchange of micro-batches is :func:`padfree_plugins.modeling.sequence_parallel.
 gather_rows`'s.
 """
@@ -29,13 +36,17 @@ from typing import Any
 import torch
 
 from padfree_plugins.errors import BatchError
-from padfree_plugins.packing.batch import PackedBatch, packed_tokens
+from padfree_plugins.packing.batch import SHARED_PREFIXES_KEY, PackedBatch, packed_tokens
 from padfree_plugins.packing.labelled_logits import HELD_KEY, LABELLED_LOGITS_KEYS
+from padfree_plugins.packing.prefixes import SharedPrefixes
 
 #: Keys that hold a packed row's boundaries (offset when rows are joined, kept whole when a row is sliced).
 CU_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
 #: Keys that hold the longest example (python ints).
 MAX_KEYS = ("max_length_q", "max_length_k")
+#: A row's shared prefixes as one parent per segment (int64 ``[S]``, ``-1``: none): what the ranks of a group
+#: exchange and join (:func:`segment_parents`); :func:`slice_row` turns it into the joined row's structure.
+SEGMENT_PARENTS_KEY = "segment_parents"
 #: Keys never carried into a slice: the labelled logits of the rank's own micro-batch (recomputed on the slice).
 DROPPED_KEYS = (HELD_KEY, *LABELLED_LOGITS_KEYS)
 
@@ -43,6 +54,19 @@ DROPPED_KEYS = (HELD_KEY, *LABELLED_LOGITS_KEYS)
 def is_token_key(value: Any, tokens: int) -> bool:
     """Whether ``value`` is a per-token tensor ``[1, T, ...]`` of a row of ``tokens`` tokens."""
     return isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[0] == 1 and value.shape[1] == tokens
+
+
+def segment_parents(row: Mapping) -> torch.Tensor:
+    """The parent of every segment of the packed ``row`` (int64 ``[S]``, on its boundaries' device): its
+    :data:`~padfree_plugins.packing.batch.SHARED_PREFIXES_KEY` structure's, or ``-1`` for all without one."""
+    cu = row["cu_seq_lens_q"]
+    shared = row.get(SHARED_PREFIXES_KEY)
+    if shared is None:
+        return torch.full((cu.numel() - 1,), -1, dtype=torch.long, device=cu.device)
+    if len(shared.parents) != cu.numel() - 1:
+        raise BatchError(f"shared_prefixes names parents for {len(shared.parents)} segments, but cu_seq_lens_q "
+                         f"holds {cu.numel() - 1}")
+    return torch.tensor(shared.parents, dtype=torch.long, device=cu.device)
 
 
 def join_rows(rows: Sequence[Mapping]) -> PackedBatch:
@@ -66,6 +90,11 @@ def join_rows(rows: Sequence[Mapping]) -> PackedBatch:
             joined[key] = torch.cat([values[0][:1], *(v[1:] + int(o) for v, o in zip(values, offsets))])
         elif key in MAX_KEYS:
             joined[key] = max(int(v) for v in values)
+        elif key == SEGMENT_PARENTS_KEY:  # segment indices: offset by the segments of the rows before
+            joined[key] = torch.cat([_offset_parents(v, row) for v, row in zip(values, _rows_before(rows))])
+        elif key == SHARED_PREFIXES_KEY:
+            raise BatchError("rows with shared prefixes are joined by their segment_parents (segment_parents(row)), "
+                             "not by their SharedPrefixes")
         elif key == "seq_idx":  # example indices: offset by the examples of the rows before
             offsets = torch.tensor([0, *(int(row["cu_seq_lens_q"].numel()) - 1 for row in rows[:-1])]).cumsum(0)
             joined[key] = torch.cat([v + int(o) for v, o in zip(values, offsets)], dim=1)
@@ -79,6 +108,16 @@ def join_rows(rows: Sequence[Mapping]) -> PackedBatch:
             raise BatchError(f"batch key {key!r} differs between the ranks of a sequence-parallel group and cannot "
                              "be joined (neither per token nor per example)")
     return joined
+
+
+def _rows_before(rows: Sequence[Mapping]) -> list[int]:
+    """For every row, the segments of the rows before it."""
+    counts = [int(row["cu_seq_lens_q"].numel()) - 1 for row in rows]
+    return [sum(counts[:index]) for index in range(len(rows))]
+
+
+def _offset_parents(parents: torch.Tensor, offset: int) -> torch.Tensor:
+    return torch.where(parents >= 0, parents + offset, parents)
 
 
 def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -112,7 +151,12 @@ def slice_row(row: Mapping, rank: int, size: int, pad_token_id: int = 0, *,
     start = rank * local
     sliced = PackedBatch()
     sliced.model_keys = getattr(row, "model_keys", None)
+    parents = row.get(SEGMENT_PARENTS_KEY)
+    if parents is None and row.get(SHARED_PREFIXES_KEY) is not None:
+        parents = segment_parents(row)
     for key, value in row.items():
+        if key in (SEGMENT_PARENTS_KEY, SHARED_PREFIXES_KEY):
+            continue
         if key in DROPPED_KEYS and not (pre_shifted and key == "shift_labels"):
             continue
         if key in CU_KEYS:
@@ -128,7 +172,22 @@ def slice_row(row: Mapping, rank: int, size: int, pad_token_id: int = 0, *,
             sliced[key] = value
     if "labels" in sliced:
         sliced["shift_labels"] = sliced["labels"]
+    if parents is not None and bool((parents >= 0).any()):
+        sliced[SHARED_PREFIXES_KEY] = shared_structure(sliced["cu_seq_lens_q"], parents)
     return sliced
+
+
+def shared_structure(cu_seq_lens: torch.Tensor, parents: torch.Tensor) -> SharedPrefixes:
+    """The :class:`~padfree_plugins.packing.prefixes.SharedPrefixes` of a (padded) row of boundaries
+    ``cu_seq_lens`` whose real segments have ``parents`` (the padding segment, if the boundaries hold one more, a
+    root), on the boundaries' device; the same on every rank of a group (one read of both)."""
+    bounds = cu_seq_lens.long().tolist()
+    given = [int(parent) for parent in parents.tolist()]
+    extra = len(bounds) - 1 - len(given)
+    if extra not in (0, 1):
+        raise BatchError(f"{len(given)} segment parents for a row of {len(bounds) - 1} segments")
+    lengths = [end - start for start, end in zip(bounds, bounds[1:])]
+    return SharedPrefixes.build(lengths, given + [-1] * extra, cu_seq_lens.device)
 
 
 def _pad_tokens(key: str, value: torch.Tensor, padding: int, row: Mapping, pad_token_id: int) -> torch.Tensor:

@@ -28,6 +28,9 @@ Both leave a model run on one example alone exactly as it was, and change only p
   :func:`conv_taps_stop_at_the_parent`: in a prefix tree, taps that do not reach past a short branch point;
 * :func:`pooling_reads_local_slice`: a task that pools whole examples under sequence parallelism reads only the
   hidden states of this rank's slice of the row (no exchange), zeros where another rank computed them;
+* :func:`parent_keys_not_exchanged`: a row with shared prefixes split across a sequence-parallel group's ranks whose
+  completions see zeros for the keys and values of a prompt that another rank's slice holds (the structure applied
+  to the rank's own slice only);
 * :func:`mixer_scans_only_its_slice` and :func:`state_from_wrong_rank`: the two ways sequence mixers split across the
   ranks of a sequence-parallel group (:mod:`padfree_plugins.modeling.split_mixers`) can go wrong — the piece of an
   example after a cut starting from zeros, or from a state that is not the previous rank's.
@@ -484,4 +487,50 @@ def state_from_wrong_rank() -> Iterator[None]:
 
     with mock.patch.object(split_mixers, "continuation", own_state), \
             mock.patch.object(split_mixers, "recorded", lambda segments: {len(segments.bounds) - 2}):
+        yield
+
+
+@contextmanager
+def parent_keys_not_exchanged() -> Iterator[None]:
+    """Within the block, under sequence parallelism with one group of every process, a segment of a shared row sees
+    zeros for the keys and values of its ancestors' tokens that lie in another rank's slice of the row: as if each rank
+    applied the shared structure to its own slice, the parent keys and values of a completion across the cut never
+    exchanged (under all-gather attention: those keys left out of the segment's keys). Rows whose prompts and
+    completions sit in one slice are unchanged."""
+    import torch.distributed as dist
+
+    right = attention._shared_keys
+
+    def local(module, backend, shared, key, value, causal, blocks):
+        total = key.shape[0]
+        key, value, cu_k, longest = right(module, backend, shared, key, value, causal, blocks)
+        size, rank = dist.get_world_size(), dist.get_rank()
+        bounds = shared.cu_seq_lens_k.long().cpu()
+        counts = bounds.diff()
+        lengths = torch.tensor([int(count) - (int(counts[parent]) if parent >= 0 else 0)
+                                for count, parent in zip(counts, shared.parents)])
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
+        index = shared.key_index.cpu()
+        ancestor = index < torch.repeat_interleave(starts, counts)
+        elsewhere = index // (total // size) != rank
+        keep = (~(ancestor & elsewhere)).to(key.device, key.dtype)[:, None, None]
+        return key * keep, value * keep, cu_k, longest
+
+    right_slice = SharedPrefixes.slice_keys
+
+    def local_slice(self: SharedPrefixes, start: int, end: int):  # all-gather: ancestors outside the slice dropped
+        index, bounds, _ = right_slice(self, start, end)
+        counts = self.cu_seq_lens_k.long().diff().tolist()
+        pieces, edges = [], bounds.long().tolist()
+        for segment, parent in enumerate(self.parents):
+            piece = index[edges[segment]:edges[segment + 1]]
+            ancestors = min(counts[parent] if parent >= 0 else 0, piece.numel())
+            head = piece[:ancestors]
+            pieces.append(torch.cat([head[(head >= start) & (head < end)], piece[ancestors:]]))
+        sizes = torch.tensor([piece.numel() for piece in pieces])
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)]).to(torch.int32)
+        return torch.cat(pieces), cu.to(bounds.device), int(sizes.max())
+
+    with mock.patch.object(attention, "_shared_keys", local), \
+            mock.patch.object(SharedPrefixes, "slice_keys", local_slice):
         yield

@@ -66,7 +66,8 @@ BLOCKS_KWARG = "block_sequence_ids"
 #: The backend feature that implements them (passed to its ``varlen`` as ``blocks=``; opt-in, as ``sinks``).
 BLOCKS_FEATURE = "bidirectional_blocks"
 #: Set (by all-gather sequence parallelism) when a packed call's keys are the group's whole row and its queries one
-#: rank's slice of it, the boundaries saying which keys each example's queries see.
+#: rank's slice of it, the boundaries saying which keys each example's queries see (with shared prefixes, the keys
+#: are each segment's already: :meth:`~padfree_plugins.packing.prefixes.SharedPrefixes.slice_keys`).
 GATHERED_KEYS = "gathered_keys"
 
 
@@ -210,7 +211,9 @@ class PadfreeAttention:
             out = _shared_with_blocks(module, backend, shared, q, k, v, causal, blocks.reshape(-1), scale=scaling,
                                       window=sliding_window, softcap=softcap, dropout=dropout, **extra)
             return out.unsqueeze(0), None
-        if shared is not None:
+        if shared is not None and kwargs.get(GATHERED_KEYS):  # each segment's keys gathered for the slice
+            _check_shared(module, backend, causal, blocks)
+        elif shared is not None:
             k, v, cu_seq_lens_k, max_k = _shared_keys(module, backend, shared, k, v, causal, blocks)
         out = backend.varlen(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_q, max_k, causal=causal,
                              scale=scaling, window=sliding_window, softcap=softcap, dropout=dropout, **extra)
@@ -246,6 +249,14 @@ def _shared_keys(module, backend: AttentionBackend, shared: SharedPrefixes, key:
                  causal: bool, blocks: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The keys and values each segment of a shared row attends to (its parent prompt's, then its own: gathered, so
     that every completion's gradient reaches the one copy of the prompt), their boundaries and longest segment."""
+    _check_shared(module, backend, causal, blocks)
+    index = shared.key_index.to(key.device)
+    return key.index_select(0, index), value.index_select(0, index), \
+        shared.cu_seq_lens_k.to(key.device), shared.max_length_k
+
+
+def _check_shared(module, backend: AttentionBackend, causal: bool, blocks: Any) -> None:
+    """Refuse shared prefixes on a backend without the feature, or in bidirectional attention."""
     name = type(module).__name__
     if SHARED_PREFIXES_FEATURE not in backend.features:
         raise NotImplementedError(
@@ -254,9 +265,6 @@ def _shared_keys(module, backend: AttentionBackend, shared: SharedPrefixes, key:
     if not causal or blocks is not None:
         raise BoundaryError(f"{name}: shared prefixes are for causal attention (bidirectional blocks are taken "
                             "inside prompts only); set prefix_sharing: off for this model")
-    index = shared.key_index.to(key.device)
-    return key.index_select(0, index), value.index_select(0, index), \
-        shared.cu_seq_lens_k.to(key.device), shared.max_length_k
 
 
 def check_blocks_in_prompts(blocks: torch.Tensor, shared: SharedPrefixes, name: str = "attention") -> None:

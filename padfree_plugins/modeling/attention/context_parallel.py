@@ -103,10 +103,9 @@ class AllGatherAttention:
                 f"{name}: {local} local tokens x {group.size} ranks, but the boundaries describe "
                 f"{int(cu_seq_lens[-1])} tokens: a sequence-parallel forward takes each rank's slice of the group's "
                 "row (assembly.forward slices it)")
-        for unsupported, what in ((BLOCKS_KWARG, "bidirectional blocks (image tokens)"),
-                                  (SHARED_PREFIXES_KEY, "shared prefixes")):
-            if kwargs.get(unsupported) is not None:
-                raise NotImplementedError(f"{name}: {what} are not supported under all-gather sequence parallelism")
+        if kwargs.get(BLOCKS_KWARG) is not None:
+            raise NotImplementedError(f"{name}: bidirectional blocks (image tokens) are not supported under all-gather "
+                                      "sequence parallelism")
         causal = kwargs.get("is_causal")
         causal = bool(getattr(module, "is_causal", self.inner.default_causal) if causal is None else causal)
         window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
@@ -119,16 +118,25 @@ class AllGatherAttention:
 
     def attend(self, module, query, key, value, attention_mask, causal: bool, **kwargs):
         """This rank's queries ``[1, H, T/N, D]`` attended to the row's keys and values ``[1, H_kv, T, D]``
-        (causal: those up to the slice's end only, the later ones never seen)."""
+        (causal: those up to the slice's end only, the later ones never seen). A row with shared prefixes: each
+        segment's queries against its ancestors' keys, then its own up to the slice's end
+        (:meth:`~padfree_plugins.packing.prefixes.SharedPrefixes.slice_keys`), wherever in the row they lie."""
         local = query.shape[2]
         start = self.group.rank * local
         cu_q, cu_k, keys = slice_boundaries(kwargs["cu_seq_lens_q"], start, local, causal)
         if keys is not None:
             key, value = key[:, :, :keys], value[:, :, :keys]
         longest = kwargs.get("max_length_q")
+        longest_k = kwargs.get("max_length_k", longest)
+        shared = kwargs.get(SHARED_PREFIXES_KEY)
+        if shared is not None and causal:  # each segment's keys: its ancestors', then its own up to the slice's end
+            index, cu_k, longest_k = shared.slice_keys(start, start + local)
+            index = index.to(key.device)
+            key, value = key.index_select(2, index), value.index_select(2, index)
+            cu_k = cu_k.to(cu_q.device)
         kwargs.update(cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, **{GATHERED_KEYS: True})
         if longest is not None:
-            kwargs.update(max_length_q=min(int(longest), local), max_length_k=kwargs.get("max_length_k", longest))
+            kwargs.update(max_length_q=min(int(longest), local), max_length_k=longest_k)
         return self.inner(module, query, key, value, attention_mask, **kwargs)
 
 
