@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from padfree_plugins.errors import ConfigError
+from padfree_plugins.errors import ConfigError, PadfreeError
 from tests.test_distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,8 +187,8 @@ def test_without_the_flag_trls_script_runs_as_trl_runs_it_and_says_so(monkeypatc
     (args, train), = calls
     assert train is original and args[2].model_name_or_path == "m"
     calls.clear()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(PadfreeError, match="trained no"):
+        warnings.simplefilter("always")  # this main() trains nothing: said after it returns
         trl_run.run_script(["sft", "--use_cpu", "--model_name_or_path", "m", "--acceleration_config",
                             '{"attention": "exact"}'])
     assert not [w for w in caught if "padded" in str(w.message)]
