@@ -17,7 +17,10 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -158,31 +161,56 @@ def assert_same_logs(got: list[dict], want: list[dict]) -> None:
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (step, key, a[key], b[key])
 
 
+@dataclass
+class Launch:
+    process: subprocess.Popen
+    log: Any
+    token: str
+    output_dir: Path
+
+
+@pytest.fixture(scope="module")
+def launches(assets, tmp_path_factory) -> Iterator[dict[str, Launch]]:
+    """``padfree-plugins trl <script> … --acceleration_config padfree.yaml`` for every script, all started at once
+    (the console script for some, ``python -m padfree_plugins`` for the others); any still running at the end is
+    killed."""
+    from tests.test_distributed import kill_launch
+
+    started = {}
+    for script, (*_, how) in SCRIPTS.items():
+        cwd, token = tmp_path_factory.mktemp(f"launched-{script}"), uuid.uuid4().hex
+        log = tempfile.TemporaryFile("w+")
+        process = subprocess.Popen(
+            [*command(how), "trl", script, *script_arguments(assets, script, cwd / "out"),
+             "--acceleration_config", str(assets / "padfree.yaml")],
+            cwd=cwd, env=environment(cwd, token), stdout=log, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
+        started[script] = Launch(process, log, token, cwd / "out")
+    try:
+        yield started
+    finally:
+        for launch in started.values():
+            kill_launch(launch.process, launch.token)
+            launch.log.close()
+
+
 @pytest.mark.parametrize("script", list(SCRIPTS))
-def test_the_launcher_trains_each_trl_script_as_accelerate_does(assets, tmp_path, script, monkeypatch):
+def test_the_launcher_trains_each_trl_script_as_accelerate_does(assets, launches, tmp_path, script, monkeypatch):
     """``padfree-plugins trl <script> … --acceleration_config padfree.yaml`` (a subprocess, the console script or
     ``python -m padfree_plugins``) logs, step by step, every value the same script logs in this process with
     ``accelerate()`` applied to its trainer; the launched trainer runs on its own plugin, and every fused
     log-probability call it made ran packed (its log: ``padfree/padded_calls`` 0)."""
     from tests.test_distributed import finish_launches
 
-    trainer, plugin, *_, how = SCRIPTS[script]
-    token = uuid.uuid4().hex
-    log = tempfile.TemporaryFile("w+")
-    launched = subprocess.Popen(
-        [*command(how), "trl", script, *script_arguments(assets, script, tmp_path / "launched"),
-         "--acceleration_config", str(assets / "padfree.yaml")],
-        cwd=tmp_path, env=environment(tmp_path, token), stdout=log, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
-    try:  # the in-process run while the subprocess runs
-        want, acceleration = in_process(script, script_arguments(assets, script, tmp_path / "in-process"),
-                                        monkeypatch)
-    finally:
-        output, = finish_launches([launched], [log], token, 240)
+    trainer, plugin, *_ = SCRIPTS[script]
+    want, acceleration = in_process(script, script_arguments(assets, script, tmp_path / "in-process"), monkeypatch)
+    launch = launches[script]
+    log, launch.log = launch.log, tempfile.TemporaryFile("w+")  # finish_launches closes the one it reads
+    output, = finish_launches([launch.process], [log], launch.token, 240)
     assert acceleration.trainer_plugin == plugin
     assert f"padfree-plugins: {trainer} trained padding-free on 1 process(es), plugin {plugin}" in output, \
         output[-3000:]
-    got = history(tmp_path / "launched")
+    got = history(launch.output_dir)
     assert_same_logs(got, want)
     if script == "reward":  # no fused calls: the pairs are packed by the plugin's collator
         from padfree_plugins.integrations.trl_reward import PreferenceCollator
@@ -195,17 +223,29 @@ def test_the_launcher_trains_each_trl_script_as_accelerate_does(assets, tmp_path
         assert said and int(said[1]) == got[-1]["padfree/packed_calls"], output[-3000:]
 
 
-def test_an_unknown_key_in_the_yaml_is_refused_with_the_nearest_key_before_training(assets, tmp_path):
-    """A misspelt key in ``padfree.yaml``: the launcher exits non-zero with the key it likely meant, before any
-    process is launched (no output directory, no training)."""
-    (tmp_path / "typo.yaml").write_text("atention: exact\n")
-    args = script_arguments(assets, "kto", tmp_path / "out")
-    result = subprocess.run([sys.executable, "-m", "padfree_plugins", "trl", "kto", *args, "--acceleration_config",
-                             str(tmp_path / "typo.yaml")], cwd=tmp_path, env=environment(tmp_path, "typo"),
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0
-    assert "unknown key 'atention'. Did you mean 'attention'?" in result.stdout + result.stderr, result.stderr[-3000:]
-    assert not (tmp_path / "out").exists() and "Traceback" not in result.stdout + result.stderr
+@pytest.mark.parametrize("where", ["padfree.yaml", "TRL's --config"])
+def test_an_unknown_key_is_refused_with_the_nearest_key_before_anything_is_launched(assets, tmp_path, where,
+                                                                                     monkeypatch):
+    """A misspelt key in ``padfree.yaml`` (or in the ``acceleration_config:`` mapping of TRL's ``--config`` YAML):
+    ``padfree-plugins trl`` exits non-zero with the key it likely meant, and launches nothing (no output directory,
+    no training)."""
+    import accelerate.commands.launch as accelerate_launch
+    from typer.testing import CliRunner
+
+    from padfree_plugins.cli.app import app
+
+    monkeypatch.setattr(accelerate_launch, "launch_command", lambda args: pytest.fail("launched"))
+    if where == "padfree.yaml":
+        (tmp_path / "typo.yaml").write_text("atention: exact\n")
+        acceleration = ["--acceleration_config", str(tmp_path / "typo.yaml")]
+    else:
+        (tmp_path / "kto.yaml").write_text("acceleration_config:\n  atention: exact\n")
+        acceleration = ["--config", str(tmp_path / "kto.yaml")]
+    result = CliRunner().invoke(app, ["trl", "kto", *script_arguments(assets, "kto", tmp_path / "out"),
+                                      *acceleration])
+    assert result.exit_code == 2, result.output  # the command's error exit, not a crash
+    assert "unknown key 'atention'. Did you mean 'attention'?" in result.output, result.output
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_script_that_trains_no_trainer_says_so(monkeypatch):
