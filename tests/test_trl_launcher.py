@@ -111,7 +111,8 @@ def test_trl_script_padding_free_equals_the_padded_trl_command(assets, tmp_path,
     padded, packed = run_together([[*TRL, *args, *ports[0], "--output_dir", str(tmp_path / "padded")],
                                    [*PADFREE, "trl", *args, *ports[1], *acceleration]], tmp_path)
     # the trainer TRL's script built was made padding-free, on as many processes as launched
-    assert f"padfree-plugins: {TRAINERS[script]} trained padding-free on {processes} process(es)" in packed
+    assert (f"padfree-plugins: {TRAINERS[script]} trained padding-free on {processes} process(es), "
+            f"plugin trl_{script}") in packed
     assert "padfree-plugins:" not in padded
     expected, got = losses(tmp_path / "padded"), losses(tmp_path / "padfree")
     assert len(got) == len(expected) == STEPS
