@@ -31,6 +31,12 @@ WORDS = ("the a cat dog runs sleeps over under quickly slowly red blue green big
          "stone bird sings far near").split()
 STEPS = 2
 CONFIG = {"attention": "exact"}
+#: The reward script's pairs batched by a token budget: only the plugin's planner keeps it, so the launched run's
+#: step sizes show that it was packed (the reward script has no fused calls to count). Prompts not shared, so that
+#: the budget counts every real token, as TRL's ``num_tokens`` does.
+BUDGET = 256
+CONFIGS = {"reward": {**CONFIG, "prefix_sharing": "off",
+                      "batching": {"strategy": "tokens", "max_tokens_per_batch": BUDGET}}}
 COMMON = ["--max_steps", str(STEPS), "--per_device_train_batch_size", "4", "--logging_steps", "1",
           "--report_to", "none", "--save_strategy", "steps", "--save_steps", str(STEPS), "--seed", "0",
           "--learning_rate", "1e-4", "--bf16", "false", "--use_cpu", "--disable_tqdm", "true"]
@@ -87,7 +93,8 @@ def assets(tmp_path_factory) -> Path:
     for name, rows in datasets.items():
         (root / name).mkdir()
         (root / name / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    (root / "padfree.yaml").write_text("attention: exact\n")
+    for script in SCRIPTS:
+        (root / f"{script}.yaml").write_text(json.dumps(CONFIGS.get(script, CONFIG)))  # JSON is YAML
     return root
 
 
@@ -121,7 +128,7 @@ def history(output_dir: Path) -> list[dict]:
 
 def in_process(script: str, args: list[str], monkeypatch) -> tuple[list[dict], object]:
     """TRL's script run in this process (one thread, as the subprocess), its trainer given
-    ``padfree_plugins.accelerate(trainer, CONFIG)`` before ``train()``, as for a trainer one builds oneself.
+    ``padfree_plugins.accelerate(trainer, config)`` (the launch's) before ``train()``, as for a trainer one builds oneself.
     Returns the step log entries and the acceleration (undone)."""
     import torch
     import trl
@@ -134,7 +141,7 @@ def in_process(script: str, args: list[str], monkeypatch) -> tuple[list[dict], o
     original, applied = trainer_class.train, []
 
     def train(self, *a, **k):
-        applied.append(accelerate(self, CONFIG))
+        applied.append(accelerate(self, CONFIGS.get(script, CONFIG)))
         return original(self, *a, **k)
 
     monkeypatch.setattr(trainer_class, "train", train)
@@ -182,7 +189,7 @@ def launches(assets, tmp_path_factory) -> Iterator[dict[str, Launch]]:
         log = tempfile.TemporaryFile("w+")
         process = subprocess.Popen(
             [*command(how), "trl", script, *script_arguments(assets, script, cwd / "out"),
-             "--acceleration_config", str(assets / "padfree.yaml")],
+             "--acceleration_config", str(assets / f"{script}.yaml")],
             cwd=cwd, env=environment(cwd, token), stdout=log, stderr=subprocess.STDOUT, text=True,
             start_new_session=True)
         started[script] = Launch(process, log, token, cwd / "out")
@@ -212,11 +219,14 @@ def test_the_launcher_trains_each_trl_script_as_accelerate_does(assets, launches
         output[-3000:]
     got = history(launch.output_dir)
     assert_same_logs(got, want)
-    if script == "reward":  # no fused calls: the pairs are packed by the plugin's collator
+    if script == "reward":  # no fused calls: the pairs are packed by the plugin's collator, batched by its planner
         from padfree_plugins.integrations.trl_reward import PreferenceCollator
 
         assert isinstance(acceleration.trainer_patch.pairs, PreferenceCollator)
         assert "fused calls" not in output
+        tokens = [0] + [entry["num_tokens"] for entry in got]  # TRL's running count of real tokens
+        steps = [after - before for before, after in zip(tokens, tokens[1:])]
+        assert all(0 < step <= BUDGET for step in steps), steps  # 4 pairs a step (TRL's batches) held 560
     else:
         assert all(entry["padfree/packed_calls"] > 0 and entry["padfree/padded_calls"] == 0 for entry in got), got
         said = re.search(r"\(fused calls: (\d+) packed[^,]*, 0 padded", output)
