@@ -128,8 +128,8 @@ def history(output_dir: Path) -> list[dict]:
 
 def in_process(script: str, args: list[str], monkeypatch) -> tuple[list[dict], object]:
     """TRL's script run in this process (one thread, as the subprocess), its trainer given
-    ``padfree_plugins.accelerate(trainer, config)`` (the launch's) before ``train()``, as for a trainer one builds oneself.
-    Returns the step log entries and the acceleration (undone)."""
+    ``padfree_plugins.accelerate(trainer, config)`` (the launch's config) before ``train()``, as for a trainer one
+    builds oneself. Returns the step log entries and the acceleration (undone)."""
     import torch
     import trl
 
@@ -206,7 +206,8 @@ def test_the_launcher_trains_each_trl_script_as_accelerate_does(assets, launches
     """``padfree-plugins trl <script> … --acceleration_config padfree.yaml`` (a subprocess, the console script or
     ``python -m padfree_plugins``) logs, step by step, every value the same script logs in this process with
     ``accelerate()`` applied to its trainer; the launched trainer runs on its own plugin, and every fused
-    log-probability call it made ran packed (its log: ``padfree/padded_calls`` 0)."""
+    log-probability call it made ran packed (its log: ``padfree/padded_calls`` 0) — the reward script, which has
+    none, under a token budget that only the plugin's planner keeps (a padded launch fails both checks)."""
     from tests.test_distributed import finish_launches
 
     trainer, plugin, *_ = SCRIPTS[script]
