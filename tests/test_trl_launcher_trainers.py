@@ -177,14 +177,18 @@ class Launch:
 
 
 @pytest.fixture(scope="module")
-def launches(assets, tmp_path_factory) -> Iterator[dict[str, Launch]]:
-    """``padfree-plugins trl <script> … --acceleration_config padfree.yaml`` for every script, all started at once
-    (the console script for some, ``python -m padfree_plugins`` for the others); any still running at the end is
-    killed."""
+def launches(assets, tmp_path_factory, request) -> Iterator[dict[str, Launch]]:
+    """``padfree-plugins trl <script> … --acceleration_config <script>.yaml`` for every script a selected test
+    compares, all started at once (the console script for some, ``python -m padfree_plugins`` for the others); any
+    still running at the end is killed."""
     from tests.test_distributed import kill_launch
 
+    selected = {item.callspec.params["script"] for item in request.session.items
+                if item.originalname == "test_the_launcher_trains_each_trl_script_as_accelerate_does"}
     started = {}
     for script, (*_, how) in SCRIPTS.items():
+        if script not in selected:
+            continue
         cwd, token = tmp_path_factory.mktemp(f"launched-{script}"), uuid.uuid4().hex
         log = tempfile.TemporaryFile("w+")
         process = subprocess.Popen(
