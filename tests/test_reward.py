@@ -230,6 +230,26 @@ def test_token_budget_trains_as_trls_padded_run_on_the_same_micro_batches(prompt
     assert_accuracies([g["accuracy"] for g in got], [w["accuracy"] for w in want], flip_shares(margins, 1))
 
 
+def test_a_token_budget_run_saves_checkpoints_whose_plan_counts_the_pairs(tmp_path):
+    """Under a token budget the checkpoints' batching plan (``padfree_batching.json``) hashes every pair's tokens as
+    the dataloader counts them: TRL's reward rows have no ``input_ids`` column, so reading the dataset's (as for
+    other trainers) failed at the first save."""
+    import hashlib
+    import json
+
+    from padfree_plugins.integrations import trl_reward
+    from padfree_plugins.integrations.resume import FINGERPRINT_FILE
+
+    trainer, _ = reward_trainer(False, output_dir=str(tmp_path), save_strategy="steps", save_steps=1, max_steps=1)
+    accelerate(trainer, {"batching": BUDGET})
+    trainer.train()
+    collator = trainer.data_collator
+    lengths = trl_reward.pair_lengths(trainer.train_dataset, collator.share_prefixes, collator.pad_token_id)
+    plan = json.loads((tmp_path / "checkpoint-1" / FINGERPRINT_FILE).read_text())
+    assert plan["strategy"] == "tokens" and plan["examples"] == len(trainer.train_dataset)
+    assert plan["sizes_sha256"] == hashlib.sha256(np.asarray(lengths, dtype=np.int64).tobytes()).hexdigest()[:16]
+
+
 def test_a_pair_over_the_budget_is_refused_before_training():
     trainer, _ = reward_trainer(False)
     with pytest.raises(PadfreeError, match="a pair is never split"):

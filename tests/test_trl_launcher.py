@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from padfree_plugins.errors import ConfigError
+from padfree_plugins.errors import ConfigError, PadfreeError
 from tests.test_distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +111,8 @@ def test_trl_script_padding_free_equals_the_padded_trl_command(assets, tmp_path,
     padded, packed = run_together([[*TRL, *args, *ports[0], "--output_dir", str(tmp_path / "padded")],
                                    [*PADFREE, "trl", *args, *ports[1], *acceleration]], tmp_path)
     # the trainer TRL's script built was made padding-free, on as many processes as launched
-    assert f"padfree-plugins: {TRAINERS[script]} trained padding-free on {processes} process(es)" in packed
+    assert (f"padfree-plugins: {TRAINERS[script]} trained padding-free on {processes} process(es), "
+            f"plugin trl_{script}") in packed
     assert "padfree-plugins:" not in padded
     expected, got = losses(tmp_path / "padded"), losses(tmp_path / "padfree")
     assert len(got) == len(expected) == STEPS
@@ -187,8 +188,8 @@ def test_without_the_flag_trls_script_runs_as_trl_runs_it_and_says_so(monkeypatc
     (args, train), = calls
     assert train is original and args[2].model_name_or_path == "m"
     calls.clear()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(PadfreeError, match="trained no"):
+        warnings.simplefilter("always")  # this main() trains nothing: said after it returns
         trl_run.run_script(["sft", "--use_cpu", "--model_name_or_path", "m", "--acceleration_config",
                             '{"attention": "exact"}'])
     assert not [w for w in caught if "padded" in str(w.message)]

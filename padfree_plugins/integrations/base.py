@@ -318,7 +318,7 @@ class TrainerPatch:
             self.saved["get_train_dataloader"] = own_attribute(trainer, "get_train_dataloader")
             trainer.get_train_dataloader = self.train_dataloader
         self.resume = ResumeGuard.install(trainer, lambda: plan_fingerprint(trainer, self.assembly.config,
-                                                                            lambda: self.loads), self.saved)
+                                                                            self.planned_lengths), self.saved)
         if getattr(trainer, "neftune_noise_alpha", None) is not None:  # NEFTune scaled per example, as padded
             self.saved["neftune_noise_alpha"] = own_attribute(trainer, "neftune_noise_alpha")
             embeddings = unwrap_model(trainer.model).get_input_embeddings()
@@ -376,7 +376,12 @@ class TrainerPatch:
         """``batching.strategy: tokens``: micro-batches filled up to a token budget
         (:mod:`padfree_plugins.batching`)."""
         return trainer_train_dataloader(self.trainer, self.assembly.config, self.trainer.data_collator,
-                                        lengths=self.loads)
+                                        lengths=self.planned_lengths())
+
+    def planned_lengths(self) -> Any:
+        """Every row's share of the token budget, as the dataloader and the checkpoints' batching plan count it
+        (``None``: the sampler reads the training set's ``input_ids``)."""
+        return self.loads
 
     def count_image_text_rows(self, collator: Any) -> None:
         """A token budget of image-text rows, where the dataset's ``input_ids`` do not say it all — rows processed at

@@ -26,7 +26,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from padfree_plugins.batching.sampler import trainer_train_dataloader
 from padfree_plugins.contract.hookspecs import hookimpl
 from padfree_plugins.errors import BatchError, ConfigError
 from padfree_plugins.integrations.base import TrainerPatch, keeps_methods, library_class
@@ -185,10 +184,10 @@ class RewardTrainerPatch(TrainerPatch):
             return
         check_whole_rows_budget(self.trainer, batching, self.pair_lengths, "pair")
 
-    def train_dataloader(self) -> Any:
-        """``batching.strategy: tokens``: micro-batches of whole pairs up to the budget."""
-        return trainer_train_dataloader(self.trainer, self.assembly.config, self.trainer.data_collator,
-                                        lengths=self.pair_lengths())
+    def planned_lengths(self) -> np.ndarray:
+        """``batching.strategy: tokens``: every pair's tokens, for micro-batches of whole pairs up to the budget and
+        for the checkpoints' batching plan."""
+        return self.pair_lengths()
 
     def compute_loss(self, model: Any, inputs: Mapping, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from padfree_plugins.errors import ConfigError
+from padfree_plugins.errors import ConfigError, PadfreeError
 from padfree_plugins.integrations.arguments import AccelerationArguments
 from padfree_plugins.integrations.on_train import accelerating_on_train
 
@@ -56,12 +56,33 @@ def run_script(argv: Sequence[str]) -> None:
         return
     with accelerating_on_train(acceleration.config) as applied:
         main(*script_args)
+    if not applied:
+        raise PadfreeError(f"padfree-plugins trl {name}: the script trained no transformers Trainer, so nothing was "
+                           "made padding-free (a trainer is made padding-free when its train() starts)")
     for done in applied:
         accelerator = done.trainer.accelerator
         if accelerator.is_main_process:
-            print(f"padfree-plugins: {type(done.trainer).__name__} trained padding-free on "
-                  f"{accelerator.num_processes} process(es)", flush=True)
+            print(summary(done, accelerator.num_processes), flush=True)
+
+
+def summary(done: Any, processes: int) -> str:
+    """``padfree-plugins: GRPOTrainer trained padding-free on 1 process(es), plugin trl_grpo (fused calls: 6 packed,
+    0 padded)``: the trainer, its plugin and, for TRL's fused log-probability calls, how they ran."""
+    text = f"padfree-plugins: {type(done.trainer).__name__} trained padding-free on {processes} process(es)"
+    if done.trainer_plugin:
+        text += f", plugin {done.trainer_plugin}"
+    calls = done.describe().get("fused calls")
+    return text + (f" (fused calls: {calls})" if calls else "")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The launched process: :func:`run_script`; a :class:`PadfreeError` is printed as ``error: …`` and the process
+    exits non-zero."""
+    try:
+        run_script(sys.argv[1:] if argv is None else argv)
+    except PadfreeError as error:
+        sys.exit(f"error: {error}")
 
 
 if __name__ == "__main__":
-    run_script(sys.argv[1:])
+    main()
