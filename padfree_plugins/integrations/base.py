@@ -60,6 +60,7 @@ from padfree_plugins.packing.batch import INDEX_KEY, packed_tokens
 from padfree_plugins.packing.collator import collate_naming_examples, split_packed_rows, unlabelled_message
 from padfree_plugins.packing.labelled_logits import hold_labelled_logits, take_labelled_logits
 from padfree_plugins.packing.multimodal import MultimodalCollator
+from padfree_plugins.packing.prefixes import WHOLE_TOKENS_KEY, share_unlabelled
 
 __all__ = ["TrainerCollator", "TrainerPatch", "WholeBatches", "library_class", "keeps_methods", "own_attribute",
            "restore_attributes", "signature_columns"]
@@ -92,17 +93,23 @@ class TrainerCollator:
     Rows that hold several examples (TRL's ``packing=True``: a ``seq_lengths`` column) are split into them first;
     ``labelled_logits`` holds each batch's labelled positions for the plugin's own loss
     (:func:`~padfree_plugins.packing.labelled_logits.hold_labelled_logits`: no model input);
-    ``unlabelled_token`` (the pad id of a replaced ``DataCollatorForLanguageModeling``) gets no loss, as there.
+    ``unlabelled_token`` (the pad id of a replaced ``DataCollatorForLanguageModeling``) gets no loss, as there;
+    ``share_prefixes``: the unlabelled tokens that examples of a causal-LM batch begin with are held once
+    (:func:`~padfree_plugins.packing.prefixes.share_unlabelled`, its sequence mixers' ``chunk``).
     """
 
     collator: Any
     labelled_logits: bool = False
     unlabelled_token: int | None = None
+    share_prefixes: bool = False
+    chunk: int = 1
 
     def __call__(self, rows: list[Mapping[str, Any]]) -> Any:
         batch = collate_naming_examples(self.collator, split_packed_rows(rows))  # errors name dataset indices
         if self.unlabelled_token is not None and "labels" in batch:
             batch["labels"] = batch["labels"].masked_fill(batch["input_ids"] == self.unlabelled_token, -100)
+        if self.share_prefixes and "labels" in batch:
+            batch = share_unlabelled(batch, self.chunk)
         return hold_labelled_logits(batch) if self.labelled_logits else batch
 
 
@@ -342,12 +349,14 @@ class TrainerPatch:
 
     def track_num_input_tokens(self, inputs: Mapping) -> None:
         """``include_num_input_tokens_seen``: a packed batch has no padding, so ``non_padding`` counts every token (the
-        trainer would count the tokens unequal to the pad id, dropping real ones where pad is eos, say)."""
+        trainer would count the tokens unequal to the pad id, dropping real ones where pad is eos, say); a batch with
+        shared prefixes counts its examples' tokens whole, as padded."""
         trainer = self.trainer
         name = getattr(trainer.model, "main_input_name", "input_ids")
         if trainer.args.include_num_input_tokens_seen != "non_padding" or name not in inputs:
             return type(trainer)._track_num_input_tokens(trainer, inputs)
-        tokens = torch.as_tensor(inputs[name].numel(), device=trainer.args.device, dtype=torch.int64)
+        tokens = torch.as_tensor(inputs.get(WHOLE_TOKENS_KEY, inputs[name].numel()), device=trainer.args.device,
+                                 dtype=torch.int64)
         trainer.state.num_input_tokens_seen += trainer.accelerator.gather(tokens).sum().item()
 
     def training_step(self, model: Any, inputs: Mapping, *args: Any, **kwargs: Any) -> Any:

@@ -359,15 +359,16 @@ def why_prompts_not_shared(trainer: Any, assembly: Any, prompt_column: bool = Tr
     return None
 
 
-def shares_prefixes(trainer: Any, assembly: Any, prompt_column: bool = True) -> bool:
+def shares_prefixes(trainer: Any, assembly: Any, prompt_column: bool = True, refusal: str | None = None) -> bool:
     """Whether ``trainer``'s packed rows share repeated prompts under the config's ``prefix_sharing``: ``off`` never;
     ``auto`` where :func:`why_prompts_not_shared` finds no reason against (the reason is logged); ``on`` the same,
-    refusing (a :class:`ConfigError`, nothing changed yet) where it cannot apply."""
+    refusing (a :class:`ConfigError`, nothing changed yet) where it cannot apply. ``refusal``: a reason the trainer's
+    plugin knows itself, which comes first."""
     mode = getattr(assembly.config, "prefix_sharing", "off")
     if mode == "off":
         return False
     name = type(trainer).__name__
-    reason = why_prompts_not_shared(trainer, assembly, prompt_column)
+    reason = refusal or why_prompts_not_shared(trainer, assembly, prompt_column)
     if reason and mode == "on":
         raise ConfigError(f"prefix_sharing: on with {name}: {reason}. Set prefix_sharing: auto (shared where it "
                           "applies) or off")
@@ -377,7 +378,8 @@ def shares_prefixes(trainer: Any, assembly: Any, prompt_column: bool = True) -> 
 
 
 #: The trainers whose builtin plugins share repeated prompts (``prefix_sharing``), for messages.
-SHARING_TRAINERS = "TRL DPOTrainer, RewardTrainer, GRPOTrainer, RLOOTrainer and KTOTrainer"
+SHARING_TRAINERS = ("HF Trainer, TRL SFTTrainer, DPOTrainer, RewardTrainer, GRPOTrainer, RLOOTrainer and "
+                    "KTOTrainer")
 
 
 def refuse_prefix_sharing(trainer: Any, config: Any, plugin: str) -> None:

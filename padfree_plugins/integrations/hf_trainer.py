@@ -50,7 +50,13 @@ from padfree_plugins.integrations.base import (
     keeps_methods,
     library_class,
 )
-from padfree_plugins.integrations.checks import check_token_budget, language_modeling_pad_id, sequence_parallel_size
+from padfree_plugins.integrations.checks import (
+    check_token_budget,
+    language_modeling_pad_id,
+    sequence_parallel_size,
+    shares_prefixes,
+)
+from padfree_plugins.modeling.mixers import mixer_chunk
 from padfree_plugins.modeling.patching import unwrap_model
 from padfree_plugins.modeling.tiling import SMOOTHING_KEYWORD
 from padfree_plugins.packing.labelled_logits import (
@@ -58,6 +64,7 @@ from padfree_plugins.packing.labelled_logits import (
     take_labelled_logits,
     with_labelled_logits,
 )
+from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, on_device, whole_examples
 
 logger = logging.getLogger("padfree_plugins")
 
@@ -76,6 +83,7 @@ class HFTrainerPatch(TrainerPatch):
     kind = "hf"
     sequence_parallel = True
     gathers_logits = True
+    shares_prompts = True
 
     @classmethod
     def claims(cls, trainer: Any) -> bool:
@@ -83,8 +91,21 @@ class HFTrainerPatch(TrainerPatch):
 
     def make_collator(self) -> TrainerCollator:
         causal_lm = self.assembly.plan.task.name == "causal_lm"
+        share = shares_prefixes(self.trainer, self.assembly, prompt_column=False, refusal=self.why_not_shared())
         return TrainerCollator(self.assembly.collator, self.labelled_logits(),
-                               language_modeling_pad_id(self.trainer) if causal_lm else None)
+                               language_modeling_pad_id(self.trainer) if causal_lm else None,
+                               share_prefixes=share, chunk=mixer_chunk(self.assembly.model) if share else 1)
+
+    def why_not_shared(self) -> str | None:
+        """Why this trainer's examples cannot share the unlabelled tokens they begin with (``prefix_sharing``; the
+        checks every trainer shares come after: :func:`~padfree_plugins.integrations.checks.why_prompts_not_shared`),
+        or ``None``."""
+        task = self.assembly.plan.task.name
+        if task != "causal_lm":
+            return f"task {task} trains every example whole (prefixes are shared for causal_lm)"
+        if getattr(self.trainer, "neftune_noise_alpha", None) is not None:
+            return "NEFTune scales its noise by each example's length, which a shared row splits"
+        return None
 
     def check(self) -> None:
         check_token_budget(self.trainer, self.assembly.config)
@@ -234,6 +255,8 @@ class HFTrainerPatch(TrainerPatch):
                      num_items_in_batch: Any = None) -> Any:
         """The loss of a packed batch, through ``assembly.forward`` (the trainer's ``compute_loss``)."""
         inputs, held = self.labelled_logits_of(inputs)
+        if SHARED_PREFIXES_KEY in inputs:
+            inputs = on_device(inputs, inputs["input_ids"].device)
         smoothed = (not return_outputs and held is not None and "labels" in inputs and self.smooths_tiled())
         own_loss = uses_own_loss(self.trainer) and "labels" in inputs and not smoothed
         if own_loss or return_outputs:  # the logits of every position are wanted
@@ -279,6 +302,8 @@ class HFTrainerPatch(TrainerPatch):
         trainer = self.trainer
         batch_as_given = inputs
         inputs = trainer._prepare_inputs(inputs)
+        if SHARED_PREFIXES_KEY in inputs and not prediction_loss_only:  # per-token outputs of every example whole
+            inputs = whole_examples(take_labelled_logits(inputs)[0])
         has_labels = bool(trainer.label_names) and all(inputs.get(k) is not None for k in trainer.label_names)
         loss_without_labels = not trainer.label_names
         num_items = (trainer._get_num_items_in_batch([inputs], trainer.args.device)

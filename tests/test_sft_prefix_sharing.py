@@ -1,0 +1,179 @@
+"""Prefix sharing for HF ``Trainer`` / TRL ``SFTTrainer``: the examples of a packed micro-batch that begin with the
+same unlabelled tokens (best-of-N answers to one prompt, the turns of one conversation) hold them once.
+
+Every comparison trains the same tiny model on the same micro-batches (``train_sampling_strategy: sequential``) padded
+and packed with sharing, and checks that the packed run's attention calls did share (``record_attention_calls``); a
+sibling leak in the shared attention fails the comparison.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import datasets
+import pytest
+import torch
+
+from padfree_plugins import ConfigError
+from padfree_plugins.modeling.attention import record_attention_calls
+from padfree_plugins.packing.prefixes import (
+    EXAMPLE_SEGMENTS_KEY,
+    SHARED_PREFIXES_KEY,
+    WHOLE_TOKENS_KEY,
+    share_unlabelled,
+    unlabelled_prefixes,
+    whole_examples,
+)
+from padfree_plugins.testing.faults import branch_sees_a_sibling_branch, completions_see_a_sibling
+from tests.test_trainer import make_trainer
+from tests.ties import excess_over_flips, flip_shares, recording_token_margins
+
+trl = pytest.importorskip("trl")
+
+STEPS = 10
+#: Steps of the hybrid case (its exact mixers are slow on CPU; a state that leaks shows in the first step).
+HYBRID_STEPS = 3
+
+
+def best_of_n(prompts: int = 20, answers: int = 4, seed: int = 0, prompt_tokens: tuple[int, int] = (12, 30)
+              ) -> list[dict]:
+    """``answers`` rows per prompt, one after the other: the prompt (``prompt_tokens``: its least and most tokens;
+    labels -100, ~60% of the tokens) then an answer of its own (labelled)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(prompts):
+        prompt = [rng.randrange(5, 128) for _ in range(rng.randrange(*prompt_tokens))]
+        for _ in range(answers):
+            answer = [rng.randrange(5, 128) for _ in range(rng.randrange(4, 2 * len(prompt) // 3 + 2))]
+            out.append({"input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer})
+    return out
+
+
+def conversation_turns(conversations: int = 16, turns: int = 4, seed: int = 1) -> list[dict]:
+    """A conversation split into one example per turn: example ``t`` holds turns ``0..t``, only its last turn
+    labelled; consecutive examples of a conversation share every earlier turn."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(conversations):
+        history: list[int] = []
+        for _ in range(turns):
+            question = [rng.randrange(5, 128) for _ in range(rng.randrange(3, 8))]
+            answer = [rng.randrange(5, 128) for _ in range(rng.randrange(2, 6))]
+            out.append({"input_ids": history + question + answer,
+                        "labels": [-100] * (len(history) + len(question)) + answer})
+            history = history + question + answer
+    return out
+
+
+def run(kind: str, rows: list[dict], packed: bool, fault=None, **overrides) -> tuple[list[dict], list, list]:
+    """``STEPS`` steps on ``rows`` in order; the log history, per attention call (shared prompts, depth), and (padded)
+    the token margins of the accuracy's argmax."""
+    settings = dict(max_steps=STEPS, train_sampling_strategy="sequential", per_device_train_batch_size=4)
+    settings.update(overrides)
+    trainer, _ = make_trainer(kind, packed=False, train=datasets.Dataset.from_list(rows), **settings)
+    if packed:
+        from padfree_plugins import accelerate
+
+        accelerate(trainer, {"task": "causal_lm", "prefix_sharing": "on"})
+    margins: list = []
+    with record_attention_calls() as calls, (fault or contextlib.nullcontext)(), \
+            (contextlib.nullcontext(margins) if packed or kind != "sft" else recording_token_margins(trainer.model)) \
+            as margins:
+        trainer.train()
+    history = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return history, [(call.shared_prompts, call.shared_depth) for call in calls], margins
+
+
+def assert_same_log(got: list[dict], want: list[dict], margins: list, accumulation: int = 1) -> None:
+    """Every logged value within 1e-4 of its scale; the token accuracy within what its near-ties allow
+    (``accumulation``: forwards per logged step)."""
+    assert len(got) == len(want) and len(want) in (STEPS, HYBRID_STEPS)
+    for entry_got, entry_want in zip(got, want):
+        assert set(entry_got) == set(entry_want)
+        for key, value in entry_want.items():
+            if key != "mean_token_accuracy":
+                assert entry_got[key] == pytest.approx(value, abs=1e-4 * max(1.0, abs(value))), key
+    if "mean_token_accuracy" in want[0]:
+        shares = flip_shares([torch.cat(rows) for rows in margins], accumulation)
+        accuracies = [[entry["mean_token_accuracy"] for entry in log] for log in (got, want)]
+        assert excess_over_flips(*accuracies, shares, "mean_token_accuracy") <= 1e-6
+    assert want[-1]["loss"] < want[0]["loss"], "the reference did not train: the comparison would prove little"
+
+
+CASES = {"sft": ("sft", {}), "sft-accumulation2": ("sft", dict(gradient_accumulation_steps=2)),
+         "sft-lora": ("sft", dict(lora=True)), "hf": ("hf", {})}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_best_of_n_sft_shares_every_prompt_and_logs_the_padded_values(case):
+    kind, overrides = CASES[case]
+    want, _, margins = run(kind, best_of_n(), packed=False, **overrides)
+    got, calls, _ = run(kind, best_of_n(), packed=True, **overrides)
+    assert calls and all(shared > 0 for shared, _ in calls), "a packed forward shared no prompt"
+    assert_same_log(got, want, margins, overrides.get("gradient_accumulation_steps", 1))
+
+
+def test_best_of_n_sft_on_a_hybrid_shares_prompts_worth_their_chunks():
+    """A gated-delta hybrid (Qwen3.5): mixers pad every run to a chunk, so prompts are shared where they save chunks
+    (long prompts here); the state at a prompt's end carries into each answer."""
+    rows, settings = best_of_n(prompts=4, prompt_tokens=(70, 100)), dict(architecture="qwen3_5_text",
+                                                                          max_steps=HYBRID_STEPS)
+    want, _, margins = run("sft", rows, packed=False, **settings)
+    got, calls, _ = run("sft", rows, packed=True, **settings)
+    assert calls and all(shared > 0 for shared, _ in calls), "a packed forward shared no prompt"
+    assert_same_log(got, want, margins)
+
+
+def test_a_conversation_split_into_turns_shares_a_tree_and_logs_the_padded_values():
+    want, _, margins = run("sft", conversation_turns(), packed=False)
+    got, calls, _ = run("sft", conversation_turns(), packed=True)
+    assert max(depth for _, depth in calls) >= 2, "no prefix tree of two levels or more"
+    assert_same_log(got, want, margins)
+
+
+@pytest.mark.parametrize("fault, rows", [(completions_see_a_sibling, best_of_n),
+                                         (branch_sees_a_sibling_branch, conversation_turns)])
+def test_a_completion_seeing_a_sibling_fails_the_comparison(fault, rows):
+    want, _, margins = run("sft", rows(), packed=False)
+    got, _, _ = run("sft", rows(), packed=True, fault=fault)
+    with pytest.raises(AssertionError, match="loss"):  # the first step's loss already moves by ~5e-4
+        assert_same_log(got, want, margins)
+
+
+def test_shared_batch_holds_only_unlabelled_prefixes_and_gives_the_examples_back_whole():
+    """The shared prefix stops before the first token that predicts a label; the batch gives every example back
+    whole (tokens, labels, positions, boundaries) and counts its tokens whole."""
+    trainer, _ = make_trainer("hf", packed=True, train=datasets.Dataset.from_list(best_of_n(2)))
+    rows = [dict(trainer.train_dataset[index]) for index in range(4)]
+    collator = trainer.data_collator
+    plain = collator.collator([{"input_ids": row["input_ids"], "labels": row["labels"]} for row in rows])
+    prompt = sum(label == -100 for label in rows[0]["labels"])
+    assert [len(prefix) for prefix in unlabelled_prefixes(plain)] == [prompt - 1] * 4  # its last token predicts
+    shared = share_unlabelled(plain)
+    assert shared[SHARED_PREFIXES_KEY].parents == (-1, 0, 0, 0, 0)
+    assert shared["input_ids"].shape[1] == plain.num_tokens - 3 * (prompt - 1) == shared.num_tokens
+    assert shared[WHOLE_TOKENS_KEY] == plain.num_tokens and shared[EXAMPLE_SEGMENTS_KEY].tolist() == [1, 2, 3, 4]
+    whole = whole_examples(shared)
+    for key in ("input_ids", "labels", "position_ids", "cu_seq_lens_q", "seq_idx"):
+        if key in plain:
+            assert torch.equal(whole[key].long(), plain[key].long()), key
+    assert SHARED_PREFIXES_KEY not in whole
+    batch = collator(rows)
+    assert SHARED_PREFIXES_KEY in batch  # the trainer's collator shares (prefix_sharing: auto)
+
+
+def test_prefix_sharing_off_and_on_with_what_cannot_share():
+    """``off`` shares nothing; ``on`` with NEFTune (its noise is scaled per example) is refused, nothing changed."""
+    rows = datasets.Dataset.from_list(best_of_n(2))
+    trainer, _ = make_trainer("sft", packed=False, train=rows)
+    from padfree_plugins import accelerate
+
+    acceleration = accelerate(trainer, {"task": "causal_lm", "prefix_sharing": "off"})
+    assert SHARED_PREFIXES_KEY not in trainer.data_collator([dict(trainer.train_dataset[i]) for i in range(4)])
+    acceleration.undo()
+    trainer, _ = make_trainer("sft", packed=False, train=rows, neftune_noise_alpha=5.0)
+    collator = trainer.data_collator
+    with pytest.raises(ConfigError, match="prefix_sharing: on with SFTTrainer: NEFTune"):
+        accelerate(trainer, {"task": "causal_lm", "prefix_sharing": "on"})
+    assert trainer.data_collator is collator
