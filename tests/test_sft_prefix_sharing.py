@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from padfree_plugins import ConfigError
+from padfree_plugins.batching.prefix_groups import PrefixGroupSampler, grouped_micro_batches, unlabelled_prompt
 from padfree_plugins.modeling.attention import record_attention_calls
 from padfree_plugins.packing.prefixes import (
     EXAMPLE_SEGMENTS_KEY,
@@ -98,7 +99,8 @@ def assert_same_log(got: list[dict], want: list[dict], margins: list, accumulati
         shares = flip_shares([torch.cat(rows) for rows in margins], accumulation)
         accuracies = [[entry["mean_token_accuracy"] for entry in log] for log in (got, want)]
         assert excess_over_flips(*accuracies, shares, "mean_token_accuracy") <= 1e-6
-    assert want[-1]["loss"] < want[0]["loss"], "the reference did not train: the comparison would prove little"
+    first, last = ([entry["loss"] for entry in half] for half in (want[:len(want) // 2], want[-(len(want) // 2):]))
+    assert sum(last) < sum(first), "the reference did not train: the comparison would prove little"
 
 
 CASES = {"sft": ("sft", {}), "sft-accumulation2": ("sft", dict(gradient_accumulation_steps=2)),
@@ -177,3 +179,84 @@ def test_prefix_sharing_off_and_on_with_what_cannot_share():
     with pytest.raises(ConfigError, match="prefix_sharing: on with SFTTrainer: NEFTune"):
         accelerate(trainer, {"task": "causal_lm", "prefix_sharing": "on"})
     assert trainer.data_collator is collator
+
+
+# -- batching.group_prefixes ---------------------------------------------------------------------------------------
+
+
+def interleaved(rows: list[dict], answers: int = 4) -> list[dict]:
+    """``rows`` (``answers`` per prompt, one after the other) reordered so that no two answers of a prompt are
+    neighbours: a sequential or random sampler rarely puts them in one micro-batch."""
+    return [rows[start + offset] for offset in range(answers) for start in range(0, len(rows), answers)]
+
+
+def test_prompt_groups_are_laid_into_whole_micro_batches():
+    assert grouped_micro_batches([[0, 1, 2], [3], [4, 5], [6, 7, 8, 9, 10], [11]], 4) == \
+        [[0, 1, 2, 3], [6, 7, 8, 9], [4, 5, 10, 11]]
+    rows = interleaved(best_of_n())
+    sampler = PrefixGroupSampler([unlabelled_prompt(row) for row in rows], batch_size=8, seed=3)
+    prompts = [unlabelled_prompt(row) for row in rows]
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        batches = sampler.micro_batches()
+        assert sorted(index for batch in batches for index in batch) == list(range(len(rows)))
+        assert all(len(batch) == 8 for batch in batches)
+        for batch in batches:  # every prompt of a micro-batch has all its 4 answers there
+            assert all(sum(prompts[i] == prompts[j] for j in batch) == 4 for i in batch)
+    assert sampler.micro_batches(0) != sampler.micro_batches(1)  # groups reshuffled every epoch
+    assert unlabelled_prompt(rows[0]) == tuple(rows[0]["input_ids"][:rows[0]["labels"].count(-100) - 1])
+    assert unlabelled_prompt({"input_ids": [5, 6, 7], "completion_mask": [0, 0, 1]}) == (5,)
+    assert unlabelled_prompt({"input_ids": [5, 6, 7]}) == ()
+
+
+@pytest.mark.parametrize("kind", ["sft", "hf"])
+def test_grouped_micro_batches_share_every_prompt_and_train_the_padded_run_of_the_same_batches(kind):
+    """Answers of a prompt scattered over the dataset: ``batching.group_prefixes`` brings them into one micro-batch
+    (8 examples: two prompts), every forward shares, and the log equals a padded run given the same sampler."""
+    from padfree_plugins import accelerate
+
+    rows = interleaved(best_of_n())
+    settings = dict(max_steps=STEPS, per_device_train_batch_size=8, train=datasets.Dataset.from_list(rows))
+    logs, orders = {}, {}
+    for packed in (False, True):
+        trainer, _ = make_trainer(kind, packed=False, **settings)
+        if packed:
+            accelerate(trainer, {"task": "causal_lm", "batching": {"group_prefixes": True}})
+        else:  # the reference: the same micro-batches, padded
+            sampler = PrefixGroupSampler([unlabelled_prompt(row) for row in rows], 8, seed=0)
+            trainer._get_train_sampler = lambda *args, **kwargs: sampler
+        orders[packed] = list(trainer._get_train_sampler(trainer.train_dataset))
+        with record_attention_calls() as calls, (contextlib.nullcontext([]) if packed or kind != "sft"
+                                                 else recording_token_margins(trainer.model)) as margins:
+            trainer.train()
+        logs[packed] = [entry for entry in trainer.state.log_history if "loss" in entry], calls, margins
+    assert orders[True] == orders[False] != list(range(len(rows)))
+    (want, _, margins), (got, calls, _) = logs[False], logs[True]
+    assert calls and all(call.shared_prompts == 2 for call in calls)
+    assert_same_log(got, want, margins)
+
+
+def test_group_prefixes_is_off_by_default_and_refused_where_it_cannot_apply():
+    from padfree_plugins import accelerate
+    from padfree_plugins.config.schema import BatchingConfig
+    from padfree_plugins.integrations.resume import plan_fingerprint
+
+    assert BatchingConfig().group_prefixes is False
+    trainer, acceleration = make_trainer("hf", packed=True)
+    assert "_get_train_sampler" not in vars(trainer) and plan_fingerprint(trainer, acceleration.assembly.config) == \
+        {"strategy": "examples"}
+    acceleration.undo()
+    acceleration = accelerate(trainer, {"task": "causal_lm", "batching": {"group_prefixes": True}})
+    assert isinstance(trainer._get_train_sampler(), PrefixGroupSampler)
+    assert plan_fingerprint(trainer, acceleration.assembly.config) == {"strategy": "examples", "group_prefixes": True,
+                                                              "seed": 0, "examples": len(trainer.train_dataset)}
+    acceleration.undo()
+    assert "_get_train_sampler" not in vars(trainer)
+    with pytest.raises(ConfigError, match="group_prefixes lays whole prompt groups"):
+        accelerate(trainer, {"task": "causal_lm", "batching": {"group_prefixes": True, "strategy": "tokens",
+                                                               "max_tokens_per_batch": 256}})
+    from tests.test_prefix_sharing import whole_example_trainer
+
+    own = whole_example_trainer("own loss")
+    with pytest.raises(ConfigError, match="batching.group_prefixes: OwnLoss keeps"):
+        accelerate(own, {"task": "causal_lm", "batching": {"group_prefixes": True}})

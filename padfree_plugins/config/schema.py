@@ -59,8 +59,16 @@ class BatchingConfig:
     length_column: str = _help("dataset column with example lengths, used when present and checked against "
                                "input_ids at accelerate() (otherwise lengths are computed once from input_ids)",
                                default="length")
+    group_prefixes: bool = _help(
+        "HF Trainer / SFTTrainer with strategy: examples: micro-batches that keep the examples of one prompt together "
+        "(an equal unlabelled prefix: best-of-N answers), groups shuffled each epoch, so that prefix_sharing computes "
+        "each prompt once. It changes which examples meet in a step (see docs/prefix-sharing.md)", default=False)
 
     def __post_init__(self) -> None:
+        if self.group_prefixes and self.strategy == "tokens":
+            raise ConfigError("batching.group_prefixes lays whole prompt groups into the trainer's micro-batches of a "
+                              "fixed number of examples (strategy: examples); with strategy: tokens set "
+                              "group_prefixes: false")
         if self.strategy == "tokens" and self.max_tokens_per_batch is None:
             raise ConfigError("batching.max_tokens_per_batch is not set: strategy: tokens needs the number of tokens "
                               "one rank processes per micro-batch (e.g. 4 x the longest example)")

@@ -43,7 +43,7 @@ import torch
 
 from padfree_plugins.assembly import Assembly
 from padfree_plugins.batching.sampler import IndexingDataloaders, trainer_train_dataloader, uses_token_budget
-from padfree_plugins.errors import PadfreeError
+from padfree_plugins.errors import ConfigError, PadfreeError
 from padfree_plugins.integrations.checks import (
     check_collator,
     check_datasets,
@@ -197,6 +197,9 @@ class TrainerPatch:
     #: Whether the patch shares repeated prompts (``prefix_sharing``, decided by its own checks); ``prefix_sharing: on``
     #: is refused otherwise.
     shares_prompts: ClassVar[bool] = False
+    #: Whether the patch lays the trainer's micro-batches in prompt groups (``batching.group_prefixes``); refused
+    #: otherwise.
+    groups_prefixes: ClassVar[bool] = False
 
     trainer: Any
     assembly: Assembly
@@ -258,6 +261,10 @@ class TrainerPatch:
                           gathers_logits=cls.gathers_logits)
         if not cls.shares_prompts:
             refuse_prefix_sharing(trainer, assembly.config, cls.__name__)
+        if assembly.config.batching.group_prefixes and not cls.groups_prefixes:
+            raise ConfigError(f"batching.group_prefixes with {type(trainer).__name__}: its plugin ({cls.__name__}) "
+                              "keeps the trainer's own batches (prompt groups are laid out for HF Trainer and "
+                              "SFTTrainer). Remove batching.group_prefixes")
         if trainer.model is None or unwrap_model(trainer.model) is not assembly.model:
             raise PadfreeError("the assembly was built for another model than trainer.model")
         if not cls.runs_trainer_collator(trainer):

@@ -319,7 +319,10 @@ def refuse_own_batches_options(trainer: Any, config: Any, name: str, batches: st
                                budgets: bool = False) -> None:
     """Refuse what a trainer that keeps its own padded batches cannot do packed: a token budget (``batches``
     says whose batches they are; unless the plugin ``budgets`` its rows itself) and NEFTune (``noise`` says where the
-    trainer's hook would see the packed row)."""
+    trainer's hook would see the packed row), and prompt groups (``batching.group_prefixes``)."""
+    if config.batching.group_prefixes:
+        raise ConfigError(f"batching.group_prefixes: {name} keeps {batches} (prompt groups are laid out for HF Trainer "
+                          "and SFTTrainer). Remove batching.group_prefixes")
     if config.batching.strategy == "tokens" and not budgets:
         raise ConfigError(
             f"batching.strategy: tokens fills packed batches up to a token budget, but {name} keeps {batches}: use "

@@ -42,7 +42,8 @@ from typing import Any
 import torch
 
 from padfree_plugins.contract.hookspecs import hookimpl
-from padfree_plugins.errors import PadfreeError
+from padfree_plugins.batching.prefix_groups import PrefixGroupSampler
+from padfree_plugins.errors import ConfigError, PadfreeError
 from padfree_plugins.integrations.base import (
     TrainerCollator,
     TrainerPatch,
@@ -57,7 +58,8 @@ from padfree_plugins.integrations.checks import (
     shares_prefixes,
 )
 from padfree_plugins.modeling.mixers import mixer_chunk
-from padfree_plugins.modeling.patching import unwrap_model
+from padfree_plugins.integrations.resume import batching_seed
+from padfree_plugins.modeling.patching import own_attribute, unwrap_model
 from padfree_plugins.modeling.tiling import SMOOTHING_KEYWORD
 from padfree_plugins.packing.labelled_logits import (
     drop_labelled_logits,
@@ -84,6 +86,7 @@ class HFTrainerPatch(TrainerPatch):
     sequence_parallel = True
     gathers_logits = True
     shares_prompts = True
+    groups_prefixes = True
 
     @classmethod
     def claims(cls, trainer: Any) -> bool:
@@ -111,6 +114,27 @@ class HFTrainerPatch(TrainerPatch):
         check_token_budget(self.trainer, self.assembly.config)
         self.check_sequence_parallel()
         self.check_tiled_loss()
+        self.check_prompt_groups()
+
+    def check_prompt_groups(self) -> None:
+        """``batching.group_prefixes``: the training set must have a length and token rows (``input_ids``) to read
+        every row's prompt from."""
+        if not self.assembly.config.batching.group_prefixes:
+            return
+        dataset = self.trainer.train_dataset
+        columns = getattr(dataset, "column_names", None)
+        if dataset is None or not hasattr(dataset, "__len__") or (columns is not None and "input_ids" not in columns):
+            raise ConfigError(
+                "batching.group_prefixes reads every training row's prompt (its unlabelled input_ids) to group them: "
+                f"{type(self.trainer).__name__}'s training set has no length or no input_ids column (an iterable "
+                "dataset, rows processed at collate time). Remove batching.group_prefixes")
+
+    def grouped_sampler(self, train_dataset: Any = None) -> PrefixGroupSampler:
+        """``batching.group_prefixes``: the trainer's train sampler, micro-batches of whole prompt groups
+        (:mod:`padfree_plugins.batching.prefix_groups`)."""
+        dataset = self.trainer.train_dataset if train_dataset is None else train_dataset
+        return PrefixGroupSampler.of(dataset, self.trainer.args.per_device_train_batch_size,
+                                     batching_seed(self.trainer, self.assembly.config))
 
     def tiles_loss(self) -> bool:
         """Whether ``memory`` tiles the LM head and loss of this causal-LM training."""
@@ -175,6 +199,9 @@ class HFTrainerPatch(TrainerPatch):
 
     def install(self, collator: Any) -> None:
         super().install(collator)
+        if self.assembly.config.batching.group_prefixes:
+            self.saved["_get_train_sampler"] = own_attribute(self.trainer, "_get_train_sampler")
+            self.trainer._get_train_sampler = self.grouped_sampler
         scaled = getattr(self.assembly.forward, "loss_is_scaled_for_ga", None)
         if scaled is not None and not self.own_loss():
             # a task forward that says whether it normalises by num_items_in_batch itself (a loss the trainer
