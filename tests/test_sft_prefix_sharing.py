@@ -260,3 +260,29 @@ def test_group_prefixes_is_off_by_default_and_refused_where_it_cannot_apply():
     own = whole_example_trainer("own loss")
     with pytest.raises(ConfigError, match="batching.group_prefixes: OwnLoss keeps"):
         accelerate(own, {"task": "causal_lm", "batching": {"group_prefixes": True}})
+
+
+@pytest.mark.parametrize("kind", ["hf", "sft"])
+def test_evaluation_and_prediction_of_shared_batches_are_the_padded_ones(kind):
+    """A loss-only evaluation runs the shared batch (the padded loss); prediction gives every example whole back
+    (the padded run's logits at every labelled position, re-padded per example)."""
+    from padfree_plugins import accelerate
+
+    rows = datasets.Dataset.from_list(best_of_n(3))
+    got = {}
+    for packed in (False, True):
+        trainer, _ = make_trainer(kind, packed=False, per_device_eval_batch_size=4)
+        if packed:
+            accelerate(trainer, {"task": "causal_lm", "prefix_sharing": "on"})
+        with record_attention_calls() as calls:
+            loss = trainer.evaluate(eval_dataset=rows)["eval_loss"]
+        prediction = trainer.predict(rows)
+        got[packed] = loss, prediction, calls
+    (want_loss, want, _), (loss, prediction, calls) = got[False], got[True]
+    assert calls and all(call.shared_prompts > 0 for call in calls)  # the loss-only evaluation shared
+    assert loss == pytest.approx(want_loss, abs=1e-5)
+    assert prediction.metrics["test_loss"] == pytest.approx(want.metrics["test_loss"], abs=1e-5)
+    labelled = torch.as_tensor(want.label_ids) != -100
+    assert torch.equal(torch.as_tensor(prediction.label_ids) != -100, labelled)
+    torch.testing.assert_close(torch.as_tensor(prediction.predictions)[labelled],
+                               torch.as_tensor(want.predictions)[labelled], atol=1e-4, rtol=0)

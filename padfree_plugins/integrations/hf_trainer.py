@@ -57,8 +57,8 @@ from padfree_plugins.integrations.checks import (
     sequence_parallel_size,
     shares_prefixes,
 )
-from padfree_plugins.modeling.mixers import mixer_chunk
 from padfree_plugins.integrations.resume import batching_seed
+from padfree_plugins.modeling.mixers import mixer_chunk
 from padfree_plugins.modeling.patching import own_attribute, unwrap_model
 from padfree_plugins.modeling.tiling import SMOOTHING_KEYWORD
 from padfree_plugins.packing.labelled_logits import (
