@@ -239,7 +239,7 @@ def test_grouped_micro_batches_share_every_prompt_and_train_the_padded_run_of_th
 def test_group_prefixes_is_off_by_default_and_refused_where_it_cannot_apply():
     from padfree_plugins import accelerate
     from padfree_plugins.config.schema import BatchingConfig
-    from padfree_plugins.integrations.resume import plan_fingerprint
+    from padfree_plugins.integrations.resume import plan_differences, plan_fingerprint
 
     assert BatchingConfig().group_prefixes is False
     trainer, acceleration = make_trainer("hf", packed=True)
@@ -248,8 +248,11 @@ def test_group_prefixes_is_off_by_default_and_refused_where_it_cannot_apply():
     acceleration.undo()
     acceleration = accelerate(trainer, {"task": "causal_lm", "batching": {"group_prefixes": True}})
     assert isinstance(trainer._get_train_sampler(), PrefixGroupSampler)
-    assert plan_fingerprint(trainer, acceleration.assembly.config) == {"strategy": "examples", "group_prefixes": True,
-                                                              "seed": 0, "examples": len(trainer.train_dataset)}
+    grouped = plan_fingerprint(trainer, acceleration.assembly.config)
+    assert "batching.group_prefixes: None -> True" in plan_differences({"strategy": "examples"}, grouped)
+    assert grouped == {"strategy": "examples", "group_prefixes": True,
+                                                              "seed": 0, "batch_size": 4,
+                                                              "examples": len(trainer.train_dataset)}
     acceleration.undo()
     assert "_get_train_sampler" not in vars(trainer)
     with pytest.raises(ConfigError, match="group_prefixes lays whole prompt groups"):
