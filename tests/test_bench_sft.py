@@ -254,7 +254,8 @@ def test_best_of_n_times_the_shared_row_beside_padfree():
 
     examples = make_examples([20, 30, 25, 40, 22], vocab=200, seed=0, prompt_share=0.6, best_of=4)
     prompt = examples[0]["labels"].count(-100)
-    assert prompt == 12 and all(ex["input_ids"][:prompt] == examples[0]["input_ids"][:prompt] for ex in examples[:4])
+    assert prompt == round(0.6 * (20 + 30 + 25 + 40) / 4) and len(examples[1]["input_ids"]) == prompt + 12
+    assert all(ex["input_ids"][:prompt] == examples[0]["input_ids"][:prompt] for ex in examples[:4])
     assert examples[4]["input_ids"][:prompt] != examples[0]["input_ids"][:prompt]
     result = run_sft_benchmark(BenchSettings(**{**TINY, "laws": ("lognormal",), "batch_sizes": (8,)},
                                              prompt_share=0.6, best_of=4))

@@ -163,6 +163,9 @@ def test_shared_batch_holds_only_unlabelled_prefixes_and_gives_the_examples_back
     assert SHARED_PREFIXES_KEY not in whole
     batch = collator(rows)
     assert SHARED_PREFIXES_KEY in batch  # the trainer's collator shares (prefix_sharing: auto)
+    first_token_only = [{"input_ids": [7] + row["input_ids"][1:], "labels": row["labels"]} for row in best_of_n(4, 1)]
+    assert SHARED_PREFIXES_KEY in share_unlabelled(collator.collator(first_token_only))
+    assert SHARED_PREFIXES_KEY not in collator(first_token_only)  # 3 tokens saved: fewer than MIN_TOKENS_SAVED
 
 
 def test_prefix_sharing_off_and_on_with_what_cannot_share():

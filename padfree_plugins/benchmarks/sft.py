@@ -20,8 +20,8 @@ Four ways to run a causal-LM training step (forward + backward of the loss) on t
   has nothing to unpad, is the one exception), so the row cannot be a padded run in disguise.
 
 ``prompt_share`` masks the first share of every example's labels (completion-only SFT) in all variants.
-``best_of`` (N > 1): best-of-N SFT, every N consecutive examples of a batch answer one prompt (the first example's
-first ``prompt_share`` tokens, each example's drawn length kept for its own answer, at least one token); a fifth
+``best_of`` (N > 1): best-of-N SFT, every N consecutive examples of a batch answer one prompt (``prompt_share`` of
+their mean drawn length; each answer the rest of its example's drawn length, at least one token); a fifth
 variant, ``padfree+shared``, packs them with each prompt once (HF Trainer's / SFTTrainer's ``prefix_sharing``:
 :func:`~padfree_plugins.packing.prefixes.share_unlabelled`). It counts the same real tokens (every example whole);
 its note gives its speedup over ``padfree`` and that ratio's ideal, the tokens ``padfree`` computes over those the
@@ -180,16 +180,19 @@ class BenchResult:
 def make_examples(lengths: list[int], vocab: int, seed: int, prompt_share: float = 0.0, best_of: int = 1
                   ) -> list[dict]:
     """Random token ids; the first ``prompt_share`` of each example is a prompt (labels -100, no loss). ``best_of``
-    > 1: every ``best_of`` consecutive examples share one prompt (``prompt_share`` of the first one's length), each
-    followed by an answer of its own of its drawn length less the prompt (at least one token)."""
+    > 1: every ``best_of`` consecutive examples share one prompt (``prompt_share`` of their mean drawn length), each
+    followed by an answer of its own (the rest of its drawn length, at least one token): prompts stay about
+    ``prompt_share`` of the tokens."""
     generator = torch.Generator().manual_seed(seed)
     out = []
     prompt: list[int] = []
     for index, n in enumerate(lengths):
         if best_of > 1:
             if index % best_of == 0:
-                prompt = torch.randint(3, vocab, (round(prompt_share * n),), generator=generator).tolist()
-            answer = torch.randint(3, vocab, (max(1, n - len(prompt)),), generator=generator).tolist()
+                group = lengths[index:index + best_of]
+                prompt = torch.randint(3, vocab, (round(prompt_share * sum(group) / len(group)),),
+                                       generator=generator).tolist()
+            answer = torch.randint(3, vocab, (max(1, round((1 - prompt_share) * n)),), generator=generator).tolist()
             out.append({"input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer})
             continue
         ids = torch.randint(3, vocab, (n,), generator=generator).tolist()

@@ -62,6 +62,10 @@ from padfree_plugins.packing.labelled_logits import hold_labelled_logits, take_l
 from padfree_plugins.packing.multimodal import MultimodalCollator
 from padfree_plugins.packing.prefixes import WHOLE_TOKENS_KEY, share_unlabelled
 
+#: The fewest tokens sharing must save for a trainer's batch to be shared: examples that merely begin with the same
+#: token (a BOS) or two are packed whole, as their segments would cost more than the tokens they save.
+MIN_TOKENS_SAVED = 16
+
 __all__ = ["TrainerCollator", "TrainerPatch", "WholeBatches", "library_class", "keeps_methods", "own_attribute",
            "restore_attributes", "signature_columns"]
 
@@ -95,7 +99,8 @@ class TrainerCollator:
     (:func:`~padfree_plugins.packing.labelled_logits.hold_labelled_logits`: no model input);
     ``unlabelled_token`` (the pad id of a replaced ``DataCollatorForLanguageModeling``) gets no loss, as there;
     ``share_prefixes``: the unlabelled tokens that examples of a causal-LM batch begin with are held once
-    (:func:`~padfree_plugins.packing.prefixes.share_unlabelled`, its sequence mixers' ``chunk``).
+    (:func:`~padfree_plugins.packing.prefixes.share_unlabelled`, its sequence mixers' ``chunk``), where that saves at
+    least ``min_saved`` tokens.
     """
 
     collator: Any
@@ -103,13 +108,14 @@ class TrainerCollator:
     unlabelled_token: int | None = None
     share_prefixes: bool = False
     chunk: int = 1
+    min_saved: int = MIN_TOKENS_SAVED
 
     def __call__(self, rows: list[Mapping[str, Any]]) -> Any:
         batch = collate_naming_examples(self.collator, split_packed_rows(rows))  # errors name dataset indices
         if self.unlabelled_token is not None and "labels" in batch:
             batch["labels"] = batch["labels"].masked_fill(batch["input_ids"] == self.unlabelled_token, -100)
         if self.share_prefixes and "labels" in batch:
-            batch = share_unlabelled(batch, self.chunk)
+            batch = share_unlabelled(batch, self.chunk, self.min_saved)
         return hold_labelled_logits(batch) if self.labelled_logits else batch
 
 

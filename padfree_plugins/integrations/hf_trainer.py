@@ -108,6 +108,9 @@ class HFTrainerPatch(TrainerPatch):
             return f"task {task} trains every example whole (prefixes are shared for causal_lm)"
         if getattr(self.trainer, "neftune_noise_alpha", None) is not None:
             return "NEFTune scales its noise by each example's length, which a shared row splits"
+        if getattr(self.trainer.args, "torch_compile", False):
+            return ("torch_compile: the model's guard reads a shared row's structure on the host, which a compiled graph "
+                    "cannot")
         return None
 
     def check(self) -> None:

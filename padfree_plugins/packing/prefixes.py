@@ -353,16 +353,20 @@ def unlabelled_prefixes(batch: Mapping) -> list[list[tuple]]:
     return prefixes
 
 
-def share_unlabelled(batch: Mapping, chunk: int = 1) -> PackedBatch:
+def share_unlabelled(batch: Mapping, chunk: int = 1, min_saved: int = 1) -> PackedBatch:
     """A packed causal-LM batch of whole examples with the unlabelled prefixes its examples begin with held once
     (:func:`unlabelled_prefixes`, :func:`prefix_tree`, :func:`share_segments`): the loss, its count of labels and every
     labelled token's logits are the batch's own, since a shared token predicts no label. A shared batch says which
     segment ends each example (:data:`EXAMPLE_SEGMENTS_KEY`) and how many tokens its examples hold whole
-    (:data:`WHOLE_TOKENS_KEY`); a batch with nothing to share is returned as it is."""
+    (:data:`WHOLE_TOKENS_KEY`); a batch with nothing to share, or whose sharing would save fewer than ``min_saved``
+    tokens (a common first token alone is not worth the segments), is returned as it is."""
     cu = batch["cu_seq_lens_q"].long().tolist()
     tokens = int(batch["input_ids"].shape[-1])
     lengths = [end - start for start, end in zip(cu, cu[1:])]
-    shared, ends = share_segments(batch, prefix_tree(lengths, unlabelled_prefixes(batch), chunk))
+    segments = prefix_tree(lengths, unlabelled_prefixes(batch), chunk)
+    if tokens_saved(segments) < min_saved:
+        return batch if isinstance(batch, PackedBatch) else PackedBatch(batch)
+    shared, ends = share_segments(batch, segments)
     if SHARED_PREFIXES_KEY in shared:
         shared[EXAMPLE_SEGMENTS_KEY], shared[WHOLE_TOKENS_KEY] = torch.tensor(ends), tokens
     return shared
