@@ -245,3 +245,23 @@ def test_cli_prints_a_hybrid_table_and_bench_runs_the_shipped_hybrids(tmp_path, 
     assert [Path(c["model_config"]).name for c in calls] == list(bench.HYBRID_CONFIGS)
     assert all(c["laws"] == "lognormal" and c["batch_sizes"] == "16" for c in calls)
     assert {load_model_config(c["model_config"]).model_type for c in calls} == {"qwen3_5_text", "granitemoehybrid"}
+
+
+def test_best_of_n_times_the_shared_row_beside_padfree():
+    """``--best-of 4``: every 4 examples answer one prompt; ``padfree+shared`` computes each prompt once (fewer
+    tokens, its ideal above 1), with the padded loss, and counts the same real tokens."""
+    from padfree_plugins.benchmarks.sft import SHARED_VARIANT, make_examples
+
+    examples = make_examples([20, 30, 25, 40, 22], vocab=200, seed=0, prompt_share=0.6, best_of=4)
+    prompt = examples[0]["labels"].count(-100)
+    assert prompt == round(0.6 * (20 + 30 + 25 + 40) / 4) and len(examples[1]["input_ids"]) == prompt + 12
+    assert all(ex["input_ids"][:prompt] == examples[0]["input_ids"][:prompt] for ex in examples[:4])
+    assert examples[4]["input_ids"][:prompt] != examples[0]["input_ids"][:prompt]
+    result = run_sft_benchmark(BenchSettings(**{**TINY, "laws": ("lognormal",), "batch_sizes": (8,)},
+                                             prompt_share=0.6, best_of=4))
+    rows = {r.variant: r for r in result.rows}
+    shared = rows[SHARED_VARIANT]
+    assert shared.loss_rel_diff < 1e-5 and shared.real_tokens == rows["padfree"].real_tokens
+    assert "over padfree, ideal x" in shared.note and float(shared.note.split("ideal x")[1].split()[0]) > 1.2
+    with pytest.raises(PadfreeError, match="--best-of 4"):
+        run_sft_benchmark(BenchSettings(**TINY, best_of=4))  # no prompt

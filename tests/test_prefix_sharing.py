@@ -361,8 +361,8 @@ def test_a_collators_batch_shares_its_repeated_prefixes():
 
 
 def whole_example_trainer(kind: str):
-    """An HF Trainer, a TRL SFTTrainer or a Trainer subclass with its own loss (plugin any_trainer): trainers whose
-    plugins train every example whole."""
+    """An HF Trainer, a TRL SFTTrainer (whose plugins share prefixes) or a Trainer subclass with its own loss (plugin
+    any_trainer, which trains every example whole)."""
     from transformers import Trainer
 
     from tests.test_trainer import make_trainer
@@ -378,9 +378,19 @@ def whole_example_trainer(kind: str):
     return OwnLoss(model=hf.model, args=hf.args, train_dataset=hf.train_dataset, data_collator=hf.data_collator)
 
 
-@pytest.mark.parametrize("kind, name, plugin", [("hf", "Trainer", "HFTrainerPatch"),
-                                                ("sft", "SFTTrainer", "SFTTrainerPatch"),
-                                                ("own loss", "OwnLoss", "any_trainer")])
+@pytest.mark.parametrize("kind", ["hf", "sft"])
+def test_hf_trainer_and_sft_trainer_accept_prefix_sharing_on(kind):
+    """HF Trainer and SFTTrainer share the unlabelled tokens their examples begin with (tests/test_sft_prefix_sharing
+    .py compares them with padded runs): ``on`` is accepted and their collator shares; ``off`` does not."""
+    pytest.importorskip("trl")
+    trainer = whole_example_trainer(kind)
+    for mode in ("on", "off"):
+        acceleration = accelerate(trainer, {"task": "causal_lm", "prefix_sharing": mode})
+        assert trainer.data_collator.share_prefixes is (mode == "on")
+        acceleration.undo()
+
+
+@pytest.mark.parametrize("kind, name, plugin", [("own loss", "OwnLoss", "any_trainer")])
 def test_prefix_sharing_on_is_refused_for_trainers_that_share_nothing(kind, name, plugin, caplog):
     """``prefix_sharing: on`` with a trainer whose plugin trains every example whole is a ConfigError at accelerate()
     naming the trainer, the reason and the trainers that share, with the trainer and its model unchanged; ``auto``

@@ -20,6 +20,12 @@ Four ways to run a causal-LM training step (forward + backward of the loss) on t
   has nothing to unpad, is the one exception), so the row cannot be a padded run in disguise.
 
 ``prompt_share`` masks the first share of every example's labels (completion-only SFT) in all variants.
+``best_of`` (N > 1): best-of-N SFT, every N consecutive examples of a batch answer one prompt (``prompt_share`` of
+their mean drawn length; each answer the rest of its example's drawn length, at least one token); a fifth
+variant, ``padfree+shared``, packs them with each prompt once (HF Trainer's / SFTTrainer's ``prefix_sharing``:
+:func:`~padfree_plugins.packing.prefixes.share_unlabelled`). It counts the same real tokens (every example whole);
+its note gives its speedup over ``padfree`` and that ratio's ideal, the tokens ``padfree`` computes over those the
+shared row computes.
 
 Batches are collated and moved to the device beforehand (collator speed is ``bench collator``'s job); each timed
 step is the model's forward + backward, gradients cleared in between, no optimizer step (so every variant sees
@@ -83,15 +89,18 @@ import torch
 from padfree_plugins.benchmarks.lengths import DATASET_LAW, dataset_lengths, draw_lengths, sample_lengths
 from padfree_plugins.benchmarks.measure import saved_activation_bytes, synchronize
 from padfree_plugins.errors import PadfreeError
-from padfree_plugins.modeling.mixers import PackedMixer
+from padfree_plugins.modeling.mixers import PackedMixer, mixer_chunk
 from padfree_plugins.packing.labelled_logits import keep_labelled_logits
 from padfree_plugins.packing.padded import pad_examples
+from padfree_plugins.packing.prefixes import on_device, share_unlabelled
 
 VARIANTS = ("padded", "hf_native", "unpad", "padfree")
 #: The variants timed for a hybrid model (see the module docstring) and the HF flattening checks reported beside them.
 HYBRID_VARIANTS = ("padded", "unpad", "padfree")
 #: Variants that run on the model as :func:`~padfree_plugins.assemble` patched it (the others on the unpatched one).
-PATCHED_VARIANTS = ("unpad", "padfree")
+PATCHED_VARIANTS = ("unpad", "padfree", "padfree+shared")
+#: The variant of ``best_of`` batches that shares each prompt once.
+SHARED_VARIANT = "padfree+shared"
 #: ``DataCollatorWithFlattening`` options of each HF flattening flavour (``hf_native`` is the timed baseline of
 #: models without sequence mixers; for hybrids both are loss checks).
 HF_FLATTENING = {"hf_native": dict(return_position_ids=True),
@@ -130,6 +139,7 @@ class BenchSettings:
     dataset_split: str = "train"
     tokenizer: str | None = None  # local tokenizer for a dataset of text / prompt + completion rows
     prompt_share: float = 0.0  # share of each example whose labels are -100 (completion-only SFT)
+    best_of: int = 1  # N > 1: every N consecutive examples answer one prompt, and padfree+shared is timed
 
 
 @dataclass
@@ -167,14 +177,27 @@ class BenchResult:
 # -- data -------------------------------------------------------------------------------------------------------
 
 
-def make_examples(lengths: list[int], vocab: int, seed: int, prompt_share: float = 0.0) -> list[dict]:
-    """Random token ids; the first ``prompt_share`` of each example is a prompt (labels -100, no loss)."""
+def make_examples(lengths: list[int], vocab: int, seed: int, prompt_share: float = 0.0, best_of: int = 1
+                  ) -> list[dict]:
+    """Random token ids; the first ``prompt_share`` of each example is a prompt (labels -100, no loss). ``best_of``
+    > 1: every ``best_of`` consecutive examples share one prompt (``prompt_share`` of their mean drawn length), each
+    followed by an answer of its own (the rest of its drawn length, at least one token): prompts stay about
+    ``prompt_share`` of the tokens."""
     generator = torch.Generator().manual_seed(seed)
     out = []
-    for n in lengths:
+    prompt: list[int] = []
+    for index, n in enumerate(lengths):
+        if best_of > 1:
+            if index % best_of == 0:
+                group = lengths[index:index + best_of]
+                prompt = torch.randint(3, vocab, (round(prompt_share * sum(group) / len(group)),),
+                                       generator=generator).tolist()
+            answer = torch.randint(3, vocab, (max(1, round((1 - prompt_share) * n)),), generator=generator).tolist()
+            out.append({"input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer})
+            continue
         ids = torch.randint(3, vocab, (n,), generator=generator).tolist()
-        prompt = round(prompt_share * n)
-        out.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+        prompt_length = round(prompt_share * n)
+        out.append({"input_ids": ids, "labels": [-100] * prompt_length + ids[prompt_length:]})
     return out
 
 
@@ -256,6 +279,7 @@ class Runner:
         self.collator, self.forward, self.backend = assembly.collator, assembly.forward, assembly.plan.backend.name
         #: whether padfree-plugins routes sequence mixers of this model (a hybrid: HF flattening is no baseline)
         self.hybrid = any(isinstance(vars(module).get("forward"), PackedMixer) for module in model.modules())
+        self.chunk = mixer_chunk(model)  # a shared prefix must save its mixers' chunks
         assembly.undo()
         self.assembly = None
         self.timed = HYBRID_VARIANTS if self.hybrid else VARIANTS
@@ -272,9 +296,12 @@ class Runner:
             inputs = pad_examples(examples, ("input_ids", "labels"))
         elif variant in self.flatten:
             inputs = dict(self.flatten[variant](examples))
+        elif variant == SHARED_VARIANT:  # as HF Trainer / SFTTrainer run it with prefix_sharing
+            inputs = keep_labelled_logits(share_unlabelled(self.collator(examples), self.chunk))
         else:  # as HF Trainer runs it: logits only where a label counts
             inputs = keep_labelled_logits(self.collator(examples))
-        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        return on_device({k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()},
+                         self.device)
 
     def enter(self, variant: str) -> None:
         from padfree_plugins.assembly import assemble
@@ -303,7 +330,7 @@ class Runner:
         assembly.patch.handles.append(patch.base.register_forward_pre_hook(seen, with_kwargs=True))
 
     def loss(self, variant: str, inputs: dict) -> torch.Tensor:
-        if variant == "padfree":
+        if variant in ("padfree", SHARED_VARIANT):
             return self.forward(self.model, inputs, use_cache=False).loss
         if variant != "unpad":
             return self.model(**inputs, use_cache=False).loss
@@ -341,6 +368,9 @@ def run_sft_benchmark(settings: BenchSettings, progress: Callable[[str], None] |
                            f"(torch {torch.__version__}); run on a GPU machine or use --device cpu")
     if not 0 <= settings.prompt_share < 1:
         raise PadfreeError(f"--prompt-share must be in [0, 1), got {settings.prompt_share}")
+    if settings.best_of < 1 or settings.best_of > 1 and not settings.prompt_share:
+        raise PadfreeError(f"--best-of {settings.best_of}: N answers per prompt need N >= 1 and a prompt "
+                           "(--prompt-share above 0, e.g. 0.6)")
     if settings.dtype not in ("float32", "bfloat16", "float16"):
         raise PadfreeError(f"--dtype must be float32, bfloat16 or float16, not {settings.dtype!r}")
     say = progress or (lambda _: None)
@@ -388,17 +418,21 @@ def _measure(runner: Runner, settings: BenchSettings, law: str, batch_size: int,
              say: Callable[[str], None], lengths: list[int] | None = None) -> list[BenchRow]:
     device = runner.device
     timed, checks = runner.timed, runner.checks
+    if settings.best_of > 1:
+        timed = (*timed, SHARED_VARIANT)
     batches = []
     for b in range(settings.batches):
         seed = settings.seed + 1000 * batch_size + b
         drawn = (sample_lengths(lengths, batch_size, seed, 1, high) if law == DATASET_LAW
                  else draw_lengths(law, batch_size, seed, settings.min_length, high))
-        examples = make_examples(drawn, vocab, seed, settings.prompt_share)
+        examples = make_examples(drawn, vocab, seed, settings.prompt_share, settings.best_of)
         prepared = {v: runner.prepare(v, examples) for v in (*timed, *checks) if v != "unpad"}
         if "unpad" in timed:  # the very tensors the padded variant runs on
             prepared["unpad"] = prepared["padded"]
         batches.append((examples, prepared))
     real = [sum(len(ex["input_ids"]) for ex in examples) for examples, _ in batches]
+    computed = {v: sum(int(prepared[v]["input_ids"].shape[-1]) for _, prepared in batches)
+                for v in ("padfree", SHARED_VARIANT) if v in timed}
     padded_tokens = [len(examples) * max(len(ex["input_ids"]) for ex in examples) for examples, _ in batches]
     times = {v: [] for v in timed}  # per round: seconds spent on all batches
     losses: dict[str, list] = {v: [] for v in (*timed, *checks)}  # first round: the loss of every batch
@@ -475,6 +509,9 @@ def _measure(runner: Runner, settings: BenchSettings, law: str, batch_size: int,
                                  timed=False, note=note))
             continue
         speedup = ratio("padded", v)
+        if v == SHARED_VARIANT:
+            common["note"] = (f"x{ratio('padfree', v):.2f} over padfree, ideal x{computed['padfree'] / computed[v]:.2f}"
+                              f" ({computed[v]:,} of {computed['padfree']:,} tokens computed)")
         rows.append(BenchRow(
             **common, tokens_per_s=total_real / statistics.median(times[v]),
             step_ms=statistics.median(times[v]) / len(batches) * 1e3, memory_bytes=int(memory[v]),

@@ -181,6 +181,9 @@ def bench_sft(
     max_length: Annotated[int, positive("Longest example (lengths are clipped).")] = 2048,
     prompt_share: Annotated[float, typer.Option(help="Share of each example that is prompt (labels -100), as in "
                                                      "completion-only SFT.")] = 0.0,
+    best_of: Annotated[int, positive("Best-of-N SFT: every N consecutive examples answer one prompt (--prompt-share "
+                                     "of the first one's length), and padfree+shared (each prompt once, as "
+                                     "prefix_sharing runs HF Trainer / SFTTrainer) is timed beside the others.")] = 1,
     peak_tflops: Annotated[Optional[float], positive("MFU denominator in TFLOP/s. Default: 790 on CUDA (as "
                                                       "gpu_anchor.py), the measured matmul rate on CPU.")] = None,
     threads: Annotated[Optional[int], positive("torch intra-op threads. Default on CPU: 1 (on a shared machine, "
@@ -209,7 +212,8 @@ def bench_sft(
                              laws=tuple(law.strip() for law in (laws or default_laws).split(",")),
                              batches=batches, rounds=rounds, warmup=warmup, max_length=max_length,
                              peak_tflops=peak_tflops, model_config=model_config, dataset=dataset,
-                             dataset_split=dataset_split, tokenizer=tokenizer, prompt_share=prompt_share)
+                             dataset_split=dataset_split, tokenizer=tokenizer, prompt_share=prompt_share,
+                             best_of=best_of)
     if compile_:
         try:
             bench_compiled(settings, compile_backend, out, as_json)
@@ -230,12 +234,14 @@ def bench_sft(
     kind = result.rows[0].memory_kind if result.rows else ""
     model = model_config or f"Llama {model_size}"
     prompts = f", {prompt_share:.0%} of each example is prompt" if prompt_share else ""
+    prompts += f", best of {best_of} (answers per prompt)" if best_of > 1 else ""
     table = Table(title=f"SFT step (fwd + bwd), {model}, {dtype}, {result.environment['device']}{prompts}: "
                         "real tokens/s, medians of interleaved rounds")
     notes = any(r.note for r in result.rows)
     for column in ("law", "batch", "padding", "variant", "tokens/s", "step ms", "vs padded", "of ideal",
                    "vs HF native", f"memory MiB ({kind})", "MFU", "loss rel. diff", "attention",
-                   *(("HF flattening (not timed)",) if notes else ())):
+                   *((("HF flattening (not timed)" if any(not r.timed for r in result.rows) else "note"),)
+                     if notes else ())):
         table.add_column(column, justify="right")
 
     def figure(value: float, form: str, unit: str = "") -> str:

@@ -59,8 +59,16 @@ class BatchingConfig:
     length_column: str = _help("dataset column with example lengths, used when present and checked against "
                                "input_ids at accelerate() (otherwise lengths are computed once from input_ids)",
                                default="length")
+    group_prefixes: bool = _help(
+        "HF Trainer / SFTTrainer with strategy: examples: micro-batches that keep the examples of one prompt together "
+        "(an equal unlabelled prefix: best-of-N answers), groups shuffled each epoch, so that prefix_sharing computes "
+        "each prompt once. It changes which examples meet in a step (see docs/prefix-sharing.md)", default=False)
 
     def __post_init__(self) -> None:
+        if self.group_prefixes and self.strategy == "tokens":
+            raise ConfigError("batching.group_prefixes lays whole prompt groups into the trainer's micro-batches of a "
+                              "fixed number of examples (strategy: examples); with strategy: tokens set "
+                              "group_prefixes: false")
         if self.strategy == "tokens" and self.max_tokens_per_batch is None:
             raise ConfigError("batching.max_tokens_per_batch is not set: strategy: tokens needs the number of tokens "
                               "one rank processes per micro-batch (e.g. 4 x the longest example)")
@@ -147,11 +155,13 @@ class PadfreeConfig:
         "your own): auto (training forwards run padding-free inside the model, outputs scattered back to the padded "
         "shape); always (evaluation and no_grad forwards too); off (the model's own padded code)", default="auto")
     prefix_sharing: Literal["auto", "on", "off"] = _help(
-        "preference, reward and RL trainers (TRL DPO, Reward, GRPO, RLOO, KTO): each prompt computed once in a "
-        "packed row, followed by its completions (exact: they attend to it and continue its positions); auto (where "
-        "the attention backend takes shared prefixes, the model is a decoder whose sequence mixers, if any, start "
-        "from a prompt's state (not Mamba1; not mixers: kernels) and the batch holds a repeated prompt); on (the "
-        "same, refused where it cannot apply and with trainers that share nothing: HF Trainer, SFTTrainer); off. "
+        "preference, reward and RL trainers (TRL DPO, Reward, GRPO, RLOO, KTO), and HF Trainer / SFTTrainer on "
+        "causal_lm (examples of a micro-batch that begin with the same unlabelled tokens: best-of-N answers, a "
+        "conversation split per turn): each prompt computed once in a packed row, followed by its completions (exact: "
+        "they attend to it and continue its positions); auto (where the attention backend takes shared prefixes, the "
+        "model is a decoder whose sequence mixers, if any, start from a prompt's state (not Mamba1; not mixers: "
+        "kernels) and the batch holds a repeated prompt); on (the same, refused where it cannot apply and with "
+        "trainers that share nothing: a Trainer subclass with its own loss); off. "
         "YAML's booleans (a bare on / off) are read as on / off", default="auto")
     max_length: int | None = _help("longest example in tokens (default: no limit)", default=None, minimum=1)
     on_overlong: Literal["error", "truncate"] = _help("what to do with an example longer than max_length (truncate: "

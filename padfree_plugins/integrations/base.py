@@ -43,7 +43,7 @@ import torch
 
 from padfree_plugins.assembly import Assembly
 from padfree_plugins.batching.sampler import IndexingDataloaders, trainer_train_dataloader, uses_token_budget
-from padfree_plugins.errors import PadfreeError
+from padfree_plugins.errors import ConfigError, PadfreeError
 from padfree_plugins.integrations.checks import (
     check_collator,
     check_datasets,
@@ -60,6 +60,11 @@ from padfree_plugins.packing.batch import INDEX_KEY, packed_tokens
 from padfree_plugins.packing.collator import collate_naming_examples, split_packed_rows, unlabelled_message
 from padfree_plugins.packing.labelled_logits import hold_labelled_logits, take_labelled_logits
 from padfree_plugins.packing.multimodal import MultimodalCollator
+from padfree_plugins.packing.prefixes import WHOLE_TOKENS_KEY, share_unlabelled
+
+#: The fewest tokens sharing must save for a trainer's batch to be shared: examples that merely begin with the same
+#: token (a BOS) or two are packed whole, as their segments would cost more than the tokens they save.
+MIN_TOKENS_SAVED = 16
 
 __all__ = ["TrainerCollator", "TrainerPatch", "WholeBatches", "library_class", "keeps_methods", "own_attribute",
            "restore_attributes", "signature_columns"]
@@ -92,17 +97,25 @@ class TrainerCollator:
     Rows that hold several examples (TRL's ``packing=True``: a ``seq_lengths`` column) are split into them first;
     ``labelled_logits`` holds each batch's labelled positions for the plugin's own loss
     (:func:`~padfree_plugins.packing.labelled_logits.hold_labelled_logits`: no model input);
-    ``unlabelled_token`` (the pad id of a replaced ``DataCollatorForLanguageModeling``) gets no loss, as there.
+    ``unlabelled_token`` (the pad id of a replaced ``DataCollatorForLanguageModeling``) gets no loss, as there;
+    ``share_prefixes``: the unlabelled tokens that examples of a causal-LM batch begin with are held once
+    (:func:`~padfree_plugins.packing.prefixes.share_unlabelled`, its sequence mixers' ``chunk``), where that saves at
+    least ``min_saved`` tokens.
     """
 
     collator: Any
     labelled_logits: bool = False
     unlabelled_token: int | None = None
+    share_prefixes: bool = False
+    chunk: int = 1
+    min_saved: int = MIN_TOKENS_SAVED
 
     def __call__(self, rows: list[Mapping[str, Any]]) -> Any:
         batch = collate_naming_examples(self.collator, split_packed_rows(rows))  # errors name dataset indices
         if self.unlabelled_token is not None and "labels" in batch:
             batch["labels"] = batch["labels"].masked_fill(batch["input_ids"] == self.unlabelled_token, -100)
+        if self.share_prefixes and "labels" in batch:
+            batch = share_unlabelled(batch, self.chunk, self.min_saved)
         return hold_labelled_logits(batch) if self.labelled_logits else batch
 
 
@@ -190,6 +203,9 @@ class TrainerPatch:
     #: Whether the patch shares repeated prompts (``prefix_sharing``, decided by its own checks); ``prefix_sharing: on``
     #: is refused otherwise.
     shares_prompts: ClassVar[bool] = False
+    #: Whether the patch lays the trainer's micro-batches in prompt groups (``batching.group_prefixes``); refused
+    #: otherwise.
+    groups_prefixes: ClassVar[bool] = False
 
     trainer: Any
     assembly: Assembly
@@ -251,6 +267,10 @@ class TrainerPatch:
                           gathers_logits=cls.gathers_logits)
         if not cls.shares_prompts:
             refuse_prefix_sharing(trainer, assembly.config, cls.__name__)
+        if assembly.config.batching.group_prefixes and not cls.groups_prefixes:
+            raise ConfigError(f"batching.group_prefixes with {type(trainer).__name__}: its plugin ({cls.__name__}) "
+                              "keeps the trainer's own batches (prompt groups are laid out for HF Trainer and "
+                              "SFTTrainer). Remove batching.group_prefixes")
         if trainer.model is None or unwrap_model(trainer.model) is not assembly.model:
             raise PadfreeError("the assembly was built for another model than trainer.model")
         if not cls.runs_trainer_collator(trainer):
@@ -342,12 +362,14 @@ class TrainerPatch:
 
     def track_num_input_tokens(self, inputs: Mapping) -> None:
         """``include_num_input_tokens_seen``: a packed batch has no padding, so ``non_padding`` counts every token (the
-        trainer would count the tokens unequal to the pad id, dropping real ones where pad is eos, say)."""
+        trainer would count the tokens unequal to the pad id, dropping real ones where pad is eos, say); a batch with
+        shared prefixes counts its examples' tokens whole, as padded."""
         trainer = self.trainer
         name = getattr(trainer.model, "main_input_name", "input_ids")
         if trainer.args.include_num_input_tokens_seen != "non_padding" or name not in inputs:
             return type(trainer)._track_num_input_tokens(trainer, inputs)
-        tokens = torch.as_tensor(inputs[name].numel(), device=trainer.args.device, dtype=torch.int64)
+        tokens = torch.as_tensor(inputs.get(WHOLE_TOKENS_KEY, inputs[name].numel()), device=trainer.args.device,
+                                 dtype=torch.int64)
         trainer.state.num_input_tokens_seen += trainer.accelerator.gather(tokens).sum().item()
 
     def training_step(self, model: Any, inputs: Mapping, *args: Any, **kwargs: Any) -> Any:

@@ -320,7 +320,10 @@ def refuse_own_batches_options(trainer: Any, config: Any, name: str, batches: st
                                budgets: bool = False) -> None:
     """Refuse what a trainer that keeps its own padded batches cannot do packed: a token budget (``batches``
     says whose batches they are; unless the plugin ``budgets`` its rows itself) and NEFTune (``noise`` says where the
-    trainer's hook would see the packed row)."""
+    trainer's hook would see the packed row), and prompt groups (``batching.group_prefixes``)."""
+    if config.batching.group_prefixes:
+        raise ConfigError(f"batching.group_prefixes: {name} keeps {batches} (prompt groups are laid out for HF Trainer "
+                          "and SFTTrainer). Remove batching.group_prefixes")
     if config.batching.strategy == "tokens" and not budgets:
         raise ConfigError(
             f"batching.strategy: tokens fills packed batches up to a token budget, but {name} keeps {batches}: use "
@@ -386,16 +389,17 @@ def why_not_split_shared(assembly: Any, size: int) -> str | None:
     return None
 
 
-def shares_prefixes(trainer: Any, assembly: Any, prompt_column: bool = True, splits_shared_rows: bool = False
-                    ) -> bool:
+def shares_prefixes(trainer: Any, assembly: Any, prompt_column: bool = True, splits_shared_rows: bool = False,
+                    refusal: str | None = None) -> bool:
     """Whether ``trainer``'s packed rows share repeated prompts under the config's ``prefix_sharing``: ``off`` never;
     ``auto`` where :func:`why_prompts_not_shared` finds no reason against (the reason is logged); ``on`` the same,
-    refusing (a :class:`ConfigError`, nothing changed yet) where it cannot apply."""
+    refusing (a :class:`ConfigError`, nothing changed yet) where it cannot apply. ``refusal``: a reason the trainer's
+    plugin knows itself, which comes first."""
     mode = getattr(assembly.config, "prefix_sharing", "off")
     if mode == "off":
         return False
     name = type(trainer).__name__
-    reason = why_prompts_not_shared(trainer, assembly, prompt_column, splits_shared_rows)
+    reason = refusal or why_prompts_not_shared(trainer, assembly, prompt_column, splits_shared_rows)
     if reason and mode == "on":
         raise ConfigError(f"prefix_sharing: on with {name}: {reason}. Set prefix_sharing: auto (shared where it "
                           "applies) or off")
@@ -405,7 +409,8 @@ def shares_prefixes(trainer: Any, assembly: Any, prompt_column: bool = True, spl
 
 
 #: The trainers whose builtin plugins share repeated prompts (``prefix_sharing``), for messages.
-SHARING_TRAINERS = "TRL DPOTrainer, RewardTrainer, GRPOTrainer, RLOOTrainer and KTOTrainer"
+SHARING_TRAINERS = ("HF Trainer, TRL SFTTrainer, DPOTrainer, RewardTrainer, GRPOTrainer, RLOOTrainer and "
+                    "KTOTrainer")
 
 
 def refuse_prefix_sharing(trainer: Any, config: Any, plugin: str) -> None:

@@ -42,7 +42,8 @@ from typing import Any
 import torch
 
 from padfree_plugins.contract.hookspecs import hookimpl
-from padfree_plugins.errors import PadfreeError
+from padfree_plugins.batching.prefix_groups import PrefixGroupSampler
+from padfree_plugins.errors import ConfigError, PadfreeError
 from padfree_plugins.integrations.base import (
     TrainerCollator,
     TrainerPatch,
@@ -50,14 +51,22 @@ from padfree_plugins.integrations.base import (
     keeps_methods,
     library_class,
 )
-from padfree_plugins.integrations.checks import check_token_budget, language_modeling_pad_id, sequence_parallel_size
-from padfree_plugins.modeling.patching import unwrap_model
+from padfree_plugins.integrations.checks import (
+    check_token_budget,
+    language_modeling_pad_id,
+    sequence_parallel_size,
+    shares_prefixes,
+)
+from padfree_plugins.integrations.resume import batching_seed
+from padfree_plugins.modeling.mixers import mixer_chunk
+from padfree_plugins.modeling.patching import own_attribute, unwrap_model
 from padfree_plugins.modeling.tiling import SMOOTHING_KEYWORD
 from padfree_plugins.packing.labelled_logits import (
     drop_labelled_logits,
     take_labelled_logits,
     with_labelled_logits,
 )
+from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, on_device, whole_examples
 
 logger = logging.getLogger("padfree_plugins")
 
@@ -76,6 +85,8 @@ class HFTrainerPatch(TrainerPatch):
     kind = "hf"
     sequence_parallel = True
     gathers_logits = True
+    shares_prompts = True
+    groups_prefixes = True
 
     @classmethod
     def claims(cls, trainer: Any) -> bool:
@@ -83,13 +94,50 @@ class HFTrainerPatch(TrainerPatch):
 
     def make_collator(self) -> TrainerCollator:
         causal_lm = self.assembly.plan.task.name == "causal_lm"
+        share = shares_prefixes(self.trainer, self.assembly, prompt_column=False, refusal=self.why_not_shared())
         return TrainerCollator(self.assembly.collator, self.labelled_logits(),
-                               language_modeling_pad_id(self.trainer) if causal_lm else None)
+                               language_modeling_pad_id(self.trainer) if causal_lm else None,
+                               share_prefixes=share, chunk=mixer_chunk(self.assembly.model) if share else 1)
+
+    def why_not_shared(self) -> str | None:
+        """Why this trainer's examples cannot share the unlabelled tokens they begin with (``prefix_sharing``; the
+        checks every trainer shares come after: :func:`~padfree_plugins.integrations.checks.why_prompts_not_shared`),
+        or ``None``."""
+        task = self.assembly.plan.task.name
+        if task != "causal_lm":
+            return f"task {task} trains every example whole (prefixes are shared for causal_lm)"
+        if getattr(self.trainer, "neftune_noise_alpha", None) is not None:
+            return "NEFTune scales its noise by each example's length, which a shared row splits"
+        if getattr(self.trainer.args, "torch_compile", False):
+            return ("torch_compile: the model's guard reads a shared row's structure on the host, which a compiled graph "
+                    "cannot")
+        return None
 
     def check(self) -> None:
         check_token_budget(self.trainer, self.assembly.config)
         self.check_sequence_parallel()
         self.check_tiled_loss()
+        self.check_prompt_groups()
+
+    def check_prompt_groups(self) -> None:
+        """``batching.group_prefixes``: the training set must have a length and token rows (``input_ids``) to read
+        every row's prompt from."""
+        if not self.assembly.config.batching.group_prefixes:
+            return
+        dataset = self.trainer.train_dataset
+        columns = getattr(dataset, "column_names", None)
+        if dataset is None or not hasattr(dataset, "__len__") or (columns is not None and "input_ids" not in columns):
+            raise ConfigError(
+                "batching.group_prefixes reads every training row's prompt (its unlabelled input_ids) to group them: "
+                f"{type(self.trainer).__name__}'s training set has no length or no input_ids column (an iterable "
+                "dataset, rows processed at collate time). Remove batching.group_prefixes")
+
+    def grouped_sampler(self, train_dataset: Any = None) -> PrefixGroupSampler:
+        """``batching.group_prefixes``: the trainer's train sampler, micro-batches of whole prompt groups
+        (:mod:`padfree_plugins.batching.prefix_groups`)."""
+        dataset = self.trainer.train_dataset if train_dataset is None else train_dataset
+        return PrefixGroupSampler.of(dataset, self.trainer.args.per_device_train_batch_size,
+                                     batching_seed(self.trainer, self.assembly.config))
 
     def tiles_loss(self) -> bool:
         """Whether ``memory`` tiles the LM head and loss of this causal-LM training."""
@@ -154,6 +202,9 @@ class HFTrainerPatch(TrainerPatch):
 
     def install(self, collator: Any) -> None:
         super().install(collator)
+        if self.assembly.config.batching.group_prefixes:
+            self.saved["_get_train_sampler"] = own_attribute(self.trainer, "_get_train_sampler")
+            self.trainer._get_train_sampler = self.grouped_sampler
         scaled = getattr(self.assembly.forward, "loss_is_scaled_for_ga", None)
         if scaled is not None and not self.own_loss():
             # a task forward that says whether it normalises by num_items_in_batch itself (a loss the trainer
@@ -234,6 +285,8 @@ class HFTrainerPatch(TrainerPatch):
                      num_items_in_batch: Any = None) -> Any:
         """The loss of a packed batch, through ``assembly.forward`` (the trainer's ``compute_loss``)."""
         inputs, held = self.labelled_logits_of(inputs)
+        if SHARED_PREFIXES_KEY in inputs:
+            inputs = on_device(inputs, inputs["input_ids"].device)
         smoothed = (not return_outputs and held is not None and "labels" in inputs and self.smooths_tiled())
         own_loss = uses_own_loss(self.trainer) and "labels" in inputs and not smoothed
         if own_loss or return_outputs:  # the logits of every position are wanted
@@ -279,6 +332,8 @@ class HFTrainerPatch(TrainerPatch):
         trainer = self.trainer
         batch_as_given = inputs
         inputs = trainer._prepare_inputs(inputs)
+        if SHARED_PREFIXES_KEY in inputs and not prediction_loss_only:  # per-token outputs of every example whole
+            inputs = whole_examples(take_labelled_logits(inputs)[0])
         has_labels = bool(trainer.label_names) and all(inputs.get(k) is not None for k in trainer.label_names)
         loss_without_labels = not trainer.label_names
         num_items = (trainer._get_num_items_in_batch([inputs], trainer.args.device)

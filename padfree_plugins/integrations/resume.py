@@ -30,23 +30,31 @@ from padfree_plugins.modeling.patching import own_attribute
 FINGERPRINT_FILE = "padfree_batching.json"
 
 
+def batching_seed(trainer: Any, config: Any) -> int:
+    """The seed of padfree-plugins' batching: ``batching.seed``, else the trainer's ``data_seed``, else its ``seed``."""
+    seed, args = config.batching.seed, trainer.args
+    return int(seed if seed is not None else (args.data_seed if args.data_seed is not None else args.seed))
+
+
 def plan_fingerprint(trainer: Any, config: Any, lengths: Callable[[], Any] | None = None) -> dict[str, Any]:
     """What decides the trainer's batches under ``config``: ``{"strategy": "examples"}`` for the trainer's own
-    batches; for a token budget, the budget's settings, the seed, the number of processes and every row's size
-    (``lengths()``, else read from the training set as the token-budget dataloader reads them), hashed."""
+    batches (with ``batching.group_prefixes``: that, the seed, the micro-batch size and the number of rows); for a
+    token budget, the budget's settings, the seed, the number of processes and every row's size (``lengths()``, else
+    read from the training set as the token-budget dataloader reads them), hashed."""
     batching, dataset = config.batching, trainer.train_dataset
+    seed = batching_seed(trainer, config)
+    if getattr(batching, "group_prefixes", False) and dataset is not None and hasattr(dataset, "__len__"):
+        return {"strategy": "examples", "group_prefixes": True, "seed": seed,
+                "batch_size": int(trainer.args.per_device_train_batch_size), "examples": len(dataset)}
     if not uses_token_budget(config) or dataset is None or not hasattr(dataset, "__len__"):
         return {"strategy": "examples"}
     sizes = lengths() if lengths is not None else None
     if sizes is None:
         sizes = example_lengths(dataset, length_column=batching.length_column)
     sizes = np.asarray(sizes, dtype=np.int64)
-    args = trainer.args
-    seed = batching.seed if batching.seed is not None else (args.data_seed if args.data_seed is not None
-                                                            else args.seed)
     return {"strategy": "tokens", "max_tokens_per_batch": batching.max_tokens_per_batch,
             "max_pixels_per_batch": batching.max_pixels_per_batch, "window": batching.window,
-            "drop_last": batching.drop_last, "on_overlong_example": batching.on_overlong_example, "seed": int(seed),
+            "drop_last": batching.drop_last, "on_overlong_example": batching.on_overlong_example, "seed": seed,
             "processes": int(trainer.accelerator.num_processes), "examples": int(sizes.size),
             "sizes_sha256": hashlib.sha256(sizes.tobytes()).hexdigest()[:16]}
 
@@ -55,6 +63,7 @@ def plan_fingerprint(trainer: Any, config: Any, lengths: Callable[[], Any] | Non
 SETTING_NAMES = {"strategy": "batching.strategy", "max_tokens_per_batch": "batching.max_tokens_per_batch",
                  "max_pixels_per_batch": "batching.max_pixels_per_batch", "window": "batching.window",
                  "drop_last": "batching.drop_last", "on_overlong_example": "batching.on_overlong_example",
+                 "group_prefixes": "batching.group_prefixes", "batch_size": "per_device_train_batch_size",
                  "seed": "the data seed (batching.seed, else TrainingArguments data_seed / seed)",
                  "processes": "the number of processes", "examples": "the training set's rows",
                  "sizes_sha256": "the training set's row lengths (a hash)"}

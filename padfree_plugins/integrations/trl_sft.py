@@ -29,9 +29,15 @@ import torch
 from padfree_plugins.contract.hookspecs import hookimpl
 from padfree_plugins.errors import ConfigError, PadfreeError
 from padfree_plugins.integrations.base import TrainerCollator, keeps_methods, library_class
-from padfree_plugins.integrations.checks import check_token_budget, note_trl_eval_packing, sequence_parallel_size
+from padfree_plugins.integrations.checks import (
+    check_token_budget,
+    note_trl_eval_packing,
+    sequence_parallel_size,
+    shares_prefixes,
+)
 from padfree_plugins.integrations.hf_trainer import HFTrainerPatch, uses_own_loss
 from padfree_plugins.packing.batch import INDEX_KEY
+from padfree_plugins.packing.prefixes import WHOLE_TOKENS_KEY
 
 
 def sft_loss(trainer: Any, outputs: Any, num_items_in_batch: Any) -> torch.Tensor:
@@ -71,7 +77,7 @@ def record_sft_metrics(trainer: Any, outputs: Any, inputs: Mapping) -> None:
                 total = gather(value.detach().sum()).sum()
                 metrics[mode][name].append((total / num_valid).item() if num_valid > 0 else 0.0)
     if mode == "train" and hasattr(trainer, "_total_train_tokens"):
-        tokens = inputs["input_ids"].shape[-1]
+        tokens = inputs.get(WHOLE_TOKENS_KEY, inputs["input_ids"].shape[-1])  # shared prefixes counted per example
         multiple = trainer.args.pad_to_multiple_of if getattr(trainer, "padding_free", False) else None
         if multiple:  # TRL's padding-free collator pads the row to a multiple, and counts that padding
             tokens = -(-tokens // multiple) * multiple
@@ -140,7 +146,13 @@ class SFTTrainerPatch(HFTrainerPatch):
         processing = vision_collator(self.trainer)
         if processing is None:
             return super().make_collator()
+        shares_prefixes(self.trainer, self.assembly, prompt_column=False, refusal=self.why_not_shared())
         return TrainerCollator(ExampleByExample(processing, self.assembly.collator))
+
+    def why_not_shared(self) -> str | None:
+        if vision_collator(self.trainer) is not None:
+            return "image-text SFT rows are processed one by one at collate time, and not shared yet"
+        return super().why_not_shared()
 
     def check(self) -> None:
         check_token_budget(self.trainer, self.assembly.config)

@@ -343,3 +343,83 @@ class RootsAndChildren:
                    bounds(child_k).to(device),
                    max(child_q, default=0), max(child_k, default=0),
                    torch.argsort(torch.cat([roots, children])).to(device))
+
+
+#: Keys a batch shared by :func:`share_unlabelled` carries besides the model's: for every example the segment that
+#: holds its end (int64 ``[n]``), and the tokens of its examples whole (an int).
+EXAMPLE_SEGMENTS_KEY, WHOLE_TOKENS_KEY = "example_segments", "whole_tokens"
+#: Per-token keys that are targets, not inputs: two rows whose inputs agree share their tokens whatever these hold.
+TARGET_KEYS = ("labels", "shift_labels")
+
+
+def unlabelled_prefixes(batch: Mapping) -> list[list[tuple]]:
+    """Each example's shareable prefix in a packed causal-LM batch (as :func:`prefix_tree` takes it): its tokens before
+    the first one that predicts a label (token ``i`` predicts label ``i + 1``; at most all but its last token), each
+    as the tuple of its per-token model inputs (token id, position, token type …)."""
+    cu = batch["cu_seq_lens_q"].long().tolist()
+    total = cu[-1]
+    columns = [value.reshape(total, -1).tolist() for key, value in batch.items()
+               if key not in TARGET_KEYS and key != "seq_idx" and isinstance(value, torch.Tensor)
+               and value.ndim >= 2 and tuple(value.shape[:2]) == (1, total)]
+    tokens = [tuple(tuple(column[index]) for column in columns) for index in range(total)]
+    labelled = (batch["labels"].reshape(-1) != -100).tolist()
+    prefixes = []
+    for start, end in zip(cu, cu[1:]):
+        first = next((index for index in range(start + 1, end) if labelled[index]), end)
+        prefixes.append(tokens[start:max(start, first - 1)])
+    return prefixes
+
+
+def share_unlabelled(batch: Mapping, chunk: int = 1, min_saved: int = 1) -> PackedBatch:
+    """A packed causal-LM batch of whole examples with the unlabelled prefixes its examples begin with held once
+    (:func:`unlabelled_prefixes`, :func:`prefix_tree`, :func:`share_segments`): the loss, its count of labels and every
+    labelled token's logits are the batch's own, since a shared token predicts no label. A shared batch says which
+    segment ends each example (:data:`EXAMPLE_SEGMENTS_KEY`) and how many tokens its examples hold whole
+    (:data:`WHOLE_TOKENS_KEY`); a batch with nothing to share, or whose sharing would save fewer than ``min_saved``
+    tokens (a common first token alone is not worth the segments), is returned as it is."""
+    cu = batch["cu_seq_lens_q"].long().tolist()
+    tokens = int(batch["input_ids"].shape[-1])
+    lengths = [end - start for start, end in zip(cu, cu[1:])]
+    segments = prefix_tree(lengths, unlabelled_prefixes(batch), chunk)
+    if tokens_saved(segments) < min_saved:
+        return batch if isinstance(batch, PackedBatch) else PackedBatch(batch)
+    shared, ends = share_segments(batch, segments)
+    if SHARED_PREFIXES_KEY in shared:
+        shared[EXAMPLE_SEGMENTS_KEY], shared[WHOLE_TOKENS_KEY] = torch.tensor(ends), tokens
+    return shared
+
+
+def whole_examples(batch: Mapping) -> Mapping:
+    """A batch shared by :func:`share_unlabelled` with every example whole again (its per-token values in the
+    order and with the boundaries of the batch before sharing); any other batch as it is."""
+    shared = batch.get(SHARED_PREFIXES_KEY)
+    if shared is None or EXAMPLE_SEGMENTS_KEY not in batch:
+        return batch
+    total = int(batch["input_ids"].shape[1])
+    index, bounds = shared.whole(batch[EXAMPLE_SEGMENTS_KEY].tolist())
+    whole = PackedBatch()
+    for key, value in batch.items():
+        if key in (SHARED_PREFIXES_KEY, EXAMPLE_SEGMENTS_KEY, WHOLE_TOKENS_KEY):
+            continue
+        per_token = isinstance(value, torch.Tensor) and value.ndim >= 2 and tuple(value.shape[:2]) == (1, total)
+        whole[key] = value.index_select(1, index.to(value.device)) if per_token else value
+    device = batch["input_ids"].device
+    sizes = bounds.diff()
+    whole.update(cu_seq_lens_q=bounds.to(device), cu_seq_lens_k=bounds.to(device), max_length_q=int(sizes.max()),
+                 max_length_k=int(sizes.max()))
+    if "seq_idx" in batch:
+        whole["seq_idx"] = torch.repeat_interleave(torch.arange(sizes.numel(), dtype=batch["seq_idx"].dtype),
+                                                   sizes.long()).to(device)[None]
+    whole.model_keys = getattr(batch, "model_keys", None)
+    return whole
+
+
+def on_device(batch: Mapping, device: torch.device | str) -> Mapping:
+    """``batch`` with its :data:`SHARED_PREFIXES_KEY` structure on ``device`` (a trainer moves tensors only)."""
+    shared = batch.get(SHARED_PREFIXES_KEY)
+    if shared is None or shared.key_index.device == torch.device(device):
+        return batch
+    moved = type(batch)({**batch, SHARED_PREFIXES_KEY: shared.to(device)})
+    if getattr(batch, "model_keys", None) is not None:
+        moved.model_keys = batch.model_keys
+    return moved
