@@ -217,10 +217,13 @@ def caterpillar(depth: int, vocab: int, seed: int = 0):
 
 
 def saved_bytes(model, inputs) -> int:
-    """The bytes of every tensor autograd saves for backward in one forward (each storage once)."""
+    """The bytes of every tensor autograd saves for backward in one forward (each storage once; every saved tensor held
+    until the count is made, so that no freed storage's address is reused and miscounted)."""
     storages: dict[int, int] = {}
+    held = []
 
     def keep(tensor):
+        held.append(tensor)
         storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         return tensor
 
