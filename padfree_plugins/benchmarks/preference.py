@@ -37,6 +37,20 @@ padded batch is about 60% padding: DPO pairs a prompt with a chosen and a reject
 chosen and prompt + rejected, ``2 × pairs`` rows, to the longest); GRPO repeats each prompt for its
 ``num_generations`` completions, whose lengths vary widely (clipped to ``max_completion_length``).
 
+GRPO's ``tree`` law (``bench grpo --law tree``) builds multi-turn episodes instead (:func:`grpo_tree_batch`): one
+per batch, its turn 1 under two alternatives at turn 2, each under two at turn 3, the batch's completions (turn 4)
+spread over these four prompts. Rows share an episode's turns only at equal positions (TRL's padded forward counts
+the left pads in its positions), so a turn's alternatives have equal lengths. ``shared`` then holds each common turn
+once (the trie of the prompts, :func:`~padfree_plugins.packing.prefixes.prefix_tree`); its ideal is set beside the
+one of sharing whole prompts only (depth 1, :func:`depth1_tokens`), and it is held to :data:`TREE_OF_IDEAL` of its
+own.
+
+Any supported decoder can stand in for the tiny Llama (``model_config``: a config.json, as ``bench sft``'s): hybrids
+(gated DeltaNet, Mamba2) too, whose sequence mixers continue each shared prefix's state into its children; where
+their torch kernels pad every run to a chunk, a prefix is shared only where it saves chunks, and the ideal is counted
+on the rows the model actually computes. A config without experts (Granite-4.0-H's dense shape) gets
+``router_aux_loss_coef = 0``: there is no router loss to count.
+
 The policy is its reference plus a little noise (:func:`drifted`: ``drift`` × each weight's std), as a policy some
 way into training: at the start, policy and reference are equal and DPO's loss is log 2 whatever the
 log-probabilities, which would compare nothing.
