@@ -554,8 +554,8 @@ def run_preference_benchmark(settings: PreferenceSettings,
     import trl
 
     environment = {"trainer": {"dpo": "trl.DPOTrainer", "grpo": "trl.GRPOTrainer"}[settings.trainer],
-                   "model": f"{type(policy).__name__} {settings.model_config or settings.model_size}", "torch": torch.__version__,
-                   "trl": trl.__version__, "transformers": transformers.__version__,
+                   "model": f"{type(policy).__name__} {settings.model_config or settings.model_size}",
+                   "torch": torch.__version__, "trl": trl.__version__, "transformers": transformers.__version__,
                    "device": "cpu", "threads": settings.threads or torch.get_num_threads(),
                    "plugins": {v.name: (v.acceleration.describe()["wrapper"] if v.acceleration else "none")
                                for v in variants}}
