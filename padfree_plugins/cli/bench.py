@@ -357,8 +357,9 @@ def preference_command(trainer: str) -> Callable[..., None]:
     """The ``bench dpo`` / ``bench grpo`` command: TRL padded vs the generic path vs the native plugin."""
 
     def command(
-        quick: Annotated[bool, typer.Option("--quick", help="Seconds, not minutes: the micro model, one batch, one "
-                                                            "round (a smoke run; its speeds mean little).")] = False,
+        quick: Annotated[bool, typer.Option("--quick", help="Seconds, not minutes: the micro model (or "
+                                                            "--model-config's), one batch, one round (a smoke run; "
+                                                            "its speeds mean little).")] = False,
         model_size: Annotated[str, typer.Option(help="tiny (4 layers, d=256, vocab 4096), micro (2 layers, d=64), "
                                                      "1b (TinyLlama 1.1B shape: slow on CPU).")] = "tiny",
         dtype: Annotated[str, typer.Option(help="float32, or float64: the transformer body exact to ~1e-16, which "
