@@ -9,6 +9,7 @@ import statistics
 from types import SimpleNamespace
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from padfree_plugins import PadfreeError
@@ -163,6 +164,111 @@ def test_bench_runs_dpo_and_grpo(monkeypatch):
 def test_shared_is_held_to_its_target_at_the_default_prompt_share_and_to_no_cost_elsewhere():
     from padfree_plugins.benchmarks.preference import SHARED_FLOOR, SHARED_TARGETS, shared_target
 
+    from padfree_plugins.benchmarks.preference import SHARED_MEMORY, shared_memory_target
+
     for trainer in ("dpo", "grpo"):
         assert shared_target(PreferenceSettings(trainer=trainer)) == SHARED_TARGETS[trainer]
         assert shared_target(PreferenceSettings(trainer=trainer, prompt_share=0.1)) == SHARED_FLOOR
+        assert shared_memory_target(PreferenceSettings(trainer=trainer)) == SHARED_MEMORY[trainer]
+        assert shared_memory_target(PreferenceSettings(trainer=trainer, prompt_share=0.1)) == 1.0
+    assert (SHARED_TARGETS["grpo"], SHARED_MEMORY["grpo"]) == (2.4, 0.5)
+    assert shared_target(PreferenceSettings(trainer="grpo", law="tree"), 3.0) == pytest.approx(0.85 * 3.0)
+
+
+def test_tree_law_builds_episodes_whose_turns_share_at_equal_positions():
+    """``--law tree``: one episode per batch, every prompt of one length (no left pads: their common turns stand at
+    equal positions), four prompts (2 x 2 branches) each under a quarter of the rows; the prompts share turn 1 and,
+    by pairs, turn 2, never turn 3; depth1_tokens counts each whole prompt once."""
+    from padfree_plugins.benchmarks.preference import TREE_HISTORY, depth1_tokens, grpo_tree_batch
+
+    batch = grpo_tree_batch(16, 4096, 3, 2048)
+    prompts = batch["prompt_ids"]
+    assert (batch["prompt_mask"] == 1).all() and (batch["completion_mask"][:, 0] == 1).all()
+    leaves = prompts[::4]
+    assert (prompts == leaves.repeat_interleave(4, 0)).all()  # 4 rollouts per prompt
+    real = real_tokens_of(batch)
+    width = prompts.shape[1]
+    history = round(width * TREE_HISTORY)
+    turn2 = (width - history) // 2
+
+    def common(a: torch.Tensor, b: torch.Tensor) -> int:
+        differ = (a != b).nonzero()
+        return int(differ[0]) if len(differ) else len(a)
+
+    assert common(leaves[0], leaves[1]) >= history + turn2 and common(leaves[2], leaves[3]) >= history + turn2
+    assert history <= common(leaves[0], leaves[2]) < history + turn2  # turn 2 branches
+    assert common(leaves[0], leaves[1]) < width  # turn 3 branches
+    assert depth1_tokens(batch) == real - 4 * 3 * (width - 1)
+    groups = grpo_batch(16, 4096, 3, 2048)  # groups of 8 under prompts of their own: each prompt once
+    assert depth1_tokens(groups) == real_tokens_of(groups) - sum(
+        (GRPO_GENERATIONS - 1) * (int(mask.sum()) - 1) for mask in groups["prompt_mask"][::GRPO_GENERATIONS])
+    with pytest.raises(PadfreeError, match="multiple of 4"):
+        grpo_tree_batch(6, 4096, 3, 2048)
+
+
+def real_tokens_of(batch: dict) -> int:
+    return int(batch["prompt_mask"].sum() + batch["completion_mask"].sum())
+
+
+def test_tree_law_shares_deeper_than_whole_prompts_and_depth1_is_what_depth1_sharing_computes(monkeypatch):
+    """On episode trees shared computes fewer tokens than sharing whole prompts only would (its ideal above the
+    depth-1 one), and is held to 85% of its ideal. Deliberate fault: a trie cut to depth 1 (each whole prompt a key
+    of its own) computes exactly depth1_tokens — the depth-1 ideal reported is the one depth-1 sharing reaches."""
+    from padfree_plugins.benchmarks.preference import TREE_OF_IDEAL
+    from padfree_plugins.packing.prefixes import shared_layout
+
+    settings = PreferenceSettings(trainer="grpo", batch_size=8, law="tree", **MICRO)
+    shared = run_preference_benchmark(settings).rows[-1]
+    assert shared.variant == "shared" and shared.packed == "policy"
+    assert shared.ideal_vs_native > shared.depth1_vs_native > 1.2
+    assert shared.shared_target == pytest.approx(TREE_OF_IDEAL * shared.ideal_vs_native)
+    assert shared.loss_rel_diff < 1e-5 and shared.grad_rel_diff < 1e-5
+    monkeypatch.setattr(unpad, "prefix_tree", lambda lengths, shareable, chunk=1: shared_layout(
+        lengths, [(len(s), tuple(s)) if s else None for s in shareable], chunk))
+    flat = run_preference_benchmark(settings).rows[-1]
+    assert flat.ideal_vs_native == pytest.approx(flat.depth1_vs_native) == pytest.approx(shared.depth1_vs_native)
+    assert flat.loss_rel_diff < 1e-5
+    with pytest.raises(PadfreeError, match="unknown length law 'tree' for dpo"):
+        run_preference_benchmark(PreferenceSettings(trainer="dpo", law="tree"))
+
+
+def small_hybrid(tmp_path, name: str) -> str:
+    """A shipped hybrid config (configs/bench) made smaller: the test's seconds, the same layer kinds."""
+    from padfree_plugins.cli.bench import hybrid_config_dir
+
+    config = json.loads((hybrid_config_dir() / name).read_text())
+    config.update(hidden_size=64, vocab_size=512, num_hidden_layers=4, layer_types=config["layer_types"][:4])
+    if "mamba_n_heads" in config:  # Mamba2's heads x head size = expand x hidden size
+        config.update(mamba_n_heads=4, mamba_d_head=32)
+    path = tmp_path / name
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_hybrid.json", "granite4h_hybrid.json"])
+def test_cli_model_config_runs_grpo_on_a_hybrid_with_shared_prompts(name, tmp_path, monkeypatch):
+    """``bench grpo --model-config``: the hybrids share their groups' prompts (mixers continuing each prompt's
+    state; the prompts of a few hundred tokens pay for the chunk rule), held to 2.4x native and 0.5x its memory; the
+    Granite shape (no experts) shares despite TRL's router-loss check."""
+    monkeypatch.setenv("COLUMNS", "250")
+    result = CliRunner().invoke(app, ["bench", "grpo", "--quick", "--model-config", small_hybrid(tmp_path, name),
+                                      "--batch-size", str(GRPO_BATCH), "--out", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    saved = json.loads(result.stdout)
+    rows = {row["variant"]: row for row in saved["rows"]}
+    assert saved["environment"]["model"].startswith(("Qwen3_5", "GraniteMoeHybrid"))
+    shared = rows["shared"]
+    assert shared["packed"] == "policy" and shared["ideal_vs_native"] > 2
+    assert shared["depth1_vs_native"] == pytest.approx(shared["ideal_vs_native"], rel=0.05)
+    assert (shared["shared_target"], shared["shared_memory_target"]) == (2.4, 0.5)
+    assert shared["memory_vs_native"] < 1 and shared["loss_rel_diff"] < 1e-5 and shared["grad_rel_diff"] < 1e-4
+
+
+def test_cli_tree_law_prints_its_targets(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")
+    result = CliRunner().invoke(app, ["bench", "grpo", "--quick", "--law", "tree", "--batch-size", "8", "--out",
+                                      str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "episode trees" in result.output and "depth 1" in result.output and "85% of its ideal" in result.output
+    result = CliRunner().invoke(app, ["bench", "dpo", "--quick", "--law", "tree"])
+    assert result.exit_code != 0 and "unknown length law 'tree' for dpo" in result.output

@@ -37,6 +37,20 @@ padded batch is about 60% padding: DPO pairs a prompt with a chosen and a reject
 chosen and prompt + rejected, ``2 × pairs`` rows, to the longest); GRPO repeats each prompt for its
 ``num_generations`` completions, whose lengths vary widely (clipped to ``max_completion_length``).
 
+GRPO's ``tree`` law (``bench grpo --law tree``) builds multi-turn episodes instead (:func:`grpo_tree_batch`): one
+per batch, its turn 1 under two alternatives at turn 2, each under two at turn 3, the batch's completions (turn 4)
+spread over these four prompts. Rows share an episode's turns only at equal positions (TRL's padded forward counts
+the left pads in its positions), so a turn's alternatives have equal lengths. ``shared`` then holds each common turn
+once (the trie of the prompts, :func:`~padfree_plugins.packing.prefixes.prefix_tree`); its ideal is set beside the
+one of sharing whole prompts only (depth 1, :func:`depth1_tokens`), and it is held to :data:`TREE_OF_IDEAL` of its
+own.
+
+Any supported decoder can stand in for the tiny Llama (``model_config``: a config.json, as ``bench sft``'s): hybrids
+(gated DeltaNet, Mamba2) too, whose sequence mixers continue each shared prefix's state into its children; where
+their torch kernels pad every run to a chunk, a prefix is shared only where it saves chunks, and the ideal is counted
+on the rows the model actually computes. A config without experts (Granite-4.0-H's dense shape) gets
+``router_aux_loss_coef = 0``: there is no router loss to count.
+
 The policy is its reference plus a little noise (:func:`drifted`: ``drift`` × each weight's std), as a policy some
 way into training: at the start, policy and reference are equal and DPO's loss is log 2 whatever the
 log-probabilities, which would compare nothing.
@@ -93,8 +107,19 @@ PAD, EOS, FIRST_TOKEN = 0, 2, 3
 #: loss difference from padded (relative and absolute).
 TARGETS = {"of_ideal": 0.85, "memory_ratio": 0.5, "loss_diff": 1e-6}
 #: The ``shared`` variant's targets: real tokens/s over ``native`` (at the default prompt shares), activation memory
-#: at most ``native``'s, the same loss difference.
-SHARED_TARGETS = {"dpo": 1.3, "grpo": 2.5}
+#: at most this share of ``native``'s (:data:`SHARED_MEMORY`), the same loss difference.
+SHARED_TARGETS = {"dpo": 1.3, "grpo": 2.4}
+SHARED_MEMORY = {"dpo": 1.0, "grpo": 0.5}
+#: GRPO's length laws: ``lognormal`` (each group of :data:`GRPO_GENERATIONS` completions under a prompt of its own),
+#: ``tree`` (multi-turn episodes whose rollouts branch: :func:`grpo_tree_batch`).
+GRPO_LAWS = ("lognormal", "tree")
+#: The tree law's episodes: turn 1 (the history) then :data:`TREE_BRANCHES` alternatives at turns 2 and 3 each; the
+#: prompts (turns 1-3) end where the rollouts' completions (turn 4) start.
+TREE_BRANCHES = (2, 2)
+#: The tree law's share of each prompt that is turn 1 (turns 2 and 3 split the rest).
+TREE_HISTORY = 0.6
+#: The tree law's target: ``shared`` at least this share of its ideal speed over ``native``.
+TREE_OF_IDEAL = 0.85
 #: At any other prompt share (a prompt-light run: little to share) sharing must cost nothing measurable: ``shared`` at
 #: least this share of ``native``'s speed (the noise of interleaved rounds on a shared machine).
 SHARED_FLOOR = 0.95
@@ -113,6 +138,11 @@ class PreferenceSettings:
     drift: float = 0.05  # policy = reference + noise of this share of each weight's std
     beta: float | None = None  # None: DPO 0.1 (TRL's default), GRPO 0.04 (TRL's default, 0, has no KL term)
     prompt_share: float | None = None  # of each sequence's tokens; None: PROMPT_SHARES[trainer]
+    model_config: str | None = None  # a config.json (any supported decoder, as bench sft's) instead of model_size
+    law: str = "lognormal"  # GRPO: a key of GRPO_LAWS
+
+    def model_name(self) -> str:
+        return self.model_config or f"Llama {self.model_size}"
 
     def share(self) -> float:
         return PROMPT_SHARES[self.trainer] if self.prompt_share is None else self.prompt_share
@@ -146,7 +176,10 @@ class PreferenceRow:
     speedup_vs_native: float = float("nan")  # shared only: real tokens/s over native's
     ideal_vs_native: float = float("nan")  # shared only: the tokens native computes / the tokens shared computes
     memory_vs_native: float = float("nan")
-    shared_target: float = float("nan")  # shared only: the speedup over native to reach (SHARED_TARGETS)
+    shared_target: float = float("nan")  # shared only: the speedup over native to reach (SHARED_TARGETS; tree:
+    # TREE_OF_IDEAL of its ideal)
+    shared_memory_target: float = float("nan")  # shared only: the memory over native's to stay under
+    depth1_vs_native: float = float("nan")  # shared only: the ideal of sharing each row's whole prompt only (depth 1)
     prompt_share: float = float("nan")  # of the padded run's real tokens (each prompt as often as it computes it)
 
     def targets(self) -> dict[str, bool]:
@@ -157,7 +190,7 @@ class PreferenceRow:
         loss = max(self.loss_rel_diff, self.loss_abs_diff) <= TARGETS["loss_diff"]
         if self.variant == "shared":
             return {"vs native": self.speedup_vs_native >= self.shared_target,
-                    "memory": self.memory_vs_native <= 1.0, "loss": loss}
+                    "memory": self.memory_vs_native <= self.shared_memory_target, "loss": loss}
         return {"speed": self.of_ideal >= TARGETS["of_ideal"], "memory": self.memory_ratio <= TARGETS["memory_ratio"],
                 "loss": loss}
 
@@ -173,11 +206,22 @@ class PreferenceResult:
                            "rows": [{**asdict(r), "targets met": r.targets()} for r in self.rows]}, indent=2)
 
 
-def shared_target(settings: PreferenceSettings) -> float:
+def default_share(settings: PreferenceSettings) -> bool:
+    return settings.prompt_share is None or settings.prompt_share == PROMPT_SHARES[settings.trainer]
+
+
+def shared_target(settings: PreferenceSettings, ideal: float = math.nan) -> float:
     """The speed over ``native`` that ``shared`` must reach: :data:`SHARED_TARGETS` at the default prompt share,
-    :data:`SHARED_FLOOR` at any other."""
-    default = settings.prompt_share is None or settings.prompt_share == PROMPT_SHARES[settings.trainer]
-    return SHARED_TARGETS[settings.trainer] if default else SHARED_FLOOR
+    :data:`SHARED_FLOOR` at any other; the tree law: :data:`TREE_OF_IDEAL` of its ``ideal``."""
+    if settings.law == "tree":
+        return TREE_OF_IDEAL * ideal
+    return SHARED_TARGETS[settings.trainer] if default_share(settings) else SHARED_FLOOR
+
+
+def shared_memory_target(settings: PreferenceSettings) -> float:
+    """The activation memory over ``native``'s that ``shared`` must stay under: :data:`SHARED_MEMORY` at the default
+    prompt share, ``native``'s at any other (and on trees)."""
+    return SHARED_MEMORY[settings.trainer] if default_share(settings) and settings.law != "tree" else 1.0
 
 
 class NotPacked(PadfreeError):
@@ -260,6 +304,57 @@ def grpo_batch(completions: int, vocab: int, seed: int, high: int,
             "prompt_mask": pad([torch.ones(n, dtype=torch.long) for n in prompt_lengths], 0, "left"),
             "completion_ids": pad(answers, PAD, "right"), "completion_mask": completion_mask,
             "advantages": advantages.reshape(-1), "num_items_in_batch": completion_mask.sum()}
+
+
+def grpo_tree_batch(completions: int, vocab: int, seed: int, high: int,
+                    share: float = PROMPT_SHARES["grpo"]) -> dict[str, torch.Tensor]:
+    """A generated GRPO batch of one multi-turn episode (:func:`grpo_batch`'s layout): turn 1 (its history, about
+    :data:`TREE_HISTORY` of each prompt), then :data:`TREE_BRANCHES` alternatives at turn 2 and, under each, at turn
+    3; each of the leaves (turns 1-3: a prompt) is followed by ``completions`` / leaves rollouts (turn 4), a group of
+    its own. The alternatives of a turn have equal lengths, so every prompt has the same length: left-padded to none,
+    the prompts' common turns stand at equal positions, as the trie (:func:`~padfree_plugins.packing.prefixes.
+    prefix_tree`) shares them. Prompts are about ``share`` of each sequence."""
+    from trl.trainer.utils import pad
+
+    first, second = TREE_BRANCHES
+    leaves = first * second
+    if completions % leaves:
+        raise PadfreeError(f"--law tree spreads each batch's completions over {leaves} prompts: give a multiple of "
+                           f"{leaves}, not {completions}")
+    generator = torch.Generator().manual_seed(seed)
+    prompt, = drawn_lengths(prompt_law(GRPO_COMPLETIONS, share), 1, seed, high - GRPO_MAX_COMPLETION)
+    prompt = max(prompt, 3)
+    history = max(1, round(prompt * TREE_HISTORY))
+    turn2 = max(1, (prompt - history) // 2)
+    turn3 = max(1, prompt - history - turn2)
+    root = random_ids(history, vocab, generator)
+    prompts = []
+    for _ in range(first):
+        branch = random_ids(turn2, vocab, generator)
+        prompts += [torch.cat([root, branch, random_ids(turn3, vocab, generator)]) for _ in range(second)]
+    per_leaf = completions // leaves
+    rows = [ids for ids in prompts for _ in range(per_leaf)]
+    completion_lengths = drawn_lengths(GRPO_COMPLETIONS, completions, seed + 1, GRPO_MAX_COMPLETION)
+    answers = [torch.cat([random_ids(n - 1, vocab, generator), torch.tensor([EOS])]) for n in completion_lengths]
+    rewards = torch.randn(leaves, per_leaf, generator=generator)
+    spread = rewards.std(1, keepdim=True) if per_leaf > 1 else torch.ones(leaves, 1)
+    advantages = (rewards - rewards.mean(1, keepdim=True)) / (spread + 1e-4)
+    completion_mask = pad([torch.ones(n, dtype=torch.long) for n in completion_lengths], 0, "right")
+    return {"prompt_ids": torch.stack(rows), "prompt_mask": torch.ones(completions, len(rows[0]), dtype=torch.long),
+            "completion_ids": pad(answers, PAD, "right"), "completion_mask": completion_mask,
+            "advantages": advantages.reshape(-1), "num_items_in_batch": completion_mask.sum()}
+
+
+def depth1_tokens(inputs: dict[str, torch.Tensor]) -> int:
+    """The tokens a GRPO batch's policy forward computes when only whole prompts are shared (depth 1): each distinct
+    prompt (tokens and positions) once, less its last token (which every row keeps, as it predicts the row's first
+    completion token), then every row's last prompt token and completion."""
+    groups: dict[tuple, int] = {}
+    for ids, mask in zip(inputs["prompt_ids"].tolist(), inputs["prompt_mask"].tolist()):
+        key = tuple((token, position) for position, (token, real) in enumerate(zip(ids, mask)) if real)
+        groups[key] = groups.get(key, 0) + 1
+    real = int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())
+    return real - sum((count - 1) * (len(key) - 1) for key, count in groups.items())
 
 
 def with_reference_logps(trainer: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -423,7 +518,10 @@ def run_preference_benchmark(settings: PreferenceSettings,
     """Measure the three variants of ``settings.trainer`` on the same batches; see the module docstring."""
     if settings.trainer not in NATIVE_PLUGINS:
         raise PadfreeError(f"unknown trainer {settings.trainer!r}; choose from {', '.join(NATIVE_PLUGINS)}")
-    if settings.model_size not in MODEL_SIZES:
+    if settings.law not in GRPO_LAWS or (settings.law != "lognormal" and settings.trainer != "grpo"):
+        raise PadfreeError(f"unknown length law {settings.law!r} for {settings.trainer}; choose from "
+                           f"{', '.join(GRPO_LAWS if settings.trainer == 'grpo' else GRPO_LAWS[:1])}")
+    if settings.model_config is None and settings.model_size not in MODEL_SIZES:
         raise PadfreeError(f"unknown model size {settings.model_size!r}; choose from {', '.join(MODEL_SIZES)}")
     if settings.dtype not in ("float32", "float64"):
         raise PadfreeError(f"--dtype must be float32 or float64 (on CPU), not {settings.dtype!r}")
@@ -432,7 +530,10 @@ def run_preference_benchmark(settings: PreferenceSettings,
                            f"per prompt: give a multiple of {GRPO_GENERATIONS}")
     say = progress or (lambda _: None)
     with torch_threads(settings.threads), tempfile.TemporaryDirectory() as scratch:
-        reference = build_model(BenchSettings(model_size=settings.model_size, seed=settings.seed)).eval()
+        reference = build_model(BenchSettings(model_size=settings.model_size, seed=settings.seed,
+                                              model_config=settings.model_config)).eval()
+        if getattr(reference.config, "num_local_experts", None) == 0:  # no experts (Granite-4.0-H's dense shape):
+            reference.config.router_aux_loss_coef = 0.0  # no router loss, which TRL would count (and sharing refuse)
         policy = drifted(reference, settings.drift, settings.seed + 1).train()
         for model in (reference, policy):  # float64: the float32 run's very weights, upcast
             model.to(getattr(torch, settings.dtype))
@@ -453,8 +554,8 @@ def run_preference_benchmark(settings: PreferenceSettings,
     import trl
 
     environment = {"trainer": {"dpo": "trl.DPOTrainer", "grpo": "trl.GRPOTrainer"}[settings.trainer],
-                   "model": f"{type(policy).__name__} {settings.model_size}", "torch": torch.__version__,
-                   "trl": trl.__version__, "transformers": transformers.__version__,
+                   "model": f"{type(policy).__name__} {settings.model_config or settings.model_size}",
+                   "torch": torch.__version__, "trl": trl.__version__, "transformers": transformers.__version__,
                    "device": "cpu", "threads": settings.threads or torch.get_num_threads(),
                    "plugins": {v.name: (v.acceleration.describe()["wrapper"] if v.acceleration else "none")
                                for v in variants}}
@@ -475,7 +576,8 @@ def _batches(settings: PreferenceSettings, variants: list[Variant], config: Any)
             batches.append(dict(collate(dpo_examples(settings.pairs_or_completions(), vocab, seed, high,
                                                      settings.share()))))
         else:
-            batch = grpo_batch(settings.pairs_or_completions(), vocab, seed, high, settings.share())
+            law = grpo_tree_batch if settings.law == "tree" else grpo_batch
+            batch = law(settings.pairs_or_completions(), vocab, seed, high, settings.share())
             batches.append(with_reference_logps(variants[0].trainer, batch))
     return batches
 
@@ -516,10 +618,14 @@ def measure_batches(settings: PreferenceSettings, variants: list[Variant], batch
     for variant in variants:
         shared = {}
         if variant.name == "shared":
+            ideal_shared = native.tokens_computed / variant.tokens_computed
+            depth1 = (native.tokens_computed / sum(map(depth1_tokens, batches)) if settings.trainer == "grpo"
+                      else math.nan)
             shared = dict(
                 speedup_vs_native=statistics.median(n / t for n, t in zip(native.seconds, variant.seconds)),
-                ideal_vs_native=native.tokens_computed / variant.tokens_computed,
-                memory_vs_native=variant.memory / native.memory, shared_target=shared_target(settings))
+                ideal_vs_native=ideal_shared, memory_vs_native=variant.memory / native.memory,
+                shared_target=shared_target(settings, ideal_shared),
+                shared_memory_target=shared_memory_target(settings), depth1_vs_native=depth1)
         speedup = statistics.median(p / t for p, t in zip(padded.seconds, variant.seconds))
         median = statistics.median(variant.seconds)
         rows.append(PreferenceRow(
@@ -547,8 +653,12 @@ COLUMNS: dict[str, Callable[[PreferenceRow], str]] = {
     "loss": lambda r: f"{r.loss:.4f}",
     "vs padded": lambda r: f"{r.speedup_vs_padded:.2f}x",
     "of ideal": lambda r: "-" if r.variant == "padded" else f"{r.of_ideal:.0%} of {r.ideal_speedup:.2f}x",
-    "vs native": lambda r: (f"{r.speedup_vs_native:.2f}x (ideal {r.ideal_vs_native:.2f}x)"
+    "vs native": lambda r: (f"{r.speedup_vs_native:.2f}x (ideal {r.ideal_vs_native:.2f}x"
+                            + (f", depth 1 {r.depth1_vs_native:.2f}x" if r.depth1_vs_native == r.depth1_vs_native
+                               else "") + f"; target {r.shared_target:.2f}x)"
                             if r.variant == "shared" else "-"),
+    "memory vs native": lambda r: (f"{r.memory_vs_native:.2f}x (target {r.shared_memory_target:g}x)"
+                                   if r.variant == "shared" else "-"),
     "activation MiB": lambda r: f"{r.memory_bytes / 2**20:,.1f}",
     "memory vs padded": lambda r: f"{r.memory_ratio:.2f}x",
     "loss rel. diff": lambda r: f"{r.loss_rel_diff:.1e}",
@@ -565,8 +675,10 @@ def cells(row: PreferenceRow) -> list[str]:
 
 def title(result: PreferenceResult) -> str:
     s = result.settings
-    unit = "pairs" if s.trainer == "dpo" else f"completions ({GRPO_GENERATIONS} per prompt)"
-    return (f"{result.environment['trainer']} compute_loss + backward, Llama {s.model_size}, {s.dtype} cpu, "
+    per_prompt = (s.pairs_or_completions() // math.prod(TREE_BRANCHES) if s.law == "tree" else GRPO_GENERATIONS)
+    unit = "pairs" if s.trainer == "dpo" else f"completions ({per_prompt} per prompt)"
+    law = f", {TREE_BRANCHES[0]}x{TREE_BRANCHES[1]}-branch episode trees" if s.law == "tree" else ""
+    return (f"{result.environment['trainer']} compute_loss + backward, {s.model_name()}, {s.dtype} cpu{law}, "
             f"{s.pairs_or_completions()} {unit} = {s.rows_per_batch()} padded rows, {s.batches} batches x "
             f"{s.rounds} interleaved rounds, prompts {result.rows[0].prompt_share:.0%} of the tokens: real tokens/s "
             "(the padded run's real tokens, each prompt counted as often as it computes it, for every variant), "

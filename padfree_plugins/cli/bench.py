@@ -363,8 +363,9 @@ def preference_command(trainer: str) -> Callable[..., None]:
     """The ``bench dpo`` / ``bench grpo`` command: TRL padded vs the generic path vs the native plugin."""
 
     def command(
-        quick: Annotated[bool, typer.Option("--quick", help="Seconds, not minutes: the micro model, one batch, one "
-                                                            "round (a smoke run; its speeds mean little).")] = False,
+        quick: Annotated[bool, typer.Option("--quick", help="Seconds, not minutes: the micro model (or "
+                                                            "--model-config's), one batch, one round (a smoke run; "
+                                                            "its speeds mean little).")] = False,
         model_size: Annotated[str, typer.Option(help="tiny (4 layers, d=256, vocab 4096), micro (2 layers, d=64), "
                                                      "1b (TinyLlama 1.1B shape: slow on CPU).")] = "tiny",
         dtype: Annotated[str, typer.Option(help="float32, or float64: the transformer body exact to ~1e-16, which "
@@ -381,6 +382,15 @@ def preference_command(trainer: str) -> Callable[..., None]:
         prompt_share: Annotated[Optional[float], typer.Option(
             min=0.01, max=0.95, help="Share of each sequence that is prompt (default: DPO 0.6, GRPO 0.75); the "
                                      "shared variant holds each prompt once.")] = None,
+        model_config: Annotated[Optional[str], typer.Option(
+            help="A config.json (or a directory holding one) of any supported decoder, randomly initialised, instead "
+                 "of --model-size (as bench sft's): configs/bench/qwen3_5_hybrid.json, granite4h_hybrid.json.")
+        ] = None,
+        law: Annotated[str, typer.Option(
+            help="GRPO's batches: lognormal (each group of 8 completions under a prompt of its own) or tree (one "
+                 "multi-turn episode per batch: turn 1, 2 alternatives at turns 2 and 3, the completions spread "
+                 "over the 4 prompts; shared held to 85% of its ideal, the ideal of sharing whole prompts "
+                 "only beside it).")] = "lognormal",
         vision: Annotated[bool, typer.Option(
             "--vision", help="Image-text batches on a Qwen2.5-VL-shaped model (prompts with 0-2 images of 16-96 "
                              "visual tokens; GRPO 1-2): TRL padded vs packed, real tokens/s and activation memory "
@@ -396,9 +406,11 @@ def preference_command(trainer: str) -> Callable[..., None]:
         from padfree_plugins.benchmarks.preference import (
             COLUMNS,
             TARGETS,
+            TREE_OF_IDEAL,
             PreferenceSettings,
             cells,
             run_preference_benchmark,
+            shared_memory_target,
             shared_target,
             title,
             write_outputs,
@@ -407,7 +419,7 @@ def preference_command(trainer: str) -> Callable[..., None]:
         settings = PreferenceSettings(trainer=trainer, model_size="micro" if quick else model_size, dtype=dtype,
                                       batch_size=batch_size, batches=1 if quick else batches,
                                       rounds=1 if quick else rounds, seed=seed, threads=threads,
-                                      prompt_share=prompt_share)
+                                      prompt_share=prompt_share, model_config=model_config, law=law)
         stdout = console()
         try:
             result = run_preference_benchmark(settings, progress=progress_lines(f"bench {trainer}", not as_json))
@@ -417,6 +429,9 @@ def preference_command(trainer: str) -> Callable[..., None]:
         if as_json:
             print(result.to_json())
             return
+        shared = next(row for row in result.rows if row.variant == "shared")
+        speed_target = (f"{shared.shared_target:.2f}x ({TREE_OF_IDEAL:.0%} of its ideal)" if law == "tree"
+                        else f"{shared_target(settings)}x")
         table = Table(title=title(result))
         for column in COLUMNS:
             table.add_column(column, justify="right")
@@ -428,9 +443,10 @@ def preference_command(trainer: str) -> Callable[..., None]:
                      f"{TARGETS['loss_diff']:g} relative and absolute (loss). generic: the padded batch packed inside "
                      "the policy's body only, TRL's fused head then run on the padded hidden states (on CPU at every "
                      "position), and DPO's reference forward padded (any_trainer patches the trainer's model only). "
-                     "native: every example whole in the packed row; shared: each prompt once, held to real tokens/s "
-                     f">= {shared_target(settings)}x native's (vs native), activation memory <= native's.",
-                     highlight=False)
+                     "native: every example whole in the packed row; shared: each prompt once (a tree: each common "
+                     f"turn once), held to real tokens/s >= {speed_target} native's (vs native; ideal: the tokens "
+                     "native computes / those shared computes, counted on the packed rows), activation memory <= "
+                     f"{shared_memory_target(settings):g}x native's.", highlight=False)
         stdout.print(f"environment: {result.environment}", highlight=False)
         stdout.print(f"wrote {paths['json']} and {paths['markdown']}", highlight=False)
 
