@@ -383,7 +383,7 @@ class FusedCalls:
     def ran_unshared(self, reason: str, detail: str = "") -> None:
         """One packed call held repeated prompts more than once for ``reason``; said in a warning the first time."""
         if reason not in self.unshared:
-            warnings.warn(f"{self.owner}: a log-probability call packs repeated prompts whole, not shared: {reason}. "
+            warnings.warn(f"{self.owner}: a log-probability call holds some repeated prefixes in every row, not once: {reason}. "
                           "Later calls are counted, not said again (Acceleration.describe())", UserWarning,
                           stacklevel=4)
         self.unshared[reason] = self.unshared.get(reason, 0) + 1

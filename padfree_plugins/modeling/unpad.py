@@ -40,9 +40,9 @@ REPLACED_KEYS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids",
 #: Why a call without any pad is not packed: nothing to gain (it runs as it is, padded by nothing).
 NO_PADDING = "it holds no pad"
 #: Why a call's repeated prompts were held more than once: sharing them would not save the mixers' chunks.
-CHUNK_RULE = ("its sequence mixers pad every segment to {chunk} tokens, and sharing these prompts (prompts or "
-              "completions shorter than a chunk) would keep more activations than the rows whole; they are packed "
-              "whole instead")
+CHUNK_RULE = ("its sequence mixers pad every segment to {chunk} tokens, and sharing some of these prefixes (prefixes "
+              "or continuations shorter than a chunk) would keep more activations than the rows whole; those are "
+              "held in each row instead, the rest stays shared")
 #: Told why a call is not packed: ``refused(reason, detail)`` (``reason`` a short fixed phrase, one per kind of
 #: refusal; ``detail`` this call's particulars, or ``""``).
 Refused = Callable[[str, str], None]
