@@ -74,10 +74,16 @@ def padded_call(vocab: int, seed: int = 0):
 def shared_and_padded(model):
     """Log-probabilities (every vocabulary entry) at the tokens the shared row holds, from the padded call and from
     the shared call, and each call's parameter gradients of one weighted sum of them."""
-    ids, mask, labels = padded_call(model.config.get_text_config().vocab_size)
-    packed, unpadded = unpad.pack_padded_call({"input_ids": ids}, mask, labels, False, True)
+    outputs, packed = compare_call(model, *padded_call(model.config.get_text_config().vocab_size))
     parents = packed[SHARED_PREFIXES_KEY].parents
     assert parents.count(-1) == 3 and len(parents) == 11, parents  # every prompt shared
+    return outputs
+
+
+def compare_call(model, ids, mask, labels):
+    """The padded call ``ids`` / ``mask`` / ``labels`` run padded and shared: per call, the log-probabilities at the
+    tokens the shared row holds and the parameter gradients of one weighted sum of them; and the shared inputs."""
+    packed, unpadded = unpad.pack_padded_call({"input_ids": ids}, mask, labels, False, True)
     held = unpadded.scatter(torch.ones(1, unpadded.index.numel())).bool()
     outputs = []
     for inputs in ({"input_ids": ids, "attention_mask": mask, "use_cache": False}, packed):
@@ -89,7 +95,7 @@ def shared_and_padded(model):
         (log_probs * torch.randn_like(log_probs)).sum().backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         outputs.append((log_probs.detach(), grads))
-    return outputs
+    return outputs, packed
 
 
 def differences(outputs):

@@ -25,7 +25,7 @@ from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, Segment, Share
 from padfree_plugins.testing.faults import branch_sees_a_sibling_branch, completions_see_a_sibling, \
     completions_start_from_zero, conv_taps_stop_at_the_parent
 from tests.conftest import tiny_model
-from tests.test_hybrid_prefixes import SHARING, model_for
+from tests.test_hybrid_prefixes import SHARING, compare_call, differences, model_for
 
 # -- the trie -----------------------------------------------------------------------------------------------------
 
@@ -103,13 +103,8 @@ ROWS = [(("history", "a"), 3), (("history", "b"), 2), (("history", "a"), 1), (("
         (("history", "b"), 4), (("history", "a"), 6), (("p",), 2)]
 
 
-def tree_call(vocab: int, seed: int = 0):
-    """Right-padded rows (walks of RUNS, then completions), labels on the completions."""
-    generator = torch.Generator().manual_seed(seed)
-    runs = {name: torch.randint(3, vocab, (length,), generator=generator) for name, length in RUNS.items()}
-    runs["c"][0], runs["b"][0] = runs["a"][0], runs["a"][0] % (vocab - 3) + 3  # c branches off a; b does not
-    rows = [(torch.cat([runs[name] for name in walk]), torch.randint(3, vocab, (length,), generator=generator))
-            for walk, length in ROWS]
+def padded_rows(rows: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded rows ``prompt + completion`` (``rows``: their token tensors), labels on the completions."""
     width = max(len(p) + len(c) for p, c in rows) + 2
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
@@ -120,35 +115,25 @@ def tree_call(vocab: int, seed: int = 0):
     return ids, mask, labels
 
 
+def tree_call(vocab: int, seed: int = 0):
+    """Right-padded rows (walks of RUNS, then completions), labels on the completions."""
+    generator = torch.Generator().manual_seed(seed)
+    runs = {name: torch.randint(3, vocab, (length,), generator=generator) for name, length in RUNS.items()}
+    runs["c"][0], runs["b"][0] = runs["a"][0], runs["a"][0] % (vocab - 3) + 3  # c branches off a; b does not
+    return padded_rows([(torch.cat([runs[name] for name in walk]),
+                         torch.randint(3, vocab, (length,), generator=generator)) for walk, length in ROWS])
+
+
 def shared_and_padded(model):
     """Log-probabilities at the tokens the shared row holds, padded and through the shared tree, with each call's
-    parameter gradients of one weighted sum of them."""
-    ids, mask, labels = tree_call(model.config.get_text_config().vocab_size)
-    packed, unpadded = unpad.pack_padded_call({"input_ids": ids}, mask, labels, False, True)
+    parameter gradients of one weighted sum of them (tests/test_hybrid_prefixes.py's comparison)."""
+    outputs, packed = compare_call(model, *tree_call(model.config.get_text_config().vocab_size))
     structure = packed[SHARED_PREFIXES_KEY]
     # history; a's first token (shared with c); a's next 3 with 3 rows; c's rest alone; b's one shareable token with 2
     # rows; the prompt p with 2
     assert structure.depth == 3 and structure.parents == (-1, 0, 1, 2, 2, 2, 1, 0, 7, 7, -1, 10, 10), \
         structure.parents
-    held = unpadded.scatter(torch.ones(1, unpadded.index.numel())).bool()
-    outputs = []
-    for inputs in ({"input_ids": ids, "attention_mask": mask, "use_cache": False}, packed):
-        model.zero_grad()
-        logits = model(**inputs).logits.float()
-        logits = unpadded.scatter(logits) if inputs is packed else logits
-        log_probs = logits[held].log_softmax(-1)
-        torch.manual_seed(1)
-        (log_probs * torch.randn_like(log_probs)).sum().backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        outputs.append((log_probs.detach(), grads))
     return outputs
-
-
-def differences(outputs):
-    (want, want_grads), (got, got_grads) = outputs
-    assert want_grads.keys() == got_grads.keys()
-    grad = max(float((got_grads[n] - g).abs().max() / g.abs().max().clamp(min=1e-3)) for n, g in want_grads.items())
-    return float((got - want).abs().max()), grad
 
 
 def assert_same(outputs):
@@ -205,15 +190,8 @@ def caterpillar(depth: int, vocab: int, seed: int = 0):
     own 2-token completion — the deepest tree a batch of ``depth`` rows makes, the most keys gathered per token."""
     generator = torch.Generator().manual_seed(seed)
     turns = torch.randint(3, vocab, (2 * depth + 2,), generator=generator)
-    rows = [(turns[:2 + 2 * k], torch.randint(3, vocab, (2,), generator=generator)) for k in range(1, depth + 1)]
-    width = max(len(p) + len(c) for p, c in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
-    for row, (prompt, completion) in enumerate(rows):
-        tokens = torch.cat([prompt, completion])
-        ids[row, :len(tokens)], mask[row, :len(tokens)] = tokens, 1
-        labels[row, len(prompt):len(tokens)] = completion
-    return ids, mask, labels
+    return padded_rows([(turns[:2 + 2 * k], torch.randint(3, vocab, (2,), generator=generator))
+                        for k in range(1, depth + 1)])
 
 
 def saved_bytes(model, inputs) -> int:

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from padfree_plugins.errors import BatchError
-from padfree_plugins.packing.batch import SHARED_PREFIXES_KEY, PackedBatch
+from padfree_plugins.packing.batch import PackedBatch
 from padfree_plugins.packing.collator import as_examples
-from padfree_plugins.packing.prefixes import Segment, SharedPrefixes, shared_layout
+from padfree_plugins.packing.prefixes import Segment, set_segments, shared_layout
 
 #: The per-token modality of a processor's output (0 text, 1 image, 2 video), consumed for the positions.
 TOKEN_TYPES_KEY = "mm_token_type_ids"
@@ -391,14 +391,7 @@ def share_prompts(collator: MultimodalCollator, examples: Sequence[Mapping[str, 
     for key in collator.media_keys:
         if key in media:
             shared[key] = media[key]
-    sizes = [segment.length for segment in segments]
-    bounds = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
-    shared.update(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=max(sizes), max_length_k=max(sizes))
-    if "seq_idx" in batch:
-        shared["seq_idx"] = torch.repeat_interleave(torch.arange(len(sizes), dtype=batch["seq_idx"].dtype),
-                                                    torch.tensor(sizes))[None]
-    shared[SHARED_PREFIXES_KEY] = SharedPrefixes.build(sizes, [segment.parent for segment in segments])
-    shared.model_keys = getattr(batch, "model_keys", None)
+    set_segments(shared, batch, segments)
     return shared, index
 
 

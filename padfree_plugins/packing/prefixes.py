@@ -282,6 +282,13 @@ def share_segments(batch: Mapping, segments: Sequence[Segment]) -> tuple[PackedB
     for key, value in batch.items():
         per_token = isinstance(value, torch.Tensor) and value.ndim >= 2 and tuple(value.shape[:2]) == (1, total)
         shared[key] = value.index_select(1, index.to(value.device)) if per_token else value
+    set_segments(shared, batch, segments)
+    return shared, [ends[row] for row in range(count)]
+
+
+def set_segments(shared: PackedBatch, batch: Mapping, segments: Sequence[Segment]) -> None:
+    """Give ``shared`` (a batch cut to the tokens of ``segments``, from ``batch``) the segments' boundaries, their
+    ``seq_idx`` where ``batch`` has one, their structure (:data:`SHARED_PREFIXES_KEY`) and ``batch``'s model keys."""
     sizes = [segment.length for segment in segments]
     bounds = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
     shared.update(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=max(sizes), max_length_k=max(sizes))
@@ -290,7 +297,6 @@ def share_segments(batch: Mapping, segments: Sequence[Segment]) -> tuple[PackedB
                                                     torch.tensor(sizes))[None]
     shared[SHARED_PREFIXES_KEY] = SharedPrefixes.build(sizes, [segment.parent for segment in segments])
     shared.model_keys = getattr(batch, "model_keys", None)
-    return shared, [ends[row] for row in range(count)]
 
 
 @dataclass(frozen=True)
