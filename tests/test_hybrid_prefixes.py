@@ -60,7 +60,12 @@ def padded_call(vocab: int, seed: int = 0):
     """Right-padded rows ``prompt + completion`` (COMPLETIONS), labels on the completions."""
     generator = torch.Generator().manual_seed(seed)
     prompts = {key: torch.randint(3, vocab, (length,), generator=generator) for key, length in PROMPTS.items()}
-    rows = [(prompts[key], torch.randint(3, vocab, (length,), generator=generator)) for key, length in COMPLETIONS]
+    return padded_rows([(prompts[key], torch.randint(3, vocab, (length,), generator=generator))
+                        for key, length in COMPLETIONS])
+
+
+def padded_rows(rows: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded rows ``prompt + completion`` (``rows``: their token tensors), labels on the completions."""
     width = max(len(p) + len(c) for p, c in rows) + 2
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)

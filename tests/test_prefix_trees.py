@@ -25,7 +25,7 @@ from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, Segment, Share
 from padfree_plugins.testing.faults import branch_sees_a_sibling_branch, completions_see_a_sibling, \
     completions_start_from_zero, conv_taps_stop_at_the_parent
 from tests.conftest import tiny_model
-from tests.test_hybrid_prefixes import SHARING, compare_call, differences, model_for
+from tests.test_hybrid_prefixes import SHARING, compare_call, differences, model_for, padded_rows
 
 # -- the trie -----------------------------------------------------------------------------------------------------
 
@@ -101,18 +101,6 @@ def test_a_chain_of_single_child_prefixes_breaks_the_bound():
 RUNS = {"history": 7, "a": 5, "b": 2, "c": 9, "p": 3}
 ROWS = [(("history", "a"), 3), (("history", "b"), 2), (("history", "a"), 1), (("p",), 4), (("history", "c"), 3),
         (("history", "b"), 4), (("history", "a"), 6), (("p",), 2)]
-
-
-def padded_rows(rows: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded rows ``prompt + completion`` (``rows``: their token tensors), labels on the completions."""
-    width = max(len(p) + len(c) for p, c in rows) + 2
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask, labels = torch.zeros_like(ids), torch.full_like(ids, -100)
-    for row, (prompt, completion) in enumerate(rows):
-        tokens = torch.cat([prompt, completion])
-        ids[row, :len(tokens)], mask[row, :len(tokens)] = tokens, 1
-        labels[row, len(prompt):len(tokens)] = completion
-    return ids, mask, labels
 
 
 def tree_call(vocab: int, seed: int = 0):
