@@ -60,3 +60,15 @@ def hybrid_model(model_type: str, seed: int = 0, **overrides):
     config = tiny_config(model_type, **{**HYBRIDS[model_type], **overrides})
     attention = {} if model_type in ATTENTION_FREE else {"attn_implementation": "sdpa"}
     return AutoModelForCausalLM.from_config(config, **attention).float().eval()
+
+
+def slow(model):
+    """The model with slow decays: every ``A_log`` at log(0.01) and ``dt_bias`` at -4, so that a mixer's state
+    lasts for hundreds of tokens."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("A_log"):
+                parameter.fill_(-4.6)
+            elif name.endswith("dt_bias"):
+                parameter.fill_(-4.0)
+    return model

@@ -189,16 +189,10 @@ def tiny_hybrid():
     """A tiny Qwen3.5-shaped hybrid (gated delta rule layers around a full-attention one), its mixers forgetting
     slowly (``A_log`` at log(0.01), ``dt_bias`` at -4), so that the state passed across a cut matters."""
     from padfree_plugins.testing.models import tiny_model
+    from tests.hybrids_common import slow
 
     torch.manual_seed(0)
-    model = tiny_model("qwen3_5_text", "causal_lm", vocab_size=256)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("A_log"):
-                parameter.fill_(-4.6)
-            elif name.endswith("dt_bias"):
-                parameter.fill_(-4.0)
-    return model
+    return slow(tiny_model("qwen3_5_text", "causal_lm", vocab_size=256))
 
 
 def make_trainer(case: str, output_dir: str, config: dict, *, ranks: int | None = None):

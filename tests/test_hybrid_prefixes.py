@@ -21,7 +21,7 @@ from padfree_plugins.modeling import mixers, unpad
 from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY
 from padfree_plugins.testing.faults import completions_continue_a_sibling, completions_start_from_zero, \
     conv_taps_reach_into_a_sibling
-from tests.hybrids_common import hybrid_model
+from tests.hybrids_common import hybrid_model, slow
 from tests.test_hybrid_lfm2 import model_of as lfm2_model
 
 #: The families whose mixers start a completion from its prompt's state, by model type.
@@ -36,18 +36,6 @@ FAULTS = {"zero state": completions_start_from_zero, "sibling's state": completi
 #: of one token, several chunks.
 PROMPTS = {0: 21, 1: 6, 2: 2}
 COMPLETIONS = [(0, 5), (0, 18), (1, 2), (2, 4), (0, 1), (1, 40), (0, 3), (2, 2)]
-
-
-def slow(model):
-    """The model with slow decays: every ``A_log`` at log(0.01) and ``dt_bias`` at -4, so that a mixer's state
-    lasts for hundreds of tokens."""
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("A_log"):
-                parameter.fill_(-4.6)
-            elif name.endswith("dt_bias"):
-                parameter.fill_(-4.0)
-    return model
 
 
 def model_for(model_type: str):

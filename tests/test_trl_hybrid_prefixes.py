@@ -27,7 +27,7 @@ from padfree_plugins.testing.faults import completions_continue_a_sibling, compl
 from tests import test_trl_rl
 from tests.hybrids_common import hybrid_model
 from tests.test_hybrid_lfm2 import model_of as lfm2_model
-from tests.test_hybrid_prefixes import slow
+from tests.hybrids_common import slow
 
 trl = pytest.importorskip("trl")
 

@@ -30,8 +30,7 @@ import torch
 
 from padfree_plugins.modeling.patching import bound_inputs
 from padfree_plugins.packing.batch import BOUNDARY_KEYS, MEDIA_KEYS
-from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, Segment, SharedPrefixes, prefix_tree, \
-    tokens_saved
+from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, Segment, SharedPrefixes, prefix_tree
 
 #: ``unpad`` modes a config may name.
 UNPAD_MODES = ("auto", "always", "off")
@@ -199,9 +198,9 @@ def shared_rows(input_ids: torch.Tensor | None, position_ids: torch.Tensor | Non
             continue
         where = positions[row, start:start + shared] if positions is not None else torch.arange(start, start + shared)
         shareable.append(list(zip(ids[row, start:start + shared].tolist(), where.tolist())))
-    lengths = [length for _, length in spans]
-    segments = prefix_tree(lengths, shareable, chunk)
-    if chunk > 1 and tokens_saved(segments) < tokens_saved(prefix_tree(lengths, shareable)):
+    declined: list = []
+    segments = prefix_tree([length for _, length in spans], shareable, chunk, declined)
+    if declined:
         unshared(CHUNK_RULE.format(chunk=chunk), "")
     return segments if any(segment.parent >= 0 for segment in segments) else None
 

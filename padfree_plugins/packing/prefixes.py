@@ -27,6 +27,7 @@ RewardTrainer's pairs, an SFT batch).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -134,8 +135,8 @@ class Segment:
     parent: int = -1
 
 
-def prefix_tree(lengths: Sequence[int], shareable: Sequence[Sequence[Hashable] | None], chunk: int = 1
-                ) -> list[Segment]:
+def prefix_tree(lengths: Sequence[int], shareable: Sequence[Sequence[Hashable] | None], chunk: int = 1,
+                declined: list | None = None) -> list[Segment]:
     """The segments of a shared row for rows of ``lengths`` real tokens (empty rows are left out): the trie of the
     rows' shareable prefixes, no layout assumed.
 
@@ -149,7 +150,9 @@ def prefix_tree(lengths: Sequence[int], shareable: Sequence[Sequence[Hashable] |
     ``chunk``: the chunk a model's sequence mixers pad every run to (1: none, or no mixers; see
     :func:`~padfree_plugins.modeling.mixers.run_shared`). A prefix is shared only where its children save at least
     the chunks it costs, and a tree whose segments would pad to more chunks than the rows whole
-    (:func:`padded_tokens`) is not shared at all (every row one segment alone): so the mixers keep no more either."""
+    (:func:`padded_tokens`) is not shared at all (every row one segment alone): so the mixers keep no more either.
+    ``declined`` (a list) is appended to each time the chunk keeps a common prefix in every row, so that the caller
+    can say so."""
     items = [list(prefix) if prefix is not None and length else [] for prefix, length in zip(shareable, lengths)]
     for row, (prefix, length) in enumerate(zip(items, lengths)):
         if len(prefix) >= length > 0:
@@ -170,6 +173,8 @@ def prefix_tree(lengths: Sequence[int], shareable: Sequence[Sequence[Hashable] |
         end = depth + common(rows, depth)  # the rows share their item at depth, and maybe more
         children = branches(rows, end)
         if chunk > 1 and not pays(children, depth, end):
+            if declined is not None:
+                declined.append((rows[0], depth, end))
             for child in children:  # each child holds the prefix's tokens itself
                 place(child, depth, parent)
             return
@@ -196,6 +201,8 @@ def prefix_tree(lengths: Sequence[int], shareable: Sequence[Sequence[Hashable] |
     for rows in branches([row for row, length in enumerate(lengths) if length], 0):
         place(rows, 0, -1)
     if chunk > 1 and padded_tokens(segments, chunk) > sum(padded(length) for length in lengths if length):
+        if declined is not None and any(segment.parent >= 0 for segment in segments):
+            declined.append(None)
         return [Segment(row, 0, length) for row, length in enumerate(lengths) if length]
     return segments
 
@@ -386,7 +393,12 @@ def share_unlabelled(batch: Mapping, chunk: int = 1, min_saved: int = 1) -> Pack
     cu = batch["cu_seq_lens_q"].long().tolist()
     tokens = int(batch["input_ids"].shape[-1])
     lengths = [end - start for start, end in zip(cu, cu[1:])]
-    segments = prefix_tree(lengths, unlabelled_prefixes(batch), chunk)
+    declined: list = []
+    segments = prefix_tree(lengths, unlabelled_prefixes(batch), chunk, declined)
+    if declined:
+        warnings.warn(f"a packed batch holds some common prefixes in every example, not once: its sequence mixers pad "
+                      f"every segment to {chunk} tokens, and sharing those (prefixes or continuations shorter than a "
+                      "chunk) would keep more activations than the examples whole", UserWarning, stacklevel=2)
     if tokens_saved(segments) < min_saved:
         return batch if isinstance(batch, PackedBatch) else PackedBatch(batch)
     shared, ends = share_segments(batch, segments)
