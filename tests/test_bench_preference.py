@@ -223,7 +223,7 @@ def test_tree_law_shares_deeper_than_whole_prompts_and_depth1_is_what_depth1_sha
     assert shared.ideal_vs_native > shared.depth1_vs_native > 1.2
     assert shared.shared_target == pytest.approx(TREE_OF_IDEAL * shared.ideal_vs_native)
     assert shared.loss_rel_diff < 1e-5 and shared.grad_rel_diff < 1e-5
-    monkeypatch.setattr(unpad, "prefix_tree", lambda lengths, shareable, chunk=1: shared_layout(
+    monkeypatch.setattr(unpad, "prefix_tree", lambda lengths, shareable, chunk=1, declined=None: shared_layout(
         lengths, [(len(s), tuple(s)) if s else None for s in shareable], chunk))
     flat = run_preference_benchmark(settings).rows[-1]
     assert flat.ideal_vs_native == pytest.approx(flat.depth1_vs_native) == pytest.approx(shared.depth1_vs_native)
