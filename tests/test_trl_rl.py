@@ -177,9 +177,10 @@ def count_fused_calls(trainer) -> list[int]:
     return counter
 
 
-def build(kind: str, output_dir: str, *, lora: bool = False, seen: list | None = None, **overrides):
+def build(kind: str, output_dir: str, *, lora: bool = False, seen: list | None = None, tools: list | None = None,
+          **overrides):
     """A GRPO / RLOO trainer on the tiny model, seeded; its reward (longer completions are better) records the
-    completion ids in ``seen``."""
+    completion ids in ``seen``; ``tools``: TRL's tool calling."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir())
     config_class, trainer_class = (trl.GRPOConfig, trl.GRPOTrainer) if kind == "grpo" else (
@@ -194,7 +195,7 @@ def build(kind: str, output_dir: str, *, lora: bool = False, seen: list | None =
                     max_completion_length=10, max_steps=STEPS, learning_rate=1e-4, logging_steps=1, report_to=[],
                     seed=0, beta=0.1, save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True)
     settings.update(overrides)
-    extra = {}
+    extra = {"tools": tools} if tools else {}
     if lora:
         peft = pytest.importorskip("peft")
         extra["peft_config"] = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
@@ -234,6 +235,7 @@ def train(kind: str, accelerated: bool, packed_calls: list | None = None, *, lea
         run.shared_prompts = [call.shared_prompts for call in calls]
         run.shared_depths = [call.shared_depth for call in calls]
         if acceleration is not None:
+            run.calls = acceleration.trainer_patch.calls
             acceleration.undo()
     run.history = [entry for entry in trainer.state.log_history if "loss" in entry]
     run.completions = completions
