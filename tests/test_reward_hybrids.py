@@ -15,6 +15,8 @@ prompts are not shared (the reason said; ``prefix_sharing: on`` refused with it)
   first step's gradients agree to 4e-6 of each tensor's largest element). The gradients are checked directly too:
   every parameter's gradient of the first batch within 1e-4 of the tensor's largest element.
 * A faulty shared row (each answer's mixers starting from zeros instead of its prompt's state) fails the comparison.
+* Prompts shorter than a chunk stay in each text (sharing them would pad more chunks than the texts whole), and a
+  warning says so.
 
 No Mamba2 hybrid (Bamba, Granite 4.0-H, Nemotron-H, Falcon-H1) has a sequence-classification head in transformers
 5.23, so none can be a RewardTrainer's model.
@@ -34,6 +36,7 @@ from transformers import AutoModelForSequenceClassification
 
 from padfree_plugins import ConfigError, accelerate, patch_of
 from padfree_plugins.modeling.attention import record_attention_calls
+from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY
 from padfree_plugins.testing.faults import completions_start_from_zero
 from tests.conftest import tiny_config
 from tests.hybrids_common import HYBRIDS, slow
@@ -60,9 +63,11 @@ def pairs(system: str) -> datasets.Dataset:
     return datasets.Dataset.from_list([{**row, "prompt": f"{system}{row['prompt']}"} for row in rows])
 
 
-def reward_trainer(model_type: str, packed: bool, sharing: str = "auto"):
+def reward_trainer(model_type: str, packed: bool, sharing: str = "auto", system: str | None = None):
     """TRL's RewardTrainer on the tiny ``model_type`` hybrid (slow decays, weights of 0.1 spread as in
-    tests/test_reward.py), SGD; accelerated when ``packed``."""
+    tests/test_reward.py), SGD; accelerated when ``packed``. ``system``: the text before every prompt (by default
+    :data:`SYSTEM` where prompts are shared, none for Jamba, whose Mamba1 scan, a python loop over tokens, then runs
+    short texts)."""
     torch.manual_seed(0)
     tok = copy.deepcopy(tokenizer())
     config = tiny_config(model_type, **{**HYBRIDS[model_type], "num_labels": 1, "vocab_size": len(tok),
@@ -71,8 +76,7 @@ def reward_trainer(model_type: str, packed: bool, sharing: str = "auto"):
     args = trl.RewardConfig(output_dir=tempfile.mkdtemp(), max_steps=STEPS, per_device_train_batch_size=4,
                             learning_rate=1e-2, optim="sgd", logging_steps=1, save_strategy="no", report_to="none",
                             seed=0, disable_tqdm=True, bf16=False, dataloader_pin_memory=False)
-    # a system text where prompts are shared (Jamba's Mamba1 scan, a python loop over tokens, runs the short ones)
-    system = f"{SYSTEM} " if CASES[model_type] else ""
+    system = (f"{SYSTEM} " if CASES[model_type] else "") if system is None else system
     trainer = trl.RewardTrainer(model=model, args=args, train_dataset=pairs(system), processing_class=tok)
     if packed:
         accelerate(trainer, {"prefix_sharing": sharing})
@@ -142,6 +146,19 @@ def test_hybrid_reward_comparison_fails_when_answers_start_from_zero_state():
     assert shared
     off = off_values(got, padded("qwen3_5_text")[0])
     assert {"loss", "mean_reward", "margin"} & off.keys(), off
+
+
+def test_prompts_shorter_than_a_chunk_stay_in_every_text_and_a_warning_says_so():
+    """Prompts of 5-17 tokens on the gated-DeltaNet hybrid: held once, they and each answer would pad to a 64-token
+    chunk each, more than the texts whole, so each text keeps its prompt (the chunk rule), and the collator says so
+    rather than sharing nothing silently."""
+    trainer = reward_trainer("qwen3_5_text", True, system="")
+    assert trainer.data_collator.share_prefixes and trainer.data_collator.chunk == 64
+    rows = [trainer.train_dataset[i] for i in range(4)]
+    with pytest.warns(UserWarning, match="holds some common prefixes in every example, not once: its sequence mixers "
+                                         "pad every segment to 64 tokens"):
+        batch = trainer.data_collator(rows)
+    assert SHARED_PREFIXES_KEY not in batch
 
 
 def test_prefix_sharing_on_with_a_mamba1_hybrid_is_refused_with_the_reason():

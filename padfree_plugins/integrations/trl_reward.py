@@ -12,7 +12,10 @@ mask does.
 With ``prefix_sharing`` (on a decoder whose attention backend takes shared prefixes), the tokens a pair's texts
 begin with (TRL writes ``prompt + chosen`` and ``prompt + rejected``) are computed once: a decoder reads them
 causally, so each text's score is the one it has whole. What is shared stops before either text's scored token (its
-last token that is not the pad id, as the model's head picks it), so that each text keeps it in its own segment.
+last token that is not the pad id, as the model's head picks it), so that each text keeps it in its own segment. On a
+hybrid each text's sequence mixers start from the prompt's state; a prompt is shared only where that saves the mixers'
+chunks (:func:`~padfree_plugins.packing.prefixes.prefix_tree`), and a batch that keeps some in every text says so in a
+warning.
 """
 
 from __future__ import annotations

@@ -212,12 +212,13 @@ def padded_tokens(segments: Sequence[Segment], chunk: int) -> int:
     return sum(-(-segment.length // chunk) * chunk for segment in segments)
 
 
-def shared_layout(lengths: Sequence[int], prefixes: Sequence[tuple[int, Hashable] | None], chunk: int = 1
-                  ) -> list[Segment]:
+def shared_layout(lengths: Sequence[int], prefixes: Sequence[tuple[int, Hashable] | None], chunk: int = 1,
+                  declined: list | None = None) -> list[Segment]:
     """The one-level :func:`prefix_tree`: ``prefixes[r]``: ``(s, key)`` — row ``r``'s first ``s`` tokens may be
     shared with every row of an equal ``key`` (their tokens and positions), ``0 < s < lengths[r]`` — or ``None``.
     Rows of one key (two or more) become one prefix segment (the first row's tokens) followed by each row's rest, in
-    row order, where the first of them appears; every other row is one segment alone, in its place."""
+    row order, where the first of them appears; every other row is one segment alone, in its place. ``declined``: as
+    :func:`prefix_tree`'s."""
     shareable = []
     for row, prefix in enumerate(prefixes):
         if prefix is not None and lengths[row]:
@@ -227,7 +228,7 @@ def shared_layout(lengths: Sequence[int], prefixes: Sequence[tuple[int, Hashable
             shareable.append([(length, key, index) for index in range(length)])
         else:
             shareable.append(None)
-    return prefix_tree(lengths, shareable, chunk)
+    return prefix_tree(lengths, shareable, chunk, declined)
 
 
 def gathered_keys(segments: Sequence[Segment]) -> int:
@@ -262,9 +263,22 @@ def share_packed(batch: Mapping, prefixes: Sequence[tuple[int, Hashable] | None]
                  ) -> tuple[PackedBatch, list[int]]:
     """``batch`` (a collator's packed batch of whole examples) with repeated prefixes held once (``prefixes``: one
     per example, as :func:`shared_layout` takes them), and for every example the segment that holds its end; see
-    :func:`share_segments`."""
+    :func:`share_segments`. Where ``chunk`` keeps a prefix in every example, a warning says so
+    (:func:`warn_kept_in_every_example`)."""
     cu = batch["cu_seq_lens_q"].long().tolist()
-    return share_segments(batch, shared_layout([end - start for start, end in zip(cu, cu[1:])], prefixes, chunk))
+    declined: list = []
+    segments = shared_layout([end - start for start, end in zip(cu, cu[1:])], prefixes, chunk, declined)
+    if declined:
+        warn_kept_in_every_example(chunk)
+    return share_segments(batch, segments)
+
+
+def warn_kept_in_every_example(chunk: int) -> None:
+    """Say, in a warning, that a packed batch holds some of its common prefixes in every example, not once: the
+    sequence mixers' ``chunk`` rule kept them (:func:`prefix_tree`'s ``declined``)."""
+    warnings.warn(f"a packed batch holds some common prefixes in every example, not once: its sequence mixers pad "
+                  f"every segment to {chunk} tokens, and sharing those (prefixes or continuations shorter than a "
+                  "chunk) would keep more activations than the examples whole", UserWarning, stacklevel=3)
 
 
 def share_segments(batch: Mapping, segments: Sequence[Segment]) -> tuple[PackedBatch, list[int]]:
@@ -396,9 +410,7 @@ def share_unlabelled(batch: Mapping, chunk: int = 1, min_saved: int = 1) -> Pack
     declined: list = []
     segments = prefix_tree(lengths, unlabelled_prefixes(batch), chunk, declined)
     if declined:
-        warnings.warn(f"a packed batch holds some common prefixes in every example, not once: its sequence mixers pad "
-                      f"every segment to {chunk} tokens, and sharing those (prefixes or continuations shorter than a "
-                      "chunk) would keep more activations than the examples whole", UserWarning, stacklevel=2)
+        warn_kept_in_every_example(chunk)
     if tokens_saved(segments) < min_saved:
         return batch if isinstance(batch, PackedBatch) else PackedBatch(batch)
     shared, ends = share_segments(batch, segments)
