@@ -130,8 +130,8 @@ def model_dir() -> str:
 
 def forced_calls() -> dict:
     """The generation settings that make a random model call the tool: the call tokens and EOS favoured
-    (``sequence_bias``: about one completion in three calls the tool, most end after a few tokens), EOS forced right
-    after a call (so the tool responds, and generation continues after its response)."""
+    (``sequence_bias``: 0.25 to 1 tool calls per completion at each step here, most completions end after a few
+    tokens), EOS forced right after a call (so the tool responds, and generation continues after its response)."""
     tok = tool_tokenizer()
     calls = tok.convert_tokens_to_ids([call_text(a, b) for a, b in CALLS])
     bias = [[[call], CALL_BIAS] for call in calls] + [[[call, tok.eos_token_id], 20.0] for call in calls]
