@@ -37,7 +37,7 @@ import importlib.util
 import inspect
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache, partial
 from itertools import groupby
 from typing import Any, ClassVar
@@ -221,6 +221,10 @@ class MixerState:
     recurrent: torch.Tensor | None = None
     final_conv: torch.Tensor | None = None
     final_recurrent: torch.Tensor | None = None
+    #: As a segment's handed-on state (:func:`run_ready`): input tokens ``[n, H]`` that a reader runs ahead of its
+    #: own from ``final_conv`` / ``final_recurrent``, dropping their outputs. A one-token segment that continues a
+    #: state hands on its start state and its token: its own one-token run would take the mixer's decoding step.
+    lead: torch.Tensor | None = None
     #: The copies of ``conv`` and ``recurrent`` handed to the mixer: a one-token call of a mixer that steps its state
     #: in place (a decoding step: Kimi's conv, Mamba2's scan) leaves its final state there.
     _given: dict = field(default_factory=dict, repr=False)
@@ -326,12 +330,16 @@ def _runs(sources: Sequence[tuple[int, int]], lengths: list[int]) -> dict[int, t
     return runs
 
 
-def run_ready(forward: Any, tokens: torch.Tensor, bounds: list[int], sources: Sequence[tuple[int, int]],
+def run_ready(forward: Any, tokens: torch.Tensor, bounds: list[int], sources: Sequence[tuple[Any, Any]],
               read: set[int], outputs: list, finals: dict, chunk: int, cache_name: str, **kwargs: Any) -> list[int]:
     """The segments of ``tokens`` ``[T, H]`` (``bounds``) not yet in ``outputs`` whose state sources have run (or are
     ``-1``, zeros; any other source is a key of ``finals``), run batched as in :func:`run_shared`, until none is
     ready; their outputs written into ``outputs``, the final states of those in ``read`` into ``finals``. Returns
-    the segments left pending (their sources not in ``finals``)."""
+    the segments left pending (their sources not in ``finals``).
+
+    A segment in ``read`` of one token that continues a state is not run for its final state (its one-token run would
+    take the mixer's decoding step, which steps the state in place, out of autograd's reach): its handed-on state is
+    its start state with its token as ``lead`` (:class:`MixerState`), which each reader runs ahead of its own."""
     lengths = [end - start for start, end in zip(bounds, bounds[1:])]
     pending = [s for s in range(len(lengths)) if outputs[s] is None]
     while pending:
@@ -340,34 +348,52 @@ def run_ready(forward: Any, tokens: torch.Tensor, bounds: list[int], sources: Se
             return pending
         pending = [s for s in pending if s not in ready]
         groups: dict[tuple, list[int]] = {}
+        leads: dict[int, torch.Tensor | None] = {}
         for s in ready:  # read: one group per length; others: per number of chunks; and by the states they start from
-            size = lengths[s] if s in read else -(-lengths[s] // chunk)
-            key = (s in read, size, tuple(source != -1 for source in sources[s]))
+            start = _start_state(finals, sources[s], s)
+            leads[s] = start.lead
+            ahead = 0 if start.lead is None else start.lead.shape[0]
+            recorded = s in read
+            if recorded and ahead + lengths[s] == 1 and tuple(sources[s]) != (-1, -1):
+                finals[s] = replace(start, lead=tokens[bounds[s]:bounds[s + 1]])
+                recorded = False
+            size = ahead + lengths[s] if recorded else -(-(ahead + lengths[s]) // chunk)
+            key = (recorded, size, start.final_recurrent is not None, start.final_conv is not None)
             groups.setdefault(key, []).append(s)
-        for (recorded, _, (recurrent, conv)), members in sorted(groups.items()):
-            width = max(2, *(lengths[s] for s in members)) if not recorded else lengths[members[0]]
-            if recorded and width == 1 and (recurrent or conv):
-                raise BoundaryError(f"segments {members} of one token continue a state and are read by others in "
-                                    "part only: a one-token run would take the mixer's decoding step")
-            batch = torch.stack([F.pad(tokens[bounds[s]:bounds[s + 1]], (0, 0, 0, width - lengths[s]))
-                                 for s in members])
+        for (recorded, _, recurrent, conv), members in sorted(groups.items()):
+            runs = [tokens[bounds[s]:bounds[s + 1]] if leads[s] is None else torch.cat([leads[s], tokens[
+                bounds[s]:bounds[s + 1]]]) for s in members]
+            width = max(2, *(len(run) for run in runs)) if not recorded else len(runs[0])
+            batch = torch.stack([F.pad(run, (0, 0, 0, width - len(run))) for run in runs])
             state = None
             if recorded or recurrent or conv:
-                state = MixerState(
-                    conv=_stacked([finals[sources[s][1]].final_conv for s in members]) if conv else None,
-                    recurrent=_stacked([finals[sources[s][0]].final_recurrent for s in members]) if recurrent else None)
+                starts = [_start_state(finals, sources[s], s) for s in members]
+                state = MixerState(conv=_stacked([start.final_conv for start in starts]) if conv else None,
+                                   recurrent=_stacked([start.final_recurrent for start in starts]) if recurrent
+                                   else None)
             output = forward(batch, **kwargs, **({cache_name: state} if state is not None else {}))
             if not isinstance(output, torch.Tensor):
                 raise BoundaryError(f"a sequence mixer returned {type(output).__name__}, not a tensor: "
                                     "padfree_plugins cannot put its segments back into the packed row")
             if state is not None:
                 state.settle()
-            for index, s in enumerate(members):
-                outputs[s] = output[index, :lengths[s]]
+            for index, (s, run) in enumerate(zip(members, runs)):
+                outputs[s] = output[index, len(run) - lengths[s]:len(run)]
                 if recorded:
                     finals[s] = MixerState(final_conv=_row_of(state.final_conv, index),
                                            final_recurrent=_row_of(state.final_recurrent, index))
     return []
+
+
+def _start_state(finals: dict, sources: tuple[Any, Any], segment: int) -> MixerState:
+    """The state a segment starts from: its recurrent source's final recurrent state, its conv source's final conv
+    taps (``-1``: none), and the lead tokens of a source that hands on one (both sources must then be that one)."""
+    recurrent, conv = (finals[source] if source != -1 else MixerState() for source in sources)
+    lead = recurrent.lead if recurrent.lead is not None else conv.lead
+    if lead is not None and sources[0] != sources[1]:
+        raise BoundaryError(f"segment {segment} continues a one-token segment's state in part only (its sources "
+                            f"{tuple(sources)}): the one token cannot lead its run")
+    return MixerState(final_conv=conv.final_conv, final_recurrent=recurrent.final_recurrent, lead=lead)
 
 
 def _stacked(states: list[torch.Tensor | None]) -> torch.Tensor | None:
