@@ -5,15 +5,17 @@ as TRL's own run (not accelerated) on the same per-rank batches.
     OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 tests/sequence_parallel_shared_run.py \
         RUN[,RUN...] OUT
 
-A run is ``KIND-MODE``: ``KIND`` ``grpo``, ``dpo``, ``lfm2`` (GRPO on a tiny LFM2, its mixers gathered), ``rloo`` or
-``kto`` (tests/sequence_parallel_rl_run.py's, on a tiny Qwen3); ``MODE`` ``shared`` (size 2, prompts shared), ``padded``
+A run is ``KIND-MODE``: ``KIND`` ``grpo``, ``dpo``, ``lfm2`` (GRPO on a tiny LFM2, its mixers gathered but in the
+``split`` modes), ``rloo`` or ``kto`` (tests/sequence_parallel_rl_run.py's, on a tiny Qwen3); ``MODE`` ``shared`` (size 2, prompts shared), ``padded``
 (TRL's own run: the reference), ``no-exchange`` (shared, under the fault
 :func:`~padfree_plugins.testing.faults.parent_keys_not_exchanged`), ``allgather`` / ``allgather-no-exchange`` (the
-same with ``sequence_parallel.attention: allgather``) or ``zero-state`` (LFM2, shared, under
-:func:`~padfree_plugins.testing.faults.completions_start_from_zero`); ``guard-check``: the model's guard on a split
-shared row (:func:`guard_check`).
-Rank 0 writes ``{run: {"losses", "grads", "initial", "state", "completions", "calls", "crossing", "attention"}}`` to
-``OUT``: ``grads`` every parameter's gradient at each optimizer step, ``completions`` per rank the completion ids
+same with ``sequence_parallel.attention: allgather``), ``zero-state`` (LFM2, shared, under
+:func:`~padfree_plugins.testing.faults.completions_start_from_zero`), ``split`` (LFM2, shared, its short convolutions
+split across the ranks) or ``split-predecessor`` (that, under
+:func:`~padfree_plugins.testing.faults.child_starts_from_rank_predecessor`); ``guard-check``: the model's guard on a
+split shared row (:func:`guard_check`).
+Rank 0 writes ``{run: {"losses", "grads", "initial", "state", "split", "completions", "calls", "crossing",
+"attention"}}`` to ``OUT``: ``split`` the sequence mixers run split across the ranks, ``grads`` every parameter's gradient at each optimizer step, ``completions`` per rank the completion ids
 each reward call scored (GRPO), ``calls`` per rank per split fused call (the joined row's tokens, the slice's, its
 prompts shared), ``crossing`` per rank per split call whether a completion sits in another slice than its prompt's
 start, ``attention`` per rank the shared prompts each packed attention call received.
@@ -36,11 +38,15 @@ from padfree_plugins.packing.batch import SHARED_PREFIXES_KEY, packed_tokens
 
 STEPS = 2
 KINDS = ("grpo", "dpo", "lfm2", "rloo", "kto", "guard")
-MODES = ("shared", "padded", "no-exchange", "zero-state", "check", "allgather", "allgather-no-exchange")
+MODES = ("shared", "padded", "no-exchange", "zero-state", "check", "allgather", "allgather-no-exchange", "split",
+         "split-predecessor")
 CONFIG = {"task": "causal_lm", "sequence_parallel": {"size": 2, "attention": "ulysses"}, "prefix_sharing": "on"}
 #: LFM2 (short convolutions beside attention): its mixers run on the whole row, where the shared row's conv taps
 #: reach into each completion's prompt.
 HYBRID_CONFIG = {**CONFIG, "sequence_parallel": {**CONFIG["sequence_parallel"], "mixers": "gather"}}
+#: LFM2 with its short convolutions split across the ranks: a completion on rank 1 starts from the taps of its prompt
+#: on rank 0, handed on.
+SPLIT_CONFIG = {**CONFIG, "sequence_parallel": {**CONFIG["sequence_parallel"], "mixers": "split"}}
 #: All-gather attention: each rank's queries against their segments' keys of the gathered row.
 ALLGATHER_CONFIG = {**CONFIG, "sequence_parallel": {"size": 2, "attention": "allgather"}}
 
@@ -123,7 +129,8 @@ def train(kind: str, mode: str, calls: list, crossing: list, attention: list) ->
 
     from padfree_plugins import accelerate
     from padfree_plugins.modeling.attention import record_attention_calls
-    from padfree_plugins.testing.faults import completions_start_from_zero, parent_keys_not_exchanged
+    from padfree_plugins.testing.faults import child_starts_from_rank_predecessor, completions_start_from_zero, \
+        parent_keys_not_exchanged
 
     right = trl_fused.slice_row
 
@@ -145,18 +152,24 @@ def train(kind: str, mode: str, calls: list, crossing: list, attention: list) ->
 
     completions: list = []
     stack = contextlib.ExitStack()
+    split = 0
     try:
         trainer = build(kind, tempfile.mkdtemp(), completions)
         if mode != "padded":
             wanted = "trl_grpo" if kind == "lfm2" else f"trl_{kind}"
-            config = HYBRID_CONFIG if kind == "lfm2" else ALLGATHER_CONFIG if "allgather" in mode else CONFIG
+            config = SPLIT_CONFIG if mode.startswith("split") else HYBRID_CONFIG if kind == "lfm2" else \
+                ALLGATHER_CONFIG if "allgather" in mode else CONFIG
             plugin = accelerate(trainer, config).trainer_plugin
+            split = sum(type(module.__dict__.get("forward")).__name__ == "SplitMixer"
+                        for module in trainer.model.modules())
             if plugin != wanted:
                 sys.exit(f"{kind}: accelerate() took {plugin}, not {wanted}")
         if mode.endswith("no-exchange"):
             stack.enter_context(parent_keys_not_exchanged())
         elif mode == "zero-state":
             stack.enter_context(completions_start_from_zero())
+        elif mode == "split-predecessor":
+            stack.enter_context(child_starts_from_rank_predecessor())
         trainer.add_callback(Gradients())
         initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
         with record_attention_calls() as recorded:
@@ -166,7 +179,7 @@ def train(kind: str, mode: str, calls: list, crossing: list, attention: list) ->
         stack.close()
         trl_fused.slice_row = right
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    return {"losses": losses, "grads": grads, "completions": completions, "initial": initial,
+    return {"losses": losses, "grads": grads, "completions": completions, "initial": initial, "split": split,
             "state": {name: p.detach().clone() for name, p in trainer.model.named_parameters()}}
 
 

@@ -34,7 +34,7 @@ TOLERANCE = 1e-5
 RUNS = ("guard-check", "grpo-shared", "grpo-padded", "grpo-no-exchange", "dpo-shared", "dpo-padded",
         "dpo-no-exchange", "lfm2-shared", "lfm2-padded", "lfm2-zero-state", "rloo-shared", "rloo-padded",
         "kto-shared", "kto-padded", "grpo-allgather", "grpo-allgather-no-exchange", "dpo-allgather",
-        "dpo-allgather-no-exchange")
+        "dpo-allgather-no-exchange", "lfm2-split", "lfm2-split-predecessor")
 #: Split fused calls per rank over the 2 steps. GRPO: the old policy's and the reference model's (once: the second
 #: iteration reuses the generation) and the policy's at each step. DPO: the policy's and the reference model's at
 #: each step.
@@ -67,12 +67,14 @@ def differences(run: dict, want: dict) -> tuple[float, float, float]:
     return loss, grad, weight
 
 
-@pytest.mark.parametrize("kind, mode", [("grpo", "shared"), ("dpo", "shared"), ("lfm2", "shared"),
+@pytest.mark.parametrize("kind, mode", [("grpo", "shared"), ("dpo", "shared"), ("lfm2", "shared"), ("lfm2", "split"),
                                         ("grpo", "allgather"), ("dpo", "allgather")])
 def test_shared_prompts_under_sequence_parallelism_equal_trls_run(launched, kind, mode):
     """Ulysses (``shared``) or all-gather attention (``allgather``: each rank's queries against their segments' keys
-    of the gathered row)."""
+    of the gathered row); LFM2's short convolutions gathered (``shared``) or split across the ranks (``split``: a
+    completion on rank 1 starts from its prompt's taps, handed on from rank 0)."""
     run, want = launched[f"{kind}-{mode}"], launched[f"{kind}-padded"]
+    assert (run["split"] > 0) == (mode == "split")
     assert run["completions"] == want["completions"]  # GRPO: the same samples scored on each rank
     if kind != "dpo":
         assert run["completions"][0] and run["completions"][0] != run["completions"][1]  # ranks: their own batches
@@ -114,10 +116,12 @@ def test_rloo_and_kto_with_prefix_sharing_under_sequence_parallelism_equal_trls_
 @pytest.mark.parametrize("run, reference", [("grpo-no-exchange", "grpo-padded"), ("dpo-no-exchange", "dpo-padded"),
                                             ("grpo-allgather-no-exchange", "grpo-padded"),
                                             ("dpo-allgather-no-exchange", "dpo-padded"),
-                                            ("lfm2-zero-state", "lfm2-padded")])
+                                            ("lfm2-zero-state", "lfm2-padded"),
+                                            ("lfm2-split-predecessor", "lfm2-padded")])
 def test_split_shared_row_faults_are_caught(launched, run, reference):
     """A completion whose prompt's keys and values sit on the other rank and are not exchanged, or (LFM2) whose
-    convolutions start from zeros rather than its prompt's last tokens, is far from TRL's run."""
+    convolutions start from zeros rather than its prompt's last tokens, or (LFM2, mixers split) from the taps rank 0
+    handed on last rather than its prompt's, is far from TRL's run."""
     loss, grad, weight = differences(launched[run], launched[reference])
     print(f"{run}: max loss difference {loss:.2e}, gradients {grad:.2e}, weights {weight:.2e}")
     assert grad > 100 * TOLERANCE
@@ -158,11 +162,12 @@ def test_mixed_ulysses_and_allgather_with_shared_prompts_is_refused():
     assert why_not_split_shared(assembly("allgather", 6), 4) is None
 
 
-def test_split_mixers_with_shared_prompts_are_refused(monkeypatch, tmp_path):
-    """A hybrid's split sequence mixers cannot start a completion on one rank from its prompt's state on another:
-    ``prefix_sharing: on`` with ``sequence_parallel.mixers: split`` is refused, naming ``gather``."""
-    from padfree_plugins import ConfigError, accelerate, patch_of
-    from padfree_plugins.integrations.trl_fused import fused_forward_of
+def test_split_mixers_take_shared_prompts(monkeypatch, tmp_path):
+    """A hybrid's split sequence mixers take a shared row (each completion starts from its prompt's state, handed on
+    from the rank where the prompt ended): ``prefix_sharing: on`` with ``sequence_parallel.mixers: split`` shares
+    prompts, the mixers split (the distributed equality: above and tests/test_split_shared_mixers.py)."""
+    from padfree_plugins import accelerate, patch_of
+    from padfree_plugins.integrations.checks import why_not_split_shared
     from padfree_plugins.modeling.attention.ulysses import SequenceGroup
     from tests import test_trl_rl
     from tests.test_trl_hybrid_prefixes import use_model
@@ -170,12 +175,15 @@ def test_split_mixers_with_shared_prompts_are_refused(monkeypatch, tmp_path):
     monkeypatch.setattr("padfree_plugins.assembly.sequence_group", lambda size: SequenceGroup(None, 0, size))
     use_model(monkeypatch, "lfm2")
     trainer = test_trl_rl.build("grpo", str(tmp_path), max_steps=1)
-    forward = fused_forward_of(trainer.model)
     config = {"task": "causal_lm", "prefix_sharing": "on", "sequence_parallel": {"size": 2, "mixers": "split"}}
-    with pytest.raises(ConfigError, match=r"sequence_parallel.mixers: split.*sequence_parallel.mixers: gather"):
-        accelerate(trainer, config)
-    assert patch_of(trainer.model) is None and fused_forward_of(trainer.model) == forward
-    assert "log" not in vars(trainer) and "get_train_dataloader" not in vars(trainer)
+    acceleration = accelerate(trainer, config)
+    try:
+        assert acceleration.trainer_patch.shares_prefixes is True
+        assert why_not_split_shared(acceleration.assembly, 2) is None
+        assert any(type(module.__dict__.get("forward")).__name__ == "SplitMixer" for module in trainer.model.modules())
+    finally:
+        acceleration.undo()
+    assert patch_of(trainer.model) is None
 
 
 # -- one process: the joined row's structure -----------------------------------------------------------------------
