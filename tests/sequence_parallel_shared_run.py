@@ -6,19 +6,20 @@ as TRL's own run (not accelerated) on the same per-rank batches.
         RUN[,RUN...] OUT
 
 A run is ``KIND-MODE``: ``KIND`` ``grpo``, ``dpo``, ``lfm2`` (GRPO on a tiny LFM2, its mixers gathered but in the
-``split`` modes), ``rloo`` or ``kto`` (tests/sequence_parallel_rl_run.py's, on a tiny Qwen3); ``MODE`` ``shared`` (size 2, prompts shared), ``padded``
-(TRL's own run: the reference), ``no-exchange`` (shared, under the fault
-:func:`~padfree_plugins.testing.faults.parent_keys_not_exchanged`), ``allgather`` / ``allgather-no-exchange`` (the
-same with ``sequence_parallel.attention: allgather``), ``zero-state`` (LFM2, shared, under
+``split`` modes), ``rloo`` or ``kto`` (tests/sequence_parallel_rl_run.py's, on a tiny Qwen3); ``MODE`` ``shared`` (size
+2, prompts shared), ``padded`` (TRL's own run: the reference), ``no-exchange`` (shared, under the fault
+:func:`~padfree_plugins.testing.faults.parent_keys_not_exchanged`), ``allgather`` / ``allgather-no-exchange`` (the same
+with ``sequence_parallel.attention: allgather``), ``zero-state`` (LFM2, shared, under
 :func:`~padfree_plugins.testing.faults.completions_start_from_zero`), ``split`` (LFM2, shared, its short convolutions
 split across the ranks) or ``split-predecessor`` (that, under
 :func:`~padfree_plugins.testing.faults.child_starts_from_rank_predecessor`); ``guard-check``: the model's guard on a
 split shared row (:func:`guard_check`).
 Rank 0 writes ``{run: {"losses", "grads", "initial", "state", "split", "completions", "calls", "crossing",
-"attention"}}`` to ``OUT``: ``split`` the sequence mixers run split across the ranks, ``grads`` every parameter's gradient at each optimizer step, ``completions`` per rank the completion ids
-each reward call scored (GRPO), ``calls`` per rank per split fused call (the joined row's tokens, the slice's, its
-prompts shared), ``crossing`` per rank per split call whether a completion sits in another slice than its prompt's
-start, ``attention`` per rank the shared prompts each packed attention call received.
+"attention"}}`` to ``OUT``: ``split`` the sequence mixers run split across the ranks, ``grads`` every parameter's
+gradient at each optimizer step, ``completions`` per rank the completion ids each reward call scored (GRPO), ``calls``
+per rank per split fused call (the joined row's tokens, the slice's, its prompts shared), ``crossing`` per rank per
+split call whether a completion sits in another slice than its prompt's start, ``attention`` per rank the shared prompts
+each packed attention call received.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Shared prompts under sequence parallelism: TRL ``GRPOTrainer`` (two iterations, ``beta`` 0.1) and ``DPOTrainer`` on a
-tiny Llama, and GRPO on a tiny LFM2 (short convolutions, ``sequence_parallel.mixers: gather``), with
+tiny Llama, and GRPO on a tiny LFM2 (short convolutions, ``sequence_parallel.mixers: gather`` and ``split``), with
 ``prefix_sharing: on`` under ``sequence_parallel: {size: 2, attention: ulysses}`` on 2 CPU processes (gloo; the
 worker is tests/sequence_parallel_shared_run.py, every run in one torchrun launch with a timeout).
 
@@ -11,9 +11,10 @@ processes: the same global batch, the same sampled completions. Losses, every pa
 the final weights agree within 1e-5 (SGD, no clipping); every fused call is split with prompts shared on both ranks,
 every attention call receives the shared structure, and in every call a completion sits in another half than its
 prompt. The faults (a completion's prompt keys and values on the other rank not exchanged; LFM2's completions
-starting their convolutions from zeros) are far off, and the model's guard, checking the gathered positions, refuses
-a split shared row whose positions or structure are wrong on both ranks. What the split shared row does not support
-(Ulysses mixed with all-gather, split sequence mixers) is refused at ``accelerate()``, nothing changed. All-gather
+starting their convolutions from zeros, or, split, from the taps the previous rank handed on last) are far off, and
+the model's guard, checking the gathered positions, refuses a split shared row whose positions or structure are wrong
+on both ranks. What the split shared row does not support (Ulysses mixed with all-gather) is refused at
+``accelerate()``, nothing changed; split sequence mixers take it. All-gather
 attention alone shares too: each rank's queries against their segments' keys (ancestors', then their own) of the
 gathered row.
 """
