@@ -274,60 +274,17 @@ def run_shared(forward: Any, hidden_states: torch.Tensor, row: PackedRow, chunk:
     read runs unpadded, with segments of its length only (a pad would move its final state); the others, batched
     like :func:`run_per_example`, are right-padded to at least 2 tokens, so that no mixer takes its one-token
     decoding step (which updates the state in place, out of autograd's reach). A one-token prefix that continues a
-    state (a tree's branch point) is not run alone for the same reason: its token leads each of its children's runs
-    (:func:`_runs`). Each prefix runs once: its children's gradients sum into it through the state."""
+    state (a tree's branch point) hands its token on to lead each of its children's runs. Each prefix runs once: its
+    children's gradients sum into it through the state."""
     bounds = row.cu_seq_lens.long().tolist()
     sources = state_sources(row.shared)
     if len(sources) != len(bounds) - 1:
         raise BoundaryError(f"the shared prefixes name {len(sources)} segments, the boundaries {len(bounds) - 1}")
-    lengths = [end - start for start, end in zip(bounds, bounds[1:])]
-    runs = _runs(sources, lengths)  # segment -> (the segments whose tokens its run holds, the sources it starts from)
-    order = list(runs)
-    position = {segment: index for index, segment in enumerate(order)}
-    tokens = hidden_states[0]
-    if all(len(pieces) == 1 for pieces, _ in runs.values()):
-        run_tokens, run_bounds = tokens, bounds
-    else:  # the lead tokens copied ahead of each child's
-        run_tokens = torch.cat([tokens[bounds[piece]:bounds[piece + 1]] for s in order for piece in runs[s][0]])
-        sizes = [sum(lengths[piece] for piece in runs[s][0]) for s in order]
-        run_bounds = [0, *torch.tensor(sizes).cumsum(0).tolist()]
-    run_sources = [tuple(position[source] if source >= 0 else -1 for source in runs[s][1]) for s in order]
-    read = {source for pair in run_sources for source in pair if source >= 0}
-    outputs: list = [None] * len(order)
-    if run_ready(forward, run_tokens, run_bounds, run_sources, read, outputs, {}, chunk, cache_name, **kwargs):
+    read = {source for pair in sources for source in pair if source >= 0}
+    outputs: list = [None] * len(sources)
+    if run_ready(forward, hidden_states[0], bounds, sources, read, outputs, {}, chunk, cache_name, **kwargs):
         raise BoundaryError(f"the segments' state sources {sources} form a cycle")
-    segments: list = [None] * len(sources)
-    for index, s in enumerate(order):
-        start = 0
-        for piece in runs[s][0]:
-            if segments[piece] is None:  # a lead token: its first child's run gives it
-                segments[piece] = outputs[index][start:start + lengths[piece]]
-            start += lengths[piece]
-    return torch.cat(segments)[None]
-
-
-def _runs(sources: Sequence[tuple[int, int]], lengths: list[int]) -> dict[int, tuple[list[int], tuple[int, int]]]:
-    """Per segment that runs: the segments whose tokens its run holds (its own last) and the sources it starts from.
-    A one-token segment that continues a state and whose state others read — every reader continuing it in both the
-    recurrent state and the taps — runs at the head of each reader instead (its one token would take the decoding
-    step), the readers starting from its own sources."""
-    readers: dict[int, list[int]] = {}
-    for s, pair in enumerate(sources):
-        for source in set(pair):
-            if source >= 0:
-                readers.setdefault(source, []).append(s)
-    lead = {s for s in range(len(sources)) if lengths[s] == 1 and tuple(sources[s]) != (-1, -1) and readers.get(s)
-            and all(tuple(sources[reader]) == (s, s) for reader in readers[s])}
-    runs = {}
-    for s in range(len(sources)):
-        if s in lead:
-            continue
-        pieces, start = [s], tuple(sources[s])
-        while start[0] == start[1] and start[0] in lead:
-            pieces.insert(0, start[0])
-            start = tuple(sources[start[0]])
-        runs[s] = (pieces, start)
-    return runs
+    return torch.cat(outputs)[None]
 
 
 def run_ready(forward: Any, tokens: torch.Tensor, bounds: list[int], sources: Sequence[tuple[Any, Any]],
