@@ -5,13 +5,14 @@ as TRL's own run (not accelerated) on the same per-rank batches.
     OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 tests/sequence_parallel_shared_run.py \
         RUN[,RUN...] OUT
 
-A run is ``KIND-MODE``: ``KIND`` ``grpo``, ``dpo``, ``lfm2`` (GRPO on a tiny LFM2, its mixers gathered but in the
-``split`` modes), ``rloo`` or ``kto`` (tests/sequence_parallel_rl_run.py's, on a tiny Qwen3); ``MODE`` ``shared`` (size
-2, prompts shared), ``padded`` (TRL's own run: the reference), ``no-exchange`` (shared, under the fault
+A run is ``KIND-MODE``: ``KIND`` ``grpo``, ``dpo``, ``lfm2`` / ``qwen3_5`` (GRPO on a tiny LFM2 / Qwen3.5, its mixers
+gathered but in the ``split`` modes; Qwen3.5's prompts after a long system text), ``rloo`` or ``kto``
+(tests/sequence_parallel_rl_run.py's, on a tiny Qwen3); ``MODE`` ``shared`` (size 2, prompts shared), ``padded`` (TRL's
+own run: the reference), ``no-exchange`` (shared, under the fault
 :func:`~padfree_plugins.testing.faults.parent_keys_not_exchanged`), ``allgather`` / ``allgather-no-exchange`` (the same
 with ``sequence_parallel.attention: allgather``), ``zero-state`` (LFM2, shared, under
 :func:`~padfree_plugins.testing.faults.completions_start_from_zero`), ``split`` (LFM2, shared, its short convolutions
-split across the ranks) or ``split-predecessor`` (that, under
+split across the ranks; Qwen3.5: its gated delta rule too) or ``split-predecessor`` (that, under
 :func:`~padfree_plugins.testing.faults.child_starts_from_rank_predecessor`); ``guard-check``: the model's guard on a
 split shared row (:func:`guard_check`).
 Rank 0 writes ``{run: {"losses", "grads", "initial", "state", "split", "completions", "calls", "crossing",
@@ -38,7 +39,9 @@ from padfree_plugins.integrations import trl_fused
 from padfree_plugins.packing.batch import SHARED_PREFIXES_KEY, packed_tokens
 
 STEPS = 2
-KINDS = ("grpo", "dpo", "lfm2", "rloo", "kto", "guard")
+KINDS = ("grpo", "dpo", "lfm2", "qwen3_5", "rloo", "kto", "guard")
+#: GRPO on a tiny hybrid of tests/test_trl_hybrid_prefixes.py, by kind.
+HYBRIDS = {"lfm2": "lfm2", "qwen3_5": "qwen3_5_text"}
 MODES = ("shared", "padded", "no-exchange", "zero-state", "check", "allgather", "allgather-no-exchange", "split",
          "split-predecessor")
 CONFIG = {"task": "causal_lm", "sequence_parallel": {"size": 2, "attention": "ulysses"}, "prefix_sharing": "on"}
@@ -53,17 +56,17 @@ ALLGATHER_CONFIG = {**CONFIG, "sequence_parallel": {"size": 2, "attention": "all
 
 
 def model_dir(kind: str, tok) -> str:
-    """The tiny Llama (``lfm2``: the tiny LFM2 of tests/test_trl_hybrid_prefixes.py, slow decays) saved by rank 0
-    (GRPO loads its reference model from ``_name_or_path``; transformers writes from the main process only), its EOS
-    row scaled so that completions end after a few tokens (completions of many lengths)."""
+    """The tiny Llama (``lfm2``, ``qwen3_5``: the tiny hybrid of tests/test_trl_hybrid_prefixes.py, slow decays) saved
+    by rank 0 (GRPO loads its reference model from ``_name_or_path``; transformers writes from the main process only),
+    its EOS row scaled so that completions end after a few tokens (completions of many lengths)."""
     from tests.test_trl_preference import policy
 
     path = [None]
     if dist.get_rank() == 0:
-        if kind == "lfm2":
+        if kind in HYBRIDS:
             from tests.test_trl_hybrid_prefixes import hybrid_dir
 
-            path = [hybrid_dir("lfm2")]
+            path = [hybrid_dir(HYBRIDS[kind])]
         else:
             model = policy()
             with torch.no_grad():
@@ -107,6 +110,10 @@ def build(kind: str, output_dir: str, scored: list):
 
     words = "a tiny corpus for the tokenizer".split()
     texts = [" ".join(words[(i * 7 + j) % len(words)] for j in range(2 + 3 * i)) for i in range(8)]
+    if kind == "qwen3_5":  # its gated delta rule pads every run to 64 tokens: a prompt is shared where that saves some
+        from tests.test_trl_hybrid_prefixes import SYSTEM
+
+        texts = [f"{SYSTEM} {text}" for text in texts]
     data = datasets.Dataset.from_list([{"prompt": text} for text in texts])
     args = trl.GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
                           num_iterations=2, **common)
@@ -157,7 +164,7 @@ def train(kind: str, mode: str, calls: list, crossing: list, attention: list) ->
     try:
         trainer = build(kind, tempfile.mkdtemp(), completions)
         if mode != "padded":
-            wanted = "trl_grpo" if kind == "lfm2" else f"trl_{kind}"
+            wanted = "trl_grpo" if kind in HYBRIDS else f"trl_{kind}"
             config = SPLIT_CONFIG if mode.startswith("split") else HYBRID_CONFIG if kind == "lfm2" else \
                 ALLGATHER_CONFIG if "allgather" in mode else CONFIG
             plugin = accelerate(trainer, config).trainer_plugin
