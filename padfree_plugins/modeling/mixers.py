@@ -305,10 +305,9 @@ def run_ready(forward: Any, tokens: torch.Tensor, bounds: list[int], sources: Se
             return pending
         pending = [s for s in pending if s not in ready]
         groups: dict[tuple, list[int]] = {}
-        leads: dict[int, torch.Tensor | None] = {}
+        starts: dict[int, MixerState] = {}
         for s in ready:  # read: one group per length; others: per number of chunks; and by the states they start from
-            start = _start_state(finals, sources[s], s)
-            leads[s] = start.lead
+            start = starts[s] = _start_state(finals, sources[s], s)
             ahead = 0 if start.lead is None else start.lead.shape[0]
             recorded = s in read
             if recorded and ahead + lengths[s] == 1 and tuple(sources[s]) != (-1, -1):
@@ -318,15 +317,14 @@ def run_ready(forward: Any, tokens: torch.Tensor, bounds: list[int], sources: Se
             key = (recorded, size, start.final_recurrent is not None, start.final_conv is not None)
             groups.setdefault(key, []).append(s)
         for (recorded, _, recurrent, conv), members in sorted(groups.items()):
-            runs = [tokens[bounds[s]:bounds[s + 1]] if leads[s] is None else torch.cat([leads[s], tokens[
+            runs = [tokens[bounds[s]:bounds[s + 1]] if starts[s].lead is None else torch.cat([starts[s].lead, tokens[
                 bounds[s]:bounds[s + 1]]]) for s in members]
             width = max(2, *(len(run) for run in runs)) if not recorded else len(runs[0])
             batch = torch.stack([F.pad(run, (0, 0, 0, width - len(run))) for run in runs])
             state = None
             if recorded or recurrent or conv:
-                starts = [_start_state(finals, sources[s], s) for s in members]
-                state = MixerState(conv=_stacked([start.final_conv for start in starts]) if conv else None,
-                                   recurrent=_stacked([start.final_recurrent for start in starts]) if recurrent
+                state = MixerState(conv=_stacked([starts[s].final_conv for s in members]) if conv else None,
+                                   recurrent=_stacked([starts[s].final_recurrent for s in members]) if recurrent
                                    else None)
             output = forward(batch, **kwargs, **({cache_name: state} if state is not None else {}))
             if not isinstance(output, torch.Tensor):
