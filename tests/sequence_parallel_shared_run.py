@@ -5,18 +5,22 @@ as TRL's own run (not accelerated) on the same per-rank batches.
     OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 tests/sequence_parallel_shared_run.py \
         RUN[,RUN...] OUT
 
-A run is ``KIND-MODE``: ``KIND`` ``grpo``, ``dpo``, ``lfm2`` (GRPO on a tiny LFM2, its mixers gathered), ``rloo`` or
-``kto`` (tests/sequence_parallel_rl_run.py's, on a tiny Qwen3); ``MODE`` ``shared`` (size 2, prompts shared), ``padded``
-(TRL's own run: the reference), ``no-exchange`` (shared, under the fault
-:func:`~padfree_plugins.testing.faults.parent_keys_not_exchanged`), ``allgather`` / ``allgather-no-exchange`` (the
-same with ``sequence_parallel.attention: allgather``) or ``zero-state`` (LFM2, shared, under
-:func:`~padfree_plugins.testing.faults.completions_start_from_zero`); ``guard-check``: the model's guard on a split
-shared row (:func:`guard_check`).
-Rank 0 writes ``{run: {"losses", "grads", "initial", "state", "completions", "calls", "crossing", "attention"}}`` to
-``OUT``: ``grads`` every parameter's gradient at each optimizer step, ``completions`` per rank the completion ids
-each reward call scored (GRPO), ``calls`` per rank per split fused call (the joined row's tokens, the slice's, its
-prompts shared), ``crossing`` per rank per split call whether a completion sits in another slice than its prompt's
-start, ``attention`` per rank the shared prompts each packed attention call received.
+A run is ``KIND-MODE``: ``KIND`` ``grpo``, ``dpo``, ``lfm2`` / ``qwen3_5`` (GRPO on a tiny LFM2 / Qwen3.5, its mixers
+gathered but in the ``split`` modes; Qwen3.5's prompts after a long system text), ``rloo`` or ``kto``
+(tests/sequence_parallel_rl_run.py's, on a tiny Qwen3); ``MODE`` ``shared`` (size 2, prompts shared), ``padded`` (TRL's
+own run: the reference), ``no-exchange`` (shared, under the fault
+:func:`~padfree_plugins.testing.faults.parent_keys_not_exchanged`), ``allgather`` / ``allgather-no-exchange`` (the same
+with ``sequence_parallel.attention: allgather``), ``zero-state`` (LFM2, shared, under
+:func:`~padfree_plugins.testing.faults.completions_start_from_zero`), ``split`` (LFM2, shared, its short convolutions
+split across the ranks; Qwen3.5: its gated delta rule too) or ``split-predecessor`` (that, under
+:func:`~padfree_plugins.testing.faults.child_starts_from_rank_predecessor`); ``guard-check``: the model's guard on a
+split shared row (:func:`guard_check`).
+Rank 0 writes ``{run: {"losses", "grads", "initial", "state", "split", "completions", "calls", "crossing",
+"attention"}}`` to ``OUT``: ``split`` the sequence mixers run split across the ranks, ``grads`` every parameter's
+gradient at each optimizer step, ``completions`` per rank the completion ids each reward call scored (GRPO), ``calls``
+per rank per split fused call (the joined row's tokens, the slice's, its prompts shared), ``crossing`` per rank per
+split call whether a completion sits in another slice than its prompt's start, ``attention`` per rank the shared prompts
+each packed attention call received.
 """
 
 from __future__ import annotations
@@ -35,28 +39,34 @@ from padfree_plugins.integrations import trl_fused
 from padfree_plugins.packing.batch import SHARED_PREFIXES_KEY, packed_tokens
 
 STEPS = 2
-KINDS = ("grpo", "dpo", "lfm2", "rloo", "kto", "guard")
-MODES = ("shared", "padded", "no-exchange", "zero-state", "check", "allgather", "allgather-no-exchange")
+KINDS = ("grpo", "dpo", "lfm2", "qwen3_5", "rloo", "kto", "guard")
+#: GRPO on a tiny hybrid of tests/test_trl_hybrid_prefixes.py, by kind.
+HYBRIDS = {"lfm2": "lfm2", "qwen3_5": "qwen3_5_text"}
+MODES = ("shared", "padded", "no-exchange", "zero-state", "check", "allgather", "allgather-no-exchange", "split",
+         "split-predecessor")
 CONFIG = {"task": "causal_lm", "sequence_parallel": {"size": 2, "attention": "ulysses"}, "prefix_sharing": "on"}
 #: LFM2 (short convolutions beside attention): its mixers run on the whole row, where the shared row's conv taps
 #: reach into each completion's prompt.
 HYBRID_CONFIG = {**CONFIG, "sequence_parallel": {**CONFIG["sequence_parallel"], "mixers": "gather"}}
+#: LFM2 with its short convolutions split across the ranks: a completion on rank 1 starts from the taps of its prompt
+#: on rank 0, handed on.
+SPLIT_CONFIG = {**CONFIG, "sequence_parallel": {**CONFIG["sequence_parallel"], "mixers": "split"}}
 #: All-gather attention: each rank's queries against their segments' keys of the gathered row.
 ALLGATHER_CONFIG = {**CONFIG, "sequence_parallel": {"size": 2, "attention": "allgather"}}
 
 
 def model_dir(kind: str, tok) -> str:
-    """The tiny Llama (``lfm2``: the tiny LFM2 of tests/test_trl_hybrid_prefixes.py, slow decays) saved by rank 0
-    (GRPO loads its reference model from ``_name_or_path``; transformers writes from the main process only), its EOS
-    row scaled so that completions end after a few tokens (completions of many lengths)."""
+    """The tiny Llama (``lfm2``, ``qwen3_5``: the tiny hybrid of tests/test_trl_hybrid_prefixes.py, slow decays) saved
+    by rank 0 (GRPO loads its reference model from ``_name_or_path``; transformers writes from the main process only),
+    its EOS row scaled so that completions end after a few tokens (completions of many lengths)."""
     from tests.test_trl_preference import policy
 
     path = [None]
     if dist.get_rank() == 0:
-        if kind == "lfm2":
+        if kind in HYBRIDS:
             from tests.test_trl_hybrid_prefixes import hybrid_dir
 
-            path = [hybrid_dir("lfm2")]
+            path = [hybrid_dir(HYBRIDS[kind])]
         else:
             model = policy()
             with torch.no_grad():
@@ -100,6 +110,10 @@ def build(kind: str, output_dir: str, scored: list):
 
     words = "a tiny corpus for the tokenizer".split()
     texts = [" ".join(words[(i * 7 + j) % len(words)] for j in range(2 + 3 * i)) for i in range(8)]
+    if kind == "qwen3_5":  # its gated delta rule pads every run to 64 tokens: a prompt is shared where that saves some
+        from tests.test_trl_hybrid_prefixes import SYSTEM
+
+        texts = [f"{SYSTEM} {text}" for text in texts]
     data = datasets.Dataset.from_list([{"prompt": text} for text in texts])
     args = trl.GRPOConfig(per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
                           num_iterations=2, **common)
@@ -123,7 +137,8 @@ def train(kind: str, mode: str, calls: list, crossing: list, attention: list) ->
 
     from padfree_plugins import accelerate
     from padfree_plugins.modeling.attention import record_attention_calls
-    from padfree_plugins.testing.faults import completions_start_from_zero, parent_keys_not_exchanged
+    from padfree_plugins.testing.faults import child_starts_from_rank_predecessor, completions_start_from_zero, \
+        parent_keys_not_exchanged
 
     right = trl_fused.slice_row
 
@@ -145,18 +160,24 @@ def train(kind: str, mode: str, calls: list, crossing: list, attention: list) ->
 
     completions: list = []
     stack = contextlib.ExitStack()
+    split = 0
     try:
         trainer = build(kind, tempfile.mkdtemp(), completions)
         if mode != "padded":
-            wanted = "trl_grpo" if kind == "lfm2" else f"trl_{kind}"
-            config = HYBRID_CONFIG if kind == "lfm2" else ALLGATHER_CONFIG if "allgather" in mode else CONFIG
+            wanted = "trl_grpo" if kind in HYBRIDS else f"trl_{kind}"
+            config = SPLIT_CONFIG if mode.startswith("split") else HYBRID_CONFIG if kind == "lfm2" else \
+                ALLGATHER_CONFIG if "allgather" in mode else CONFIG
             plugin = accelerate(trainer, config).trainer_plugin
+            split = sum(type(module.__dict__.get("forward")).__name__ == "SplitMixer"
+                        for module in trainer.model.modules())
             if plugin != wanted:
                 sys.exit(f"{kind}: accelerate() took {plugin}, not {wanted}")
         if mode.endswith("no-exchange"):
             stack.enter_context(parent_keys_not_exchanged())
         elif mode == "zero-state":
             stack.enter_context(completions_start_from_zero())
+        elif mode == "split-predecessor":
+            stack.enter_context(child_starts_from_rank_predecessor())
         trainer.add_callback(Gradients())
         initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
         with record_attention_calls() as recorded:
@@ -166,7 +187,7 @@ def train(kind: str, mode: str, calls: list, crossing: list, attention: list) ->
         stack.close()
         trl_fused.slice_row = right
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    return {"losses": losses, "grads": grads, "completions": completions, "initial": initial,
+    return {"losses": losses, "grads": grads, "completions": completions, "initial": initial, "split": split,
             "state": {name: p.detach().clone() for name, p in trainer.model.named_parameters()}}
 
 

@@ -12,23 +12,48 @@ import pytest
 
 from padfree_plugins import assemble
 from padfree_plugins.config.schema import PadfreeConfig
-from padfree_plugins.errors import ConfigError
+from padfree_plugins.errors import BoundaryError, ConfigError
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup
 from padfree_plugins.modeling.sequence_parallel import SequenceParallelPatch, SplitMixer, WholeRowMixer
-from padfree_plugins.modeling.split_mixers import SliceSegments, slice_segments
+from padfree_plugins.modeling.split_mixers import PREVIOUS_RANK, SlicePlan, slice_plan
 from tests.hybrids_common import hybrid_model
 
 
-def test_slice_segments_find_the_pieces_that_cross_a_cut():
+def test_slice_plans_find_the_pieces_that_cross_a_cut():
     """Row 0 3 | 7 11 | 12 (slices of 4 tokens): rank 1's slice [4, 8) continues the example 3..7 and its last
     example goes on past 8; a slice that starts and ends at boundaries neither continues nor is continued; an example
-    spanning a whole slice is both."""
+    spanning a whole slice is both. Without shared prefixes only the cut piece's state crosses a cut."""
     cu = [0, 3, 7, 11, 12]
-    assert slice_segments(cu, 0, 4) == SliceSegments((0, 3, 4), False, True)
-    assert slice_segments(cu, 4, 4) == SliceSegments((0, 3, 4), True, True)
-    assert slice_segments(cu, 8, 4) == SliceSegments((0, 3, 4), True, False)
-    assert slice_segments([0, 4, 8], 4, 4) == SliceSegments((0, 4), False, False)
-    assert slice_segments([0, 1, 11, 12], 4, 4) == SliceSegments((0, 4), True, True)
+    fresh = (-1, -1)
+    assert slice_plan(cu, 0, 4) == SlicePlan((0, 3, 4), (fresh, fresh), frozenset({1}), (), ((PREVIOUS_RANK, 1),))
+    assert slice_plan(cu, 4, 4) == SlicePlan((0, 3, 4), ((PREVIOUS_RANK,) * 2, fresh), frozenset({1}),
+                                             (PREVIOUS_RANK,), ((PREVIOUS_RANK, 1),))
+    assert slice_plan(cu, 8, 4) == SlicePlan((0, 3, 4), ((PREVIOUS_RANK,) * 2, fresh), frozenset(),
+                                             (PREVIOUS_RANK,), ())
+    assert slice_plan([0, 4, 8], 4, 4) == SlicePlan((0, 4), (fresh,), frozenset(), (), ())
+    assert slice_plan([0, 1, 11, 12], 4, 4) == SlicePlan((0, 4), ((PREVIOUS_RANK,) * 2,), frozenset({0}),
+                                                         (PREVIOUS_RANK,), ((PREVIOUS_RANK, 0),))
+
+
+def test_slice_plans_hand_a_parent_state_on_to_every_rank_that_holds_a_child():
+    """A shared row of slices of 5 tokens: prompt 0 (0..3) with children 1 (3..6, cut at 5), 2 (6..8) and 5 (16..19,
+    on rank 3); prompt 3 (8..12, cut at 10) with child 4 (12..16, cut at 15). Prompt 0's final state, kept on rank 0,
+    is handed to rank 1 (children 1's rest needs it not, child 2 does) and relayed by ranks 1 and 2 to rank 3; prompt
+    3's from rank 2 to rank 2's own child 4, then nowhere; each cut also hands on its cut piece."""
+    cu = [0, 3, 6, 8, 12, 16, 19, 20]
+    sources = [(-1, -1), (0, 0), (0, 0), (-1, -1), (3, 3), (0, 0), (-1, -1)]
+    parent = ("segment", 0)
+    plans = [slice_plan(cu, start, 5, sources) for start in range(0, 20, 5)]
+    assert plans[0] == SlicePlan((0, 3, 5), ((-1, -1), (0, 0)), frozenset({0, 1}), (),
+                                 ((PREVIOUS_RANK, 1), (parent, 0)))
+    assert plans[1] == SlicePlan((0, 1, 3, 5), ((PREVIOUS_RANK,) * 2, (parent, parent), (-1, -1)), frozenset({2}),
+                                 (PREVIOUS_RANK, parent), ((PREVIOUS_RANK, 2), (parent, parent)))
+    assert plans[2] == SlicePlan((0, 2, 5), ((PREVIOUS_RANK,) * 2, (0, 0)), frozenset({0, 1}),
+                                 (PREVIOUS_RANK, parent), ((PREVIOUS_RANK, 1), (parent, parent)))
+    assert plans[3] == SlicePlan((0, 1, 4, 5), ((PREVIOUS_RANK,) * 2, (parent, parent), (-1, -1)), frozenset(),
+                                 (PREVIOUS_RANK, parent), ())
+    with pytest.raises(BoundaryError, match="continues segment 2, which is not an earlier one"):
+        slice_plan(cu, 0, 5, [(-1, -1), (2, 2), *sources[2:]])
 
 
 def forwards(model, kind):

@@ -27,7 +27,7 @@ import numpy as np
 from padfree_plugins.batching.sampler import check_whole_micro_batches, combined_loads, example_lengths
 from padfree_plugins.errors import BatchError, ConfigError, PadfreeError
 from padfree_plugins.modeling.attention.context_parallel import ulysses_share
-from padfree_plugins.modeling.mixers import sequence_mixers, why_no_prompt_state
+from padfree_plugins.modeling.mixers import why_no_prompt_state
 from padfree_plugins.packing.datacheck import inspect_dataset
 from padfree_plugins.packing.prefixes import SHARED_PREFIXES_FEATURE
 
@@ -373,7 +373,9 @@ def why_not_split_shared(assembly: Any, size: int) -> str | None:
     ``None``: attention must be Ulysses alone (after its all-to-all every rank holds the whole row of its heads, so
     a completion's prompt is there whichever rank's slice holds it) or all-gather alone (each slice's queries against
     their segments' keys of the gathered row); Ulysses within blocks mixed with all-gather across them is not tested
-    with shared rows; split sequence mixers cut a segment without its parent's state."""
+    with shared rows. Sequence mixers take a split shared row either way: split (each segment starts from its
+    parent's final state, handed on from the rank where the parent ended) or gathered (the whole row on every rank);
+    a mixer that cannot start from a state at all is refused by :func:`why_prompts_not_shared` itself."""
     config = assembly.config
     heads = getattr(assembly.model.config.get_text_config(), "num_attention_heads", None)
     share, _ = ulysses_share(config.sequence_parallel.attention, heads, size)
@@ -382,10 +384,6 @@ def why_not_split_shared(assembly: Any, size: int) -> str | None:
                 f"all-gather across them (sequence_parallel.attention: {config.sequence_parallel.attention}, {heads} "
                 "heads), which is not yet supported with shared prefixes; use sequence_parallel.attention: ulysses "
                 "with a size that divides the attention heads, or allgather")
-    if sequence_mixers(assembly.model) and config.sequence_parallel.mixers == "split":
-        return ("its sequence mixers run split across ranks (sequence_parallel.mixers: split), and a split mixer "
-                "cannot start a completion on one rank from its prompt's state on another; set "
-                "sequence_parallel.mixers: gather (every rank runs the shared row's mixers whole)")
     return None
 
 

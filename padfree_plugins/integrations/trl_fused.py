@@ -56,8 +56,10 @@ each rank's call shares its prompts, and its row's prompt structure travels with
 :data:`~padfree_plugins.packing.sequence_parallel.SEGMENT_PARENTS_KEY`): the joined row is one shared row, built
 alike on every rank, and attention applies it to the whole row (Ulysses: every rank holds every token of its heads;
 all-gather: each slice's queries against their segments' keys of the gathered row), so a completion whose prompt lies
-in another rank's slice attends to it. Ulysses mixed with all-gather and split sequence mixers do not take a split
-shared row (refused at ``accelerate()``: :func:`~padfree_plugins.integrations.checks.why_not_split_shared`).
+in another rank's slice attends to it; a hybrid's split sequence mixers start each completion from its prompt's state,
+handed on from the rank where the prompt ended (:mod:`~padfree_plugins.modeling.split_mixers`). Ulysses mixed with
+all-gather does not take a split shared row (refused at ``accelerate()``:
+:func:`~padfree_plugins.integrations.checks.why_not_split_shared`).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ import importlib.util
 import inspect
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache, partial
 from itertools import groupby
 from typing import Any, ClassVar
@@ -221,6 +221,10 @@ class MixerState:
     recurrent: torch.Tensor | None = None
     final_conv: torch.Tensor | None = None
     final_recurrent: torch.Tensor | None = None
+    #: As a segment's handed-on state (:func:`run_ready`): input tokens ``[n, H]`` that a reader runs ahead of its
+    #: own from ``final_conv`` / ``final_recurrent``, dropping their outputs. A one-token segment that continues a
+    #: state hands on its start state and its token: its own one-token run would take the mixer's decoding step.
+    lead: torch.Tensor | None = None
     #: The copies of ``conv`` and ``recurrent`` handed to the mixer: a one-token call of a mixer that steps its state
     #: in place (a decoding step: Kimi's conv, Mamba2's scan) leaves its final state there.
     _given: dict = field(default_factory=dict, repr=False)
@@ -270,68 +274,29 @@ def run_shared(forward: Any, hidden_states: torch.Tensor, row: PackedRow, chunk:
     read runs unpadded, with segments of its length only (a pad would move its final state); the others, batched
     like :func:`run_per_example`, are right-padded to at least 2 tokens, so that no mixer takes its one-token
     decoding step (which updates the state in place, out of autograd's reach). A one-token prefix that continues a
-    state (a tree's branch point) is not run alone for the same reason: its token leads each of its children's runs
-    (:func:`_runs`). Each prefix runs once: its children's gradients sum into it through the state."""
+    state (a tree's branch point) hands its token on to lead each of its children's runs. Each prefix runs once: its
+    children's gradients sum into it through the state."""
     bounds = row.cu_seq_lens.long().tolist()
     sources = state_sources(row.shared)
     if len(sources) != len(bounds) - 1:
         raise BoundaryError(f"the shared prefixes name {len(sources)} segments, the boundaries {len(bounds) - 1}")
-    lengths = [end - start for start, end in zip(bounds, bounds[1:])]
-    runs = _runs(sources, lengths)  # segment -> (the segments whose tokens its run holds, the sources it starts from)
-    order = list(runs)
-    position = {segment: index for index, segment in enumerate(order)}
-    tokens = hidden_states[0]
-    if all(len(pieces) == 1 for pieces, _ in runs.values()):
-        run_tokens, run_bounds = tokens, bounds
-    else:  # the lead tokens copied ahead of each child's
-        run_tokens = torch.cat([tokens[bounds[piece]:bounds[piece + 1]] for s in order for piece in runs[s][0]])
-        sizes = [sum(lengths[piece] for piece in runs[s][0]) for s in order]
-        run_bounds = [0, *torch.tensor(sizes).cumsum(0).tolist()]
-    run_sources = [tuple(position[source] if source >= 0 else -1 for source in runs[s][1]) for s in order]
-    read = {source for pair in run_sources for source in pair if source >= 0}
-    outputs: list = [None] * len(order)
-    if run_ready(forward, run_tokens, run_bounds, run_sources, read, outputs, {}, chunk, cache_name, **kwargs):
+    read = {source for pair in sources for source in pair if source >= 0}
+    outputs: list = [None] * len(sources)
+    if run_ready(forward, hidden_states[0], bounds, sources, read, outputs, {}, chunk, cache_name, **kwargs):
         raise BoundaryError(f"the segments' state sources {sources} form a cycle")
-    segments: list = [None] * len(sources)
-    for index, s in enumerate(order):
-        start = 0
-        for piece in runs[s][0]:
-            if segments[piece] is None:  # a lead token: its first child's run gives it
-                segments[piece] = outputs[index][start:start + lengths[piece]]
-            start += lengths[piece]
-    return torch.cat(segments)[None]
+    return torch.cat(outputs)[None]
 
 
-def _runs(sources: Sequence[tuple[int, int]], lengths: list[int]) -> dict[int, tuple[list[int], tuple[int, int]]]:
-    """Per segment that runs: the segments whose tokens its run holds (its own last) and the sources it starts from.
-    A one-token segment that continues a state and whose state others read — every reader continuing it in both the
-    recurrent state and the taps — runs at the head of each reader instead (its one token would take the decoding
-    step), the readers starting from its own sources."""
-    readers: dict[int, list[int]] = {}
-    for s, pair in enumerate(sources):
-        for source in set(pair):
-            if source >= 0:
-                readers.setdefault(source, []).append(s)
-    lead = {s for s in range(len(sources)) if lengths[s] == 1 and tuple(sources[s]) != (-1, -1) and readers.get(s)
-            and all(tuple(sources[reader]) == (s, s) for reader in readers[s])}
-    runs = {}
-    for s in range(len(sources)):
-        if s in lead:
-            continue
-        pieces, start = [s], tuple(sources[s])
-        while start[0] == start[1] and start[0] in lead:
-            pieces.insert(0, start[0])
-            start = tuple(sources[start[0]])
-        runs[s] = (pieces, start)
-    return runs
-
-
-def run_ready(forward: Any, tokens: torch.Tensor, bounds: list[int], sources: Sequence[tuple[int, int]],
+def run_ready(forward: Any, tokens: torch.Tensor, bounds: list[int], sources: Sequence[tuple[Any, Any]],
               read: set[int], outputs: list, finals: dict, chunk: int, cache_name: str, **kwargs: Any) -> list[int]:
     """The segments of ``tokens`` ``[T, H]`` (``bounds``) not yet in ``outputs`` whose state sources have run (or are
     ``-1``, zeros; any other source is a key of ``finals``), run batched as in :func:`run_shared`, until none is
     ready; their outputs written into ``outputs``, the final states of those in ``read`` into ``finals``. Returns
-    the segments left pending (their sources not in ``finals``)."""
+    the segments left pending (their sources not in ``finals``).
+
+    A segment in ``read`` of one token that continues a state is not run for its final state (its one-token run would
+    take the mixer's decoding step, which steps the state in place, out of autograd's reach): its handed-on state is
+    its start state with its token as ``lead`` (:class:`MixerState`), which each reader runs ahead of its own."""
     lengths = [end - start for start, end in zip(bounds, bounds[1:])]
     pending = [s for s in range(len(lengths)) if outputs[s] is None]
     while pending:
@@ -340,34 +305,50 @@ def run_ready(forward: Any, tokens: torch.Tensor, bounds: list[int], sources: Se
             return pending
         pending = [s for s in pending if s not in ready]
         groups: dict[tuple, list[int]] = {}
+        starts: dict[int, MixerState] = {}
         for s in ready:  # read: one group per length; others: per number of chunks; and by the states they start from
-            size = lengths[s] if s in read else -(-lengths[s] // chunk)
-            key = (s in read, size, tuple(source != -1 for source in sources[s]))
+            start = starts[s] = _start_state(finals, sources[s], s)
+            ahead = 0 if start.lead is None else start.lead.shape[0]
+            recorded = s in read
+            if recorded and ahead + lengths[s] == 1 and tuple(sources[s]) != (-1, -1):
+                finals[s] = replace(start, lead=tokens[bounds[s]:bounds[s + 1]])
+                recorded = False
+            size = ahead + lengths[s] if recorded else -(-(ahead + lengths[s]) // chunk)
+            key = (recorded, size, start.final_recurrent is not None, start.final_conv is not None)
             groups.setdefault(key, []).append(s)
-        for (recorded, _, (recurrent, conv)), members in sorted(groups.items()):
-            width = max(2, *(lengths[s] for s in members)) if not recorded else lengths[members[0]]
-            if recorded and width == 1 and (recurrent or conv):
-                raise BoundaryError(f"segments {members} of one token continue a state and are read by others in "
-                                    "part only: a one-token run would take the mixer's decoding step")
-            batch = torch.stack([F.pad(tokens[bounds[s]:bounds[s + 1]], (0, 0, 0, width - lengths[s]))
-                                 for s in members])
+        for (recorded, _, recurrent, conv), members in sorted(groups.items()):
+            runs = [tokens[bounds[s]:bounds[s + 1]] if starts[s].lead is None else torch.cat([starts[s].lead, tokens[
+                bounds[s]:bounds[s + 1]]]) for s in members]
+            width = max(2, *(len(run) for run in runs)) if not recorded else len(runs[0])
+            batch = torch.stack([F.pad(run, (0, 0, 0, width - len(run))) for run in runs])
             state = None
             if recorded or recurrent or conv:
-                state = MixerState(
-                    conv=_stacked([finals[sources[s][1]].final_conv for s in members]) if conv else None,
-                    recurrent=_stacked([finals[sources[s][0]].final_recurrent for s in members]) if recurrent else None)
+                state = MixerState(conv=_stacked([starts[s].final_conv for s in members]) if conv else None,
+                                   recurrent=_stacked([starts[s].final_recurrent for s in members]) if recurrent
+                                   else None)
             output = forward(batch, **kwargs, **({cache_name: state} if state is not None else {}))
             if not isinstance(output, torch.Tensor):
                 raise BoundaryError(f"a sequence mixer returned {type(output).__name__}, not a tensor: "
                                     "padfree_plugins cannot put its segments back into the packed row")
             if state is not None:
                 state.settle()
-            for index, s in enumerate(members):
-                outputs[s] = output[index, :lengths[s]]
+            for index, (s, run) in enumerate(zip(members, runs)):
+                outputs[s] = output[index, len(run) - lengths[s]:len(run)]
                 if recorded:
                     finals[s] = MixerState(final_conv=_row_of(state.final_conv, index),
                                            final_recurrent=_row_of(state.final_recurrent, index))
     return []
+
+
+def _start_state(finals: dict, sources: tuple[Any, Any], segment: int) -> MixerState:
+    """The state a segment starts from: its recurrent source's final recurrent state, its conv source's final conv
+    taps (``-1``: none), and the lead tokens of a source that hands on one (both sources must then be that one)."""
+    recurrent, conv = (finals[source] if source != -1 else MixerState() for source in sources)
+    lead = recurrent.lead if recurrent.lead is not None else conv.lead
+    if lead is not None and sources[0] != sources[1]:
+        raise BoundaryError(f"segment {segment} continues a one-token segment's state in part only (its sources "
+                            f"{tuple(sources)}): the one token cannot lead its run")
+    return MixerState(final_conv=conv.final_conv, final_recurrent=recurrent.final_recurrent, lead=lead)
 
 
 def _stacked(states: list[torch.Tensor | None]) -> torch.Tensor | None:

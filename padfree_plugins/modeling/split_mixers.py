@@ -8,11 +8,20 @@ its recurrent state and its conv taps, handed to the mixer's own forward through
 (:class:`~padfree_plugins.modeling.mixers.MixerState`), exactly as a completion continues its prompt
 (:func:`~padfree_plugins.modeling.mixers.run_ready`). An example spanning more than two ranks passes through each.
 
-Order on every rank: the segments that do not depend on the previous rank run first (and the last segment's final
-state is sent on to rank ``r+1`` as soon as it is known); then the one incoming state is received and the piece
-continuing it runs. The exchange is point to point over the sequence group (one small header and the state tensors
-per cut), in autograd Functions: the backward sends the state's gradient back to rank ``r-1``. Both sides of a cut
-know it is there from the row's global boundaries, so every send has its receive.
+In a row with shared prefixes (:mod:`padfree_plugins.packing.prefixes`) each segment starts from its parent's final
+state (:func:`~padfree_plugins.modeling.mixers.state_sources`; its conv taps reach into the grandparent where the
+parent is shorter than the kernel, through the parent's final taps). A parent lies earlier in the row, so on this
+rank or an earlier one: where it ended on an earlier rank, its final state is handed on from rank to rank, with the
+state of the piece cut by each boundary, until the last rank that holds one of its children (:func:`slice_plan`).
+A piece of one token that continues a state and whose state is read hands on its start state and its token instead,
+which the reader runs ahead of its own (:func:`~padfree_plugins.modeling.mixers.run_ready`).
+
+Order on every rank: the pieces that do not depend on the previous rank run first (and the states handed on to rank
+``r+1`` are sent as soon as they are known: at once where none is relayed); then the incoming states are received
+and the pieces that start from them run. The exchange is point to point between neighbours in the sequence group
+(one small header and the state tensors per cut), in autograd Functions: the backward sends each state's gradient
+back to rank ``r-1`` (a relayed state's gradient is relayed back). Both sides of a cut know which states cross it
+from the row's global boundaries and structure, so every send has its receive.
 
 Under gradient checkpointing the recomputed layer reuses the state it received in the forward (kept per forward in
 :attr:`PackedRow.received`) and sends nothing, so a recompute never waits for another rank.
@@ -21,6 +30,7 @@ Under gradient checkpointing the recomputed layer reuses the state it received i
 from __future__ import annotations
 
 import inspect
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -29,40 +39,83 @@ import torch.distributed as dist
 
 from padfree_plugins.errors import BoundaryError
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup
-from padfree_plugins.modeling.mixers import CACHE_NAMES, PACKED_ROW, ROW_KEYS, MixerState, PackedRow, run_ready
+from padfree_plugins.modeling.mixers import CACHE_NAMES, PACKED_ROW, ROW_KEYS, MixerState, PackedRow, run_ready, \
+    state_sources
 from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY
 
-#: The state source of a slice's first segment when it continues an example from the previous rank.
+#: The key of the state a slice's first piece continues when its segment goes on from the previous rank.
 PREVIOUS_RANK = -2
 #: dtypes a state may have on the wire (their index is sent in the header).
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 MAX_DIMS = 4
-#: Per state (conv, recurrent): present, dtype, ndim, dims.
-HEADER = 2 * (3 + MAX_DIMS)
+#: Per handed-on state: its tensors (conv taps, recurrent state, lead tokens: see MixerState), each with a header of
+#: present, dtype, ndim, dims.
+TENSORS = 3
+ENTRY = 3 + MAX_DIMS
 
 
 @dataclass(frozen=True)
-class SliceSegments:
-    """A rank's slice of a packed row cut at the row's example boundaries: ``bounds`` (local, ``0 … length``);
-    ``continues``: its first segment continues an example from the previous rank; ``continued``: its last
-    segment's example goes on on the next rank."""
+class SlicePlan:
+    """What a rank's slice of a packed row runs and hands on (see the module docstring).
+
+    ``bounds``: its pieces (local, ``0 … length``), the row's segments cut to the slice; ``sources``: per piece, the
+    states it starts from (recurrent, conv): ``-1`` (zeros), another piece of the slice, :data:`PREVIOUS_RANK` (its
+    segment's piece on the previous rank) or ``("segment", s)`` (the final state of segment ``s``, which ended on an
+    earlier rank); ``read``: the pieces whose final state is kept; ``incoming``: the keys of the states received from
+    the previous rank, in order; ``outgoing``: per state sent to the next rank, its key there and where it is here
+    (a piece, or a received key, relayed)."""
 
     bounds: tuple[int, ...]
-    continues: bool
-    continued: bool
+    sources: tuple[tuple[Hashable, Hashable], ...]
+    read: frozenset[int]
+    incoming: tuple[Hashable, ...]
+    outgoing: tuple[tuple[Hashable, Hashable], ...]
 
 
-def slice_segments(cu_seq_lens: list[int], start: int, length: int) -> SliceSegments:
-    """The segments of the slice ``[start, start + length)`` of a row with boundaries ``cu_seq_lens``."""
-    end, cuts = start + length, set(cu_seq_lens)
-    inside = tuple(c - start for c in cu_seq_lens if start < c < end)
-    return SliceSegments((0, *inside, length), start > 0 and start not in cuts,
-                         end < cu_seq_lens[-1] and end not in cuts)
+def slice_plan(cu_seq_lens: Sequence[int], start: int, length: int,
+               sources: Sequence[tuple[int, int]] | None = None) -> SlicePlan:
+    """The plan of the slice ``[start, start + length)`` of a row of equal slices with boundaries ``cu_seq_lens``;
+    ``sources``: per segment of the row, the segments it continues (recurrent, conv), as
+    :func:`~padfree_plugins.modeling.mixers.state_sources` gives them for a row with shared prefixes (``None``: every
+    segment starts from zeros)."""
+    count = len(cu_seq_lens) - 1
+    sources = [(-1, -1)] * count if sources is None else [tuple(pair) for pair in sources]
+    if len(sources) != count:
+        raise BoundaryError(f"the shared prefixes name {len(sources)} segments, the boundaries {count}")
+    first = [begin // length for begin in cu_seq_lens[:-1]]
+    last = [(end - 1) // length for end in cu_seq_lens[1:]]
+    readers: dict[int, list[int]] = {}
+    for segment, pair in enumerate(sources):
+        for source in set(pair):
+            if source >= segment:
+                raise BoundaryError(f"segment {segment} continues segment {source}, which is not an earlier one")
+            if source >= 0:
+                readers.setdefault(source, []).append(segment)
+    rank, ranks = start // length, -(-cu_seq_lens[-1] // length)
 
+    def crossing(cut: int) -> list[tuple[Hashable, int]]:
+        """The states handed from rank ``cut - 1`` to rank ``cut``, each with the segment it belongs to."""
+        keys: list[tuple[Hashable, int]] = [(PREVIOUS_RANK, s) for s in range(count) if first[s] < cut <= last[s]]
+        return keys + [(("segment", s), s) for s in sorted(readers) if last[s] < cut <= max(
+            first[reader] for reader in readers[s])]
 
-def recorded(segments: SliceSegments) -> set[int]:
-    """The segments whose final state is kept: the last one, where its example goes on on the next rank."""
-    return {len(segments.bounds) - 2} if segments.continued else set()
+    here = [s for s in range(count) if first[s] <= rank <= last[s]]
+    local = {segment: index for index, segment in enumerate(here)}
+    bounds = (0, *(min(cu_seq_lens[s + 1], start + length) - start for s in here))
+
+    def source_of(segment: int, source: int) -> Hashable:
+        if first[segment] < rank:
+            return PREVIOUS_RANK
+        if source < 0:
+            return -1
+        return local[source] if last[source] == rank else ("segment", source)
+
+    pieces = tuple(tuple(source_of(s, source) for source in sources[s]) for s in here)
+    read = frozenset(local[s] for s in here if last[s] > rank or (last[s] == rank and s in readers))
+    incoming = tuple(key for key, _ in crossing(rank)) if rank > 0 else ()
+    outgoing = tuple((key, local[s] if key == PREVIOUS_RANK or last[s] == rank else key)
+                     for key, s in crossing(rank + 1)) if rank + 1 < ranks else ()
+    return SlicePlan(bounds, pieces, read, incoming, outgoing)
 
 
 def continuation(received: MixerState, own: MixerState | None) -> MixerState:
@@ -72,15 +125,22 @@ def continuation(received: MixerState, own: MixerState | None) -> MixerState:
     return received
 
 
+def ended_earlier(received: dict[Hashable, MixerState], key: Hashable) -> MixerState:
+    """The state a segment starts from whose source (``key``: ``("segment", s)``) ended on an earlier rank: the one
+    received under ``key`` (``received``: this slice's received states, in the order they came; for the deliberate
+    faults of :mod:`padfree_plugins.testing.faults`)."""
+    return received[key]
+
+
 def _global_rank(group: SequenceGroup, rank: int) -> int:
     return rank if group.group is None else dist.get_global_rank(group.group, rank)
 
 
-def _header(states: tuple[torch.Tensor | None, ...], device: torch.device) -> torch.Tensor:
+def _header(states: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
     values = []
     for state in states:
         if state is None:
-            values += [0] * (3 + MAX_DIMS)
+            values += [0] * ENTRY
             continue
         if state.ndim > MAX_DIMS or state.dtype not in DTYPES:
             raise BoundaryError(f"a sequence mixer's state of shape {tuple(state.shape)} and {state.dtype} cannot be "
@@ -91,10 +151,14 @@ def _header(states: tuple[torch.Tensor | None, ...], device: torch.device) -> to
 
 def _empty_states(header: torch.Tensor, device: torch.device) -> list[torch.Tensor | None]:
     states, values = [], header.tolist()
-    for index in range(2):
-        present, dtype, ndim, *dims = values[index * (3 + MAX_DIMS):(index + 1) * (3 + MAX_DIMS)]
+    for index in range(len(values) // ENTRY):
+        present, dtype, ndim, *dims = values[index * ENTRY:(index + 1) * ENTRY]
         states.append(torch.empty(dims[:ndim], dtype=DTYPES[dtype], device=device) if present else None)
     return states
+
+
+def _flat(states: Sequence[MixerState]) -> list[torch.Tensor | None]:
+    return [tensor for state in states for tensor in (state.final_conv, state.final_recurrent, state.lead)]
 
 
 class _SendState(torch.autograd.Function):
@@ -153,19 +217,21 @@ def _anchor(hidden: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), device=hidden.device, requires_grad=torch.is_grad_enabled())
 
 
-def send_state(state: MixerState, group: SequenceGroup, hidden: torch.Tensor, replay: bool) -> torch.Tensor:
-    """``state`` (the final one of this slice's last segment) sent to the next rank; a 0-dim zero to add to the
-    mixer's output (it carries the backward, which receives the state's gradient)."""
-    return _SendState.apply(group, hidden.dtype, replay, _anchor(hidden), state.final_conv, state.final_recurrent)
+def send_states(states: Sequence[MixerState], group: SequenceGroup, hidden: torch.Tensor,
+                replay: bool) -> torch.Tensor:
+    """``states`` sent to the next rank (see the module docstring); a 0-dim zero to add to the mixer's output (it
+    carries the backward, which receives the states' gradients)."""
+    return _SendState.apply(group, hidden.dtype, replay, _anchor(hidden), *_flat(states))
 
 
-def receive_state(group: SequenceGroup, hidden: torch.Tensor, row: PackedRow | None, key: int) -> MixerState:
-    """The final state of the previous rank's last segment, as the state this slice's first segment starts from
-    (received once per forward: a recompute reuses it)."""
+def receive_states(count: int, group: SequenceGroup, hidden: torch.Tensor, row: PackedRow | None,
+                   key: int) -> list[MixerState]:
+    """The ``count`` states the previous rank hands on, in its order (received once per forward: a recompute reuses
+    them)."""
     kept = row.received.get(key) if row is not None else None
     if kept is None:
         source = _global_rank(group, group.rank - 1)
-        header = torch.empty(HEADER, dtype=torch.int64, device=hidden.device)
+        header = torch.empty(count * TENSORS * ENTRY, dtype=torch.int64, device=hidden.device)
         dist.recv(header, source, group=group.group)
         kept = _empty_states(header, hidden.device)
         for state in kept:
@@ -173,36 +239,41 @@ def receive_state(group: SequenceGroup, hidden: torch.Tensor, row: PackedRow | N
                 dist.recv(state, source, group=group.group)
         if row is not None:
             row.received[key] = kept
-    conv, recurrent = _ReceivedState.apply(group, _anchor(hidden), *kept)
-    return MixerState(final_conv=conv, final_recurrent=recurrent)
+    tensors = _ReceivedState.apply(group, _anchor(hidden), *kept)
+    return [MixerState(final_conv=conv, final_recurrent=recurrent, lead=lead)
+            for conv, recurrent, lead in zip(*[iter(tensors)] * TENSORS)]
 
 
 def run_split(forward: Any, hidden: torch.Tensor, row: PackedRow, group: SequenceGroup, chunk: int,
               cache_name: str, key: int, **kwargs: Any) -> torch.Tensor:
     """``forward`` (a mixer's own, continuing a cache given as ``cache_name``) on this rank's slice ``hidden``
-    ``[1, L, H]`` of ``row`` (global boundaries), the state passed across the cuts (see the module docstring)."""
+    ``[1, L, H]`` of ``row`` (global boundaries, shared prefixes where the row has them), the states passed across
+    the cuts (see the module docstring)."""
     length = hidden.shape[1]
-    segments = row._groups.get(("slice", group.rank, length))
-    if segments is None:
-        segments = row._groups[("slice", group.rank, length)] = slice_segments(
-            row.cu_seq_lens.long().tolist(), group.rank * length, length)
+    plan = row._groups.get(("slice", group.rank, length))
+    if plan is None:
+        sources = state_sources(row.shared) if row.shared is not None else None
+        plan = row._groups[("slice", group.rank, length)] = slice_plan(
+            row.cu_seq_lens.long().tolist(), group.rank * length, length, sources)
     replay = key in row.received
-    bounds, count = list(segments.bounds), len(segments.bounds) - 1
-    sources = [(PREVIOUS_RANK, PREVIOUS_RANK) if s == 0 and segments.continues else (-1, -1) for s in range(count)]
-    read, last = recorded(segments), count - 1
+    bounds, count = list(plan.bounds), len(plan.bounds) - 1
     outputs: list = [None] * count
     finals: dict = {}
     tokens, sent = hidden[0], None
-    run_ready(forward, tokens, bounds, sources, read, outputs, finals, chunk, cache_name, **kwargs)
-    if segments.continued and last in finals:
-        sent = send_state(finals[last], group, hidden, replay)
-    if segments.continues:
-        finals[PREVIOUS_RANK] = continuation(receive_state(group, hidden, row, key), finals.get(last))
-        run_ready(forward, tokens, bounds, sources, read, outputs, finals, chunk, cache_name, **kwargs)
-    if segments.continued and sent is None:
-        sent = send_state(finals[last], group, hidden, replay)
-    if not segments.continues:
-        row.received.setdefault(key, None)  # a recompute sends nothing either
+    run_ready(forward, tokens, bounds, plan.sources, plan.read, outputs, finals, chunk, cache_name, **kwargs)
+    if plan.outgoing and all(here in finals for _, here in plan.outgoing):
+        sent = send_states([finals[here] for _, here in plan.outgoing], group, hidden, replay)
+    if plan.incoming:
+        received = dict(zip(plan.incoming, receive_states(len(plan.incoming), group, hidden, row, key)))
+        for name in plan.incoming:
+            finals[name] = ended_earlier(received, name) if name != PREVIOUS_RANK else continuation(
+                received[name], finals.get(count - 1))
+        if run_ready(forward, tokens, bounds, plan.sources, plan.read, outputs, finals, chunk, cache_name, **kwargs):
+            raise BoundaryError(f"the slice's pieces {plan.sources} wait on states nobody hands on")
+    else:
+        row.received.setdefault(key, [])  # a recompute sends nothing either
+    if plan.outgoing and sent is None:
+        sent = send_states([finals[here] for _, here in plan.outgoing], group, hidden, replay)
     output = torch.cat(outputs)[None]
     return output if sent is None else output + sent
 
@@ -230,11 +301,6 @@ class SplitMixer:
         row, cu = PACKED_ROW.get(), inputs.get("cu_seq_lens_q")
         if row is None or (cu is not None and cu is not row.cu_seq_lens):
             row = PackedRow(cu, inputs.get(SHARED_PREFIXES_KEY))
-        if row.shared is not None:
-            raise BoundaryError(f"{name}: a row with shared prefixes under sequence_parallel.mixers: split; a split "
-                                "mixer cannot start a completion on one rank from its prompt's state on another. Set "
-                                "sequence_parallel.mixers: gather (the shared row's mixers run whole on every rank) "
-                                "or prefix_sharing: off")
         hidden = inputs.pop("hidden_states", None)
         if hidden is None or hidden.ndim != 3 or hidden.shape[0] != 1:
             raise BoundaryError(f"{name} got a packed call without a [1, T, H] hidden_states")

@@ -33,13 +33,16 @@ Both leave a model run on one example alone exactly as it was, and change only p
   to the rank's own slice only);
 * :func:`mixer_scans_only_its_slice` and :func:`state_from_wrong_rank`: the two ways sequence mixers split across the
   ranks of a sequence-parallel group (:mod:`padfree_plugins.modeling.split_mixers`) can go wrong — the piece of an
-  example after a cut starting from zeros, or from a state that is not the previous rank's.
+  example after a cut starting from zeros, or from a state that is not the previous rank's;
+  :func:`child_starts_from_rank_predecessor`: in a shared row, a completion whose prompt ended on an earlier rank
+  starting from the state its previous rank handed on last instead of its prompt's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from typing import Any
 from unittest import mock
 
@@ -485,8 +488,39 @@ def state_from_wrong_rank() -> Iterator[None]:
         return mixers.MixerState(final_conv=pick(own.final_conv, received.final_conv),
                                  final_recurrent=pick(own.final_recurrent, received.final_recurrent))
 
+    right = split_mixers.slice_plan
+
+    def keeping_the_last(*args: Any, **kwargs: Any) -> split_mixers.SlicePlan:
+        plan = right(*args, **kwargs)
+        return replace(plan, read=plan.read | {len(plan.bounds) - 2})
+
     with mock.patch.object(split_mixers, "continuation", own_state), \
-            mock.patch.object(split_mixers, "recorded", lambda segments: {len(segments.bounds) - 2}):
+            mock.patch.object(split_mixers, "slice_plan", keeping_the_last):
+        yield
+
+
+@contextmanager
+def child_starts_from_rank_predecessor() -> Iterator[None]:
+    """Within the block, a segment of a shared row whose parent ended on an earlier rank than its own start (a
+    completion on rank ``r``, its prompt on rank ``r-1`` or before) starts from the last state rank ``r-1`` handed
+    on — the piece cut by the boundary, else the latest segment to end there — not from its parent's: as if only one
+    state (the predecessor's) crossed each cut. Where that is its parent's, nothing changes. The exchange still
+    runs."""
+
+    def predecessor(received: dict, key: Any) -> mixers.MixerState:
+        latest = split_mixers.PREVIOUS_RANK if split_mixers.PREVIOUS_RANK in received else max(
+            (name for name in received if name != split_mixers.PREVIOUS_RANK), key=lambda name: name[1])
+        wrong, right = received[latest], received[key]
+
+        def pick(mine: torch.Tensor | None, theirs: torch.Tensor | None) -> torch.Tensor | None:
+            if theirs is None or mine is None or mine.shape != theirs.shape:
+                return theirs
+            return mine + theirs * 0
+
+        return mixers.MixerState(final_conv=pick(wrong.final_conv, right.final_conv),
+                                 final_recurrent=pick(wrong.final_recurrent, right.final_recurrent), lead=wrong.lead)
+
+    with mock.patch.object(split_mixers, "ended_earlier", predecessor):
         yield
 
 
