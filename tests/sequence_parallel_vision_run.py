@@ -1,0 +1,255 @@
+"""torchrun worker of tests/test_sequence_parallel_vision.py: image-text rows under ``sequence_parallel: {size: 2}``
+on 2 CPU processes (gloo), every case in one launch.
+
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 tests/sequence_parallel_vision_run.py \
+        OUT CASE [CASE ...]
+
+Cases (:data:`CASES`):
+
+* ``forward-<family>`` (``qwen2_5_vl``, ``gemma3``; ``...-fault``: under :func:`~padfree_plugins.testing.faults.
+  image_features_sliced_off_by_one`): each rank packs its own image-text examples (:func:`rank_examples`) and runs
+  ``assembly.forward`` + backward with ``num_items_in_batch`` the label count over both ranks; the losses and the
+  gradients (vision tower included) are summed over the ranks (DDP's all-reduce times the world size a DDP loss is
+  scaled by). The same process also computes the one-process reference: a second copy of the model, assembled
+  without sequence parallelism, on the two ranks' examples packed into one row. ``cut``: whether the group's row is
+  cut inside an image's tokens;
+* ``hf``: HF ``Trainer`` on Qwen2.5-VL processor rows (:func:`hf_trainer`), 2 SGD steps, its logged losses and the
+  first step's gradients (after DDP's all-reduce);
+* ``dpo``: TRL ``DPOTrainer`` on Qwen2.5-VL image-text pairs (:func:`dpo_trainer`), 2 SGD steps, the same.
+
+The trainers' one-process references are computed by the test. Rank 0 writes ``{case: result}`` to ``OUT``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+SP_CONFIG = {"task": "causal_lm", "sequence_parallel": {"size": 2}}
+CASES = ("forward-qwen2_5_vl", "forward-qwen2_5_vl-fault", "forward-gemma3", "hf", "dpo")
+STEPS = 2
+#: Per rank, per example: (words of text before, images as (height, width) pixels, words after). Rank 0's last
+#: example ends with an image, so the group's row is cut inside an image's tokens (asserted: ``cut``).
+LAYOUT = (
+    [(3, [(56, 28)], 4), (2, [(28, 84), (56, 56)], 1)],
+    [(3, [], 3), (1, [(84, 56)], 3)],
+)
+#: Gemma 3: every image is 4 tokens of one size (the count stands in for the images); the cut falls into rank 0's
+#: last image, whose 4 tokens attend to each other both ways across the two ranks' slices.
+GEMMA3_LAYOUT = (
+    [(6, [1], 3), (3, [1, 1], 1)],
+    [(1, [], 1), (1, [1], 1)],
+)
+
+
+def family_processor(family: str):
+    from tests.vision_trl import processor
+
+    return processor(family)
+
+
+def family_model(family: str):
+    from tests.vision_trl import model
+
+    return model(family, seed=0)
+
+
+def rank_examples(family: str, rank: int) -> list[dict]:
+    """Rank ``rank``'s image-text examples (processor outputs, labels from input_ids): :data:`LAYOUT`."""
+    from padfree_plugins.testing.vision import gemma3_example, image_text_example, synthetic_image
+    from tests.vision_trl import words
+
+    processor = family_processor(family)
+    examples = []
+    layout = GEMMA3_LAYOUT if family == "gemma3" else LAYOUT
+    for index, (before, sizes, after) in enumerate(layout[rank]):
+        seed = 10 * rank + index
+        if family == "gemma3":
+            pictures = [synthetic_image(56, 56, seed=seed + k) for k in range(len(sizes))]
+            text = " ".join([words(seed, before), *("<image>" for _ in pictures), words(seed + 1, after)])
+            examples.append(gemma3_example(processor, text, pictures))
+        else:
+            pictures = [synthetic_image(h, w, seed=seed + k) for k, (h, w) in enumerate(sizes)]
+            text = " ".join([words(seed, before), *("<image>" for _ in pictures), words(seed + 1, after)])
+            examples.append(image_text_example(processor, text, pictures))
+    return examples
+
+
+def image_tokens(model, batch) -> torch.Tensor:
+    """Where the packed ``batch``'s tokens are image placeholders (``[T]``, bool)."""
+    return batch["input_ids"][0] == model.config.image_token_id
+
+
+def gradients(model) -> dict:
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def run_forward(family: str, fault: bool) -> dict:
+    """One forward + backward of each rank's micro-batch, sequence-parallel, and the one-process reference."""
+    from padfree_plugins import assemble
+    from padfree_plugins.testing import faults
+
+    rank = dist.get_rank()
+    model = family_model(family)
+    reference = copy.deepcopy(model)
+    assembly = assemble(model, SP_CONFIG)
+    mine = assembly.collator(rank_examples(family, rank))
+    count = torch.tensor((mine["labels"][:, 1:] != -100).sum())
+    dist.all_reduce(count)
+    seen: list = []
+    handle = assembly.model.model.language_model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["inputs_embeds"].shape[1]), with_kwargs=True)
+    with faults.image_features_sliced_off_by_one() if fault else contextlib.nullcontext():
+        loss = assembly.forward(assembly.model, mine, num_items_in_batch=count).loss
+    loss.backward()
+    handle.remove()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    grads = gradients(assembly.model)
+    for grad in grads.values():
+        dist.all_reduce(grad)
+    # the one-process reference: both ranks' examples in one row, without sequence parallelism
+    one = assemble(reference, {"task": "causal_lm"})
+    examples = rank_examples(family, 0) + rank_examples(family, 1)
+    whole = one.collator(examples)
+    loss_one = one.forward(one.model, whole).loss
+    loss_one.backward()
+    tokens = image_tokens(one.model, whole)
+    half = -(-tokens.numel() // 2)
+    cut = bool(tokens[half - 1] and tokens[half])
+    return {"loss": float(total), "reference_loss": float(loss_one), "grads": grads,
+            "reference_grads": gradients(one.model), "cut": cut, "row": tokens.numel(), "seen": seen,
+            "slice": half}
+
+
+# -- trainers ----------------------------------------------------------------------------------------------------------
+
+
+class Gradients:
+    """A callback keeping the first optimizer step's gradients (after DDP's all-reduce)."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class Keep(TrainerCallback):
+            first: dict | None = None
+
+            def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+                if self.first is None:
+                    self.first = gradients(model)
+
+        return Keep()
+
+
+def hf_rows(n: int) -> list[dict]:
+    """Qwen2.5-VL processor rows with 0 to 2 images each (labels from input_ids)."""
+    from padfree_plugins.testing.vision import image_text_example, synthetic_image
+    from tests.vision_trl import words
+
+    processor = family_processor("qwen2_5_vl")
+    rows = []
+    for index in range(n):
+        pictures = [synthetic_image(28 + 28 * ((index + k) % 3), 56, seed=5 * index + k) for k in range(index % 3)]
+        text = " ".join([words(index, 2 + index % 3), *("<image>" for _ in pictures), words(index + 4, 3)])
+        rows.append({"pixel_values": None, "image_grid_thw": None,
+                     **{key: (value.tolist() if isinstance(value, torch.Tensor) else value)
+                        for key, value in image_text_example(processor, text, pictures).items()}})
+    return rows
+
+
+def hf_trainer(config: dict, ranks: int | None = None):
+    """HF ``Trainer`` on Qwen2.5-VL processor rows, 2 examples a micro-batch, SGD; ``ranks``: the one-process
+    reference, the micro-batches of that many ranks accumulated."""
+    import datasets
+    from transformers import Trainer, TrainingArguments
+
+    from padfree_plugins import accelerate
+
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=STEPS, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=ranks or 1, learning_rate=0.5, optim="sgd",
+                             lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none",
+                             seed=0, disable_tqdm=True, use_cpu=True, dataloader_pin_memory=False)
+    trainer = Trainer(model=family_model("qwen2_5_vl"), args=args,
+                      train_dataset=datasets.Dataset.from_list(hf_rows(8)))
+    keep = Gradients()
+    trainer.add_callback(keep)
+    accelerate(trainer, config)
+    return trainer, keep
+
+
+def dpo_trainer(config: dict, batch_size: int):
+    """TRL ``DPOTrainer`` (sigmoid loss, a separate reference model) on Qwen2.5-VL image-text pairs, SGD."""
+    import datasets
+    import trl
+
+    from padfree_plugins import accelerate
+    from tests.vision_trl import images, pair
+
+    model = family_model("qwen2_5_vl")
+    args = trl.DPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch_size, max_steps=STEPS,
+                         learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", logging_steps=1,
+                         report_to=[], seed=0, beta=0.1, save_strategy="no", use_cpu=True, bf16=False,
+                         disable_tqdm=True, max_length=None)
+    rows = [pair(index, images(index + 1)) for index in range(4 * STEPS)]
+    trainer = trl.DPOTrainer(model=model, ref_model=copy.deepcopy(model).eval(), args=args,
+                             train_dataset=datasets.Dataset.from_list(rows),
+                             processing_class=family_processor("qwen2_5_vl"))
+    keep = Gradients()
+    trainer.add_callback(keep)
+    if accelerate(trainer, config).trainer_plugin != "trl_dpo":
+        sys.exit("dpo: accelerate() did not take the trl_dpo plugin")
+    return trainer, keep
+
+
+def trainer_result(trainer, keep) -> dict:
+    history = trainer.state.log_history
+    return {"losses": [entry["loss"] for entry in history if "loss" in entry],
+            "margins": [entry["rewards/margins"] for entry in history if "rewards/margins" in entry],
+            "grads": keep.first,
+            "packed": [entry.get("padfree/packed_calls") for entry in history if "loss" in entry]}
+
+
+def run_case(case: str) -> dict:
+    if case.startswith("forward-"):
+        family = case.removeprefix("forward-").removesuffix("-fault")
+        return run_forward(family, case.endswith("-fault"))
+    if case == "hf":
+        trainer, keep = hf_trainer(SP_CONFIG)
+    else:
+        trainer, keep = dpo_trainer(SP_CONFIG, batch_size=2)
+    trainer.train()
+    return trainer_result(trainer, keep)
+
+
+def main(out: str, cases: list[str]) -> None:
+    from accelerate import PartialState
+
+    state = PartialState(cpu=True)
+    if state.num_processes != 2:
+        sys.exit("launch with torchrun --nproc_per_node 2: one sequence-parallel group of 2")
+    results = {}
+    for case in cases:
+        results[case] = run_case(case)
+    if state.is_main_process:
+        partial = Path(f"{out}.partial")
+        torch.save(results, partial)
+        os.replace(partial, out)  # the result appears whole (run_group watches for it)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    unknown = [case for case in sys.argv[2:] if case not in CASES]
+    if unknown:
+        sys.exit(f"cases must be among {', '.join(CASES)}, not {unknown}")
+    main(sys.argv[1], sys.argv[2:])
+    sys.stdout.flush()  # leave without the interpreter's teardown (tests/sharded_run.py)
+    sys.stderr.flush()
+    os._exit(0)
