@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 SP_CONFIG = {"task": "causal_lm", "sequence_parallel": {"size": 2}}
-CASES = ("forward-qwen2_5_vl", "forward-qwen2_5_vl-fault", "forward-gemma3", "hf", "dpo")
+CASES = ("forward-qwen2_5_vl", "forward-qwen2_5_vl-fault", "forward-gemma3", "forward-qwen3_vl", "hf", "dpo")
 STEPS = 2
 #: Per rank, per example: (words of text before, images as (height, width) pixels, words after). Rank 0's last
 #: example ends with an image, so the group's row is cut inside an image's tokens (asserted: ``cut``).
@@ -149,31 +149,35 @@ class Gradients:
 
 
 def hf_rows(n: int) -> list[dict]:
-    """Qwen2.5-VL processor rows with 0 to 2 images each (labels from input_ids)."""
+    """Qwen2.5-VL processor rows of one image each (4, 9 or 16 tokens), labels from input_ids; the group's cut falls
+    inside an image at the second step (asserted by the test)."""
     from padfree_plugins.testing.vision import image_text_example, synthetic_image
     from tests.vision_trl import words
 
     processor = family_processor("qwen2_5_vl")
     rows = []
     for index in range(n):
-        pictures = [synthetic_image(28 + 28 * ((index + k) % 3), 56, seed=5 * index + k) for k in range(index % 3)]
-        text = " ".join([words(index, 2 + index % 3), *("<image>" for _ in pictures), words(index + 4, 3)])
+        side = 56 + 28 * (index % 3)
+        pictures = [synthetic_image(side, side, seed=5 * index)]
+        text = " ".join([words(index, 1 + 2 * (index % 4)), "<image>", words(index + 4, 1)])
         rows.append({"pixel_values": None, "image_grid_thw": None,
                      **{key: (value.tolist() if isinstance(value, torch.Tensor) else value)
                         for key, value in image_text_example(processor, text, pictures).items()}})
     return rows
 
 
-def hf_trainer(config: dict, ranks: int | None = None):
-    """HF ``Trainer`` on Qwen2.5-VL processor rows, 2 examples a micro-batch, SGD; ``ranks``: the one-process
-    reference, the micro-batches of that many ranks accumulated."""
+def hf_trainer(config: dict, ranks: int = 1):
+    """HF ``Trainer`` on Qwen2.5-VL processor rows, 2 examples a micro-batch per rank, SGD; ``ranks``: the one-process
+    reference, one micro-batch of that many ranks' examples. (The trainer passes Qwen2.5-VL no
+    ``num_items_in_batch``: its loss is the mean over a micro-batch's labels, and under sequence parallelism over the
+    group's row's, so the reference is one micro-batch of the global batch.)"""
     import datasets
     from transformers import Trainer, TrainingArguments
 
     from padfree_plugins import accelerate
 
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=STEPS, per_device_train_batch_size=2,
-                             gradient_accumulation_steps=ranks or 1, learning_rate=0.5, optim="sgd",
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=STEPS, per_device_train_batch_size=2 * ranks,
+                             learning_rate=0.5, optim="sgd",
                              lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none",
                              seed=0, disable_tqdm=True, use_cpu=True, dataloader_pin_memory=False)
     trainer = Trainer(model=family_model("qwen2_5_vl"), args=args,
@@ -184,28 +188,56 @@ def hf_trainer(config: dict, ranks: int | None = None):
     return trainer, keep
 
 
-def dpo_trainer(config: dict, batch_size: int):
-    """TRL ``DPOTrainer`` (sigmoid loss, a separate reference model) on Qwen2.5-VL image-text pairs, SGD."""
+def dpo_trainer(config: dict | None, batch_size: int):
+    """TRL ``DPOTrainer`` (sigmoid loss, a separate reference model) on Qwen2.5-VL image-text pairs, SGD, accelerated
+    with ``config`` (``None``: TRL's own, padded)."""
     import datasets
     import trl
 
     from padfree_plugins import accelerate
-    from tests.vision_trl import images, pair
+    from padfree_plugins.testing.vision import synthetic_image
+    from tests.vision_trl import pair
 
     model = family_model("qwen2_5_vl")
     args = trl.DPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch_size, max_steps=STEPS,
                          learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", logging_steps=1,
                          report_to=[], seed=0, beta=0.1, save_strategy="no", use_cpu=True, bf16=False,
                          disable_tqdm=True, max_length=None)
-    rows = [pair(index, images(index + 1)) for index in range(4 * STEPS)]
+    rows = [pair(3 * index, [synthetic_image(84 + 28 * (index % 2), 112, seed=index)]) for index in range(4 * STEPS)]
     trainer = trl.DPOTrainer(model=model, ref_model=copy.deepcopy(model).eval(), args=args,
                              train_dataset=datasets.Dataset.from_list(rows),
                              processing_class=family_processor("qwen2_5_vl"))
     keep = Gradients()
     trainer.add_callback(keep)
-    if accelerate(trainer, config).trainer_plugin != "trl_dpo":
+    if config is not None and accelerate(trainer, config).trainer_plugin != "trl_dpo":
         sys.exit("dpo: accelerate() did not take the trl_dpo plugin")
     return trainer, keep
+
+
+class Calls:
+    """Per packed forward of ``model`` on this rank: the whole row the base model got (its tokens), whether the
+    group's cut falls between two image tokens, and the tokens its language model got (the slice)."""
+
+    def __init__(self, model) -> None:
+        self.rows, self.slices, self.image = [], [], model.config.image_token_id
+        base = model.model
+        self.handles = [
+            base.register_forward_pre_hook(self.row, with_kwargs=True),
+            base.language_model.register_forward_pre_hook(
+                lambda module, args, kwargs: self.slices.append(kwargs["inputs_embeds"].shape[1])
+                if kwargs.get("cu_seq_lens_q") is not None else None, with_kwargs=True)]
+
+    def row(self, module, args, kwargs) -> None:
+        if kwargs.get("cu_seq_lens_q") is None:
+            return
+        tokens = kwargs["input_ids"][0] == self.image
+        half = tokens.numel() // 2
+        self.rows.append((tokens.numel(), bool(tokens[half - 1] and tokens[half])))
+
+    def remove(self) -> dict:
+        for handle in self.handles:
+            handle.remove()
+        return {"rows": self.rows, "slices": self.slices}
 
 
 def trainer_result(trainer, keep) -> dict:
@@ -224,8 +256,9 @@ def run_case(case: str) -> dict:
         trainer, keep = hf_trainer(SP_CONFIG)
     else:
         trainer, keep = dpo_trainer(SP_CONFIG, batch_size=2)
+    calls = Calls(trainer.model)
     trainer.train()
-    return trainer_result(trainer, keep)
+    return {**trainer_result(trainer, keep), "calls": calls.remove()}
 
 
 def main(out: str, cases: list[str]) -> None:

@@ -308,6 +308,9 @@ def gather_rows(batch: Mapping, group: SequenceGroup, dropped: tuple[str, ...] =
             value = torch.zeros((0, *trailing), dtype=getattr(torch, dtype.removeprefix("torch.")), device=device)
         for row, piece in zip(rows, _all_gather_padded(value.to(device), lengths, 0, group)):
             row[key] = piece
+    for row in rows:  # the joined row's media are model inputs on every rank, one without images of its own too
+        if row.model_keys is not None and shapes:
+            row.model_keys = tuple(dict.fromkeys((*row.model_keys, *shapes)))
     return rows
 
 
