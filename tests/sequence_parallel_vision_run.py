@@ -15,6 +15,7 @@ Cases (:data:`CASES`):
   cut inside an image's tokens;
 * ``hf``: HF ``Trainer`` on Qwen2.5-VL processor rows (:func:`hf_trainer`), 2 SGD steps, its logged losses and the
   first step's gradients (after DDP's all-reduce);
+* ``sft``: TRL ``SFTTrainer`` on conversational Qwen2.5-VL rows with images (:func:`sft_trainer`), the same;
 * ``dpo``: TRL ``DPOTrainer`` on Qwen2.5-VL image-text pairs (:func:`dpo_trainer`), 2 SGD steps, the same.
 
 The trainers' one-process references are computed by the test. Rank 0 writes ``{case: result}`` to ``OUT``.
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 SP_CONFIG = {"task": "causal_lm", "sequence_parallel": {"size": 2}}
-CASES = ("forward-qwen2_5_vl", "forward-qwen2_5_vl-fault", "forward-gemma3", "forward-qwen3_vl", "hf", "dpo")
+CASES = ("forward-qwen2_5_vl", "forward-qwen2_5_vl-fault", "forward-gemma3", "forward-qwen3_vl", "hf", "sft", "dpo")
 STEPS = 2
 #: Per rank, per example: (words of text before, images as (height, width) pixels, words after). Rank 0's last
 #: example ends with an image, so the group's row is cut inside an image's tokens (asserted: ``cut``).
@@ -188,6 +189,31 @@ def hf_trainer(config: dict, ranks: int = 1):
     return trainer, keep
 
 
+def sft_trainer(config: dict, ranks: int = 1):
+    """TRL ``SFTTrainer`` on conversational Qwen2.5-VL rows (a user turn after one image, the assistant's answer),
+    TRL's vision collator, its gradient checkpointing, SGD; ``ranks`` as :func:`hf_trainer`'s."""
+    import datasets
+    import trl
+
+    from padfree_plugins import accelerate
+    from padfree_plugins.testing.vision import synthetic_image
+    from tests.vision_trl import words
+
+    rows = [{"messages": [{"role": "user", "content": words(index, 1 + 2 * (index % 4))},
+                          {"role": "assistant", "content": words(index + 3, 2 + index % 3)}],
+             "images": [synthetic_image(56 + 28 * (index % 3), 84, seed=index)]} for index in range(8)]
+    args = trl.SFTConfig(output_dir=tempfile.mkdtemp(), max_steps=STEPS, per_device_train_batch_size=2 * ranks,
+                         learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", logging_steps=1,
+                         save_strategy="no", report_to="none", seed=0, disable_tqdm=True, use_cpu=True, bf16=False,
+                         dataloader_pin_memory=False)
+    trainer = trl.SFTTrainer(model=family_model("qwen2_5_vl"), args=args, train_dataset=datasets.Dataset.from_list(rows),
+                             processing_class=family_processor("qwen2_5_vl"))
+    keep = Gradients()
+    trainer.add_callback(keep)
+    accelerate(trainer, config)
+    return trainer, keep
+
+
 def dpo_trainer(config: dict | None, batch_size: int):
     """TRL ``DPOTrainer`` (sigmoid loss, a separate reference model) on Qwen2.5-VL image-text pairs, SGD, accelerated
     with ``config`` (``None``: TRL's own, padded)."""
@@ -254,6 +280,8 @@ def run_case(case: str) -> dict:
         return run_forward(family, case.endswith("-fault"))
     if case == "hf":
         trainer, keep = hf_trainer(SP_CONFIG)
+    elif case == "sft":
+        trainer, keep = sft_trainer(SP_CONFIG)
     else:
         trainer, keep = dpo_trainer(SP_CONFIG, batch_size=2)
     calls = Calls(trainer.model)

@@ -9,7 +9,8 @@ gradients — the vision tower's included — to 1e-4:
 
 * ``assembly.forward`` + backward on Qwen2.5-VL (mRoPE ``[4, 1, T]`` positions), Gemma 3 (the cut image's tokens
   attend to each other both ways across the two slices) and Qwen3-VL (deepstack features per visual token);
-* HF ``Trainer`` on Qwen2.5-VL processor rows, 2 SGD steps (logged losses, first step's gradients after DDP);
+* HF ``Trainer`` on Qwen2.5-VL processor rows and TRL ``SFTTrainer`` on conversational rows with images (TRL's
+  vision collator, gradient checkpointing), 2 SGD steps each (logged losses, first step's gradients after DDP);
 * TRL ``DPOTrainer`` on Qwen2.5-VL image-text pairs (the fused log-probability path), 2 SGD steps, against TRL's own
   one-process run (padded) of the same global batches (losses, reward margins, first step's gradients).
 
@@ -87,18 +88,21 @@ def test_image_features_sliced_off_by_one_are_far_off(launched):
 
 
 def trainer_reference(kind: str) -> dict:
-    from tests.sequence_parallel_vision_run import dpo_trainer, hf_trainer, trainer_result
+    from tests.sequence_parallel_vision_run import dpo_trainer, hf_trainer, sft_trainer, trainer_result
 
-    trainer, keep = (hf_trainer({"task": "causal_lm"}, ranks=2) if kind == "hf" else
-                     dpo_trainer(None, batch_size=4))
+    builders = {"hf": lambda: hf_trainer({"task": "causal_lm"}, ranks=2),
+                "sft": lambda: sft_trainer({"task": "causal_lm"}, ranks=2),
+                "dpo": lambda: dpo_trainer(None, batch_size=4)}
+    trainer, keep = builders[kind]()
     trainer.train()
     return trainer_result(trainer, keep)
 
 
-@pytest.mark.parametrize("kind", ["hf", "dpo"])
+@pytest.mark.parametrize("kind", ["hf", "sft", "dpo"])
 def test_image_text_trainers_under_sequence_parallelism_equal_one_process(launched, kind):
-    """HF Trainer (one process, padding-free: one micro-batch of both ranks' examples — the trainer gives Qwen2.5-VL
-    no token count, so a micro-batch's loss is its mean) and DPO (TRL's own one-process run, padded, of 4 pairs a
+    """HF Trainer and TRL SFTTrainer (one process, padding-free: one micro-batch of both ranks' examples — the trainer
+    gives Qwen2.5-VL no token count, so a micro-batch's loss is its mean; SFT with TRL's vision collator and gradient
+    checkpointing) and DPO (TRL's own one-process run, padded, of 4 pairs a
     step)."""
     run, want = launched[kind], trainer_reference(kind)
     calls = run["calls"]
