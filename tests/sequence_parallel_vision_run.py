@@ -206,7 +206,8 @@ def sft_trainer(config: dict, ranks: int = 1):
                          learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", logging_steps=1,
                          save_strategy="no", report_to="none", seed=0, disable_tqdm=True, use_cpu=True, bf16=False,
                          dataloader_pin_memory=False)
-    trainer = trl.SFTTrainer(model=family_model("qwen2_5_vl"), args=args, train_dataset=datasets.Dataset.from_list(rows),
+    trainer = trl.SFTTrainer(model=family_model("qwen2_5_vl"), args=args,
+                             train_dataset=datasets.Dataset.from_list(rows),
                              processing_class=family_processor("qwen2_5_vl"))
     keep = Gradients()
     trainer.add_callback(keep)

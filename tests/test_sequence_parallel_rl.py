@@ -120,6 +120,7 @@ def rl_trainer(kind: str, tmp_path):
 @pytest.mark.parametrize("kind, state, match", [
     ("grpo", {"aux_loss_enabled": True}, r"GRPOTrainer with the MoE router aux loss under sequence parallelism "
                                          r"\(sequence_parallel.size: 2\).*router_aux_loss_coef=0.0"),
+    ("kto", {"aux_loss_enabled": True}, r"KTOTrainer with the MoE router aux loss under sequence parallelism"),
 ])
 def test_what_sequence_parallel_rl_cannot_do_is_refused(monkeypatch, tmp_path, kind, state, match):
     from padfree_plugins import ConfigError, accelerate, patch_of

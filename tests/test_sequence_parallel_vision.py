@@ -128,7 +128,8 @@ def fake_group(monkeypatch):
 
 
 @pytest.mark.parametrize("family, options, match", [
-    ("idefics3", {}, r"idefics3's image pixels \('pixel_values'\) are given with a batch axis.*sequence_parallel.size: 1"),
+    ("idefics3", {}, r"idefics3's image pixels \('pixel_values'\) are given with a batch axis.*"
+                     r"sequence_parallel.size: 1"),
     ("llava_onevision", {}, r"padded to the micro-batch's largest image.*sequence_parallel.size: 1"),
     ("qwen3_5", {}, r"vision-language family with sequence mixers.*sequence_parallel.size: 1"),
     ("qwen2_5_vl", {"attention": "allgather"}, r"chose all-gather.*image-text rows do not take yet.*ulysses"),

@@ -10,8 +10,11 @@ its own contiguous slice of the tokens.
   (:class:`~padfree_plugins.modeling.split_mixers.SplitMixer`, ``sequence_parallel.mixers: split``) or on the whole
   row (:class:`WholeRowMixer`: ``gather``, and Mamba1, which cannot start from a state), and the guard checking each
   rank's slice; ``remove()`` (in ``patch.handles``) undoes it;
+* :class:`SliceRow` — for a vision-language model, a forward pre-hook on its language model: the model gets the
+  group's whole image-text row (every rank embeds it, runs the vision tower on all its images and merges the
+  features), and its language model takes this rank's slice of the merged embeddings and positions;
 * :class:`SequenceParallelForward` — the assembly's forward under sequence parallelism: the group's micro-batches
-  exchanged into one row (:func:`gather_rows`), shifted, padded and sliced
+  exchanged into one row (:func:`gather_rows`, an image-text row's media with it), shifted, padded and sliced
   (:mod:`padfree_plugins.packing.sequence_parallel`), this rank's slice through the model; for evaluation's
   metrics, :meth:`SequenceParallelForward.own_tokens` gathers the group's output slices back into the row and cuts
   out this rank's own micro-batch; a task that pools whole examples (``seq_cls``, ``embedding``, ``reranker``, on
@@ -59,8 +62,8 @@ from padfree_plugins.packing.sequence_parallel import CU_KEYS, DROPPED_KEYS, MAX
 #: How sequence mixers run under sequence parallelism (``sequence_parallel.mixers``).
 MIXER_MODES = ("split", "gather")
 
-__all__ = ["MIXER_MODES", "SequenceGroup", "SequenceParallelForward", "SequenceParallelPatch", "SplitMixer",
-           "WholeRowMixer", "gather_rows", "sequence_group"]
+__all__ = ["MIXER_MODES", "SequenceGroup", "SequenceParallelForward", "SequenceParallelPatch", "SliceRow", "SplitMixer",
+           "WholeRowMixer", "gather_rows", "language_model", "sequence_group"]
 
 
 def sequence_group(size: int) -> SequenceGroup:
