@@ -16,9 +16,11 @@ Cases (:data:`CASES`):
 * ``hf``: HF ``Trainer`` on Qwen2.5-VL processor rows (:func:`hf_trainer`), 2 SGD steps, its logged losses and the
   first step's gradients (after DDP's all-reduce);
 * ``sft``: TRL ``SFTTrainer`` on conversational Qwen2.5-VL rows with images (:func:`sft_trainer`), the same;
-* ``dpo``: TRL ``DPOTrainer`` on Qwen2.5-VL image-text pairs (:func:`dpo_trainer`), 2 SGD steps, the same.
+* ``dpo``: TRL ``DPOTrainer`` on Qwen2.5-VL image-text pairs (:func:`dpo_trainer`), 2 SGD steps, the same;
+* ``grpo``: TRL ``GRPOTrainer`` on Qwen2.5-VL prompts with images (:func:`grpo_run`), sequence-parallel and TRL's own
+  run (the reference, on the same 2 processes).
 
-The trainers' one-process references are computed by the test. Rank 0 writes ``{case: result}`` to ``OUT``.
+The one-process references of ``hf``, ``sft`` and ``dpo`` are computed by the test. Rank 0 writes ``{case: result}`` to ``OUT``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 SP_CONFIG = {"task": "causal_lm", "sequence_parallel": {"size": 2}}
-CASES = ("forward-qwen2_5_vl", "forward-qwen2_5_vl-fault", "forward-gemma3", "forward-qwen3_vl", "hf", "sft", "dpo")
+CASES = ("forward-qwen2_5_vl", "forward-qwen2_5_vl-fault", "forward-gemma3", "forward-qwen3_vl", "hf", "sft", "dpo", "grpo")
 STEPS = 2
 #: Per rank, per example: (words of text before, images as (height, width) pixels, words after). Rank 0's last
 #: example ends with an image, so the group's row is cut inside an image's tokens (asserted: ``cut``).
@@ -267,6 +269,31 @@ class Calls:
         return {"rows": self.rows, "slices": self.slices}
 
 
+def grpo_run(accelerated: bool) -> dict:
+    """TRL ``GRPOTrainer`` on Qwen2.5-VL prompts with images (tests/test_trl_vision_rl.py's), one SGD step on 2
+    processes: under ``sequence_parallel: {size: 2}`` (``accelerated``) or TRL's own run (padded, the reference, on the
+    same per-rank batches and sampled completions). Its loss, first step's gradients and every completion scored."""
+    from padfree_plugins import accelerate
+    from tests import test_trl_vision_rl
+
+    path = [test_trl_vision_rl.model_dir("qwen2_5_vl") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)  # transformers saves a checkpoint from the main process only
+    test_trl_vision_rl.model_dir = lambda family: path[0]
+    build = test_trl_vision_rl.build
+    completions: list = []
+    trainer = build("grpo", "qwen2_5_vl", tempfile.mkdtemp(), seen=completions, max_steps=1,
+                    per_device_train_batch_size=4, optim="sgd", learning_rate=0.5)
+    keep = Gradients()
+    trainer.add_callback(keep)
+    if accelerated:
+        accelerate(trainer, SP_CONFIG)
+    calls = Calls(trainer.model)
+    trainer.train()
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, completions)
+    return {**trainer_result(trainer, keep), "calls": calls.remove(), "completions": everyone}
+
+
 def trainer_result(trainer, keep) -> dict:
     history = trainer.state.log_history
     return {"losses": [entry["loss"] for entry in history if "loss" in entry],
@@ -279,6 +306,8 @@ def run_case(case: str) -> dict:
     if case.startswith("forward-"):
         family = case.removeprefix("forward-").removesuffix("-fault")
         return run_forward(family, case.endswith("-fault"))
+    if case == "grpo":
+        return {"sp": grpo_run(True), "padded": grpo_run(False)}
     if case == "hf":
         trainer, keep = hf_trainer(SP_CONFIG)
     elif case == "sft":

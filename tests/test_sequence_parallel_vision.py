@@ -12,7 +12,9 @@ gradients — the vision tower's included — to 1e-4:
 * HF ``Trainer`` on Qwen2.5-VL processor rows and TRL ``SFTTrainer`` on conversational rows with images (TRL's
   vision collator, gradient checkpointing), 2 SGD steps each (logged losses, first step's gradients after DDP);
 * TRL ``DPOTrainer`` on Qwen2.5-VL image-text pairs (the fused log-probability path), 2 SGD steps, against TRL's own
-  one-process run (padded) of the same global batches (losses, reward margins, first step's gradients).
+  one-process run (padded) of the same global batches (losses, reward margins, first step's gradients);
+* TRL ``GRPOTrainer`` on Qwen2.5-VL prompts with images, one SGD step, against TRL's own run on the same 2 processes
+  (the same sampled completions; its rows are split, but not necessarily inside an image).
 
 The deliberate fault ``image_features_sliced_off_by_one`` (a later rank's merged embeddings cut one token early) is
 far off. What image-text rows under sequence parallelism do not take is refused in one process (the group faked),
@@ -117,6 +119,20 @@ def test_image_text_trainers_under_sequence_parallelism_equal_one_process(launch
     assert loss < LOSS and margins < LOSS and every < GRADIENT and towers < GRADIENT
     if kind == "dpo":
         assert len(run["margins"]) == 2 and run["packed"][-1] >= 2  # every policy call packed
+
+
+def test_grpo_on_image_text_prompts_under_sequence_parallelism_equals_trls_run(launched):
+    """GRPO on Qwen2.5-VL prompts with images, one SGD step on the 2 processes, against TRL's own run (padded) on the
+    same per-rank batches: the same sampled completions (asserted), the loss and every gradient (the tower's too)."""
+    run, want = launched["grpo"]["sp"], launched["grpo"]["padded"]
+    assert run["completions"] == want["completions"] and run["completions"][0]
+    calls = run["calls"]
+    assert calls["slices"] == [-(-tokens // 2) for tokens, _ in calls["rows"]] and calls["slices"]
+    assert run["packed"][-1] >= 1 and want["packed"] == [None]
+    loss = max(abs(a - b) / max(abs(b), 1e-3) for a, b in zip(run["losses"], want["losses"]))
+    every, towers = gradient_difference(run["grads"], want["grads"])
+    print(f"grpo sp2: loss {loss:.1e} (relative), gradients {every:.1e}, tower {towers:.1e}")
+    assert len(run["losses"]) == 1 and loss < LOSS and every < GRADIENT and towers < GRADIENT
 
 
 # -- refusals (one process: the group of 2 faked; each comes before any collective, the model left unpatched) -------
