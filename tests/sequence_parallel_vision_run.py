@@ -6,7 +6,8 @@ on 2 CPU processes (gloo), every case in one launch.
 
 Cases (:data:`CASES`):
 
-* ``forward-<family>`` (``qwen2_5_vl``, ``gemma3``; ``...-fault``: under :func:`~padfree_plugins.testing.faults.
+* ``forward-<family>`` (``qwen2_5_vl``, ``gemma3``, ``qwen3_vl``; ``...-text-rank``: rank 1's micro-batch without
+  images; ``...-fault``: under :func:`~padfree_plugins.testing.faults.
   image_features_sliced_off_by_one`): each rank packs its own image-text examples (:func:`rank_examples`) and runs
   ``assembly.forward`` + backward with ``num_items_in_batch`` the label count over both ranks; the losses and the
   gradients (vision tower included) are summed over the ranks (DDP's all-reduce times the world size a DDP loss is
@@ -36,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 SP_CONFIG = {"task": "causal_lm", "sequence_parallel": {"size": 2}}
-CASES = ("forward-qwen2_5_vl", "forward-qwen2_5_vl-fault", "forward-gemma3", "forward-qwen3_vl", "hf", "sft", "dpo", "grpo")
+CASES = ("forward-qwen2_5_vl", "forward-qwen2_5_vl-fault", "forward-qwen2_5_vl-text-rank", "forward-gemma3",
+         "forward-qwen3_vl", "hf", "sft", "dpo", "grpo")
 STEPS = 2
 #: Per rank, per example: (words of text before, images as (height, width) pixels, words after). Rank 0's last
 #: example ends with an image, so the group's row is cut inside an image's tokens (asserted: ``cut``).
@@ -44,6 +46,8 @@ LAYOUT = (
     [(3, [(56, 28)], 4), (2, [(28, 84), (56, 56)], 1)],
     [(3, [], 3), (1, [(84, 56)], 3)],
 )
+#: ``forward-qwen2_5_vl-text-rank``: rank 1's micro-batch holds no image (it sends no pixels; the cut falls in rank 0's).
+TEXT_RANK_LAYOUT = (LAYOUT[0], [(2, [], 2), (1, [], 2)])
 #: Gemma 3: every image is 4 tokens of one size (the count stands in for the images); the cut falls into rank 0's
 #: last image, whose 4 tokens attend to each other both ways across the two ranks' slices.
 GEMMA3_LAYOUT = (
@@ -64,14 +68,15 @@ def family_model(family: str):
     return model(family, seed=0)
 
 
-def rank_examples(family: str, rank: int) -> list[dict]:
-    """Rank ``rank``'s image-text examples (processor outputs, labels from input_ids): :data:`LAYOUT`."""
+def rank_examples(family: str, rank: int, text_rank: bool = False) -> list[dict]:
+    """Rank ``rank``'s image-text examples (processor outputs, labels from input_ids): :data:`LAYOUT` (``text_rank``:
+    :data:`TEXT_RANK_LAYOUT`)."""
     from padfree_plugins.testing.vision import gemma3_example, image_text_example, synthetic_image
     from tests.vision_trl import words
 
     processor = family_processor(family)
     examples = []
-    layout = GEMMA3_LAYOUT if family == "gemma3" else LAYOUT
+    layout = GEMMA3_LAYOUT if family == "gemma3" else TEXT_RANK_LAYOUT if text_rank else LAYOUT
     for index, (before, sizes, after) in enumerate(layout[rank]):
         seed = 10 * rank + index
         if family == "gemma3":
@@ -94,7 +99,7 @@ def gradients(model) -> dict:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def run_forward(family: str, fault: bool) -> dict:
+def run_forward(family: str, fault: bool, text_rank: bool = False) -> dict:
     """One forward + backward of each rank's micro-batch, sequence-parallel, and the one-process reference."""
     from padfree_plugins import assemble
     from padfree_plugins.testing import faults
@@ -103,7 +108,7 @@ def run_forward(family: str, fault: bool) -> dict:
     model = family_model(family)
     reference = copy.deepcopy(model)
     assembly = assemble(model, SP_CONFIG)
-    mine = assembly.collator(rank_examples(family, rank))
+    mine = assembly.collator(rank_examples(family, rank, text_rank))
     count = torch.tensor((mine["labels"][:, 1:] != -100).sum())
     dist.all_reduce(count)
     seen: list = []
@@ -120,7 +125,7 @@ def run_forward(family: str, fault: bool) -> dict:
         dist.all_reduce(grad)
     # the one-process reference: both ranks' examples in one row, without sequence parallelism
     one = assemble(reference, {"task": "causal_lm"})
-    examples = rank_examples(family, 0) + rank_examples(family, 1)
+    examples = rank_examples(family, 0, text_rank) + rank_examples(family, 1, text_rank)
     whole = one.collator(examples)
     loss_one = one.forward(one.model, whole).loss
     loss_one.backward()
@@ -304,8 +309,8 @@ def trainer_result(trainer, keep) -> dict:
 
 def run_case(case: str) -> dict:
     if case.startswith("forward-"):
-        family = case.removeprefix("forward-").removesuffix("-fault")
-        return run_forward(family, case.endswith("-fault"))
+        family = case.removeprefix("forward-").removesuffix("-fault").removesuffix("-text-rank")
+        return run_forward(family, case.endswith("-fault"), case.endswith("-text-rank"))
     if case == "grpo":
         return {"sp": grpo_run(True), "padded": grpo_run(False)}
     if case == "hf":

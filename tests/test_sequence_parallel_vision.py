@@ -7,7 +7,8 @@ rank; its language model then takes this rank's half (``SliceRow``). In every ca
 image's tokens (asserted), and every result equals one process on the same examples: losses to 1e-5 (relative),
 gradients — the vision tower's included — to 1e-4:
 
-* ``assembly.forward`` + backward on Qwen2.5-VL (mRoPE ``[4, 1, T]`` positions), Gemma 3 (the cut image's tokens
+* ``assembly.forward`` + backward on Qwen2.5-VL (mRoPE ``[4, 1, T]`` positions; also with one rank's micro-batch
+  without images, which sends no pixels), Gemma 3 (the cut image's tokens
   attend to each other both ways across the two slices) and Qwen3-VL (deepstack features per visual token);
 * HF ``Trainer`` on Qwen2.5-VL processor rows and TRL ``SFTTrainer`` on conversational rows with images (TRL's
   vision collator, gradient checkpointing), 2 SGD steps each (logged losses, first step's gradients after DDP);
@@ -38,7 +39,7 @@ trl = pytest.importorskip("trl")
 
 LOSS = 1e-5
 GRADIENT = 1e-4
-FORWARDS = ("qwen2_5_vl", "gemma3", "qwen3_vl")
+FORWARDS = ("qwen2_5_vl", "gemma3", "qwen3_vl", "qwen2_5_vl-text-rank")
 TOWERS = ("visual", "vision_tower", "multi_modal_projector")
 
 
@@ -133,6 +134,35 @@ def test_grpo_on_image_text_prompts_under_sequence_parallelism_equals_trls_run(l
     every, towers = gradient_difference(run["grads"], want["grads"])
     print(f"grpo sp2: loss {loss:.1e} (relative), gradients {every:.1e}, tower {towers:.1e}")
     assert len(run["losses"]) == 1 and loss < LOSS and every < GRADIENT and towers < GRADIENT
+
+
+def test_an_image_text_row_is_joined_and_sliced_with_its_inputs_whole():
+    """One process: two ranks' rows with mRoPE positions ``[4, 1, T]`` and media join along the token axis (the media
+    in rank order); ``slice_row(..., whole=True)`` pads every input to the group's multiple (positions restarting,
+    the pad token never a placeholder's) and cuts only the shifted labels."""
+    from padfree_plugins.packing.sequence_parallel import join_rows, slice_row
+
+    def row(tokens: int, images: int, offset: int) -> dict:
+        return {"input_ids": torch.arange(tokens)[None] + offset, "labels": torch.arange(tokens)[None] + offset,
+                "position_ids": torch.arange(tokens).expand(4, 1, tokens) + 0,
+                "cu_seq_lens_q": torch.tensor([0, tokens], dtype=torch.int32), "max_length_q": tokens,
+                "pixel_values": torch.full((4 * images, 3), float(offset)),
+                "image_grid_thw": torch.tensor([[1, 2, 2]] * images)}
+
+    joined = join_rows([row(5, 1, 100), row(4, 0, 200)])
+    assert joined["position_ids"].shape == (4, 1, 9) and joined["pixel_values"].shape == (4, 3)
+    assert joined["cu_seq_lens_q"].tolist() == [0, 5, 9] and joined["image_grid_thw"].tolist() == [[1, 2, 2]]
+    for rank in (0, 1):
+        local = slice_row(joined, rank, 2, pad_token_id=7, whole=True)
+        assert local["input_ids"].shape == (1, 10) and int(local["input_ids"][0, -1]) == 7
+        assert local["position_ids"].shape == (4, 1, 10) and local["position_ids"][:, 0, -1].tolist() == [0] * 4
+        assert local["cu_seq_lens_q"].tolist() == [0, 5, 9, 10] and torch.equal(local["pixel_values"],
+                                                                               joined["pixel_values"])
+        want = torch.tensor([101, 102, 103, 104, 200, 201, 202, 203, -100, -100])  # shifted over the whole row
+        assert torch.equal(local["labels"][0], want[5 * rank:5 * rank + 5])
+        assert local["shift_labels"] is local["labels"]
+    with pytest.raises(Exception, match=r"multimodal rotary positions \[R, 1, T\] only in an image-text row"):
+        slice_row(joined, 0, 2)
 
 
 # -- refusals (one process: the group of 2 faked; each comes before any collective, the model left unpatched) -------
