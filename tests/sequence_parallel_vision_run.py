@@ -6,7 +6,7 @@ on 2 CPU processes (gloo), every case in one launch.
 
 Cases (:data:`CASES`):
 
-* ``forward-<family>`` (``qwen2_5_vl``, ``gemma3``, ``qwen3_vl``; ``...-text-rank``: rank 1's micro-batch without
+* ``forward-<family>`` (``qwen2_5_vl``, ``qwen2_vl``, ``gemma3``, ``qwen3_vl``, ``qwen3_vl_moe``; ``...-text-rank``: rank 1's micro-batch without
   images; ``...-fault``: under :func:`~padfree_plugins.testing.faults.
   image_features_sliced_off_by_one`): each rank packs its own image-text examples (:func:`rank_examples`) and runs
   ``assembly.forward`` + backward with ``num_items_in_batch`` the label count over both ranks; the losses and the
@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 SP_CONFIG = {"task": "causal_lm", "sequence_parallel": {"size": 2}}
-CASES = ("forward-qwen2_5_vl", "forward-qwen2_5_vl-fault", "forward-qwen2_5_vl-text-rank", "forward-gemma3",
-         "forward-qwen3_vl", "hf", "sft", "dpo", "grpo")
+CASES = ("forward-qwen2_5_vl", "forward-qwen2_5_vl-fault", "forward-qwen2_5_vl-text-rank", "forward-qwen2_vl",
+         "forward-gemma3", "forward-qwen3_vl", "forward-qwen3_vl_moe", "hf", "sft", "dpo", "grpo")
 STEPS = 2
 #: Per rank, per example: (words of text before, images as (height, width) pixels, words after). Rank 0's last
 #: example ends with an image, so the group's row is cut inside an image's tokens (asserted: ``cut``).

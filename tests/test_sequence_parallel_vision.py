@@ -8,8 +8,8 @@ image's tokens (asserted), and every result equals one process on the same examp
 gradients — the vision tower's included — to 1e-4:
 
 * ``assembly.forward`` + backward on Qwen2.5-VL (mRoPE ``[4, 1, T]`` positions; also with one rank's micro-batch
-  without images, which sends no pixels), Gemma 3 (the cut image's tokens
-  attend to each other both ways across the two slices) and Qwen3-VL (deepstack features per visual token);
+  without images, which sends no pixels), Qwen2-VL, Gemma 3 (the cut image's tokens attend to each other both ways
+  across the two slices), Qwen3-VL and Qwen3-VL-MoE (deepstack features per visual token);
 * HF ``Trainer`` on Qwen2.5-VL processor rows and TRL ``SFTTrainer`` on conversational rows with images (TRL's
   vision collator, gradient checkpointing), 2 SGD steps each (logged losses, first step's gradients after DDP);
 * TRL ``DPOTrainer`` on Qwen2.5-VL image-text pairs (the fused log-probability path), 2 SGD steps, against TRL's own
@@ -39,7 +39,7 @@ trl = pytest.importorskip("trl")
 
 LOSS = 1e-5
 GRADIENT = 1e-4
-FORWARDS = ("qwen2_5_vl", "gemma3", "qwen3_vl", "qwen2_5_vl-text-rank")
+FORWARDS = ("qwen2_5_vl", "qwen2_vl", "gemma3", "qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl-text-rank")
 TOWERS = ("visual", "vision_tower", "multi_modal_projector")
 
 
