@@ -27,7 +27,7 @@ from padfree_plugins.errors import (
     did_you_mean,
 )
 from padfree_plugins.modeling.attention.context_parallel import ALIGNED_FEATURE, AttentionLayout, ulysses_share
-from padfree_plugins.modeling.mixers import note_unused_mixer_backend
+from padfree_plugins.modeling.mixers import note_unused_mixer_backend, sequence_mixers
 from padfree_plugins.modeling.patching import ModelPatch, unwrap_model
 from padfree_plugins.modeling.pooling import unknown_mode_hint
 from padfree_plugins.modeling.probe import PROBE, PROBE_PLUGIN, probed_architecture, verify
@@ -412,8 +412,7 @@ def refuse_sequence_parallel(model: Any, config: PadfreeConfig, resolved: Plan, 
         raise ConfigError(f"{where}: {resolved.architecture.name} is an encoder; under sequence parallelism encoders "
                           f"train the tasks that pool whole examples (seq_cls, embedding, reranker), not {task!r}")
     if getattr(collator, "media_keys", None):
-        raise ConfigError(f"{where}: {resolved.architecture.name} is a vision-language family; sequence "
-                          "parallelism over rows with images is not supported yet (train it with size 1)")
+        refuse_split_media(collator, resolved, where, pools)
     text_config = model.config.get_text_config()
     heads = getattr(text_config, "num_attention_heads", None)
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -430,6 +429,10 @@ def refuse_sequence_parallel(model: Any, config: PadfreeConfig, resolved: Plan, 
                   f"sequence_parallel.size: 1, or launch a multiple of a divisor of {heads} as the number of processes")
         raise ConfigError(f"{where}: {'; and '.join(problems)}; {advice}, or set sequence_parallel.attention: "
                           "allgather (or auto), which splits the row, not the heads")
+    if share < size and getattr(collator, "media_keys", None):
+        raise ConfigError(f"{where}: sequence_parallel.attention {config.sequence_parallel.attention} chose all-gather "
+                          f"({heads} attention heads), which image-text rows do not take yet; use "
+                          "sequence_parallel.attention: ulysses with a size that divides the attention heads")
     if share < size:
         refuse_allgather(model, config, resolved, where)
     if config.unpad == "always":
@@ -438,6 +441,33 @@ def refuse_sequence_parallel(model: Any, config: PadfreeConfig, resolved: Plan, 
     if note is not None:
         logger.warning("padfree-plugins: %s", note)
     return share
+
+
+def refuse_split_media(collator: Any, resolved: Plan, where: str, pools: bool) -> None:
+    """What image-text rows under sequence parallelism do not take, refused before anything is patched: a pooled
+    task, and media whose pixel rows the group's micro-batches cannot join into one row (pixels given with a batch
+    axis, ``[1, tiles, ...]``: Idefics3 / SmolVLM; any-resolution patches padded per micro-batch: LLaVA-OneVision)."""
+    name = resolved.architecture.name
+    if pools:
+        raise ConfigError(f"{where}: {name} is a vision-language family; under sequence parallelism its image-text "
+                          f"rows train task: causal_lm, not {resolved.task.name!r}; set sequence_parallel.size: 1")
+    for media in getattr(collator, "media", ()):
+        if media.batch_dim or (media.grid is None and media.tokens_per_row is None):
+            layout = ("given with a batch axis" if media.batch_dim else
+                      "padded to the micro-batch's largest image, so they differ in shape between micro-batches")
+            raise ConfigError(f"{where}: {name}'s {media.name} pixels ({media.pixels!r}) are {layout}, which the "
+                              "group cannot join into one image-text row yet; train it with sequence_parallel.size: "
+                              "1 (sequence parallelism takes Qwen-VL's grids and Gemma 3's images)")
+
+
+def pad_token_of(model: Any, collator: Any) -> int:
+    """The token the padding segment of a sequence-parallel row holds: the text config's ``pad_token_id`` (0
+    without one); in an image-text row never a media placeholder (the model would fill it with image features)."""
+    pad = getattr(model.config.get_text_config(), "pad_token_id", None) or 0
+    placeholders = set(getattr(collator, "token_ids", {}).values())
+    if pad in placeholders:
+        pad = next(token for token in range(len(placeholders) + 1) if token not in placeholders)
+    return pad
 
 
 def refuse_allgather(model: Any, config: PadfreeConfig, resolved: Plan, where: str) -> None:
@@ -519,7 +549,18 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
     if tile_loss is not None:
         parts = dataclasses.replace(parts, forward=TiledLossForward(parts.forward, tile_loss))
     if sequence is not None:  # each rank computes its slice of the group's row
-        patch.handles.append(SequenceParallelPatch.install(patch, sequence, layout, config.sequence_parallel.mixers))
-        pad = getattr(inner.config.get_text_config(), "pad_token_id", None)
-        parts = dataclasses.replace(parts, forward=SequenceParallelForward(parts.forward, sequence, pad or 0))
+        media = tuple(getattr(parts.collator, "media_keys", None) or ())
+        try:
+            if media and sequence_mixers(inner):
+                raise ConfigError(f"sequence_parallel.size: {config.sequence_parallel.size}: "
+                                  f"{resolved.architecture.name} is a vision-language family with sequence mixers "
+                                  "(a hybrid language model), whose image-text rows are not split across ranks yet; "
+                                  "train it with sequence_parallel.size: 1")
+            patch.handles.append(SequenceParallelPatch.install(patch, sequence, layout, config.sequence_parallel.mixers,
+                                                               whole_rows=bool(media)))
+        except BaseException:
+            patch.undo()
+            raise
+        parts = dataclasses.replace(parts, forward=SequenceParallelForward(
+            parts.forward, sequence, pad_token_of(inner, parts.collator), media))
     return Assembly(inner, config, resolved, patch, parts.collator, parts.pooler, parts.reverter, parts.forward, host)

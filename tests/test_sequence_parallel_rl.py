@@ -120,8 +120,7 @@ def rl_trainer(kind: str, tmp_path):
 @pytest.mark.parametrize("kind, state, match", [
     ("grpo", {"aux_loss_enabled": True}, r"GRPOTrainer with the MoE router aux loss under sequence parallelism "
                                          r"\(sequence_parallel.size: 2\).*router_aux_loss_coef=0.0"),
-    ("rloo", {"_is_vlm": True}, r"RLOOTrainer on images under sequence parallelism.*sequence_parallel.size: 1"),
-    ("kto", {"_is_vision_dataset": True}, r"KTOTrainer on images under sequence parallelism"),
+    ("kto", {"aux_loss_enabled": True}, r"KTOTrainer with the MoE router aux loss under sequence parallelism"),
 ])
 def test_what_sequence_parallel_rl_cannot_do_is_refused(monkeypatch, tmp_path, kind, state, match):
     from padfree_plugins import ConfigError, accelerate, patch_of

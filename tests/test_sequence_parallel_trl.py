@@ -172,12 +172,11 @@ def test_a_call_another_rank_cannot_pack_runs_padded_on_every_rank(one_rank_grou
 
 
 @pytest.mark.parametrize("state, match", [
-    ({"_is_vision_dataset": True}, r"DPOTrainer on images under sequence parallelism \(sequence_parallel.size: 2\)"),
     ({"aux_loss_enabled": True}, r"MoE router aux loss under sequence parallelism.*router_aux_loss_coef=0.0"),
 ])
 def test_what_sequence_parallel_dpo_cannot_do_is_refused(state, match):
-    """Image-text calls are not split across ranks, and the fused calls do not take each rank's share of the MoE
-    load-balancing loss of the group's row."""
+    """The fused calls do not take each rank's share of the MoE load-balancing loss of the group's row (image-text
+    calls are split: tests/test_sequence_parallel_vision.py)."""
     import types
 
     from padfree_plugins import ConfigError, load_config

@@ -51,7 +51,11 @@ gathered back to the whole row (differentiable: each rank's gradient flows to th
 its own call's tokens. Each rank's TRL loss then reads exactly its own examples' log-probabilities, as under data
 parallelism. The ranks of a group agree at every fused call whether all of them pack it (one small all-reduce): if
 one cannot, every rank runs its own call through TRL's forward, padded, so that their collectives stay in step.
-Image-text calls are not packed under sequence parallelism (refused at ``accelerate()``). With ``prefix_sharing``
+An image-text call is exchanged with its media (each rank's pixels and grids, in rank order) and goes to the model
+whole on every rank, its ``shift_labels`` sliced: the model embeds the joined row, runs the vision tower on every image
+of it and merges the features, and its language model takes this rank's slice
+(:class:`~padfree_plugins.modeling.sequence_parallel.SliceRow`), so that an image cut by a rank boundary is whole.
+With ``prefix_sharing``
 each rank's call shares its prompts, and its row's prompt structure travels with it (one parent per segment:
 :data:`~padfree_plugins.packing.sequence_parallel.SEGMENT_PARENTS_KEY`): the joined row is one shared row, built
 alike on every rank, and attention applies it to the whole row (Ulysses: every rank holds every token of its heads;
@@ -73,7 +77,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from padfree_plugins.assembly import Assembly, assemble
+from padfree_plugins.assembly import Assembly, assemble, pad_token_of
 from padfree_plugins.batching.sampler import check_whole_micro_batches, trainer_train_dataloader, uses_token_budget
 from padfree_plugins.errors import ConfigError, PadfreeError
 from padfree_plugins.integrations.base import keeps_methods, library_class
@@ -142,13 +146,17 @@ def own_tokens(whole: torch.Tensor, sizes: list[int], rank: int) -> torch.Tensor
     return whole[:, start:start + sizes[rank]]
 
 
-def fused_on_slice(original: Any, inputs: dict, group: SequenceGroup, shares: bool = False) -> Any:
+def fused_on_slice(original: Any, inputs: dict, group: SequenceGroup, shares: bool = False,
+                   media: tuple[str, ...] = (), pad: int = 0) -> Any:
     """TRL's fused forward ``original`` of this rank's packed call ``inputs`` (pre-shifted ``shift_labels``) under
     sequence parallelism: the group's packed rows joined, this rank's slice through ``original``, every per-token
     output gathered back to the whole row (in one exchange) and cut to this rank's own tokens; the label mask and the
     loss recomputed on them. ``shares``: the group's heads share prefixes (every rank's, so each rank sends its row's
     segment parents, ``-1`` where its row shares nothing): the joined row carries the structure of every rank's row,
-    built alike on every rank (:func:`~padfree_plugins.packing.sequence_parallel.slice_row`)."""
+    built alike on every rank (:func:`~padfree_plugins.packing.sequence_parallel.slice_row`). ``media``: the media keys
+    of an image-text row (its family's collator's): the joined row goes to the model whole, its ``shift_labels``
+    sliced, and the model's language model cuts this rank's slice after merging the image features
+    (:class:`~padfree_plugins.modeling.sequence_parallel.SliceRow`); ``pad``: the padding segment's token."""
     inputs = dict(inputs)
     structure = inputs.pop(SHARED_PREFIXES_KEY, None)
     if shares:
@@ -157,11 +165,11 @@ def fused_on_slice(original: Any, inputs: dict, group: SequenceGroup, shares: bo
         raise PadfreeError("a shared row under sequence parallelism from a head that does not share prefixes")
     rows = {key: value for key, value in inputs.items() if isinstance(value, torch.Tensor) or key in MAX_KEYS}
     rest = {key: value for key, value in inputs.items() if key not in rows}
-    gathered = gather_rows(rows, group, dropped=())
+    gathered = gather_rows(rows, group, dropped=(), media=media)
     sizes = [packed_tokens(row) for row in gathered]
-    local = slice_row(join_rows(gathered), group.rank, group.size, pre_shifted=True)
+    local = slice_row(join_rows(gathered), group.rank, group.size, pad, pre_shifted=True, whole=bool(media))
     output = original(fused_lm_head=True, **rest, **local)
-    tokens = packed_tokens(local)
+    tokens = local["shift_labels"].shape[1]  # the slice's (an image-text row's inputs are whole)
     keys = [key for key, value in output.items() if key != "label_mask" and isinstance(value, torch.Tensor) and
             tuple(value.shape) == (1, tokens)]
     if keys:  # stacked in a dtype that holds each exactly (top-1 hits are bools), gathered once
@@ -446,9 +454,6 @@ class PackedFusedHead:
                 "trainer adds in its __init__ and the packed log-probabilities run through: accelerate the trainer "
                 "after building it, with its own model")
         sequence = getattr(patch_of(model), "sequence", None)
-        if sequence is not None and collator is not None:
-            raise PadfreeError("image-text log-probability calls are not packed under sequence parallelism: train "
-                               "them with sequence_parallel.size: 1")
         head = cls(model, original, {"forward": own_attribute(model, "forward")}, collator, sequence,
                    share_prefixes, calls if calls is not None else FusedCalls(), mixer_chunk(model))
 
@@ -475,7 +480,9 @@ class PackedFusedHead:
         shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
         inputs["shift_labels"] = shifted.reshape(-1).index_select(0, unpadded.index.to(shifted.device))[None]
         if self.sequence is not None:
-            output = fused_on_slice(self.original, inputs, self.sequence, self.share_prefixes)
+            media = self.collator.media_keys if self.collator is not None else ()
+            output = fused_on_slice(self.original, inputs, self.sequence, self.share_prefixes, media,
+                                    pad_token_of(self.model, self.collator) if media else 0)
         else:
             output = self.original(fused_lm_head=True, **inputs)
         for key in list(output.keys()):
@@ -574,10 +581,6 @@ class FusedTrainerPatch:
         images = getattr(trainer, "_is_vision_dataset", vlm)
         vision = images or vlm
         size = sequence_parallel_size(config)
-        if size > 1 and vision:
-            raise ConfigError(f"{name} on images under sequence parallelism (sequence_parallel.size: {size}): "
-                              "image-text log-probability calls are not split across ranks; train it with "
-                              "sequence_parallel.size: 1")
         if size > 1 and getattr(trainer, "aux_loss_enabled", False):
             raise ConfigError(f"{name} with the MoE router aux loss under sequence parallelism (sequence_parallel."
                               f"size: {size}): each rank routes a slice of the group's row, and the fused "

@@ -406,6 +406,9 @@ class ModelPatch:
     #: The sequence-parallel group whose row a packed call holds a slice of (set by
     #: :class:`~padfree_plugins.modeling.sequence_parallel.SequenceParallelPatch`); ``None``: whole rows.
     sequence: Any = None
+    #: Whether a packed call holds the group's whole row under sequence parallelism (image-text rows: the language
+    #: model cuts the slice after the image features are merged), so that the guard checks the whole row.
+    whole_rows: bool = False
     _call_tokens: list = field(default_factory=list, repr=False)
 
     @classmethod
@@ -445,7 +448,7 @@ class ModelPatch:
         """Guard the inputs, mark packed calls in :data:`PACKED_CALL` for attention to check, and run packed calls
         without a KV cache (:func:`without_cache`)."""
         self._call_tokens.append(PACKED_CALL.set(False))  # pushed first: the after-hook pops it even on error
-        if check_boundaries(module, args, kwargs, self.sequence):
+        if check_boundaries(module, args, kwargs, None if self.whole_rows else self.sequence):
             PACKED_CALL.set(True)
             return without_cache(module, args, kwargs)
         return None

@@ -10,8 +10,11 @@ its own contiguous slice of the tokens.
   (:class:`~padfree_plugins.modeling.split_mixers.SplitMixer`, ``sequence_parallel.mixers: split``) or on the whole
   row (:class:`WholeRowMixer`: ``gather``, and Mamba1, which cannot start from a state), and the guard checking each
   rank's slice; ``remove()`` (in ``patch.handles``) undoes it;
+* :class:`SliceRow` — for a vision-language model, a forward pre-hook on its language model: the model gets the
+  group's whole image-text row (every rank embeds it, runs the vision tower on all its images and merges the
+  features), and its language model takes this rank's slice of the merged embeddings and positions;
 * :class:`SequenceParallelForward` — the assembly's forward under sequence parallelism: the group's micro-batches
-  exchanged into one row (:func:`gather_rows`), shifted, padded and sliced
+  exchanged into one row (:func:`gather_rows`, an image-text row's media with it), shifted, padded and sliced
   (:mod:`padfree_plugins.packing.sequence_parallel`), this rank's slice through the model; for evaluation's
   metrics, :meth:`SequenceParallelForward.own_tokens` gathers the group's output slices back into the row and cuts
   out this rank's own micro-batch; a task that pools whole examples (``seq_cls``, ``embedding``, ``reranker``, on
@@ -53,14 +56,14 @@ from padfree_plugins.modeling.patching import ModelPatch, own_attribute, restore
 from padfree_plugins.modeling.router_aux import RouterAux
 from padfree_plugins.modeling.split_mixers import SplitMixer, why_not_split
 from padfree_plugins.packing.batch import PackedBatch, packed_tokens
-from padfree_plugins.packing.sequence_parallel import CU_KEYS, DROPPED_KEYS, MAX_KEYS, is_token_key, join_rows, \
-    padded_length, slice_row
+from padfree_plugins.packing.sequence_parallel import CU_KEYS, DROPPED_KEYS, MAX_KEYS, is_rotary_rows, is_token_key, \
+    join_rows, padded_length, slice_row
 
 #: How sequence mixers run under sequence parallelism (``sequence_parallel.mixers``).
 MIXER_MODES = ("split", "gather")
 
-__all__ = ["MIXER_MODES", "SequenceGroup", "SequenceParallelForward", "SequenceParallelPatch", "SplitMixer",
-           "WholeRowMixer", "gather_rows", "sequence_group"]
+__all__ = ["MIXER_MODES", "SequenceGroup", "SequenceParallelForward", "SequenceParallelPatch", "SliceRow", "SplitMixer",
+           "WholeRowMixer", "gather_rows", "language_model", "sequence_group"]
 
 
 def sequence_group(size: int) -> SequenceGroup:
@@ -111,6 +114,57 @@ class WholeRowMixer:
         return output[:, self.group.slice_of(output.shape[1])]
 
 
+#: Keys a language model takes that describe the whole row (never sliced): the boundaries, Gemma 3's image blocks.
+ROW_STRUCTURE_KEYS = (*CU_KEYS, *MAX_KEYS, "block_sequence_ids")
+
+
+@dataclass
+class SliceRow:
+    """Forward pre-hook of a vision-language model's language model under sequence parallelism: a packed call (its
+    boundaries given) arrives with the whole row's merged embeddings — the model embedded the group's whole row, ran
+    its vision tower on every image of it and filled the placeholders — and goes on with this rank's slice of them:
+    ``inputs_embeds``, ``position_ids`` (Qwen's ``[R, 1, T]`` rows along their last axis) and every other per-token
+    input ``[1, T, ...]`` cut to :meth:`SequenceGroup.slice_of`, the row's structure (boundaries, image blocks) kept
+    whole, as attention reads it after its all-to-all. The backward of the cut sends each rank's slice's gradient to
+    the merged embeddings alone, so each rank's tower and embedding gradients are its slice's share, which the data-
+    parallel all-reduce sums over the group (as for a text row's embeddings). Qwen3-VL's deepstack features (one per
+    visual token, added at ``visual_pos_masks``) keep the slice's visual tokens."""
+
+    group: SequenceGroup
+
+    def __call__(self, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        embeds = kwargs.get("inputs_embeds")
+        if kwargs.get("cu_seq_lens_q") is None or embeds is None:
+            return None  # an ordinary call (padded, generate()): as before
+        if args:
+            raise PadfreeError(f"{type(module).__name__} was called with positional arguments under sequence "
+                               "parallelism; the slice of its row is cut from keyword arguments only")
+        total = embeds.shape[1]
+        cut = self.group.slice_of(total)
+        sliced = dict(kwargs)
+        for key, value in kwargs.items():
+            if key in ROW_STRUCTURE_KEYS or not isinstance(value, torch.Tensor):
+                continue
+            if is_token_key(value, total):
+                sliced[key] = value[:, cut]
+            elif is_rotary_rows(key, value, total):
+                sliced[key] = value[..., cut]
+        masks, deepstack = kwargs.get("visual_pos_masks"), kwargs.get("deepstack_visual_embeds")
+        if deepstack is not None and masks is not None:
+            visual = torch.cumsum(masks.reshape(-1).long(), 0) - 1
+            keep = visual[cut][masks.reshape(-1)[cut]]
+            sliced["deepstack_visual_embeds"] = [features.index_select(0, keep) for features in deepstack]
+        return args, sliced
+
+
+def language_model(model: Any) -> Any:
+    """A vision-language model's language model (the module its base model hands the merged embeddings), or
+    ``None``."""
+    base = getattr(unwrap_model(model), "base_model", model)
+    found = getattr(base, "language_model", None)
+    return found if isinstance(found, torch.nn.Module) else None
+
+
 @dataclass
 class SequenceParallelPatch:
     """Sequence parallelism installed on a patched model (see the module docstring); ``remove()`` undoes it."""
@@ -119,18 +173,28 @@ class SequenceParallelPatch:
     group: SequenceGroup
     implementation: str | None = None
     saved: list = field(default_factory=list)
+    hooks: list = field(default_factory=list)
 
     @classmethod
-    def install(cls, patch: ModelPatch, group: SequenceGroup, layout: Any = None, mixers: str = "split"
-                ) -> SequenceParallelPatch:
+    def install(cls, patch: ModelPatch, group: SequenceGroup, layout: Any = None, mixers: str = "split",
+                whole_rows: bool = False) -> SequenceParallelPatch:
         """``layout``: how attention sees the row (an :class:`~padfree_plugins.modeling.attention.context_parallel.
         AttentionLayout`; ``None``: Ulysses over the group). ``mixers``: ``split`` (each rank's slice only, the state
         passed between ranks: :mod:`~padfree_plugins.modeling.split_mixers`; the whole row, with a warning, for a mixer
-        that cannot start from a state) or ``gather`` (:class:`WholeRowMixer` for every mixer)."""
+        that cannot start from a state) or ``gather`` (:class:`WholeRowMixer` for every mixer). ``whole_rows``: a
+        vision-language model, given whole image-text rows: its language model takes this rank's slice
+        (:class:`SliceRow`)."""
         if mixers not in MIXER_MODES:
             raise ConfigError(f"sequence_parallel.mixers: {mixers!r} is not one of {', '.join(MIXER_MODES)}")
         installed = cls(patch, group)
         model = patch.model
+        if whole_rows:
+            text_model = language_model(model)
+            if text_model is None:
+                raise ConfigError(f"{type(model).__name__} names no language_model, where sequence parallelism cuts "
+                                  "an image-text row after the image features are merged: train it with "
+                                  "sequence_parallel.size: 1")
+            installed.hooks.append(text_model.register_forward_pre_hook(SliceRow(group), with_kwargs=True))
         if patch.previous_implementation is not None:  # a model with attention (not Mamba)
             installed.implementation = attention.register(patch.backend, patch.fallback, patch.attention_dropout,
                                                           patch.architecture.kind == "decoder",
@@ -152,7 +216,7 @@ class SequenceParallelPatch:
             warnings.warn(f"sequence_parallel.mixers: split: these sequence mixers cannot start from another rank's "
                           f"state, so every rank runs them on the whole row (gathered), which saves less memory: {why}",
                           stacklevel=3)
-        patch.sequence = group
+        patch.sequence, patch.whole_rows = group, whole_rows
         return installed
 
     def _set_implementation(self, name: str) -> None:
@@ -160,39 +224,58 @@ class SequenceParallelPatch:
         self.patch.model.set_attn_implementation(name if config is None else {config: name})
 
     def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks.clear()
         for module, forward in reversed(self.saved):
             restore_attributes(module, {"forward": forward})
         self.saved.clear()
         if self.implementation is not None:
             self._set_implementation(self.patch.implementation)
             self.implementation = None
-        self.patch.sequence = None
+        self.patch.sequence, self.patch.whole_rows = None, False
 
 
-def _signature(batch: Mapping) -> list[tuple]:
-    """What every rank's batch must agree on to be exchanged: its keys, dtypes, and shapes past the token axis."""
+def _signature(batch: Mapping, media: tuple[str, ...] = ()) -> list[tuple]:
+    """What every rank's batch must agree on to be exchanged: its keys, dtypes, and shapes past the token axis (the
+    ``media`` keys apart: :func:`_media_shapes`)."""
     tokens = packed_tokens(batch)
     signature = []
     for key, value in batch.items():
+        if key in media:
+            continue
         if isinstance(value, torch.Tensor):
-            kind = "token" if is_token_key(value, tokens) else "example"
-            trailing = tuple(value.shape[2:] if kind == "token" else value.shape[1:])
+            kind = "token" if is_token_key(value, tokens) else "rotary" if is_rotary_rows(key, value, tokens) \
+                else "example"
+            trailing = tuple(value.shape[2:] if kind == "token" else value.shape[:2] if kind == "rotary"
+                             else value.shape[1:])
             signature.append((key, kind, str(value.dtype), trailing))
         else:
             signature.append((key, type(value).__name__))
     return signature
 
 
-def gather_rows(batch: Mapping, group: SequenceGroup, dropped: tuple[str, ...] = DROPPED_KEYS) -> list[PackedBatch]:
+def _media_shapes(batch: Mapping, media: tuple[str, ...]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The ``media`` keys ``batch`` holds: their dtypes and shapes (a rank without images holds none)."""
+    return {key: (str(batch[key].dtype), tuple(batch[key].shape)) for key in media
+            if isinstance(batch.get(key), torch.Tensor)}
+
+
+def gather_rows(batch: Mapping, group: SequenceGroup, dropped: tuple[str, ...] = DROPPED_KEYS,
+                media: tuple[str, ...] = ()) -> list[PackedBatch]:
     """Every rank's packed micro-batch of the group, in rank order (this rank's ``batch`` among them): one header
     exchange (token and example counts, one host sync), then one all-gather per key, padded to the largest; the
-    keys ``dropped`` left out (by default the labelled logits, recomputed on the slice)."""
+    keys ``dropped`` left out (by default the labelled logits, recomputed on the slice). ``media``: the keys of an
+    image-text row's media (pixels, grids: any number of rows each, absent where a rank's micro-batch has no images),
+    exchanged with their own lengths; a rank without one gets it empty. Multimodal ``position_ids`` ``[R, 1, T]``
+    travel along their token axis."""
     batch = {key: value for key, value in batch.items() if key not in dropped}
     signatures: list[Any] = [None] * group.size
-    dist.all_gather_object(signatures, _signature(batch), group=group.group)
-    if any(s != signatures[0] for s in signatures):
+    dist.all_gather_object(signatures, (_signature(batch, media), _media_shapes(batch, media)), group=group.group)
+    if any(s[0] != signatures[0][0] for s in signatures):
         raise PadfreeError("the ranks of a sequence-parallel group hold batches of different keys, dtypes or shapes; "
-                           f"every rank must use the same collator: {signatures}")
+                           f"every rank must use the same collator: {[s[0] for s in signatures]}")
+    shapes = _agreed_media(signatures)
     device = batch["input_ids"].device
     tokens = packed_tokens(batch)
     examples = int(batch["cu_seq_lens_q"].numel()) - 1
@@ -205,6 +288,8 @@ def gather_rows(batch: Mapping, group: SequenceGroup, dropped: tuple[str, ...] =
     for row in rows:
         row.model_keys = getattr(batch, "model_keys", None)
     for key, value in batch.items():
+        if key in media:
+            continue
         if key in MAX_KEYS:
             pieces: list[Any] = [size[2 + MAX_KEYS.index(key)] for size in sizes]
         elif not isinstance(value, torch.Tensor):
@@ -214,11 +299,38 @@ def gather_rows(batch: Mapping, group: SequenceGroup, dropped: tuple[str, ...] =
             pieces = _all_gather_padded(value, [size[1] + 1 for size in sizes], 0, group)
         elif is_token_key(value, tokens):
             pieces = _all_gather_padded(value, [size[0] for size in sizes], 1, group)
+        elif is_rotary_rows(key, value, tokens):
+            pieces = _all_gather_padded(value, [size[0] for size in sizes], 2, group)
         else:
             pieces = _all_gather_padded(value, [size[1] for size in sizes], 0, group)
         for row, piece in zip(rows, pieces):
             row[key] = piece
+    for key, (dtype, trailing, lengths) in shapes.items():
+        value = batch.get(key)
+        if not isinstance(value, torch.Tensor):
+            value = torch.zeros((0, *trailing), dtype=getattr(torch, dtype.removeprefix("torch.")), device=device)
+        for row, piece in zip(rows, _all_gather_padded(value.to(device), lengths, 0, group)):
+            row[key] = piece
+    for row in rows:  # the joined row's media are model inputs on every rank, one without images of its own too
+        if row.model_keys is not None and shapes:
+            row.model_keys = tuple(dict.fromkeys((*row.model_keys, *shapes)))
     return rows
+
+
+def _agreed_media(signatures: list[Any]) -> dict[str, tuple[str, tuple[int, ...], list[int]]]:
+    """Per media key any rank holds: its dtype, its shape past the first axis (equal on every rank that holds it),
+    and every rank's length along the first axis (0 without it)."""
+    agreed: dict[str, tuple[str, tuple[int, ...], list[int]]] = {}
+    for _, held in signatures:
+        for key, (dtype, shape) in held.items():
+            if key in agreed and agreed[key][:2] != (dtype, shape[1:]):
+                raise PadfreeError(f"the ranks of a sequence-parallel group hold {key!r} of different dtypes or "
+                                   f"shapes past the first axis ({agreed[key][:2]} and {(dtype, shape[1:])}), which "
+                                   "one row cannot join; train this model with sequence_parallel.size: 1")
+            agreed[key] = (dtype, shape[1:], [])
+    for key, (_, _, lengths) in agreed.items():
+        lengths.extend(held[key][1][0] if key in held else 0 for _, held in signatures)
+    return agreed
 
 
 def _all_gather_padded(value: torch.Tensor, lengths: list[int], dim: int, group: SequenceGroup) -> list[torch.Tensor]:
@@ -310,6 +422,10 @@ class SequenceParallelForward:
     inner: Any
     group: SequenceGroup
     pad_token_id: int = 0
+    #: The media keys of a vision-language model's rows (its collator's): non-empty, the group's row goes to the model
+    #: whole, its targets sliced (:func:`~padfree_plugins.packing.sequence_parallel.slice_row` ``whole``), and the
+    #: language model cuts this rank's slice after the image features are merged (:class:`SliceRow`).
+    media_keys: tuple[str, ...] = ()
     #: Whether the model's router aux loss was checked to be the load-balancing loss the group reduces (once).
     checked_router_aux: bool = False
 
@@ -323,8 +439,8 @@ class SequenceParallelForward:
         logits only when ``batch`` asked for them (``logits_to_keep``), computed on the slice. Its ``row_tokens``
         are the row's real tokens (the padding segment after them)."""
         labelled = "logits_to_keep" in batch
-        row = join_rows(gather_rows(batch, self.group))
-        local = slice_row(row, self.group.rank, self.group.size, self.pad_token_id)
+        row = join_rows(gather_rows(batch, self.group, media=self.media_keys))
+        local = slice_row(row, self.group.rank, self.group.size, self.pad_token_id, whole=bool(self.media_keys))
         local.row_tokens = packed_tokens(row)
         if labelled and "labels" in local:  # its labels are shifted already: keep the positions that have one
             positions = torch.nonzero(local["labels"][0] != -100).reshape(-1)
@@ -418,7 +534,7 @@ class SequenceParallelForward:
         if not self.checked_router_aux:
             router.check(outputs, type(owner).__name__)
             self.checked_router_aux = True
-        slice_tokens = packed_tokens(local)
+        slice_tokens = local["labels"].shape[1] if "labels" in local else packed_tokens(local)  # whole inputs too
         real = min(max(getattr(local, "row_tokens", slice_tokens * self.group.size)
                        - self.group.rank * slice_tokens, 0), slice_tokens)
         share = router.share(outputs["router_logits"], real, self.group)

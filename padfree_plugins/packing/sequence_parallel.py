@@ -14,6 +14,12 @@ micro-batch, as under data parallelism; the group's row is their micro-batches b
 * the boundaries stay global (``cu_seq_lens_q`` / ``_k`` and the max lengths describe the whole row), and every
   other per-token key (``input_ids``, ``position_ids``, ``seq_idx``, ``token_type_ids`` …) is sliced.
 
+An image-text row (:func:`slice_row` with ``whole=True``) keeps every model input whole — its tokens, positions
+(Qwen's ``[4, 1, T]`` mRoPE rows too), modalities and media — and slices its targets alone: the model embeds the
+whole row, runs the vision tower and merges the image features, and its language model takes this rank's slice of the
+merged embeddings (:class:`~padfree_plugins.modeling.sequence_parallel.SliceRow`). Its per-rank rows join with the
+rotary positions along their token axis and the media in rank order (the model fills the placeholders in that order).
+
 A row whose targets are shifted already (``shift_labels``, no ``labels``: TRL's fused LM head) is sliced with
 ``pre_shifted=True``: its ``shift_labels`` are cut as they are, the padding segment's -100.
 
@@ -54,6 +60,13 @@ DROPPED_KEYS = (HELD_KEY, *LABELLED_LOGITS_KEYS)
 def is_token_key(value: Any, tokens: int) -> bool:
     """Whether ``value`` is a per-token tensor ``[1, T, ...]`` of a row of ``tokens`` tokens."""
     return isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[0] == 1 and value.shape[1] == tokens
+
+
+def is_rotary_rows(key: str, value: Any, tokens: int) -> bool:
+    """Whether ``value`` is a multimodal row's ``position_ids`` ``[R, 1, T]`` (Qwen-VL: the text row, then the three
+    mRoPE rows), its token axis the last."""
+    return key == "position_ids" and isinstance(value, torch.Tensor) and value.ndim == 3 and value.shape[1] == 1 \
+        and value.shape[2] == tokens
 
 
 def segment_parents(row: Mapping) -> torch.Tensor:
@@ -100,6 +113,8 @@ def join_rows(rows: Sequence[Mapping]) -> PackedBatch:
             joined[key] = torch.cat([v + int(o) for v, o in zip(values, offsets)], dim=1)
         elif all(is_token_key(v, size) for v, size in zip(values, sizes)):
             joined[key] = torch.cat(values, dim=1)
+        elif all(is_rotary_rows(key, v, size) for v, size in zip(values, sizes)):
+            joined[key] = torch.cat(values, dim=2)
         elif all(isinstance(v, torch.Tensor) and v.ndim >= 1 for v in values):
             joined[key] = torch.cat(values)
         elif all(v == values[0] for v in values):
@@ -132,10 +147,15 @@ def padded_length(tokens: int, size: int) -> int:
     return -(-tokens // size) * size
 
 
+#: The per-token keys of a row that are targets, not model inputs: the ones an image-text row's slice cuts.
+TARGET_KEYS = ("labels", "shift_labels")
+
+
 def slice_row(row: Mapping, rank: int, size: int, pad_token_id: int = 0, *,
-              pre_shifted: bool = False) -> PackedBatch:
+              pre_shifted: bool = False, whole: bool = False) -> PackedBatch:
     """Rank ``rank``'s slice of the packed ``row`` split ``size`` ways (see the module docstring); ``pre_shifted``:
-    the row's ``shift_labels`` are its targets, sliced without shifting (and the row has no ``labels``)."""
+    the row's ``shift_labels`` are its targets, sliced without shifting (and the row has no ``labels``); ``whole``:
+    an image-text row, whose model inputs stay whole (padded) and whose targets alone are sliced."""
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} of a sequence-parallel group of {size}")
     tokens = packed_tokens(row)
@@ -143,9 +163,11 @@ def slice_row(row: Mapping, rank: int, size: int, pad_token_id: int = 0, *,
         raise BatchError("sequence parallelism needs a packed row (input_ids and cu_seq_lens_q), as "
                          "padfree_plugins' collator builds it")
     position_ids = row.get("position_ids")
-    if isinstance(position_ids, torch.Tensor) and position_ids.ndim != 2:
-        raise BatchError(f"position_ids of shape {tuple(position_ids.shape)}: sequence parallelism slices rows of "
-                         "one position per token [1, T] (multimodal rotary positions are not supported under it)")
+    if isinstance(position_ids, torch.Tensor) and position_ids.ndim != 2 and not (
+            whole and is_rotary_rows("position_ids", position_ids, tokens)):
+        raise BatchError(f"position_ids of shape {tuple(position_ids.shape)}: sequence parallelism slices a text row's "
+                         "positions [1, T]; multimodal rotary positions [R, 1, T] only in an image-text row, which "
+                         "the model slices after merging its image features (slice_row(..., whole=True))")
     padding = padded_length(tokens, size) - tokens
     local = padded_length(tokens, size) // size
     start = rank * local
@@ -167,7 +189,10 @@ def slice_row(row: Mapping, rank: int, size: int, pad_token_id: int = 0, *,
             if key == "labels":
                 value = shifted_labels(value)
             value = _pad_tokens(key, value, padding, row, pad_token_id)
-            sliced[key] = value[:, start:start + local]
+            sliced[key] = value if whole and key not in TARGET_KEYS else value[:, start:start + local]
+        elif is_rotary_rows(key, value, tokens):  # whole: the model slices them with its merged embeddings
+            sliced[key] = torch.cat([value, (value[..., :1] + torch.arange(padding, device=value.device)
+                                             ).to(value.dtype)], dim=2) if padding else value
         else:
             sliced[key] = value
     if "labels" in sliced:

@@ -31,6 +31,8 @@ Both leave a model run on one example alone exactly as it was, and change only p
 * :func:`parent_keys_not_exchanged`: a row with shared prefixes split across a sequence-parallel group's ranks whose
   completions see zeros for the keys and values of a prompt that another rank's slice holds (the structure applied
   to the rank's own slice only);
+* :func:`image_features_sliced_off_by_one`: an image-text row under sequence parallelism whose merged embeddings
+  (image features and text) every rank after the first cuts one token early, its positions cut right;
 * :func:`mixer_scans_only_its_slice` and :func:`state_from_wrong_rank`: the two ways sequence mixers split across the
   ranks of a sequence-parallel group (:mod:`padfree_plugins.modeling.split_mixers`) can go wrong — the piece of an
   example after a cut starting from zeros, or from a state that is not the previous rank's;
@@ -51,7 +53,7 @@ import torch
 from padfree_plugins.modeling import attention, mixers, patching, split_mixers, tiling
 from padfree_plugins.modeling.attention import backends, context_parallel
 from padfree_plugins.modeling.patching import unwrap_model
-from padfree_plugins.modeling.sequence_parallel import SequenceParallelForward
+from padfree_plugins.modeling.sequence_parallel import SequenceParallelForward, SliceRow
 from padfree_plugins.packing import multimodal
 from padfree_plugins.packing.batch import restarts
 from padfree_plugins.packing.prefixes import SharedPrefixes
@@ -567,4 +569,25 @@ def parent_keys_not_exchanged() -> Iterator[None]:
 
     with mock.patch.object(attention, "_shared_keys", local), \
             mock.patch.object(SharedPrefixes, "slice_keys", local_slice):
+        yield
+
+
+@contextmanager
+def image_features_sliced_off_by_one() -> Iterator[None]:
+    """Within the block, an image-text row under sequence parallelism (:class:`~padfree_plugins.modeling.
+    sequence_parallel.SliceRow`) hands every rank after the first the merged embeddings one token early: each token of
+    its slice gets the embedding (an image feature, or text) of the token before it, with its own position. An image
+    cut by a rank boundary loses its first feature on the later rank."""
+    right = SliceRow.__call__
+
+    def early(self: SliceRow, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        answer = right(self, module, args, kwargs)
+        if answer is None or self.group.rank == 0:
+            return answer
+        whole = kwargs["inputs_embeds"]
+        cut = self.group.slice_of(whole.shape[1])
+        answer[1]["inputs_embeds"] = whole[:, cut.start - 1:cut.stop - 1]
+        return answer
+
+    with mock.patch.object(SliceRow, "__call__", early):
         yield

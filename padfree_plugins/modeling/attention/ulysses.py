@@ -165,9 +165,11 @@ class UlyssesAttention:
             if sinks is not None:
                 share = sinks.shape[0] // group.size
                 kwargs[name] = sinks[group.rank * share:(group.rank + 1) * share]
-        if kwargs.get("block_sequence_ids") is not None:
-            raise NotImplementedError("bidirectional blocks (image tokens) are not supported under sequence "
-                                      "parallelism")
+        blocks = kwargs.get("block_sequence_ids")
+        if blocks is not None and blocks.shape[-1] != query.shape[2] * ranks:
+            raise BoundaryError(f"{type(module).__name__}: bidirectional blocks (image tokens) of {blocks.shape[-1]} "
+                                f"tokens for a row of {query.shape[2] * ranks}: under sequence parallelism they "
+                                "describe the group's whole row, which every rank holds for its heads")
         query, key, value = (sequence_to_heads(t, group) for t in (query, key, value))
         out, _ = self.inner(module, query, key, value, attention_mask, **kwargs)  # [1, T, H/N, D]
         return heads_to_sequence(out.transpose(1, 2), group).transpose(1, 2), None
