@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import DataCollatorWithFlattening
@@ -17,6 +19,7 @@ from padfree_plugins import (
     plan,
 )
 from padfree_plugins.modeling import unpad
+from padfree_plugins.modeling.attention import PACKED_CALL
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup
 from padfree_plugins.modeling.sequence_parallel import SequenceParallelPatch, SplitMixer, WholeRowMixer
 from padfree_plugins.packing.padded import pad_examples
@@ -154,6 +157,46 @@ def _lfm2():
     return model_of("lfm2", initializer_range=0.1).float().eval()
 
 
+def _encoder(name: str):
+    from tests.tasks_common import model_for
+    from tests.test_encoders import NO_DROPOUT
+
+    return model_for(name, **NO_DROPOUT).eval()
+
+
+@functools.cache
+def _processor():
+    from padfree_plugins.testing.vision import image_text_processor
+
+    return image_text_processor("qwen3_5")
+
+
+def _vision_language():
+    pytest.importorskip("PIL")
+    from padfree_plugins.testing.vision import tiny_vision_language_model
+
+    return tiny_vision_language_model("qwen3_5", _processor())
+
+
+def _examples(model) -> list[dict]:
+    """Text examples for ``model`` (a vision-language model's from its processor: no id is an image token)."""
+    if getattr(model.config, "image_token_id", None) is None:
+        return example_batch(model)
+    from padfree_plugins.testing.vision import image_text_example
+
+    texts = ("only words here", "x", "a longer line of words and more words", "two words")
+    return [image_text_example(_processor(), text) for text in texts]
+
+
+def _packed_images(model, assembly):
+    """A packed row of a vision-language model with images in it, forward and backward."""
+    from padfree_plugins.testing.vision import image_text_example, synthetic_image
+
+    examples = [image_text_example(_processor(), "a picture <image> of words", [synthetic_image(60, 90, 0)]),
+                *_examples(model)[:2], image_text_example(_processor(), "<image>", [synthetic_image(40, 40, 1)])]
+    assembly.forward(model, assembly.collator(examples)).loss.backward()
+
+
 def _packed_forward(model, assembly):
     """A packed batch through the assembly's forward, with a backward where it returns a loss."""
     examples = example_batch(model, labels=assembly.plan.task.name == "seq_cls")
@@ -217,6 +260,13 @@ UNDO_CASES = {
     "shared prefixes": (_hybrid, {"task": "causal_lm", "prefix_sharing": "on"}, _shared_forward,
                         {"task": "causal_lm", "prefix_sharing": "off"}),
     "short convolutions": (_lfm2, {"task": "causal_lm"}, _packed_forward, {"task": "causal_lm", "unpad": "off"}),
+    "own attention (DeBERTa-v2)": (lambda: _encoder("deberta-v2"), {"task": "hidden_states"}, _packed_forward,
+                                   {"task": "hidden_states", "unpad": "off"}),
+    "token dropout (ESM)": (lambda: _encoder("esm"), {"task": "hidden_states"}, _packed_forward,
+                            {"task": "hidden_states", "attention": "exact"}),
+    "pooled encoder": (lambda: _encoder("bert"), {"task": "embedding"}, _packed_forward, {"task": "hidden_states"}),
+    "vision towers and mixers": (_vision_language, {"task": "causal_lm"}, _packed_images,
+                                 {"task": "causal_lm", "mixers": "exact"}),
     "sequence parallel split": (_hybrid, {"task": "causal_lm", "attention": "exact"}, _sequence_parallel("split"),
                                 {"task": "causal_lm"}),
     "sequence parallel gather": (_hybrid, {"task": "causal_lm", "attention": "exact"}, _sequence_parallel("gather"),
@@ -231,7 +281,7 @@ def test_undo_leaves_every_module_as_before_and_a_second_assembly_is_exact(kind)
     and the model assembled again with another config equals every example run alone (and undoes as cleanly)."""
     build, first, run, second = UNDO_CASES[kind]
     model = build()
-    inputs = padded(example_batch(model), side="right")
+    inputs = padded(_examples(model), side="right")
     with torch.no_grad():
         want = model(**inputs, use_cache=False)[0]
     before = model_state(model)
@@ -245,9 +295,34 @@ def test_undo_leaves_every_module_as_before_and_a_second_assembly_is_exact(kind)
     model.eval()
     model.gradient_checkpointing_disable() if model.is_gradient_checkpointing else None
     again = model_state(model)
-    report = assert_packed_matches_alone(model, second, atol=1e-5, grad_atol=1e-4)
+    report = assert_packed_matches_alone(model, second, _examples(model), atol=1e-5, grad_atol=1e-4)
     assert report.max_output_diff <= 1e-5
     assert_state_restored(again, model)
+
+
+def test_the_state_check_names_every_kind_of_leftover():
+    """A forward hook, an instance forward, a config value and a packed-call marker left behind are each named; with
+    them gone the check passes."""
+    model = tiny_model("llama")
+    before = model_state(model)
+    handle = model.layers[0].register_forward_hook(lambda *args: None)
+    model.norm.forward = model.norm.forward
+    model.config.use_cache = not model.config.use_cache
+    token = PACKED_CALL.set(True)
+    try:
+        with pytest.raises(AssertionError) as info:
+            assert_state_restored(before, model)
+    finally:
+        PACKED_CALL.reset(token)
+        handle.remove()
+        del model.norm.forward
+        model.config.use_cache = not model.config.use_cache
+    message = str(info.value)
+    assert "undo left 4 difference(s)" in message, message
+    for leftover in ("module layers.0: _forward_hooks is OrderedDict of 1", "module norm: forward was added",
+                     "config model.config: use_cache is", "PACKED_CALL is True, was False"):
+        assert leftover in message, message
+    assert_state_restored(before, model)
 
 
 def test_undo_takes_pieces_off_last_installed_first():
