@@ -11,7 +11,7 @@ forward hooks and the other hook tables, parameters, buffers, attributes), the i
 the modules hold (the attention implementation among them), and the packed-call markers the patches set during a
 forward (``PACKED_CALL``, ``PACKED_ROW``). :func:`assert_state_restored` names every difference. The attention
 implementation's name stays in transformers' registry after ``undo`` (the registry has no public way to remove a
-name); nothing else of an assembly remains.
+name); nothing else of an assembly may remain on the model.
 """
 
 from __future__ import annotations
