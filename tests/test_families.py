@@ -127,7 +127,7 @@ def test_traits_run_in_the_declared_order_checks_first_and_undo_removes_each():
                    ("install", "Second", True), ("install", "First", True)]
     assert model.config._attn_implementation != "sdpa"
     patch.undo()
-    assert log[4:] == [("remove", "Second"), ("remove", "First")]
+    assert log[4:] == [("remove", "First"), ("remove", "Second")]  # last installed first
     assert model.config._attn_implementation == "sdpa" and patch_of(model) is None
 
 

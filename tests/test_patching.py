@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import DataCollatorWithFlattening
@@ -16,7 +18,14 @@ from padfree_plugins import (
     patch_of,
     plan,
 )
+from padfree_plugins.modeling import unpad
+from padfree_plugins.modeling.attention import PACKED_CALL
+from padfree_plugins.modeling.attention.ulysses import SequenceGroup
+from padfree_plugins.modeling.sequence_parallel import SequenceParallelPatch, SplitMixer, WholeRowMixer
 from padfree_plugins.packing.padded import pad_examples
+from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY
+from padfree_plugins.testing import assert_packed_matches_alone, example_batch
+from padfree_plugins.testing.undo import assert_state_restored, model_state
 from tests.conftest import make_examples, tiny_config, tiny_model
 from tests.tasks_common import per_example_case
 from tests.ties import assert_same_greedy, greedy
@@ -118,6 +127,7 @@ def test_generate_works_and_matches_unpatched():
 def test_undo_restores_model_exactly():
     model = tiny_model("llama")
     hooks_before = dict(model.base_model._forward_pre_hooks)
+    before = model_state(model)
     assembly = assemble(model, {"task": "hidden_states"})
     assert model.config._attn_implementation == "padfree_exact"
     assert all(m.config._attn_implementation == "padfree_exact" for m in model.modules() if hasattr(m, "config"))
@@ -125,11 +135,208 @@ def test_undo_restores_model_exactly():
     described = assembly.patch.describe()
     assert described["attn_implementation"] == "sdpa -> padfree_exact"
     assert "LlamaAttention" in described["attention_modules"]
+    with pytest.raises(AssertionError, match="_padfree_patch was added"):  # the check sees a patch
+        assert_state_restored(before, model)
     assembly.undo()
     assembly.undo()  # twice is harmless
     assert model.config._attn_implementation == "sdpa"
     assert dict(model.base_model._forward_pre_hooks) == hooks_before
     assert patch_of(model) is None
+    assert_state_restored(before, model)
+
+
+def _hybrid(model_type: str = "qwen3_5_text"):
+    from tests.hybrids_common import hybrid_model, slow
+
+    return slow(hybrid_model(model_type, initializer_range=0.1))
+
+
+def _lfm2():
+    from tests.test_hybrid_lfm2 import model_of
+
+    return model_of("lfm2", initializer_range=0.1).float().eval()
+
+
+def _encoder(name: str):
+    from tests.tasks_common import model_for
+    from tests.test_encoders import NO_DROPOUT
+
+    return model_for(name, **NO_DROPOUT).eval()
+
+
+@functools.cache
+def _processor():
+    from padfree_plugins.testing.vision import image_text_processor
+
+    return image_text_processor("qwen3_5")
+
+
+def _vision_language():
+    pytest.importorskip("PIL")
+    from padfree_plugins.testing.vision import tiny_vision_language_model
+
+    return tiny_vision_language_model("qwen3_5", _processor())
+
+
+def _examples(model) -> list[dict]:
+    """Text examples for ``model`` (a vision-language model's from its processor: no id is an image token)."""
+    if getattr(model.config, "image_token_id", None) is None:
+        return example_batch(model)
+    from padfree_plugins.testing.vision import image_text_example
+
+    texts = ("only words here", "x", "a longer line of words and more words", "two words")
+    return [image_text_example(_processor(), text) for text in texts]
+
+
+def _packed_images(model, assembly):
+    """A packed row of a vision-language model with images in it, forward and backward."""
+    from padfree_plugins.testing.vision import image_text_example, synthetic_image
+
+    examples = [image_text_example(_processor(), "a picture <image> of words", [synthetic_image(60, 90, 0)]),
+                *_examples(model)[:2], image_text_example(_processor(), "<image>", [synthetic_image(40, 40, 1)])]
+    assembly.forward(model, assembly.collator(examples)).loss.backward()
+
+
+def _packed_forward(model, assembly):
+    """A packed batch through the assembly's forward, with a backward where it returns a loss."""
+    examples = example_batch(model, labels=assembly.plan.task.name == "seq_cls")
+    outputs = assembly.forward(model, assembly.collator(examples))
+    loss = outputs.get("loss") if isinstance(outputs, dict) else getattr(outputs, "loss", None)
+    if loss is not None:
+        loss.backward()
+
+
+def _padded_forward(model, assembly):
+    """An ordinary padded call with gradients: unpad packs it inside the model."""
+    inputs = padded(example_batch(model), side="right")
+    model(**inputs, labels=inputs["input_ids"], use_cache=False).loss.backward()
+
+
+def _shared_forward(model, assembly):
+    """A row with shared prefixes (prompts once, completions continuing their states), forward and backward."""
+    from tests.test_hybrid_prefixes import padded_call
+
+    shared, _ = unpad.pack_padded_call({"input_ids": padded_call(model.config.vocab_size)[0]},
+                                       *padded_call(model.config.vocab_size)[1:], False, True)
+    assert shared[SHARED_PREFIXES_KEY].parents.count(-1) < len(shared[SHARED_PREFIXES_KEY].parents)
+    model(**shared).logits.sum().backward()
+
+
+def _checkpointed(model):
+    model.config.use_cache = False
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def _sequence_parallel(mixers: str):
+    """Sequence parallelism over a group of 2 installed on the assembly, as ``assemble`` installs it (one process:
+    no forward; tests/test_sequence_parallel_undo.py runs the forwards on 2 processes)."""
+    def install(model, assembly):
+        patch = SequenceParallelPatch.install(assembly.patch, SequenceGroup(None, 0, 2), mixers=mixers)
+        assembly.patch.handles.append(patch)
+        kind = SplitMixer if mixers == "split" else WholeRowMixer
+        assert sum(isinstance(module.__dict__.get("forward"), kind) for module in model.modules()) == 2
+    return install
+
+
+#: Patch kind -> (model, first config, what runs on the first assembly, second config). Every kind of piece an
+#: assembly installs: the attention implementation and guard, unpad's hooks, tiled MLPs and loss, the per-example
+#: compute route, hybrid mixers (with gradient checkpointing's per-forward wraps), shared prefixes through them,
+#: LFM2's short convolutions, sequence parallelism's split and gathered mixers.
+UNDO_CASES = {
+    "attention": (lambda: tiny_model("llama"), {"task": "hidden_states"}, _packed_forward,
+                  {"task": "hidden_states", "unpad": "off"}),
+    "unpad": (lambda: tiny_model("llama", head="causal_lm"), {"task": "causal_lm", "unpad": "always"},
+              _padded_forward, {"task": "causal_lm", "unpad": "off"}),
+    "tiling": (lambda: tiny_model("llama", head="causal_lm"), {"task": "causal_lm", "memory": {"tile_tokens": 4}},
+               _packed_forward, {"task": "causal_lm"}),
+    # problem_type set beforehand: transformers' classification loss sets it on the first labelled call, patched or not
+    "compute route": (lambda: tiny_model("llama", head="seq_cls", num_labels=3,
+                                         problem_type="single_label_classification"), {"task": "seq_cls"},
+                      _packed_forward, {"task": "seq_cls", "attention": "exact", "unpad": "off"}),
+    "hybrid mixers": (lambda: _checkpointed(_hybrid()), {"task": "causal_lm", "mixers": "exact"}, _packed_forward,
+                      {"task": "causal_lm"}),
+    "shared prefixes": (_hybrid, {"task": "causal_lm", "prefix_sharing": "on"}, _shared_forward,
+                        {"task": "causal_lm", "prefix_sharing": "off"}),
+    "short convolutions": (_lfm2, {"task": "causal_lm"}, _packed_forward, {"task": "causal_lm", "unpad": "off"}),
+    "own attention (DeBERTa-v2)": (lambda: _encoder("deberta-v2"), {"task": "hidden_states"}, _packed_forward,
+                                   {"task": "hidden_states", "unpad": "off"}),
+    "token dropout (ESM)": (lambda: _encoder("esm"), {"task": "hidden_states"}, _packed_forward,
+                            {"task": "hidden_states", "attention": "exact"}),
+    "pooled encoder": (lambda: _encoder("bert"), {"task": "embedding"}, _packed_forward, {"task": "hidden_states"}),
+    "vision towers and mixers": (_vision_language, {"task": "causal_lm"}, _packed_images,
+                                 {"task": "causal_lm", "mixers": "exact"}),
+    "sequence parallel split": (_hybrid, {"task": "causal_lm", "attention": "exact"}, _sequence_parallel("split"),
+                                {"task": "causal_lm"}),
+    "sequence parallel gather": (_hybrid, {"task": "causal_lm", "attention": "exact"}, _sequence_parallel("gather"),
+                                 {"task": "causal_lm", "mixers": "exact"}),
+}
+
+
+@pytest.mark.parametrize("kind", UNDO_CASES)
+def test_undo_leaves_every_module_as_before_and_a_second_assembly_is_exact(kind):
+    """After ``undo`` every module's ``__dict__`` (an instance ``forward``, hooks, attributes), every config and the
+    packed-call markers are as before the assembly, the model's own padded call gives the same outputs bit for bit,
+    and the model assembled again with another config equals every example run alone (and undoes as cleanly)."""
+    build, first, run, second = UNDO_CASES[kind]
+    model = build()
+    inputs = padded(_examples(model), side="right")
+    with torch.no_grad():
+        want = model(**inputs, use_cache=False)[0]
+    before = model_state(model)
+    assembly = assemble(model, first)
+    run(model, assembly)
+    model.zero_grad(set_to_none=True)
+    assembly.undo()
+    assert_state_restored(before, model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs, use_cache=False)[0], want, rtol=0, atol=0)
+    model.eval()
+    model.gradient_checkpointing_disable() if model.is_gradient_checkpointing else None
+    again = model_state(model)
+    report = assert_packed_matches_alone(model, second, _examples(model), atol=1e-5, grad_atol=1e-4)
+    assert report.max_output_diff <= 1e-5
+    assert_state_restored(again, model)
+
+
+def test_the_state_check_names_every_kind_of_leftover():
+    """A forward hook, an instance forward, a config value and a packed-call marker left behind are each named; with
+    them gone the check passes."""
+    model = tiny_model("llama")
+    before = model_state(model)
+    handle = model.layers[0].register_forward_hook(lambda *args: None)
+    model.norm.forward = model.norm.forward
+    model.config.use_cache = not model.config.use_cache
+    token = PACKED_CALL.set(True)
+    try:
+        with pytest.raises(AssertionError) as info:
+            assert_state_restored(before, model)
+    finally:
+        PACKED_CALL.reset(token)
+        handle.remove()
+        del model.norm.forward
+        model.config.use_cache = not model.config.use_cache
+    message = str(info.value)
+    assert "undo left 4 difference(s)" in message, message
+    for leftover in ("module layers.0: _forward_hooks is OrderedDict of 1", "module norm: forward was added",
+                     "config model.config: use_cache is", "PACKED_CALL is True, was False"):
+        assert leftover in message, message
+    assert_state_restored(before, model)
+
+
+def test_undo_takes_pieces_off_last_installed_first():
+    """Sequence parallelism wraps the mixers' packed forwards; undo takes it off first, then the mixers' own patch,
+    so that the model's own forwards come back (taken off in installation order, the split mixers' removal would put
+    the packed forwards back after the mixers' patch had removed them: the fault a second assembly tripped on)."""
+    model = _hybrid()
+    before = model_state(model)
+    assembly = assemble(model, {"task": "causal_lm", "attention": "exact"})
+    _sequence_parallel("split")(model, assembly)
+    for handle in list(assembly.patch.handles):  # the old order: first installed first
+        handle.remove()
+    with pytest.raises(AssertionError, match=r"linear_attn: forward was added \(PackedMixer\)"):
+        assert_state_restored(before, model)
 
 
 def test_double_patch_is_refused():

@@ -16,6 +16,7 @@ from padfree_plugins.errors import BoundaryError, ConfigError
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup
 from padfree_plugins.modeling.sequence_parallel import SequenceParallelPatch, SplitMixer, WholeRowMixer
 from padfree_plugins.modeling.split_mixers import PREVIOUS_RANK, SlicePlan, slice_plan
+from padfree_plugins.testing.undo import assert_state_restored, model_state
 from tests.hybrids_common import hybrid_model
 
 
@@ -64,6 +65,7 @@ def installed(model_type: str, mixers: str = "split"):
     """The model assembled (one process), then sequence parallelism over a group of 2 installed (no communication
     at install); the warnings raised."""
     model = hybrid_model(model_type)
+    installed.before = model_state(model)
     assembly = assemble(model, {"attention": "exact"})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -77,6 +79,7 @@ def test_mixers_that_start_from_a_state_run_split_and_undo_restores_them():
     patch.remove()
     assert not forwards(model, SplitMixer)
     assembly.undo()
+    assert_state_restored(installed.before, model)
 
 
 def test_mamba1_runs_gathered_with_a_warning_saying_why():

@@ -25,6 +25,7 @@ from padfree_plugins.integrations.resume import FINGERPRINT_FILE
 from padfree_plugins.modeling.neftune import PackedNeftune
 from padfree_plugins.packing.collator import split_packed_row
 from padfree_plugins.packing.labelled_logits import HELD_KEY
+from padfree_plugins.testing.undo import assert_state_restored, model_state
 from tests.conftest import tiny_config
 from tests.hybrids_common import HYBRIDS, hybrid_model
 from tests.test_decoders import DECODERS, causal_lm
@@ -411,6 +412,7 @@ def test_undo_restores_the_trainer_and_the_model():
     before = {name: getattr(trainer, name) for name in ("data_collator", "compute_loss", "prediction_step")}
     trainer._set_signature_columns_if_needed()
     columns = list(trainer._signature_columns)
+    model_before = model_state(trainer.model)
     acceleration = accelerate(trainer, {"task": "causal_lm"})
     assert isinstance(trainer.data_collator, TrainerCollator) and "compute_loss" in vars(trainer)
     with pytest.raises(PadfreeError, match="already padding-free"):
@@ -421,6 +423,7 @@ def test_undo_restores_the_trainer_and_the_model():
     assert "compute_loss" not in vars(trainer) and "prediction_step" not in vars(trainer)
     assert trainer.compute_loss == before["compute_loss"] and trainer._signature_columns == columns
     assert patch_of(trainer.model) is None and trainer.model.config._attn_implementation == "sdpa"
+    assert_state_restored(model_before, trainer.model)
     trainer.train()  # padded again
     assert_same_curve(losses(trainer), padded_run("hf")[0])
 

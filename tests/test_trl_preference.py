@@ -20,6 +20,7 @@ import torch
 from padfree_plugins import PadfreeError, accelerate, patch_of
 from padfree_plugins.modeling.attention import record_attention_calls
 from padfree_plugins.testing.faults import leak_across_boundaries
+from padfree_plugins.testing.undo import assert_state_restored, model_state
 from tests.conftest import tiny_model
 from tests.test_trainer import tokenizer
 from tests.ties import allowed_flips, excess_over_flips, recording_token_margins
@@ -295,11 +296,14 @@ def test_undo_restores_the_policy_and_the_reference_model():
                                  args=trl.DPOConfig(output_dir=out, report_to=[], use_cpu=True, bf16=False),
                                  processing_class=copy.deepcopy(tokenizer()))
     forwards = (vars(model)["forward"], vars(trainer.ref_model)["forward"])
+    states = (model_state(model), model_state(trainer.ref_model))
     acceleration = accelerate(trainer, {"task": "causal_lm"})
     assert patch_of(trainer.ref_model) is not None
     acceleration.undo()
     assert (vars(model)["forward"], vars(trainer.ref_model)["forward"]) == forwards
     assert patch_of(model) is None and patch_of(trainer.ref_model) is None
+    assert_state_restored(states[0], model)
+    assert_state_restored(states[1], trainer.ref_model)
 
 
 

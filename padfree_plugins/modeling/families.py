@@ -8,8 +8,9 @@
 the families of one trait. Its patch (:meth:`DeclaredFamily.patch`) runs in a fixed order: every trait's ``check``
 (in the declared order: a refusal leaves the model untouched), one attention patch
 (:meth:`~padfree_plugins.modeling.patching.ModelPatch.apply`, with the options the traits give it), then every
-trait's ``install`` in the declared order, each returning a handle that ``patch.undo()`` removes. A failing
-install undoes what was applied before it. Its plugin module's hooks come from :meth:`DeclaredFamily.hooks`.
+trait's ``install`` in the declared order, each returning a handle that ``patch.undo()`` removes (last installed
+first). A failing install undoes what was applied before it. Its plugin module's hooks come from
+:meth:`DeclaredFamily.hooks`.
 """
 
 from __future__ import annotations

@@ -492,12 +492,15 @@ class ModelPatch:
         self.compute_route = None
 
     def undo(self) -> None:
-        """Restore the previous attention implementation and remove the guard. Safe to call twice."""
+        """Restore the previous attention implementation and remove the guard. Safe to call twice.
+
+        The pieces in :attr:`handles` come off last installed first: a later piece may wrap what an earlier one put
+        on the same module (sequence parallelism wraps a mixer's packed forward) and restores that when removed, so
+        the earlier piece must still be there to take its own off after it."""
         if not self.active:
             return
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
+        while self.handles:
+            self.handles.pop().remove()
         self._remove_compute_route()
         if self.previous_implementation is not None:
             previous = self.previous_implementation

@@ -29,9 +29,10 @@ from padfree_plugins.testing.models import (
     tiny_model,
     vocab_size_of,
 )
+from padfree_plugins.testing.undo import ModelState, assert_state_restored, model_state
 
 __all__ = [
-    "DEFAULT_LENGTHS", "EquivalenceReport", "TINY_DEFAULTS", "VOCAB", "assert_packed_matches_alone", "default_task",
-    "example_batch", "leak_across_boundaries", "output_of", "positions_run_on", "random_examples", "run_alone",
-    "split_packed", "tiny_config", "tiny_model", "vocab_size_of",
+    "DEFAULT_LENGTHS", "EquivalenceReport", "ModelState", "TINY_DEFAULTS", "VOCAB", "assert_packed_matches_alone",
+    "assert_state_restored", "default_task", "example_batch", "leak_across_boundaries", "model_state", "output_of",
+    "positions_run_on", "random_examples", "run_alone", "split_packed", "tiny_config", "tiny_model", "vocab_size_of",
 ]

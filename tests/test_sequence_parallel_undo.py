@@ -1,0 +1,54 @@
+"""A model assembled under sequence parallelism, undone, and assembled again with its mixers run another way, on 2 CPU
+processes (gloo): one torchrun launch of tests/sequence_parallel_undo_run.py.
+
+On one tiny Qwen3.5 hybrid (gated delta rule layers around attention), in turn: ``sequence_parallel.mixers: split``,
+``gather``, ``split`` again, each undone before the next. Every assembly's loss and gradients (summed over the group)
+equal one process's on the group's row (1e-5 / 1e-4 of their scale), each ran the mixers it was configured with, and
+after every undo each module's ``__dict__``, hooks, configs and the packed-call markers are as before the first
+assembly and the model's own padded call gives the same logits bit for bit. The deliberate fault — undo taking the
+pieces off in installation order, as before the fix — leaves the packed mixer forwards on the gated delta rule layers,
+and the gathered assembly after it fails with the error users saw ("packed call without a [1, T, H] hidden_states").
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from tests.test_distributed import ROOT, free_port, run_group
+
+LOSS = 1e-5
+GRADS = 1e-4
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("sp_undo") / "ranks.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(ROOT / "tests" / "sequence_parallel_undo_run.py"), str(out)]
+    returncode, output = run_group(command, env, timeout=240, results=[out])
+    assert returncode == 0, output[-6000:]
+    return torch.load(out, weights_only=False)
+
+
+def test_split_then_gather_then_split_each_equal_one_process_and_undo_cleanly(launched):
+    for rank, result in enumerate(launched):
+        assert [run["mode"] for run in result["runs"]] == ["split", "gather", "split"]
+        for run in result["runs"]:
+            assert "error" not in run, f"rank {rank}, {run['mode']}: {run['error']}"
+            print(f"rank {rank}, {run['mode']}: loss {run['loss']:.1e}, gradients {run['grads']:.1e} of their scale")
+            assert run["loss"] <= LOSS and run["grads"] <= GRADS, run
+            assert (run["split"], run["gathered"]) == ((2, 0) if run["mode"] == "split" else (0, 2)), run
+            assert run["padded"] == 0.0, run
+        assert result["reference_loss"] > 1.0  # a real loss: the comparison can fail
+
+
+def test_undo_in_installation_order_leaves_the_mixers_patched_and_the_next_assembly_fails(launched):
+    for result in launched:
+        fault = result["fault"]
+        assert fault["left"] == ["model.layers.0.linear_attn", "model.layers.2.linear_attn"], fault
+        assert "packed call without a [1, T, H] hidden_states" in fault.get("error", ""), fault
