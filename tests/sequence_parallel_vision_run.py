@@ -6,8 +6,9 @@ on 2 CPU processes (gloo), every case in one launch.
 
 Cases (:data:`CASES`):
 
-* ``forward-<family>`` (``qwen2_5_vl``, ``qwen2_vl``, ``gemma3``, ``qwen3_vl``, ``qwen3_vl_moe``; ``...-text-rank``: rank 1's micro-batch without
-  images; ``...-fault``: under :func:`~padfree_plugins.testing.faults.
+* ``forward-<family>`` (``qwen2_5_vl``, ``qwen2_vl``, ``gemma3``, ``qwen3_vl``, ``qwen3_vl_moe``; ``...-text-rank``:
+  rank 1's micro-batch without images; ``...-allgather``: ``sequence_parallel.attention: allgather``; ``...-fault``:
+  under :func:`~padfree_plugins.testing.faults.
   image_features_sliced_off_by_one`): each rank packs its own image-text examples (:func:`rank_examples`) and runs
   ``assembly.forward`` + backward with ``num_items_in_batch`` the label count over both ranks; the losses and the
   gradients (vision tower included) are summed over the ranks (DDP's all-reduce times the world size a DDP loss is
@@ -21,8 +22,8 @@ Cases (:data:`CASES`):
   (``prefix_sharing: off``); ``dpo-shared`` (``-gemma3``: on Gemma 3): with ``prefix_sharing: on``;
 * ``grpo``: TRL ``GRPOTrainer`` on Qwen2.5-VL prompts with images (:func:`grpo_run`; :func:`grpo_prompts`),
   sequence-parallel (``sp``), sequence-parallel with ``prefix_sharing: on`` (``shared``; ``no-exchange``: that under
-  :func:`~padfree_plugins.testing.faults.parent_keys_not_exchanged`) and TRL's own run (``padded``: the reference,
-  on the same 2 processes).
+  :func:`~padfree_plugins.testing.faults.parent_keys_not_exchanged`; ``allgather``: with all-gather attention) and
+  TRL's own run (``padded``: the reference, on the same 2 processes).
 
 The one-process references of ``hf``, ``sft`` and ``dpo`` are computed by the test. Rank 0 writes ``{case: result}`` to ``OUT``.
 """
@@ -40,9 +41,13 @@ import torch
 import torch.distributed as dist
 
 SP_CONFIG = {"task": "causal_lm", "sequence_parallel": {"size": 2}}
-CASES = ("forward-qwen2_5_vl", "forward-qwen2_5_vl-fault", "forward-qwen2_5_vl-text-rank", "forward-qwen2_vl",
-         "forward-gemma3", "forward-qwen3_vl", "forward-qwen3_vl_moe", "hf", "sft", "dpo", "dpo-shared", "dpo-shared-gemma3", "grpo")
+CASES = ("forward-qwen2_5_vl", "forward-qwen2_5_vl-fault", "forward-qwen2_5_vl-text-rank",
+         "forward-qwen2_5_vl-allgather", "forward-qwen3_vl-allgather", "forward-qwen2_vl",
+         "forward-gemma3", "forward-qwen3_vl", "forward-qwen3_vl_moe", "forward-qwen3_5", "forward-qwen3_5_moe",
+         "forward-qwen3_5-zero-state", "hf", "sft", "dpo", "dpo-shared", "dpo-shared-gemma3", "dpo-shared-qwen3_5", "grpo")
 STEPS = 2
+#: What a ``forward-<family>`` case may end with (see the module docstring).
+FORWARD_SUFFIXES = ("-fault", "-text-rank", "-allgather", "-zero-state")
 #: Per rank, per example: (words of text before, images as (height, width) pixels, words after). Rank 0's last
 #: example ends with an image, so the group's row is cut inside an image's tokens (asserted: ``cut``).
 LAYOUT = (
@@ -102,22 +107,23 @@ def gradients(model) -> dict:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def run_forward(family: str, fault: bool, text_rank: bool = False) -> dict:
-    """One forward + backward of each rank's micro-batch, sequence-parallel, and the one-process reference."""
+def run_forward(family: str, fault: str | None, text_rank: bool = False, attention: str = "auto") -> dict:
+    """One forward + backward of each rank's micro-batch, sequence-parallel (``attention``: its
+    ``sequence_parallel.attention``), and the one-process reference."""
     from padfree_plugins import assemble
     from padfree_plugins.testing import faults
 
     rank = dist.get_rank()
     model = family_model(family)
     reference = copy.deepcopy(model)
-    assembly = assemble(model, SP_CONFIG)
+    assembly = assemble(model, {**SP_CONFIG, "sequence_parallel": {"size": 2, "attention": attention}})
     mine = assembly.collator(rank_examples(family, rank, text_rank))
     count = torch.tensor((mine["labels"][:, 1:] != -100).sum())
     dist.all_reduce(count)
     seen: list = []
     handle = assembly.model.model.language_model.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(kwargs["inputs_embeds"].shape[1]), with_kwargs=True)
-    with faults.image_features_sliced_off_by_one() if fault else contextlib.nullcontext():
+    with getattr(faults, fault)() if fault else contextlib.nullcontext():
         loss = assembly.forward(assembly.model, mine, num_items_in_batch=count).loss
     loss.backward()
     handle.remove()
@@ -137,7 +143,21 @@ def run_forward(family: str, fault: bool, text_rank: bool = False) -> dict:
     cut = bool(tokens[half - 1] and tokens[half])
     return {"loss": float(total), "reference_loss": float(loss_one), "grads": grads,
             "reference_grads": gradients(one.model), "cut": cut, "row": tokens.numel(), "seen": seen,
-            "slice": half}
+            "slice": half, "attention": attention_function(model),
+            "split": split_mixers(model)}
+
+
+def split_mixers(model) -> int:
+    """How many of ``model``'s sequence mixers run split across the group (each rank its slice, the state passed)."""
+    return sum(type(module.__dict__.get("forward")).__name__ == "SplitMixer" for module in model.modules())
+
+
+def attention_function(model) -> str:
+    """The class of the attention function ``model``'s language model runs (``AllGatherAttention``,
+    ``UlyssesAttention``)."""
+    from transformers import AttentionInterface
+
+    return type(AttentionInterface()[model.config.get_text_config()._attn_implementation]).__name__
 
 
 # -- trainers ----------------------------------------------------------------------------------------------------------
@@ -314,7 +334,7 @@ def grpo_prompts():
     return datasets.Dataset.from_list(rows)
 
 
-def grpo_run(accelerated: bool, sharing: str = "off", fault: bool = False) -> dict:
+def grpo_run(accelerated: bool, sharing: str = "off", fault: bool = False, attention: str = "auto") -> dict:
     """TRL ``GRPOTrainer`` on Qwen2.5-VL prompts with images (tests/test_trl_vision_rl.py's), one SGD step on 2
     processes: under ``sequence_parallel: {size: 2}`` (``accelerated``) or TRL's own run (padded, the reference, on the
     same per-rank batches and sampled completions). Its loss, first step's gradients and every completion scored."""
@@ -333,13 +353,15 @@ def grpo_run(accelerated: bool, sharing: str = "off", fault: bool = False) -> di
     keep = Gradients()
     trainer.add_callback(keep)
     if accelerated:
-        accelerate(trainer, {**SP_CONFIG, "prefix_sharing": sharing})
+        accelerate(trainer, {**SP_CONFIG, "prefix_sharing": sharing,
+                             "sequence_parallel": {"size": 2, "attention": attention}})
     calls = Calls(trainer.model)
     with faults.parent_keys_not_exchanged() if fault else contextlib.nullcontext():
         trainer.train()
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, completions)
-    return {**trainer_result(trainer, keep), "calls": calls.remove(), "completions": everyone}
+    return {**trainer_result(trainer, keep), "calls": calls.remove(), "completions": everyone,
+            "attention": attention_function(trainer.model)}
 
 
 def trainer_result(trainer, keep) -> dict:
@@ -353,23 +375,28 @@ def trainer_result(trainer, keep) -> dict:
 
 def run_case(case: str) -> dict:
     if case.startswith("forward-"):
-        family = case.removeprefix("forward-").removesuffix("-fault").removesuffix("-text-rank")
-        return run_forward(family, case.endswith("-fault"), case.endswith("-text-rank"))
+        family = case.removeprefix("forward-")
+        for suffix in FORWARD_SUFFIXES:
+            family = family.removesuffix(suffix)
+        fault = "image_features_sliced_off_by_one" if case.endswith("-fault") else \
+            "mixer_scans_only_its_slice" if case.endswith("-zero-state") else None
+        return run_forward(family, fault, case.endswith("-text-rank"),
+                           "allgather" if case.endswith("-allgather") else "auto")
     if case == "grpo":
         return {"sp": grpo_run(True), "shared": grpo_run(True, "on"), "no-exchange": grpo_run(True, "on", True),
-                "padded": grpo_run(False)}
+                "allgather": grpo_run(True, "on", attention="allgather"), "padded": grpo_run(False)}
     if case == "hf":
         trainer, keep = hf_trainer(SP_CONFIG)
     elif case == "sft":
         trainer, keep = sft_trainer(SP_CONFIG)
     elif case == "dpo":
         trainer, keep = dpo_trainer({**SP_CONFIG, "prefix_sharing": "off"}, batch_size=2)
-    else:  # dpo-shared[-gemma3]
+    else:  # dpo-shared[-<family>]
         trainer, keep = dpo_trainer({**SP_CONFIG, "prefix_sharing": "on"}, batch_size=2,
-                                    family="gemma3" if case.endswith("gemma3") else "qwen2_5_vl")
+                                    family=case.removeprefix("dpo-shared").removeprefix("-") or "qwen2_5_vl")
     calls = Calls(trainer.model)
     trainer.train()
-    return {**trainer_result(trainer, keep), "calls": calls.remove()}
+    return {**trainer_result(trainer, keep), "calls": calls.remove(), "split": split_mixers(trainer.model)}
 
 
 def main(out: str, cases: list[str]) -> None:
