@@ -23,7 +23,9 @@ Cases (:data:`CASES`):
 * ``grpo``: TRL ``GRPOTrainer`` on Qwen2.5-VL prompts with images (:func:`grpo_run`; :func:`grpo_prompts`),
   sequence-parallel (``sp``), sequence-parallel with ``prefix_sharing: on`` (``shared``; ``no-exchange``: that under
   :func:`~padfree_plugins.testing.faults.parent_keys_not_exchanged`; ``allgather``: with all-gather attention) and
-  TRL's own run (``padded``: the reference, on the same 2 processes).
+  TRL's own run (``padded``: the reference, on the same 2 processes);
+* ``rloo``: the same with ``RLOOTrainer`` (``shared`` and ``padded``); ``kto``: ``KTOTrainer`` with its KL term on
+  Qwen2.5-VL image-text examples (:func:`kto_run`), ``shared`` and ``padded``.
 
 The one-process references of ``hf``, ``sft`` and ``dpo`` are computed by the test. Rank 0 writes ``{case: result}`` to ``OUT``.
 """
@@ -44,7 +46,8 @@ SP_CONFIG = {"task": "causal_lm", "sequence_parallel": {"size": 2}}
 CASES = ("forward-qwen2_5_vl", "forward-qwen2_5_vl-fault", "forward-qwen2_5_vl-text-rank",
          "forward-qwen2_5_vl-allgather", "forward-qwen3_vl-allgather", "forward-qwen2_vl",
          "forward-gemma3", "forward-qwen3_vl", "forward-qwen3_vl_moe", "forward-qwen3_5", "forward-qwen3_5_moe",
-         "forward-qwen3_5-zero-state", "hf", "sft", "dpo", "dpo-shared", "dpo-shared-gemma3", "dpo-shared-qwen3_5", "grpo")
+         "forward-qwen3_5-zero-state", "hf", "sft", "dpo", "dpo-shared", "dpo-shared-gemma3", "dpo-shared-qwen3_5", "grpo",
+         "rloo", "kto")
 STEPS = 2
 #: What a ``forward-<family>`` case may end with (see the module docstring).
 FORWARD_SUFFIXES = ("-fault", "-text-rank", "-allgather", "-zero-state")
@@ -334,10 +337,12 @@ def grpo_prompts():
     return datasets.Dataset.from_list(rows)
 
 
-def grpo_run(accelerated: bool, sharing: str = "off", fault: bool = False, attention: str = "auto") -> dict:
-    """TRL ``GRPOTrainer`` on Qwen2.5-VL prompts with images (tests/test_trl_vision_rl.py's), one SGD step on 2
-    processes: under ``sequence_parallel: {size: 2}`` (``accelerated``) or TRL's own run (padded, the reference, on the
-    same per-rank batches and sampled completions). Its loss, first step's gradients and every completion scored."""
+def grpo_run(accelerated: bool, sharing: str = "off", fault: bool = False, attention: str = "auto",
+             kind: str = "grpo") -> dict:
+    """TRL ``GRPOTrainer`` (``kind`` ``rloo``: ``RLOOTrainer``) on Qwen2.5-VL prompts with images
+    (tests/test_trl_vision_rl.py's), one SGD step on 2 processes: under ``sequence_parallel: {size: 2}``
+    (``accelerated``) or TRL's own run (padded, the reference, on the same per-rank batches and sampled completions).
+    Its loss, first step's gradients and every completion scored."""
     from padfree_plugins import accelerate
     from padfree_plugins.testing import faults
     from tests import test_trl_vision_rl
@@ -348,7 +353,7 @@ def grpo_run(accelerated: bool, sharing: str = "off", fault: bool = False, atten
     test_trl_vision_rl.prompts = grpo_prompts
     build = test_trl_vision_rl.build
     completions: list = []
-    trainer = build("grpo", "qwen2_5_vl", tempfile.mkdtemp(), seen=completions, max_steps=1,
+    trainer = build(kind, "qwen2_5_vl", tempfile.mkdtemp(), seen=completions, max_steps=1,
                     per_device_train_batch_size=4, optim="sgd", learning_rate=0.5)
     keep = Gradients()
     trainer.add_callback(keep)
@@ -362,6 +367,34 @@ def grpo_run(accelerated: bool, sharing: str = "off", fault: bool = False, atten
     dist.all_gather_object(everyone, completions)
     return {**trainer_result(trainer, keep), "calls": calls.remove(), "completions": everyone,
             "attention": attention_function(trainer.model)}
+
+
+def kto_run(accelerated: bool) -> dict:
+    """TRL ``KTOTrainer`` with its KL term on Qwen2.5-VL image-text examples (tests/test_trl_vision_rl.py's), one SGD
+    step on 2 processes, 4 examples a rank: with ``prefix_sharing: on`` under ``sequence_parallel: {size: 2}``
+    (``accelerated``) or TRL's own run (padded, the reference)."""
+    import datasets
+    import trl
+
+    from padfree_plugins import accelerate
+    from tests import vision_trl
+
+    policy = family_model("qwen2_5_vl")
+    rows = [vision_trl.unpaired(index, vision_trl.images(index)) for index in range(16)]
+    args = trl.KTOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, max_steps=1, optim="sgd",
+                         learning_rate=0.5, lr_scheduler_type="constant", logging_steps=1, report_to=[], seed=0,
+                         beta=0.1, save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True,
+                         dataloader_pin_memory=False)
+    trainer = trl.KTOTrainer(model=policy, ref_model=copy.deepcopy(policy).eval(), args=args,
+                             train_dataset=datasets.Dataset.from_list(rows),
+                             processing_class=family_processor("qwen2_5_vl"))
+    keep = Gradients()
+    trainer.add_callback(keep)
+    if accelerated and accelerate(trainer, {**SP_CONFIG, "prefix_sharing": "on"}).trainer_plugin != "trl_kto":
+        sys.exit("kto: accelerate() did not take the trl_kto plugin")
+    calls = Calls(trainer.model)
+    trainer.train()
+    return {**trainer_result(trainer, keep), "calls": calls.remove()}
 
 
 def trainer_result(trainer, keep) -> dict:
@@ -382,6 +415,10 @@ def run_case(case: str) -> dict:
             "mixer_scans_only_its_slice" if case.endswith("-zero-state") else None
         return run_forward(family, fault, case.endswith("-text-rank"),
                            "allgather" if case.endswith("-allgather") else "auto")
+    if case == "rloo":
+        return {"shared": grpo_run(True, "on", kind="rloo"), "padded": grpo_run(False, kind="rloo")}
+    if case == "kto":
+        return {"shared": kto_run(True), "padded": kto_run(False)}
     if case == "grpo":
         return {"sp": grpo_run(True), "shared": grpo_run(True, "on"), "no-exchange": grpo_run(True, "on", True),
                 "allgather": grpo_run(True, "on", attention="allgather"), "padded": grpo_run(False)}

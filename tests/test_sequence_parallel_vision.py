@@ -206,6 +206,26 @@ def test_grpo_with_shared_image_text_prompts_under_sequence_parallelism_equals_t
     assert len(run["losses"]) == 1 and loss < LOSS and every < GRADIENT and towers < GRADIENT
 
 
+@pytest.mark.parametrize("kind", ["rloo", "kto"])
+def test_rloo_and_kto_on_images_under_sequence_parallelism_equal_trls_run(launched, kind):
+    """RLOO (GRPO's prompts, ``prefix_sharing: on``: every call shared, the cut inside rank 1's prompt's image) and KTO
+    with its KL term (``prefix_sharing: on``, which its rows, each prompt once, give nothing to share: every call
+    packed and split, none shared), one SGD step on the 2 processes, against TRL's own run on them: the loss and
+    every gradient, the tower's too."""
+    run, want = launched[kind]["shared"], launched[kind]["padded"]
+    calls = run["calls"]
+    assert calls["slices"] == [-(-tokens // 2) for tokens, _ in calls["rows"]] and len(calls["slices"]) >= 2
+    if kind == "rloo":
+        assert run["completions"] == want["completions"] and run["completions"][0]
+        assert_every_call_shared(run, prompts=2, children=4)
+        assert all(cut for _, cut in calls["rows"]), "the cut must fall inside an image's tokens"
+    else:
+        assert run["packed"][-1] >= 2 and run["shared"] == [0] and want["packed"] == [None]
+    loss, _, every, towers = shared_calls_differ(run, want)
+    print(f"{kind} sp2: loss {loss:.1e} (relative), gradients {every:.1e}, tower {towers:.1e}")
+    assert len(run["losses"]) == 1 and loss < LOSS and every < GRADIENT and towers < GRADIENT
+
+
 def test_shared_image_text_prompt_keys_not_exchanged_are_far_off(launched):
     """The fault: rank 1's completions do not see their prompt's keys and values that lie in rank 0's slice (the
     shared structure applied to each slice alone). The run still shares, and its gradients are far off."""
