@@ -398,7 +398,8 @@ def refuse_sequence_parallel(model: Any, config: PadfreeConfig, resolved: Plan, 
                              forward: Any = None) -> int:
     """What sequence parallelism (``sequence_parallel.size > 1``) does not train, refused before anything is
     patched: tasks other than causal LM and those whose forward pools whole examples (``pools_examples``: seq_cls,
-    embedding, reranker — encoders too), vision-language inputs, heads Ulysses cannot split, an attention backend
+    embedding, reranker — encoders too), image-text rows the group cannot join (:func:`refuse_split_media`) or
+    whose bidirectional image blocks all-gather cannot attend, heads Ulysses cannot split, an attention backend
     all-gather cannot use. Returns how many of the group's ranks split attention by heads (Ulysses; the size:
     Ulysses alone; 1: all-gather alone; see :func:`ulysses_share`)."""
     size = config.sequence_parallel.size

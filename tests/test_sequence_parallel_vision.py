@@ -8,14 +8,17 @@ image's tokens (asserted), and every result equals one process on the same examp
 gradients — the vision tower's included — to 1e-4:
 
 * ``assembly.forward`` + backward on Qwen2.5-VL (mRoPE ``[4, 1, T]`` positions; also with one rank's micro-batch
-  without images, which sends no pixels), Qwen2-VL, Gemma 3 (the cut image's tokens attend to each other both ways
-  across the two slices), Qwen3-VL and Qwen3-VL-MoE (deepstack features per visual token);
+  without images, which sends no pixels, and with all-gather attention), Qwen2-VL, Gemma 3 (the cut image's tokens
+  attend to each other both ways across the two slices), Qwen3-VL (also all-gather) and Qwen3-VL-MoE (deepstack
+  features per visual token), Qwen3.5 and Qwen3.5-MoE (hybrid language models: the gated delta rule split, rank 1's
+  piece of the cut example starting from rank 0's state);
 * HF ``Trainer`` on Qwen2.5-VL processor rows and TRL ``SFTTrainer`` on conversational rows with images (TRL's
   vision collator, gradient checkpointing), 2 SGD steps each (logged losses, first step's gradients after DDP);
 * TRL ``DPOTrainer`` on Qwen2.5-VL image-text pairs (the fused log-probability path), 2 SGD steps, against TRL's own
   one-process run (padded) of the same global batches (losses, reward margins, first step's gradients);
 * TRL ``GRPOTrainer`` on Qwen2.5-VL prompts with images, one SGD step, against TRL's own run on the same 2 processes
-  (the same sampled completions), its prompts unshared and shared.
+  (the same sampled completions), its prompts unshared and shared; ``RLOOTrainer`` (shared) and ``KTOTrainer`` (its
+  KL term) the same.
 
 Shared image-text prompts (``prefix_sharing: on``): each rank's fused call holds each prompt once, its images once;
 the group joins the rows, their prompt structure (segment parents offset) and their media into one shared row, the
@@ -25,9 +28,9 @@ completion on rank 1 whose prompt starts on rank 0, the cut inside that prompt's
 quarter of the unshared call's pixel rows) and DPO (Qwen2.5-VL: the cut inside an image; Gemma 3: its images'
 bidirectional blocks inside the prompts) equal TRL's runs, every fused call shared (the plugin's counters).
 
-The deliberate faults ``image_features_sliced_off_by_one`` (a later rank's merged embeddings cut one token early) and
+The deliberate faults ``image_features_sliced_off_by_one`` (a later rank's merged embeddings cut one token early),
 ``parent_keys_not_exchanged`` (shared GRPO: the keys and values of a completion's prompt on the other rank left out)
-are far off. What image-text rows under sequence parallelism do not take is refused in one process (the group faked),
+and ``mixer_scans_only_its_slice`` (Qwen3.5: rank 1's mixers start from zeros) are far off. What image-text rows under sequence parallelism do not take is refused in one process (the group faked),
 before anything changes.
 """
 
