@@ -46,8 +46,8 @@ SP_CONFIG = {"task": "causal_lm", "sequence_parallel": {"size": 2}}
 CASES = ("forward-qwen2_5_vl", "forward-qwen2_5_vl-fault", "forward-qwen2_5_vl-text-rank",
          "forward-qwen2_5_vl-allgather", "forward-qwen3_vl-allgather", "forward-qwen2_vl",
          "forward-gemma3", "forward-qwen3_vl", "forward-qwen3_vl_moe", "forward-qwen3_5", "forward-qwen3_5_moe",
-         "forward-qwen3_5-zero-state", "hf", "sft", "dpo", "dpo-shared", "dpo-shared-gemma3", "dpo-shared-qwen3_5", "grpo",
-         "rloo", "kto")
+         "forward-qwen3_5-zero-state", "hf", "sft", "dpo", "dpo-shared", "dpo-shared-gemma3", "dpo-shared-qwen3_5",
+         "grpo", "rloo", "kto")
 STEPS = 2
 #: What a ``forward-<family>`` case may end with (see the module docstring).
 FORWARD_SUFFIXES = ("-fault", "-text-rank", "-allgather", "-zero-state")

@@ -30,8 +30,8 @@ bidirectional blocks inside the prompts) equal TRL's runs, every fused call shar
 
 The deliberate faults ``image_features_sliced_off_by_one`` (a later rank's merged embeddings cut one token early),
 ``parent_keys_not_exchanged`` (shared GRPO: the keys and values of a completion's prompt on the other rank left out)
-and ``mixer_scans_only_its_slice`` (Qwen3.5: rank 1's mixers start from zeros) are far off. What image-text rows under sequence parallelism do not take is refused in one process (the group faked),
-before anything changes.
+and ``mixer_scans_only_its_slice`` (Qwen3.5: rank 1's mixers start from zeros) are far off. What image-text rows
+under sequence parallelism do not take is refused in one process (the group faked), before anything changes.
 """
 
 from __future__ import annotations
