@@ -6,9 +6,11 @@ on 2 CPU processes (gloo), every case in one launch.
 
 Cases (:data:`CASES`):
 
-* ``forward-<family>`` (``qwen2_5_vl``, ``qwen2_vl``, ``gemma3``, ``qwen3_vl``, ``qwen3_vl_moe``; ``...-text-rank``:
-  rank 1's micro-batch without images; ``...-allgather``: ``sequence_parallel.attention: allgather``; ``...-fault``:
-  under :func:`~padfree_plugins.testing.faults.
+* ``forward-<family>`` (``qwen2_5_vl``, ``qwen2_vl``, ``gemma3``, ``qwen3_vl``, ``qwen3_vl_moe``, ``qwen3_5``,
+  ``qwen3_5_moe``; ``...-text-rank``:
+  rank 1's micro-batch without images; ``...-allgather``: ``sequence_parallel.attention: allgather``;
+  ``...-gather``: ``sequence_parallel.mixers: gather``; ``...-zero-state``: under :func:`~padfree_plugins.testing.
+  faults.mixer_scans_only_its_slice`; ``...-fault``: under :func:`~padfree_plugins.testing.faults.
   image_features_sliced_off_by_one`): each rank packs its own image-text examples (:func:`rank_examples`) and runs
   ``assembly.forward`` + backward with ``num_items_in_batch`` the label count over both ranks; the losses and the
   gradients (vision tower included) are summed over the ranks (DDP's all-reduce times the world size a DDP loss is
@@ -46,11 +48,11 @@ SP_CONFIG = {"task": "causal_lm", "sequence_parallel": {"size": 2}}
 CASES = ("forward-qwen2_5_vl", "forward-qwen2_5_vl-fault", "forward-qwen2_5_vl-text-rank",
          "forward-qwen2_5_vl-allgather", "forward-qwen3_vl-allgather", "forward-qwen2_vl",
          "forward-gemma3", "forward-qwen3_vl", "forward-qwen3_vl_moe", "forward-qwen3_5", "forward-qwen3_5_moe",
-         "forward-qwen3_5-zero-state", "hf", "sft", "dpo", "dpo-shared", "dpo-shared-gemma3", "dpo-shared-qwen3_5",
+         "forward-qwen3_5-gather", "forward-qwen3_5-zero-state", "hf", "sft", "dpo", "dpo-shared", "dpo-shared-gemma3", "dpo-shared-qwen3_5",
          "grpo", "rloo", "kto")
 STEPS = 2
 #: What a ``forward-<family>`` case may end with (see the module docstring).
-FORWARD_SUFFIXES = ("-fault", "-text-rank", "-allgather", "-zero-state")
+FORWARD_SUFFIXES = ("-fault", "-text-rank", "-allgather", "-zero-state", "-gather")
 #: Per rank, per example: (words of text before, images as (height, width) pixels, words after). Rank 0's last
 #: example ends with an image, so the group's row is cut inside an image's tokens (asserted: ``cut``).
 LAYOUT = (
@@ -110,16 +112,18 @@ def gradients(model) -> dict:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def run_forward(family: str, fault: str | None, text_rank: bool = False, attention: str = "auto") -> dict:
-    """One forward + backward of each rank's micro-batch, sequence-parallel (``attention``: its
-    ``sequence_parallel.attention``), and the one-process reference."""
+def run_forward(family: str, fault: str | None, text_rank: bool = False, attention: str = "auto",
+                mixers: str = "split") -> dict:
+    """One forward + backward of each rank's micro-batch, sequence-parallel (``attention``, ``mixers``: its
+    ``sequence_parallel`` options), and the one-process reference."""
     from padfree_plugins import assemble
     from padfree_plugins.testing import faults
 
     rank = dist.get_rank()
     model = family_model(family)
     reference = copy.deepcopy(model)
-    assembly = assemble(model, {**SP_CONFIG, "sequence_parallel": {"size": 2, "attention": attention}})
+    assembly = assemble(model, {**SP_CONFIG, "sequence_parallel": {"size": 2, "attention": attention,
+                                                                   "mixers": mixers}})
     mine = assembly.collator(rank_examples(family, rank, text_rank))
     count = torch.tensor((mine["labels"][:, 1:] != -100).sum())
     dist.all_reduce(count)
@@ -147,12 +151,13 @@ def run_forward(family: str, fault: str | None, text_rank: bool = False, attenti
     return {"loss": float(total), "reference_loss": float(loss_one), "grads": grads,
             "reference_grads": gradients(one.model), "cut": cut, "row": tokens.numel(), "seen": seen,
             "slice": half, "attention": attention_function(model),
-            "split": split_mixers(model)}
+            "split": split_mixers(model), "whole": split_mixers(model, "WholeRowMixer")}
 
 
-def split_mixers(model) -> int:
-    """How many of ``model``'s sequence mixers run split across the group (each rank its slice, the state passed)."""
-    return sum(type(module.__dict__.get("forward")).__name__ == "SplitMixer" for module in model.modules())
+def split_mixers(model, kind: str = "SplitMixer") -> int:
+    """How many of ``model``'s sequence mixers run split across the group (each rank its slice, the state passed;
+    ``kind`` ``WholeRowMixer``: on the whole row)."""
+    return sum(type(module.__dict__.get("forward")).__name__ == kind for module in model.modules())
 
 
 def attention_function(model) -> str:
@@ -414,7 +419,8 @@ def run_case(case: str) -> dict:
         fault = "image_features_sliced_off_by_one" if case.endswith("-fault") else \
             "mixer_scans_only_its_slice" if case.endswith("-zero-state") else None
         return run_forward(family, fault, case.endswith("-text-rank"),
-                           "allgather" if case.endswith("-allgather") else "auto")
+                           "allgather" if case.endswith("-allgather") else "auto",
+                           "gather" if case.endswith("-gather") else "split")
     if case == "rloo":
         return {"shared": grpo_run(True, "on", kind="rloo"), "padded": grpo_run(False, kind="rloo")}
     if case == "kto":

@@ -11,7 +11,7 @@ gradients — the vision tower's included — to 1e-4:
   without images, which sends no pixels, and with all-gather attention), Qwen2-VL, Gemma 3 (the cut image's tokens
   attend to each other both ways across the two slices), Qwen3-VL (also all-gather) and Qwen3-VL-MoE (deepstack
   features per visual token), Qwen3.5 and Qwen3.5-MoE (hybrid language models: the gated delta rule split, rank 1's
-  piece of the cut example starting from rank 0's state);
+  piece of the cut example starting from rank 0's state; Qwen3.5 also gathered, ``mixers: gather``);
 * HF ``Trainer`` on Qwen2.5-VL processor rows and TRL ``SFTTrainer`` on conversational rows with images (TRL's
   vision collator, gradient checkpointing), 2 SGD steps each (logged losses, first step's gradients after DDP);
 * TRL ``DPOTrainer`` on Qwen2.5-VL image-text pairs (the fused log-probability path), 2 SGD steps, against TRL's own
@@ -52,7 +52,7 @@ trl = pytest.importorskip("trl")
 LOSS = 1e-5
 GRADIENT = 1e-4
 FORWARDS = ("qwen2_5_vl", "qwen2_vl", "gemma3", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe",
-            "qwen2_5_vl-text-rank",
+            "qwen3_5-gather", "qwen2_5_vl-text-rank",
             "qwen2_5_vl-allgather", "qwen3_vl-allgather")
 TOWERS = ("visual", "vision_tower", "multi_modal_projector")
 
@@ -90,7 +90,9 @@ def test_an_image_text_row_split_across_ranks_equals_one_process(launched, famil
     run = launched[f"forward-{family}"]
     assert run["attention"] == ("AllGatherAttention" if family.endswith("allgather") else "UlyssesAttention")
     assert run["cut"], "the group's row must be cut inside an image's tokens"
-    assert (run["split"] > 0) == family.startswith("qwen3_5")  # the gated delta rule split, its state handed on
+    # the gated delta rule split (its state handed on), or run on the whole row (mixers: gather)
+    assert (run["split"] > 0) == (family.startswith("qwen3_5") and not family.endswith("gather"))
+    assert (run["whole"] > 0) == (family == "qwen3_5-gather")
     assert run["seen"] == [run["slice"]] and run["slice"] * 2 >= run["row"]  # the language model got a half
     every, towers = gradient_difference(run["grads"], run["reference_grads"])
     loss = abs(run["loss"] - run["reference_loss"]) / abs(run["reference_loss"])
