@@ -26,6 +26,7 @@ from padfree_plugins.errors import (
     UnsupportedArchitectureError,
     did_you_mean,
 )
+from padfree_plugins.modeling.attention import BLOCKS_FEATURE
 from padfree_plugins.modeling.attention.context_parallel import ALIGNED_FEATURE, AttentionLayout, ulysses_share
 from padfree_plugins.modeling.mixers import note_unused_mixer_backend, sequence_mixers
 from padfree_plugins.modeling.patching import ModelPatch, unwrap_model
@@ -397,7 +398,8 @@ def refuse_sequence_parallel(model: Any, config: PadfreeConfig, resolved: Plan, 
                              forward: Any = None) -> int:
     """What sequence parallelism (``sequence_parallel.size > 1``) does not train, refused before anything is
     patched: tasks other than causal LM and those whose forward pools whole examples (``pools_examples``: seq_cls,
-    embedding, reranker — encoders too), vision-language inputs, heads Ulysses cannot split, an attention backend
+    embedding, reranker — encoders too), image-text rows the group cannot join (:func:`refuse_split_media`) or
+    whose bidirectional image blocks all-gather cannot attend, heads Ulysses cannot split, an attention backend
     all-gather cannot use. Returns how many of the group's ranks split attention by heads (Ulysses; the size:
     Ulysses alone; 1: all-gather alone; see :func:`ulysses_share`)."""
     size = config.sequence_parallel.size
@@ -429,10 +431,13 @@ def refuse_sequence_parallel(model: Any, config: PadfreeConfig, resolved: Plan, 
                   f"sequence_parallel.size: 1, or launch a multiple of a divisor of {heads} as the number of processes")
         raise ConfigError(f"{where}: {'; and '.join(problems)}; {advice}, or set sequence_parallel.attention: "
                           "allgather (or auto), which splits the row, not the heads")
-    if share < size and getattr(collator, "media_keys", None):
+    if share < size and getattr(collator, "media_keys", None) and BLOCKS_FEATURE in resolved.features:
         raise ConfigError(f"{where}: sequence_parallel.attention {config.sequence_parallel.attention} chose all-gather "
-                          f"({heads} attention heads), which image-text rows do not take yet; use "
-                          "sequence_parallel.attention: ulysses with a size that divides the attention heads")
+                          f"({heads} attention heads), and {resolved.architecture.name}'s image-text rows hold "
+                          "bidirectional image blocks, whose tokens attend to each other both ways: all-gather "
+                          "attends each rank's slice of queries causally to the row's keys, so an image cut by a "
+                          "rank boundary would not see its later tokens; use sequence_parallel.attention: ulysses "
+                          "with a size that divides the attention heads")
     if share < size:
         refuse_allgather(model, config, resolved, where)
     if config.unpad == "always":
@@ -551,11 +556,6 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
     if sequence is not None:  # each rank computes its slice of the group's row
         media = tuple(getattr(parts.collator, "media_keys", None) or ())
         try:
-            if media and sequence_mixers(inner):
-                raise ConfigError(f"sequence_parallel.size: {config.sequence_parallel.size}: "
-                                  f"{resolved.architecture.name} is a vision-language family with sequence mixers "
-                                  "(a hybrid language model), whose image-text rows are not split across ranks yet; "
-                                  "train it with sequence_parallel.size: 1")
             patch.handles.append(SequenceParallelPatch.install(patch, sequence, layout, config.sequence_parallel.mixers,
                                                                whole_rows=bool(media)))
         except BaseException:

@@ -213,13 +213,13 @@ def test_refuses_encoders_but_for_the_tasks_that_pool_examples():
     assert "is an encoder" in message and "(seq_cls, embedding, reranker), not 'causal_lm'" in message
 
 
-def test_refuses_image_text_rows_under_allgather_attention():
-    """Image-text rows split under Ulysses only (tests/test_sequence_parallel_vision.py refuses the rest)."""
-    from padfree_plugins.testing.vision import image_text_processor, tiny_vision_language_model
+def test_refuses_image_blocks_under_allgather_attention():
+    """Image-text rows with bidirectional image blocks (Gemma 3) split under Ulysses only; Qwen-VL's take all-gather
+    too (tests/test_sequence_parallel_vision.py)."""
+    from tests.vision_trl import model
 
-    model = tiny_vision_language_model("qwen2_vl", image_text_processor("qwen2_vl"))
-    message = refused(model, {"sequence_parallel": {"size": 2, "attention": "allgather"}})
-    assert "image-text rows do not take yet" in message and "sequence_parallel.attention: ulysses" in message
+    message = refused(model("gemma3"), {"sequence_parallel": {"size": 2, "attention": "allgather"}})
+    assert "bidirectional image blocks" in message and "sequence_parallel.attention: ulysses" in message
 
 
 def test_refuses_heads_ulysses_cannot_split():

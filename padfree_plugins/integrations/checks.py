@@ -345,10 +345,6 @@ def why_prompts_not_shared(trainer: Any, assembly: Any, prompt_column: bool = Tr
     size = sequence_parallel_size(config)
     if size > 1 and not splits_shared_rows:
         return f"a shared row is not split across ranks (sequence_parallel.size: {size})"
-    vision = getattr(trainer, "_is_vision_dataset", False) or getattr(trainer, "_is_vlm", False)
-    if size > 1 and vision:
-        return (f"image-text prompts are not shared under sequence parallelism yet (sequence_parallel.size: {size}): "
-                "each image-text row goes to the model whole and is split after its image features are merged")
     if size > 1 and (reason := why_not_split_shared(assembly, size)):
         return reason
     if plan.architecture.kind != "decoder":
