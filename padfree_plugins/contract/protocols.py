@@ -87,9 +87,14 @@ class AsksLabelledLogits(Protocol):
 class PacksMedia(Protocol):
     """Optional (vision-language families): ``media_keys`` names the dataset columns of images and video the
     collator packs (``pixel_values``, ``image_grid_thw`` …), which trainers keep through column removal; a collator
-    without it packs text only (:mod:`padfree_plugins.packing.multimodal`)."""
+    without it packs text only (:mod:`padfree_plugins.packing.multimodal`). Under sequence parallelism ``media``
+    (each medium's layout: ``name``, ``pixels``, ``grid``, ``batch_dim``, ``tokens_per_row``) says whether the group
+    can join its pixel rows, and ``token_ids`` (placeholder name -> token id) keeps the padding segment off the
+    placeholders."""
 
     media_keys: tuple[str, ...]
+    media: tuple[Any, ...]
+    token_ids: Mapping[str, int]
 
 
 class RefusesSharedMediaPrompts(Protocol):
