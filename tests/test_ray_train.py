@@ -1,6 +1,6 @@
 """examples/ray_train.py: Ray Train's ``TorchTrainer`` with 2 CPU workers, HF datasets built inside ``train_func``,
-equal to one process on the same global batches. Skipped when ``ray[train]`` is not installed (it is not part of
-the test extra: ``pip install "ray[train]==2.60.0"``)."""
+equal to one process on the same global batches. ``make test`` installs ``ray[train]`` (the ``ray`` extra, in
+``dev``); skipped where it is not installed (``pip install "padfree-plugins[ray]"``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from tests.test_distributed import LOOP_ARGS, ROOT, reference_run
 
-pytest.importorskip("ray.train", reason="ray[train] is not installed (pip install 'ray[train]==2.60.0')")
+pytest.importorskip("ray.train", reason="ray[train] is not installed (pip install 'padfree-plugins[ray]')")
 
 
 def test_ray_train_two_cpu_workers_equal_one_process(tmp_path):
