@@ -8,7 +8,8 @@ d=256, beside a tiny vision tower), the same batches and weights, measured in on
 * ``shared``: the same with ``prefix_sharing: on``: each pair's / group's prompt once in the packed row, its images
   once (the vision tower encodes each distinct prompt's images once). Its speed over ``native`` is printed beside the
   ideal: the tokens and pixel rows (the vision tower's patches) ``native``'s policy computes over those ``shared``'s
-  computes.
+  computes, and beside it the ideal weighted by what a pixel row and a token cost (:func:`measured_costs`: the vision
+  towers timed alone in the same rounds, :class:`TowerTimed`).
 
 Batches are built as TRL's trainers hand them to ``compute_loss``:
 
