@@ -44,6 +44,29 @@ def test_the_command_runs_packed_and_writes_its_outputs(trainer, batch_size, tmp
     assert native["tokens_per_s"] > 0 and native["memory_ratio"] > 0 and set(data["targets met"]) == {"speed",
                                                                                                        "memory"}
     assert "native" in result.output and "targets" in result.output
+    costs = data["costs"]  # measured in the rounds: the towers alone, and the ideal weighted by what they cost
+    assert costs["tower_ms_per_step"]["native"] > 0 and costs["tower_ms_per_step"]["shared"] > 0
+    assert costs["pixel_row_vs_token"] > 0 and costs["cost_weighted_ideal"] > 0
+    assert "ideal weighted by measured cost" in (tmp_path / f"bench_{trainer}_vision.md").read_text()
+
+
+def test_the_cost_weighted_ideal_weighs_pixel_rows_and_tokens_by_what_native_spends_on_them():
+    """Per round: a pixel row costs native's tower time over its pixel rows, a token the rest of its step over its
+    tokens; the ideal is native's time over shared's tokens and pixel rows at those costs."""
+    from padfree_plugins.benchmarks.preference import PreferenceRow
+
+    def row(variant, tokens):
+        return PreferenceRow(variant, 2, 0, 0.0, 0.0, 0.0, 0, 0.0, 0.0, 0.0, 0.0, "policy", tokens_computed=tokens)
+
+    native = vision_preference.TowerTimed("native", None, None, seconds=[10.0, 20.0], tower_seconds=[1, 1, 4, 4])
+    shared = vision_preference.TowerTimed("shared", None, None, seconds=[4.0, 8.0], tower_seconds=[0.2] * 4)
+    costs = vision_preference.measured_costs([row("native", 90), row("shared", 30)], [native, shared],
+                                             {"native": 800, "shared": 100})
+    # round 1: a pixel row 2 / 800 s, a token 8 / 90 s; round 2: 8 / 800 and 12 / 90
+    first, second = 10 / (30 * 8 / 90 + 100 * 2 / 800), 20 / (30 * 12 / 90 + 100 * 8 / 800)
+    assert costs["cost_weighted_ideal"] == pytest.approx((first + second) / 2)
+    assert costs["pixel_row_vs_token"] == pytest.approx(((2 / 800) / (8 / 90) + (8 / 800) / (12 / 90)) / 2)
+    assert costs["tower_ms_per_step"] == pytest.approx({"native": 2500.0, "shared": 200.0})
 
 
 def test_real_tokens_are_the_padded_batchs_non_pad_tokens():

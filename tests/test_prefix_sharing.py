@@ -121,6 +121,29 @@ def test_a_shared_prompt_gives_each_completion_what_its_whole_row_gives(window, 
         torch.testing.assert_close(mine, theirs, atol=1e-12, rtol=0)
 
 
+def test_completions_of_one_shape_attend_together_as_each_row_whole():
+    """Three completions of one length (one ``(L_q, L_k)`` group, one call) and one of another: each gives what its
+    whole row gives, and the prompt's gradients sum the rows' (float64: 1e-12)."""
+    got, want, (grad_got, grad_want) = shared_attention([7, 7, 5, 7], 4)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    for mine, theirs in zip(grad_got, grad_want):
+        torch.testing.assert_close(mine, theirs, atol=1e-12, rtol=0)
+
+
+def test_queries_without_keys_attend_to_nothing():
+    """An example with queries and no keys gets zeros (and no gradient); the next one attends to its own keys,
+    queries aligned to their end."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(n, 2, 4, dtype=torch.float64, requires_grad=True) for n in (5, 4, 4))
+    cu_q, cu_k = torch.tensor([0, 3, 5], dtype=torch.int32), torch.tensor([0, 0, 4], dtype=torch.int32)
+    out = exact_varlen(q, k, v, cu_q, cu_k, 3, 4, causal=True)
+    want = attend(*(t.transpose(0, 1)[None] for t in (q[3:], k, v)), causal=True)[0].transpose(0, 1)
+    assert torch.equal(out[:3], torch.zeros_like(out[:3]))
+    torch.testing.assert_close(out[3:], want, atol=1e-12, rtol=0)
+    out.sum().backward()
+    assert torch.equal(q.grad[:3], torch.zeros_like(q.grad[:3])) and q.grad[3:].abs().sum() > 0
+
+
 def test_a_completion_that_sees_its_sibling_is_caught():
     got, want, _ = shared_attention([7, 5, 9], 4)
     with completions_see_a_sibling():

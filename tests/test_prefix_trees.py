@@ -54,6 +54,10 @@ def test_one_level_layout_is_the_one_level_tree():
     lengths, prefixes = [5, 4, 6], [(2, "p"), (2, "q"), (2, "p")]
     assert shared_layout(lengths, prefixes) == [Segment(0, 0, 2), Segment(0, 2, 3, 0), Segment(2, 2, 4, 0),
                                                 Segment(1, 0, 4)]
+    # a key of equal value (another object) shares; an equal key over another length does not
+    assert shared_layout([5, 6], [(2, ("p", (1, 2))), (2, tuple(["p", (1, 2)]))]) == [
+        Segment(0, 0, 2), Segment(0, 2, 3, 0), Segment(1, 2, 4, 0)]
+    assert not any(segment.parent >= 0 for segment in shared_layout([5, 6], [(2, "p"), (3, "p")]))
 
 
 def random_trie(rng: random.Random) -> tuple[list[int], list[list[str]]]:

@@ -199,6 +199,22 @@ def test_labels_from_input_ids_leave_image_tokens_unlabelled(family):
     assembly.undo()
 
 
+def test_media_batch_is_the_collators_media_without_the_text(family):
+    """``media_batch`` (a shared row's prompts' media) gives the media keys the collator packs for the same examples,
+    checked as the collator checks them."""
+    name, processor, model = family
+    assembly = assemble(copy.deepcopy(model), {"task": "causal_lm"})
+    examples = mixed_examples(processor, model.config)
+    media, batch = assembly.collator.media_batch(examples), assembly.collator(examples)
+    assert set(media) == {key for key in assembly.collator.media_keys if key in batch} and media
+    for key, value in media.items():
+        assert torch.equal(value, batch[key]), key
+    good = examples[0]
+    with pytest.raises(BatchError, match="rows but its image_grid_thw"):
+        assembly.collator.media_batch([{**good, "pixel_values": good["pixel_values"][:-4]}])
+    assembly.undo()
+
+
 def test_bad_multimodal_inputs_are_clear_errors(family):
     name, processor, model = family
     assembly = assemble(copy.deepcopy(model), {"task": "causal_lm"})

@@ -8,7 +8,8 @@ d=256, beside a tiny vision tower), the same batches and weights, measured in on
 * ``shared``: the same with ``prefix_sharing: on``: each pair's / group's prompt once in the packed row, its images
   once (the vision tower encodes each distinct prompt's images once). Its speed over ``native`` is printed beside the
   ideal: the tokens and pixel rows (the vision tower's patches) ``native``'s policy computes over those ``shared``'s
-  computes.
+  computes, and beside it the ideal weighted by what a pixel row and a token cost (:func:`measured_costs`: the vision
+  towers timed alone in the same rounds, :class:`TowerTimed`).
 
 Batches are built as TRL's trainers hand them to ``compute_loss``:
 
@@ -37,7 +38,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import statistics
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -100,6 +104,9 @@ class VisionPreferenceResult:
     environment: dict[str, Any] = field(default_factory=dict)
     #: Per variant: the pixel rows (patches) its policy's vision tower encodes in one pass over the batches.
     tower_rows: dict[str, int] = field(default_factory=dict)
+    #: What the components cost, measured in the timed rounds (:func:`measured_costs`): the vision tower alone per
+    #: step (``native``, ``shared``), a pixel row's cost over a token's, and the ideal so weighted.
+    costs: dict[str, Any] = field(default_factory=dict)
 
     def targets(self) -> dict[str, bool]:
         native = self.rows[1]
@@ -109,7 +116,7 @@ class VisionPreferenceResult:
     def to_json(self) -> str:
         return json.dumps({"settings": asdict(self.settings), "environment": self.environment, "targets": TARGETS,
                            "targets met": self.targets(), "images": self.images, "tower_rows": self.tower_rows,
-                           "rows": [asdict(row) for row in self.rows]}, indent=2)
+                           "costs": self.costs, "rows": [asdict(row) for row in self.rows]}, indent=2)
 
 
 # -- batches ---------------------------------------------------------------------------------------------------------
@@ -272,7 +279,7 @@ def run_vision_preference_benchmark(settings: VisionPreferenceSettings,
                 sharing = "on" if name == "shared" else "off"
                 acceleration = accelerate(trainer, {"task": "causal_lm", "prefix_sharing": sharing}) \
                     if name != "padded" else None
-                variants.append(Variant(name, trainer, acceleration))
+                variants.append((TowerTimed if acceleration is not None else Variant)(name, trainer, acceleration))
             config = policy.config
             if settings.trainer == "dpo":
                 batches = [dpo_batch(processor, config, settings, index) for index in range(settings.batches)]
@@ -284,6 +291,7 @@ def run_vision_preference_benchmark(settings: VisionPreferenceSettings,
             passes = settings.rounds + 1  # the untimed checked steps, then every timed round
             tower_rows = {variant.name: count // passes for variant, count in zip(variants, seen)}
             with_pixels_ideal(rows, tower_rows)
+            costs = measured_costs(rows, variants, tower_rows)
         finally:
             for variant in variants:
                 if variant.acceleration is not None:
@@ -296,7 +304,11 @@ def run_vision_preference_benchmark(settings: VisionPreferenceSettings,
                    "model": f"{type(policy).__name__} (language model {settings.text})", "torch": torch.__version__,
                    "trl": trl.__version__, "transformers": transformers.__version__, "device": "cpu",
                    "threads": settings.threads or torch.get_num_threads()}
-    return VisionPreferenceResult(settings, rows, images, environment, tower_rows)
+    try:
+        environment["load average (1, 5, 15 min)"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # pragma: no cover - not on every platform
+        pass
+    return VisionPreferenceResult(settings, rows, images, environment, tower_rows, costs)
 
 
 @contextmanager
@@ -315,6 +327,73 @@ def tower_rows_seen(models: list[Any]) -> Iterator[list[int]]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+def vision_tower(model: Any) -> Any:
+    return getattr(getattr(model, "model", model), "visual")
+
+
+@dataclass
+class TowerTimed(Variant):
+    """A variant whose every timed step is followed (outside its time) by the vision towers the step ran, alone, on
+    the pixel rows the step gave them: the policy's forward and backward, the reference model's (DPO) forward. What
+    the towers cost beside the step, in the same rounds."""
+
+    tower_seconds: list[float] = field(default_factory=list)  # per timed step, in order
+
+    def timed_step(self, inputs: dict) -> float:
+        reference = getattr(self.trainer, "ref_model", None)
+        towers = [(vision_tower(self.trainer.model), True)] + \
+            ([(vision_tower(reference), False)] if reference is not None else [])
+        calls: list[tuple[Any, bool, tuple, dict]] = []
+        handles = [tower.register_forward_pre_hook(
+            lambda module, args, kwargs, trained=trained: calls.append((module, trained, args, kwargs)),
+            with_kwargs=True) for tower, trained in towers]
+        try:
+            seconds = super().timed_step(inputs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        self.tower_seconds.append(sum(tower_step(*call) for call in calls))
+        self.trainer.model.zero_grad(set_to_none=True)
+        return seconds
+
+
+def tower_step(tower: Any, trained: bool, args: tuple, kwargs: dict) -> float:
+    """Seconds of ``tower``'s forward on one call's inputs, and if ``trained`` its backward (a gradient of ones on
+    its features); without autograd otherwise. Its own ``forward``: the benchmark's hooks on it (the pixel rows
+    counted) do not see these calls."""
+    start = time.perf_counter()
+    with torch.set_grad_enabled(trained):
+        output = tower.forward(*args, **kwargs)
+    features = output if isinstance(output, torch.Tensor) else (
+        output.pooler_output if getattr(output, "pooler_output", None) is not None else output.last_hidden_state)
+    if trained:
+        features.backward(torch.ones_like(features))
+    return time.perf_counter() - start
+
+
+def measured_costs(rows: list[PreferenceRow], variants: list[Variant], tower_rows: dict[str, int]) -> dict[str, Any]:
+    """The ideal over ``native`` with each pixel row weighed by its measured cost: per round, a pixel row costs
+    ``native``'s tower time over its pixel rows, a token the rest of ``native``'s step over its tokens; the ideal is
+    ``native``'s time over what ``shared``'s tokens and pixel rows cost at those rates (medians over rounds). Beside it,
+    the tower's own time per step (``native``, ``shared``) and a pixel row's cost over a token's. The ideal of
+    :func:`with_pixels_ideal` (every pixel row weighed as a token) is unchanged."""
+    by_name = {variant.name: variant for variant in variants}
+    native, shared = by_name["native"], by_name["shared"]
+    tokens = {row.variant: row.tokens_computed for row in rows}
+    steps = len(native.tower_seconds) // len(native.seconds)  # timed steps per round (the batches)
+    weighted, ratios = [], []
+    for r, seconds in enumerate(native.seconds):
+        tower = sum(native.tower_seconds[r * steps:(r + 1) * steps])
+        pixel_row, token = tower / tower_rows["native"], (seconds - tower) / tokens["native"]
+        weighted.append(seconds / (tokens["shared"] * token + tower_rows["shared"] * pixel_row))
+        ratios.append(pixel_row / token)
+    return {"tower_ms_per_step": {variant.name: statistics.median(variant.tower_seconds) * 1e3
+                                  for variant in (native, shared)},
+            "step_ms": {variant.name: statistics.median(variant.seconds) / steps * 1e3 for variant in (native, shared)},
+            "pixel_row_vs_token": statistics.median(ratios),
+            "cost_weighted_ideal": statistics.median(weighted)}
 
 
 def with_pixels_ideal(rows: list[PreferenceRow], tower_rows: dict[str, int]) -> None:
@@ -337,17 +416,29 @@ def markdown(result: VisionPreferenceResult) -> str:
             f"float32 cpu, {s.batch_size or (8 if s.trainer == 'dpo' else 16)} {unit} = {padded.rows} padded rows, "
             f"{s.batches} batches x {s.rounds} interleaved rounds, {result.images} images (as computed), "
             f"{padded.padding_fraction:.0%} padding: real tokens/s (the padded run's non-pad tokens), medians")
-    lines = ["| variant | real tok/s | step ms | vs padded | vs native (ideal: tokens + pixel rows) | tower pixel rows "
-             "| activation MiB | memory vs padded | loss rel. diff | grad rel. diff | packed forwards |",
-             "|" + " --- |" * 11]
+    costs = result.costs
+    lines = ["| variant | real tok/s | step ms | vs padded | vs native (ideal: tokens + pixel rows) | ideal weighted by "
+             "measured cost | tower pixel rows | activation MiB | memory vs padded | loss rel. diff | grad rel. diff | "
+             "packed forwards |", "|" + " --- |" * 12]
     for row in result.rows:
-        versus = f"{row.speedup_vs_native:.2f}x (ideal {row.ideal_vs_native:.2f}x)" if row.variant == "shared" else "-"
+        shared = row.variant == "shared"
+        versus = f"{row.speedup_vs_native:.2f}x (ideal {row.ideal_vs_native:.2f}x)" if shared else "-"
+        weighted = costs.get("cost_weighted_ideal") if shared else None
+        weighted = f"{weighted:.2f}x ({row.speedup_vs_native / weighted:.0%} of it)" if weighted else "-"
         lines.append(f"| {row.variant} | {row.tokens_per_s:,.0f} | {row.step_ms:,.0f} | {row.speedup_vs_padded:.2f}x "
-                     f"| {versus} | {result.tower_rows.get(row.variant, 0):,} "
+                     f"| {versus} | {weighted} | {result.tower_rows.get(row.variant, 0):,} "
                      f"| {row.memory_bytes / 2**20:,.1f} | {row.memory_ratio:.2f}x | {row.loss_rel_diff:.1e} | "
                      f"{row.grad_rel_diff:.1e} | {row.packed} |")
     met = ", ".join(f"{key} {'yes' if ok else 'no'}" for key, ok in result.targets().items())
-    return "\n".join([head, "", *lines, "", f"targets (>= {TARGETS['speedup']}x real tokens/s, memory <= "
+    note = []
+    if costs:
+        tower, step = costs["tower_ms_per_step"], costs["step_ms"]
+        note = [f"measured cost (medians over rounds): the vision tower alone, forward and backward (a reference's "
+                f"forward too), {tower['native']:,.0f} ms per step native ({tower['native'] / step['native']:.0%} of "
+                f"its {step['native']:,.0f} ms), {tower['shared']:,.0f} ms shared; a pixel row costs "
+                f"{costs['pixel_row_vs_token']:.3f}x a token (the rest of native's step over its tokens). The ideal "
+                "counts a pixel row as a token; weighted by these costs it is the column beside it", ""]
+    return "\n".join([head, "", *lines, "", *note, f"targets (>= {TARGETS['speedup']}x real tokens/s, memory <= "
                       f"{TARGETS['memory_ratio']}x): {met}", f"environment: {json.dumps(result.environment)}", ""])
 
 

@@ -131,19 +131,30 @@ class MultimodalCollator:
                 raise BatchError(f"example {index} holds {len(example['input_ids'])} tokens with images or video, "
                                  f"more than the collator keeps ({length}): truncating it would cut placeholders "
                                  "from their pixels. Raise max_length or drop the example")
-        for media in self.media:
-            for key in media.keys:
-                values = [found[key] for found, _ in items if key in found]
-                if values:
-                    batch[key] = torch.cat(values)
-                    if media.batch_dim and key in (media.pixels, *media.per_row):
-                        batch[key] = batch[key][None]
+        batch.update(self._joined(items))
         if self.positions is not None:
             batch["position_ids"] = self._positions(batch, examples, items, lengths)
         keys = tuple(key for key in self.media_keys if key in batch)
         if getattr(batch, "model_keys", None) is not None:
             batch.model_keys = tuple(dict.fromkeys((*batch.model_keys, *keys)))
         return batch
+
+    def media_batch(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        """The media keys :meth:`__call__` packs for ``examples`` (each example's media checked against its
+        placeholders, then concatenated in example order), without collating their text."""
+        return self._joined([self._media_of(example, index) for index, example in enumerate(as_examples(examples))])
+
+    def _joined(self, items: list) -> dict[str, torch.Tensor]:
+        """Every media key of the examples' ``items`` (:meth:`_media_of`) concatenated in example order."""
+        joined = {}
+        for media in self.media:
+            for key in media.keys:
+                values = [found[key] for found, _ in items if key in found]
+                if values:
+                    joined[key] = torch.cat(values)
+                    if media.batch_dim and key in (media.pixels, *media.per_row):
+                        joined[key] = joined[key][None]
+        return joined
 
     def split_call(self, inputs: Mapping[str, Any], rows: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
         """The media of a padded call split by row, each row's as :meth:`__call__` takes one example's.
@@ -377,7 +388,7 @@ def share_prompts(collator: MultimodalCollator, examples: Sequence[Mapping[str, 
     if not any(segment.parent >= 0 for segment in segments):
         return None
     index = torch.cat([torch.arange(segment.length) + cu[segment.row] + segment.start for segment in segments])
-    media = collator(prompt_examples(examples, segments))
+    media = collator.media_batch(prompt_examples(examples, segments))
     shared = PackedBatch()
     for key, value in batch.items():
         if key in collator.media_keys:

@@ -219,13 +219,14 @@ def shared_layout(lengths: Sequence[int], prefixes: Sequence[tuple[int, Hashable
     Rows of one key (two or more) become one prefix segment (the first row's tokens) followed by each row's rest, in
     row order, where the first of them appears; every other row is one segment alone, in its place. ``declined``: as
     :func:`prefix_tree`'s."""
-    shareable = []
+    shareable, numbers = [], {}  # each (length, key) numbered once: the trie compares small ints, not the keys
     for row, prefix in enumerate(prefixes):
         if prefix is not None and lengths[row]:
             length, key = prefix
             if not 0 < length < lengths[row]:
                 raise ValueError(f"row {row}: a shared prefix of {length} tokens in a row of {lengths[row]}")
-            shareable.append([(length, key, index) for index in range(length)])
+            number = numbers.setdefault((length, key), len(numbers))
+            shareable.append([(number, index) for index in range(length)])
         else:
             shareable.append(None)
     return prefix_tree(lengths, shareable, chunk, declined)

@@ -160,17 +160,39 @@ def exact_varlen(
                                          blocks=blocks)
     if blocks is not None:
         raise ValueError("bidirectional blocks are for self-attention only (cu_seq_lens_k == cu_seq_lens_q)")
-    out = None
-    for index_q, index_k in _shape_groups(cu_seq_lens_q, cu_seq_lens_k, query.device):
-        q, k, v = (t[index].transpose(1, 2) for t, index in ((query, index_q), (key, index_k), (value, index_k)))
-        piece = attend(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, dropout=dropout,
-                       sinks=sinks)  # [m, H, L_q, D]
-        if out is None:  # the attention's dtype (under autocast its compute dtype, not the query's)
-            out = piece.new_zeros(query.shape[0], query.shape[1], value.shape[-1])
-        out = out.index_put((index_q,), piece.transpose(1, 2))
-    if out is None:
-        out = query.new_zeros(query.shape[0], query.shape[1], value.shape[-1])
-    return out  # [T, H, D]
+    return _cross_attention_by_shape(query, key, value, cu_seq_lens_q, cu_seq_lens_k, causal=causal, scale=scale,
+                                     window=window, softcap=softcap, dropout=dropout, sinks=sinks)
+
+
+def _cross_attention_by_shape(query, key, value, cu_seq_lens_q, cu_seq_lens_k, **options) -> torch.Tensor:
+    """:func:`exact_varlen` when queries and keys have boundaries of their own (a shared row's segments and the keys
+    each attends to): the examples of one shape ``(L_q, L_k)`` in one call. The queries are reordered once, group
+    after group, and the keys and values gathered once (a key of several examples, a shared prompt's, once per
+    example), each group a contiguous block of them; the outputs are put back in order with one more gather. So the
+    backward is a few gathers and one scatter per tensor, not a full-size zero-filled gradient per group."""
+    groups = list(_shape_groups(cu_seq_lens_q, cu_seq_lens_k, query.device))
+    if not groups:
+        return query.new_zeros(query.shape[0], query.shape[1], value.shape[-1])
+    order = torch.cat([index_q.reshape(-1) for index_q, _ in groups])
+    keys = torch.cat([index_k.reshape(-1) for _, index_k in groups])
+    whole = order.shape[0] == query.shape[0]  # every query in a group (no example without keys)
+    inverse = torch.empty_like(order)
+    if whole:
+        inverse[order] = torch.arange(order.shape[0], device=order.device)
+    queries = PermuteRows.apply(query, order, inverse) if whole else query.index_select(0, order)
+    sizes_q, sizes_k = [index.numel() for index, _ in groups], [index.numel() for _, index in groups]
+    outputs = []
+    for (index_q, index_k), q, k, v in zip(groups, queries.split(sizes_q), key.index_select(0, keys).split(sizes_k),
+                                           value.index_select(0, keys).split(sizes_k)):
+        (m, length_q), length_k = index_q.shape, index_k.shape[1]
+        q = q.view(m, length_q, *q.shape[1:]).transpose(1, 2)  # [m, H, L_q, D]
+        k, v = (t.view(m, length_k, *t.shape[1:]).transpose(1, 2) for t in (k, v))
+        out = attend(q, k, v, **options)
+        outputs.append(out.transpose(1, 2).reshape(m * length_q, out.shape[1], out.shape[-1]))
+    if whole:
+        return PermuteRows.apply(torch.cat(outputs), inverse, order)  # [T, H, D]
+    out = outputs[0].new_zeros(query.shape[0], query.shape[1], value.shape[-1])  # queries without keys: zeros
+    return out.index_put((order,), torch.cat(outputs))
 
 
 def _token_places(cu_seq_lens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
