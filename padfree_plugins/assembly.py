@@ -519,7 +519,12 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
     if tile_loss is not None:
         parts = dataclasses.replace(parts, forward=TiledLossForward(parts.forward, tile_loss))
     if sequence is not None:  # each rank computes its slice of the group's row
-        patch.handles.append(SequenceParallelPatch.install(patch, sequence, layout, config.sequence_parallel.mixers))
+        try:
+            patch.handles.append(SequenceParallelPatch.install(patch, sequence, layout,
+                                                               config.sequence_parallel.mixers))
+        except BaseException:  # a refusal (split mixers under ZeRO-3) leaves the model as it was
+            patch.undo()
+            raise
         pad = getattr(inner.config.get_text_config(), "pad_token_id", None)
         parts = dataclasses.replace(parts, forward=SequenceParallelForward(parts.forward, sequence, pad or 0))
     return Assembly(inner, config, resolved, patch, parts.collator, parts.pooler, parts.reverter, parts.forward, host)

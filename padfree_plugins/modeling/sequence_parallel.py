@@ -129,8 +129,10 @@ class SequenceParallelPatch:
         that cannot start from a state) or ``gather`` (:class:`WholeRowMixer` for every mixer)."""
         if mixers not in MIXER_MODES:
             raise ConfigError(f"sequence_parallel.mixers: {mixers!r} is not one of {', '.join(MIXER_MODES)}")
-        installed = cls(patch, group)
         model = patch.model
+        if mixers == "split":
+            refuse_split_under_zero3(model)
+        installed = cls(patch, group)
         if patch.previous_implementation is not None:  # a model with attention (not Mamba)
             installed.implementation = attention.register(patch.backend, patch.fallback, patch.attention_dropout,
                                                           patch.architecture.kind == "decoder",
@@ -167,6 +169,26 @@ class SequenceParallelPatch:
             self._set_implementation(self.patch.implementation)
             self.implementation = None
         self.patch.sequence = None
+
+
+def refuse_split_under_zero3(model: Any) -> None:
+    """Refuse ``sequence_parallel.mixers: split`` on a model DeepSpeed ZeRO-3 shards (configured through transformers,
+    or its parameters already partitioned), before anything changes. The two sides of a cut run a mixer's own
+    forward a different number of times (the later rank also runs the piece it continues, after receiving the state),
+    and ZeRO-3 gathers each submodule's parameters by a collective at every call: the earlier rank waits in a gather
+    for the later one, which waits for its state. DeepSpeed's leaf modules (one gather per mixer) fail in the
+    backward on these mixers (a gradient against a partitioned weight)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    split = sorted({type(module).__name__ for module, mixer in sequence_mixers(model)
+                    if not isinstance(mixer, (WholeRowMixer, SplitMixer)) and not why_not_split(mixer)})
+    if split and (is_deepspeed_zero3_enabled() or any(hasattr(p, "ds_id") for p in model.parameters())):
+        raise ConfigError(f"sequence_parallel.mixers: split under DeepSpeed ZeRO-3 ({', '.join(split)}): ZeRO-3 "
+                          "gathers a mixer's weights by a collective at every call, and the ranks on the two sides of "
+                          "a cut call it a different number of times, so they would wait for each other forever. Set "
+                          "sequence_parallel.mixers: gather (every rank runs the mixers on the whole row; exact under "
+                          "ZeRO-3), or shard with FSDP2 (fully_shard per decoder layer), where split mixers train "
+                          "exactly")
 
 
 def _signature(batch: Mapping) -> list[tuple]:
