@@ -149,7 +149,7 @@ def test_split_mixers_under_zero3_are_refused(monkeypatch, tmp_path):
     from transformers import Trainer, TrainingArguments
     from transformers.integrations import HfDeepSpeedConfig
 
-    from padfree_plugins import ConfigError, accelerate, patch_of
+    from padfree_plugins import ConfigError, accelerate, assemble, patch_of
     from padfree_plugins.modeling.attention.ulysses import SequenceGroup
     from tests.sequence_parallel_trainer_run import ZERO3, rows, tiny_hybrid
 
@@ -170,3 +170,11 @@ def test_split_mixers_under_zero3_are_refused(monkeypatch, tmp_path):
     assert {name: module.__dict__.get("forward") for name, module in model.named_modules()} == forwards
     acceleration = accelerate(trainer, {"task": "causal_lm", "sequence_parallel": {"size": 2, "mixers": "gather"}})
     acceleration.undo()
+    del zero3
+    # a model already partitioned (loaded under zero.Init: its parameters carry ds_id) is refused without the config
+    partitioned = tiny_hybrid()
+    for number, parameter in enumerate(partitioned.parameters()):
+        parameter.ds_id = number
+    with pytest.raises(ConfigError, match=r"mixers: split under DeepSpeed ZeRO-3"):
+        assemble(partitioned, {"task": "causal_lm", "sequence_parallel": {"size": 2}})
+    assert patch_of(partitioned) is None
