@@ -54,6 +54,24 @@ def test_mixers_that_start_from_a_state_run_split_and_undo_restores_them():
     assembly.undo()
 
 
+def test_undoing_an_assembly_with_split_mixers_leaves_the_model_as_it_was(monkeypatch):
+    """``assemble`` with ``sequence_parallel.size: 2`` then ``undo()``: no mixer keeps a patched forward (the split
+    mixer went over the packed one; undone last-first), so assembling again splits the mixers again."""
+    monkeypatch.setattr("padfree_plugins.assembly.sequence_group", lambda size: SequenceGroup(None, 0, size))
+    model = hybrid_model("qwen3_5_text")
+    before = {name: module.__dict__.get("forward") for name, module in model.named_modules()}
+    config = {"attention": "exact", "sequence_parallel": {"size": 2}}
+    assembly = assemble(model, config)
+    assert len(forwards(model, SplitMixer)) == 2
+    assembly.undo()
+    assert {name: module.__dict__.get("forward") for name, module in model.named_modules()} == before
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "cannot start from another rank's state" warning
+        again = assemble(model, config)
+    assert len(forwards(model, SplitMixer)) == 2 and not forwards(model, WholeRowMixer)
+    again.undo()
+
+
 def test_mamba1_runs_gathered_with_a_warning_saying_why():
     model, assembly, patch, warned = installed("jamba")
     assert forwards(model, WholeRowMixer) and not forwards(model, SplitMixer)

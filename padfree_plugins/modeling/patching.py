@@ -492,7 +492,7 @@ class ModelPatch:
         """Restore the previous attention implementation and remove the guard. Safe to call twice."""
         if not self.active:
             return
-        for handle in self.handles:
+        for handle in reversed(self.handles):  # last installed first: a handle may patch over an earlier one's
             handle.remove()
         self.handles.clear()
         self._remove_compute_route()
