@@ -1,16 +1,17 @@
-"""torchrun worker of tests/test_sequence_parallel_sharded.py: a tiny Qwen3.5-shaped hybrid (gated-DeltaNet mixers
-split across the ranks, the state passed across the cut) trained under ``sequence_parallel: {size: 2}`` with its
-model sharded, on 2 CPU processes (gloo).
+"""torchrun worker of tests/test_sequence_parallel_sharded.py: a tiny Qwen3.5-shaped hybrid (gated-DeltaNet mixers)
+trained under ``sequence_parallel: {size: 2}`` with its model sharded, on 2 CPU processes (gloo).
 
     OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu python -m torch.distributed.run --nproc_per_node 2 \
         tests/sequence_parallel_sharded_run.py OUT CASE [CASE ...]
 
 ``CASE``: ``zero3`` (HF ``Trainer`` with ``TrainingArguments(deepspeed=ZeRO-3)``, made padding-free by
-``accelerate(trainer, cfg)``: the case ``hf-hybrid-zero3`` of tests/sequence_parallel_trainer_run.py), ``fsdp2``
-(a plain loop, ``fully_shard`` on every decoder layer and on the root: HF ``Trainer`` cannot run FSDP2 on CPU,
+``accelerate(trainer, cfg)``: the case ``hf-hybrid-zero3`` of tests/sequence_parallel_trainer_run.py; mixers
+gathered, as split mixers are refused under ZeRO-3), ``fsdp2`` (mixers split across the ranks, the state passed
+across the cut; a plain loop, ``fully_shard`` on every decoder layer and on the root: HF ``Trainer`` cannot run FSDP2 on CPU,
 docs/scaling.md), ``fsdp2-wrong-rank`` (the same with the deliberate fault
 :func:`~padfree_plugins.testing.faults.state_from_wrong_rank`). ``zero3`` must come last (DeepSpeed leaves
-``torch.nn.functional.linear`` patched for ZeRO-3 in the process). Rank 0 writes ``{case: result}`` to ``OUT`` (torch.save).
+``torch.nn.functional.linear`` patched for ZeRO-3 in the process). Rank 0 writes ``{case: result}`` to ``OUT``
+(torch.save).
 Every check that the model was really sharded exits non-zero when it fails: a run that silently trained unsharded
 proves nothing.
 """
@@ -55,8 +56,9 @@ def split_mixers(model, kind: str = "SplitMixer") -> int:
 
 
 def run_fsdp2(fault: bool) -> dict:
-    """The plain loop under FSDP2 (gradient checkpointing, except with the ``fault``): rank ``r`` loads its own examples, the group trains their joined row; every rank's
-    loss is its slice's token losses over the global label count, times the number of processes (FSDP averages)."""
+    """The plain loop under FSDP2 (gradient checkpointing, except with the ``fault``): rank ``r`` loads its own
+    examples, the group trains their joined row; every rank's loss is its slice's token losses over the global label
+    count, times the number of processes (FSDP averages)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 

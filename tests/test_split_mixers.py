@@ -72,6 +72,23 @@ def test_undoing_an_assembly_with_split_mixers_leaves_the_model_as_it_was(monkey
     again.undo()
 
 
+def test_a_split_mixer_partitioned_by_zero3_after_assembly_is_refused_at_its_first_call():
+    """A model DeepSpeed ZeRO-3 wrapped after assembly with no configuration the assembly could see: the split
+    mixer refuses its first packed call (on every rank alike, before any exchange) rather than hang in a gather."""
+    import torch
+
+    model, assembly, patch, _ = installed("qwen3_5_text")
+    module = forwards(model, SplitMixer)[0]
+    for number, parameter in enumerate(module.parameters()):
+        parameter.ds_id = number
+    hidden = torch.zeros(1, 4, model.config.hidden_size)
+    with pytest.raises(ConfigError, match=r"mixers: split under DeepSpeed ZeRO-3 \(Qwen3_5GatedDeltaNet\).*"
+                                          r"sequence_parallel.mixers: gather"):
+        module(hidden_states=hidden, cu_seq_lens_q=torch.tensor([0, 8], dtype=torch.int32))
+    patch.remove()
+    assembly.undo()
+
+
 def test_mamba1_runs_gathered_with_a_warning_saying_why():
     model, assembly, patch, warned = installed("jamba")
     assert forwards(model, WholeRowMixer) and not forwards(model, SplitMixer)

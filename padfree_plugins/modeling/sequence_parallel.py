@@ -51,7 +51,7 @@ from padfree_plugins.modeling.heads import FAMILY_INPUT_KEYS, run_base
 from padfree_plugins.modeling.mixers import PACKED_ROW, sequence_mixers
 from padfree_plugins.modeling.patching import ModelPatch, own_attribute, restore_attributes, unwrap_model
 from padfree_plugins.modeling.router_aux import RouterAux
-from padfree_plugins.modeling.split_mixers import SplitMixer, why_not_split
+from padfree_plugins.modeling.split_mixers import SplitMixer, partitioned_by_zero3, why_not_split, zero3_refusal
 from padfree_plugins.packing.batch import PackedBatch, packed_tokens
 from padfree_plugins.packing.sequence_parallel import CU_KEYS, DROPPED_KEYS, MAX_KEYS, is_token_key, join_rows, \
     padded_length, slice_row
@@ -177,18 +177,14 @@ def refuse_split_under_zero3(model: Any) -> None:
     forward a different number of times (the later rank also runs the piece it continues, after receiving the state),
     and ZeRO-3 gathers each submodule's parameters by a collective at every call: the earlier rank waits in a gather
     for the later one, which waits for its state. DeepSpeed's leaf modules (one gather per mixer) fail in the
-    backward on these mixers (a gradient against a partitioned weight)."""
+    backward on these mixers (a gradient against a partitioned weight). A model wrapped after assembly is refused
+    at its first split call (:meth:`SplitMixer.run`)."""
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     split = sorted({type(module).__name__ for module, mixer in sequence_mixers(model)
                     if not isinstance(mixer, (WholeRowMixer, SplitMixer)) and not why_not_split(mixer)})
-    if split and (is_deepspeed_zero3_enabled() or any(hasattr(p, "ds_id") for p in model.parameters())):
-        raise ConfigError(f"sequence_parallel.mixers: split under DeepSpeed ZeRO-3 ({', '.join(split)}): ZeRO-3 "
-                          "gathers a mixer's weights by a collective at every call, and the ranks on the two sides of "
-                          "a cut call it a different number of times, so they would wait for each other forever. Set "
-                          "sequence_parallel.mixers: gather (every rank runs the mixers on the whole row; exact under "
-                          "ZeRO-3), or shard with FSDP2 (fully_shard per decoder layer), where split mixers train "
-                          "exactly")
+    if split and (is_deepspeed_zero3_enabled() or partitioned_by_zero3(model)):
+        raise ConfigError(zero3_refusal(", ".join(split)))
 
 
 def _signature(batch: Mapping) -> list[tuple]:
