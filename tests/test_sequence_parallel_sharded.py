@@ -143,6 +143,7 @@ def test_trainer_under_zero3_with_gathered_mixers_equals_one_process(launched):
     assert max(b.abs().max().item() for _, b in updates) / rate > 1e3 * TOLERANCE  # real gradients
 
 
+@needs_deepspeed
 def test_split_mixers_under_zero3_are_refused(monkeypatch, tmp_path):
     """``mixers: split`` (the default) with DeepSpeed ZeRO-3 configured is refused at ``accelerate()`` with the reason
     and what to set; the trainer and model are left as they were; ``mixers: gather`` is accepted."""
