@@ -2,7 +2,8 @@
 tiny BERT (CLS -> pooler), a tiny ModernBERT (mean pooling, local / global attention windows) and a tiny Llama
 (GQA; last token -> score), ``embedding``
 (MultipleNegativesRankingLoss, mean pooling) and ``reranker`` (a BERT cross-encoder on sentence pairs) — trained
-by HF ``Trainer`` with ``sequence_parallel: {size: 2}`` on 2 CPU processes (gloo).
+by HF ``Trainer`` with ``sequence_parallel: {size: 2}`` on 2 CPU processes (gloo), or on 4 (SP = 2 x DP = 2: two
+groups, each rank its own micro-batches).
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 tests/sequence_parallel_pooled_run.py \
         OUT CASE [CASE ...]
@@ -45,7 +46,9 @@ CASES = {
 FAULT = "+fault"
 BATCH = 2  # examples per rank and micro-batch
 STEPS = 4
-TRAIN_ROWS = BATCH * 2 * STEPS  # every row once: 2 ranks (the reference: 2 micro-batches accumulated) x STEPS
+#: Every row once: BATCH x the ranks (the reference: their micro-batches accumulated) x STEPS.
+def train_rows(ranks: int) -> int:
+    return BATCH * ranks * STEPS
 EVAL_ROWS = 8
 NO_DROPOUT = {"bert": {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}, "modernbert": {},
               "llama": {}}
@@ -94,7 +97,8 @@ def make_trainer(case: str, output_dir: str, *, ranks: int | None = None):
         max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to="none", seed=0, disable_tqdm=True,
         use_cpu=True, dataloader_pin_memory=False)
     trainer = Trainer(model=make_model(case), args=args,
-                      train_dataset=datasets.Dataset.from_list(rows(spec["rows"], TRAIN_ROWS, 0)),
+                      train_dataset=datasets.Dataset.from_list(rows(spec["rows"],
+                                                                    train_rows(ranks or dist.get_world_size()), 0)),
                       eval_dataset=datasets.Dataset.from_list(rows(spec["rows"], EVAL_ROWS, 1)))
     trainer.add_callback(GradientRecorder())
     return trainer, accelerate(trainer, config)
@@ -156,8 +160,8 @@ def main(out: str, cases: list[str]) -> None:
     from accelerate import PartialState
 
     PartialState(cpu=True)  # the gloo process group
-    if dist.get_world_size() != 2:
-        sys.exit("launch with torchrun --nproc_per_node 2")
+    if dist.get_world_size() not in (2, 4):
+        sys.exit("launch with torchrun --nproc_per_node 2 (one group) or 4 (SP = 2 x DP = 2)")
     unknown = [case for case in cases if case.removesuffix(FAULT) not in CASES]
     if unknown:
         sys.exit(f"unknown cases {unknown}: choose from {list(CASES)} (+fault)")

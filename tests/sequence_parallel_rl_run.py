@@ -6,6 +6,9 @@ per-rank batches.
     OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 tests/sequence_parallel_rl_run.py \
         RUN[,RUN...] OUT
 
+On 4 processes the runs train at SP = 2 x DP = 2 (two groups of 2 ranks, each rank its own micro-batches, as TRL's own
+4-process run, the reference).
+
 A run is ``KIND-MODE``: ``KIND`` one of :data:`KINDS`, ``MODE`` ``sp`` (size 2), ``padded``
 (TRL's own run, not accelerated: the reference) or a fault (size 2): ``no-gather`` (each rank reads its own slice's
 per-token outputs only, zeros at the other rank's tokens; for ``reward``: each rank pools its texts from its own
@@ -180,15 +183,15 @@ def main(runs: list[str], out: str) -> None:
     from accelerate import PartialState
 
     state = PartialState(cpu=True)
-    if state.num_processes != 2:
-        sys.exit("launch with torchrun --nproc_per_node 2: one sequence-parallel group of 2")
+    if state.num_processes not in (2, 4):
+        sys.exit("launch with torchrun --nproc_per_node 2 (one sequence-parallel group of 2) or 4 (SP = 2 x DP = 2)")
     results = {}
     for run in runs:
         kind, mode = run.split("-", 1)
         seen: list = []
         cuts: list = []
         got = train(kind, mode, seen, cuts)
-        everyone: list = [None] * 2
+        everyone: list = [None] * state.num_processes
         dist.all_gather_object(everyone, (seen, cuts, got.pop("completions")))
         results[run] = {**got, "seen": [e[0] for e in everyone], "cuts": [e[1] for e in everyone],
                         "completions": [e[2] for e in everyone]}

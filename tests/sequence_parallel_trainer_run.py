@@ -51,7 +51,17 @@ CASES = {
 #: all-gather across the blocks).
 SP4_CASES = {"hf-sp4-kv2": {"kind": "hf", "accumulation": 1, "checkpointing": True, "strategy": "tokens",
                             "model": "kv2", "sp": 4}}
-ALL_CASES = {**CASES, **SP4_CASES}
+#: Cases under a sharding engine, launched by tests/sequence_parallel_sharded_run.py (the reference, in one process,
+#: unsharded): the hybrid of ``hf-hybrid`` under DeepSpeed ZeRO-3, trained with SGD (no clipping), so that every
+#: step's gradient is its weight update over the rate.
+SHARDED_CASES = {"hf-hybrid-zero3": {"kind": "hf", "accumulation": 1, "checkpointing": True, "strategy": "examples",
+                                     "model": "hybrid", "deepspeed": True, "optim": "sgd", "lr": 0.1}}
+#: DeepSpeed ZeRO-3 of the sharded cases: every parameter partitioned (threshold 0), fp32.
+ZERO3 = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+         "gradient_clipping": "auto", "zero_allow_untested_optimizer": True, "fp16": {"enabled": False},
+         "bf16": {"enabled": False}}
+ALL_CASES = {**CASES, **SP4_CASES, **SHARDED_CASES}
 EVAL_BATCH = 2  # per rank; the reference evaluates the group's 2 x 2 examples as one batch
 SPLIT_BATCH = 4  # split_batches=True: the examples of a global batch, 2 per rank (training and evaluation)
 #: The ``predict`` case's evaluation rows: whole global batches (an odd count would have accelerate repeat an example
@@ -217,6 +227,10 @@ def make_trainer(case: str, output_dir: str, config: dict, *, ranks: int | None 
                     report_to="none", seed=0, disable_tqdm=True, use_cpu=True, dataloader_pin_memory=False)
     if split and ranks is None:  # the run on 2 processes: accelerate splits every global batch across the ranks
         settings["accelerator_config"] = {"split_batches": True}
+    if "optim" in spec:
+        settings.update(optim=spec["optim"], learning_rate=spec["lr"], max_grad_norm=0.0)
+    if spec.get("deepspeed") and ranks is None:  # the sharded run; the one-process reference is plain
+        settings["deepspeed"] = ZERO3
     if spec["strategy"] == "examples":  # per_device_train_batch_size examples per micro-batch, 4 steps
         config = {key: value for key, value in config.items() if key != "batching"}
         settings["max_steps"] = 4

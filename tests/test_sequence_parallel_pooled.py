@@ -178,3 +178,31 @@ def test_only_what_the_base_reads_is_exchanged_and_a_per_example_input_is_refuse
     assert kept.model_keys == ("token_type_ids",)
     with pytest.raises(PadfreeError, match=r"lang_ids holds one value per example.*sequence_parallel.size: 1"):
         base_inputs(PackedBatch(batch, lang_ids=torch.tensor([0, 1])))
+
+
+def test_seq_cls_under_sequence_and_data_parallelism_equals_one_process(tmp_path):
+    """``seq_cls`` on the tiny Llama at SP = 2 x DP = 2 on 4 processes (two groups of 2, each rank its own
+    micro-batches): losses, every gradient at every step, the final weights and ``predict``'s predictions equal one
+    process accumulating the 4 ranks' micro-batches of each step; each group embedded its own joined row."""
+    case = "llama-seq_cls"
+    out = tmp_path / "runs.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
+               str(free_port()), str(ROOT / "tests" / "sequence_parallel_pooled_run.py"), str(out), case]
+    returncode, output = run_group(command, env, timeout=300, results=[out])
+    assert returncode == 0, output[-6000:]
+    run = torch.load(out, weights_only=False)[case]
+    trainer, acceleration = make_trainer(case, tempfile.mkdtemp(), ranks=4)
+    trainer.train()
+    want = result_of(trainer)
+    acceleration.undo()
+    loss, grad, weight, prediction = differences(run, want)
+    print(f"{case} sp2 x dp2: max loss difference {loss:.2e}, gradients {grad:.2e}, weights {weight:.2e}, "
+          f"predictions {prediction:.2e}")
+    assert loss < LOSS_TOLERANCE and prediction < LOSS_TOLERANCE and grad < TOLERANCE and weight < TOLERANCE
+    assert max(g.abs().max().item() for step in want["grads"] for g in step.values()) > 1e3 * TOLERANCE
+    own, embedded = run["own"], run["embedded"]
+    for first in (0, 2):  # each group's ranks embedded half of their own two micro-batches' row at every step
+        rows = [mine[-1] + theirs[-1] for mine, theirs in zip(own[first], own[first + 1])]
+        assert embedded[first] == embedded[first + 1] == [-(-row // 2) for row in rows] and len(rows) == STEPS
+    assert embedded[0] != embedded[2]

@@ -82,6 +82,41 @@ def test_mixers_that_start_from_a_state_run_split_and_undo_restores_them():
     assert_state_restored(installed.before, model)
 
 
+def test_undoing_an_assembly_with_split_mixers_leaves_the_model_as_it_was(monkeypatch):
+    """``assemble`` with ``sequence_parallel.size: 2`` then ``undo()``: no mixer keeps a patched forward (the split
+    mixer went over the packed one; undone last-first), so assembling again splits the mixers again."""
+    monkeypatch.setattr("padfree_plugins.assembly.sequence_group", lambda size: SequenceGroup(None, 0, size))
+    model = hybrid_model("qwen3_5_text")
+    before = {name: module.__dict__.get("forward") for name, module in model.named_modules()}
+    config = {"attention": "exact", "sequence_parallel": {"size": 2}}
+    assembly = assemble(model, config)
+    assert len(forwards(model, SplitMixer)) == 2
+    assembly.undo()
+    assert {name: module.__dict__.get("forward") for name, module in model.named_modules()} == before
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "cannot start from another rank's state" warning
+        again = assemble(model, config)
+    assert len(forwards(model, SplitMixer)) == 2 and not forwards(model, WholeRowMixer)
+    again.undo()
+
+
+def test_a_split_mixer_partitioned_by_zero3_after_assembly_is_refused_at_its_first_call():
+    """A model DeepSpeed ZeRO-3 wrapped after assembly with no configuration the assembly could see: the split
+    mixer refuses its first packed call (on every rank alike, before any exchange) rather than hang in a gather."""
+    import torch
+
+    model, assembly, patch, _ = installed("qwen3_5_text")
+    module = forwards(model, SplitMixer)[0]
+    for number, parameter in enumerate(module.parameters()):
+        parameter.ds_id = number
+    hidden = torch.zeros(1, 4, model.config.hidden_size)
+    with pytest.raises(ConfigError, match=r"mixers: split under DeepSpeed ZeRO-3 \(Qwen3_5GatedDeltaNet\).*"
+                                          r"sequence_parallel.mixers: gather"):
+        module(hidden_states=hidden, cu_seq_lens_q=torch.tensor([0, 8], dtype=torch.int32))
+    patch.remove()
+    assembly.undo()
+
+
 def test_mamba1_runs_gathered_with_a_warning_saying_why():
     model, assembly, patch, warned = installed("jamba")
     assert forwards(model, WholeRowMixer) and not forwards(model, SplitMixer)

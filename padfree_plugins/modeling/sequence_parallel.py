@@ -54,7 +54,7 @@ from padfree_plugins.modeling.heads import FAMILY_INPUT_KEYS, run_base
 from padfree_plugins.modeling.mixers import PACKED_ROW, sequence_mixers
 from padfree_plugins.modeling.patching import ModelPatch, own_attribute, restore_attributes, unwrap_model
 from padfree_plugins.modeling.router_aux import RouterAux
-from padfree_plugins.modeling.split_mixers import SplitMixer, why_not_split
+from padfree_plugins.modeling.split_mixers import SplitMixer, partitioned_by_zero3, why_not_split, zero3_refusal
 from padfree_plugins.packing.batch import PackedBatch, packed_tokens
 from padfree_plugins.packing.sequence_parallel import CU_KEYS, DROPPED_KEYS, MAX_KEYS, is_rotary_rows, is_token_key, \
     join_rows, padded_length, slice_row
@@ -186,8 +186,10 @@ class SequenceParallelPatch:
         (:class:`SliceRow`)."""
         if mixers not in MIXER_MODES:
             raise ConfigError(f"sequence_parallel.mixers: {mixers!r} is not one of {', '.join(MIXER_MODES)}")
-        installed = cls(patch, group)
         model = patch.model
+        if mixers == "split":
+            refuse_split_under_zero3(model)
+        installed = cls(patch, group)
         if whole_rows:
             text_model = language_model(model)
             if text_model is None:
@@ -234,6 +236,22 @@ class SequenceParallelPatch:
             self._set_implementation(self.patch.implementation)
             self.implementation = None
         self.patch.sequence, self.patch.whole_rows = None, False
+
+
+def refuse_split_under_zero3(model: Any) -> None:
+    """Refuse ``sequence_parallel.mixers: split`` on a model DeepSpeed ZeRO-3 shards (configured through transformers,
+    or its parameters already partitioned), before anything changes. The two sides of a cut run a mixer's own
+    forward a different number of times (the later rank also runs the piece it continues, after receiving the state),
+    and ZeRO-3 gathers each submodule's parameters by a collective at every call: the earlier rank waits in a gather
+    for the later one, which waits for its state. DeepSpeed's leaf modules (one gather per mixer) fail in the
+    backward on these mixers (a gradient against a partitioned weight). A model wrapped after assembly is refused
+    at its first split call (:meth:`SplitMixer.run`)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    split = sorted({type(module).__name__ for module, mixer in sequence_mixers(model)
+                    if not isinstance(mixer, (WholeRowMixer, SplitMixer)) and not why_not_split(mixer)})
+    if split and (is_deepspeed_zero3_enabled() or partitioned_by_zero3(model)):
+        raise ConfigError(zero3_refusal(", ".join(split)))
 
 
 def _signature(batch: Mapping, media: tuple[str, ...] = ()) -> list[tuple]:

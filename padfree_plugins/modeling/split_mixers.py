@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from padfree_plugins.errors import BoundaryError
+from padfree_plugins.errors import BoundaryError, ConfigError
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup
 from padfree_plugins.modeling.mixers import CACHE_NAMES, PACKED_ROW, ROW_KEYS, MixerState, PackedRow, run_ready, \
     state_sources
@@ -278,6 +278,20 @@ def run_split(forward: Any, hidden: torch.Tensor, row: PackedRow, group: Sequenc
     return output if sent is None else output + sent
 
 
+def zero3_refusal(names: str) -> str:
+    """Why split mixers ``names`` cannot run under DeepSpeed ZeRO-3, and what to set instead."""
+    return (f"sequence_parallel.mixers: split under DeepSpeed ZeRO-3 ({names}): ZeRO-3 gathers a mixer's weights by a "
+            "collective at every call, and the ranks on the two sides of a cut call it a different number of times, so "
+            "they would wait for each other forever. Set sequence_parallel.mixers: gather (every rank runs the mixers "
+            "on the whole row; exact under ZeRO-3), or shard with FSDP2 (fully_shard per decoder layer), where split "
+            "mixers train exactly")
+
+
+def partitioned_by_zero3(module: torch.nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions ``module``'s parameters (they carry ``ds_id``)."""
+    return any(hasattr(parameter, "ds_id") for parameter in module.parameters())
+
+
 @dataclass
 class SplitMixer:
     """A sequence mixer's packed forward (``mixer``: a :class:`~padfree_plugins.modeling.mixers.PackedMixer`, or
@@ -296,6 +310,8 @@ class SplitMixer:
 
     def run(self, args: tuple, kwargs: dict) -> torch.Tensor:
         mixer, name = self.mixer, type(self.mixer.module).__name__
+        if partitioned_by_zero3(mixer.module):  # wrapped after assembly: refused on every rank before any exchange
+            raise ConfigError(zero3_refusal(name))
         inputs = inspect.signature(mixer.original).bind(*args, **kwargs).arguments
         inputs.update(inputs.pop("kwargs", {}))
         row, cu = PACKED_ROW.get(), inputs.get("cu_seq_lens_q")
