@@ -31,9 +31,11 @@ def selected(request, case_of: Callable[[pytest.Item], str | None]) -> list[str]
 
 
 def launch_once(request, tmp_path_factory, name: str, cases: list[str],
-                launch: Callable[[Path, list[str]], tuple[int, str]]) -> tuple[int, str, dict | None]:
+                launch: Callable[[Path, list[str]], tuple[int, str]],
+                load: Callable[[Path], dict | None] | None = None) -> tuple[int, str, dict | None]:
     """``launch(out, cases)`` (which runs the launch writing its results to ``out``: exit status, output) once per
-    session for ``name`` and ``cases``; every caller gets ``(exit status, output, results or None)``."""
+    session for ``name`` and ``cases``; every caller gets ``(exit status, output, results or None)``, the results
+    ``load(out)`` (by default ``out`` loaded, ``None`` if it was not written)."""
     base = tmp_path_factory.getbasetemp()
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # this session's, shared by the workers
     key = f"{request.module.__name__}-{name}-{'-'.join(cases)}"
@@ -49,4 +51,6 @@ def launch_once(request, tmp_path_factory, name: str, cases: list[str],
     done = json.loads((folder / "done.json").read_text())
     if done["returncode"] is None:
         pytest.fail(done["output"])
-    return done["returncode"], done["output"], torch.load(out, weights_only=True) if out.exists() else None
+    if load is None:
+        return done["returncode"], done["output"], torch.load(out, weights_only=True) if out.exists() else None
+    return done["returncode"], done["output"], load(out)

@@ -30,6 +30,7 @@ from padfree_plugins import ConfigError, PadfreeError, accelerate, load_config, 
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup
 from tests.sequence_parallel_trainer_run import CASES, EVAL_BATCH, PREDICT_ROWS, SP_CONFIG, SPLIT_BATCH, \
     TRAINER_CONFIG, make_model, make_trainer, predict_trainer, predicted, rows, sft_predicted, trainer_result
+from tests.shared_launch import launch_once
 from tests.test_distributed import ROOT, free_port, load_example, reference_training, run_group
 from tests.test_sequence_parallel import record_pick_gaps
 from tests.ties import assert_clear
@@ -40,16 +41,19 @@ TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> dict:
-    """Every case of the worker, in one 2-process launch."""
-    out = tmp_path_factory.mktemp("sequence_parallel") / "runs.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "sequence_parallel_trainer_run.py"), str(out), *CASES, "loop",
-               "predict"]
-    returncode, output = run_group(command, env, timeout=300, results=[out])
+def launched(request, tmp_path_factory) -> dict:
+    """Every case of the worker, in one 2-process launch (once per session: tests/shared_launch.py)."""
+    def run(out, _):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                   str(free_port()), str(ROOT / "tests" / "sequence_parallel_trainer_run.py"), str(out), *CASES,
+                   "loop", "predict"]
+        return run_group(command, env, timeout=300, results=[out])
+
+    returncode, output, runs = launch_once(request, tmp_path_factory, "launched", [], run,
+                                           lambda out: torch.load(out, weights_only=False))
     assert returncode == 0, output[-6000:]
-    return torch.load(out, weights_only=False)
+    return runs
 
 
 @functools.lru_cache(maxsize=2)
