@@ -24,10 +24,19 @@ def selected(request, case_of: Callable[[pytest.Item], str | None]) -> list[str]
     nothing), in the order of the tests."""
     cases = []
     for item in request.session.items:
-        case = case_of(item) if item.module is request.module else None
+        case = case_of(item) if item.module is request.module and not skipped(item) else None
         if case is not None and case not in cases:
             cases.append(case)
     return cases
+
+
+def skipped(item) -> bool:
+    """Whether a ``skip`` mark or a ``skipif`` mark with a true condition skips ``item`` (its case is not launched:
+    a skipped DeepSpeed case must not fail the launch of the others)."""
+    if any(True for _ in item.iter_markers("skip")):
+        return True
+    return any(mark.args and all(isinstance(c, bool) and c for c in mark.args) or mark.kwargs.get("condition") is True
+               for mark in item.iter_markers("skipif"))
 
 
 def launch_once(request, tmp_path_factory, name: str, cases: list[str],
