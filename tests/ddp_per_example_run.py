@@ -1,5 +1,5 @@
 """Run under ``accelerate launch`` (2 CPU processes) by tests/test_distributed.py: HF Trainer, bf16 mixed
-precision, a tiny BERT classifier or embedder made padding-free by ``accelerate(trainer)``. Writes each rank's
+precision, a tiny BERT classifier and / or embedder made padding-free by ``accelerate(trainer)``. Writes each rank's
 losses and a checksum of its final weights (DDP keeps the ranks' weights equal only if the all-reduce ran)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import tempfile
 
 import datasets
 import torch
+from accelerate import PartialState
 from transformers import Trainer, TrainingArguments
 
 from padfree_plugins import accelerate
@@ -44,9 +45,21 @@ def reward(out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def main(task: str, out: str) -> None:
-    if task == "reward":
+def main(tasks: str, out: str) -> None:
+    """``tasks``: ``reward``, or ``seq_cls`` / ``embedding`` / both comma-separated (trained one after the other in
+    this launch; each rank's file then holds ``{task: result}``)."""
+    if tasks == "reward":
         return reward(out)
+    runs = {task: train(task) for task in tasks.split(",")}
+    state = PartialState()  # the trainers' process group
+    with open(f"{out}.{state.process_index}", "w") as file:
+        json.dump(runs if "," in tasks else runs[tasks], file)
+    state.wait_for_everyone()  # a clean exit: no rank leaves while the other still talks to it
+    torch.distributed.destroy_process_group()
+
+
+def train(task: str) -> dict:
+    """One bf16 HF Trainer run of ``task``: its rank's losses, process count and a checksum of its final weights."""
     lengths = [int(x) for x in torch.randint(2, 30, (64,), generator=torch.Generator().manual_seed(0))]
     texts = make_examples(lengths)
     if task == "seq_cls":
@@ -65,13 +78,10 @@ def main(task: str, out: str) -> None:
     trainer = Trainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows))
     accelerate(trainer, config)
     trainer.train()
-    rank = trainer.accelerator.process_index
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    with open(f"{out}.{rank}", "w") as file:
-        json.dump({"processes": trainer.accelerator.num_processes, "checksum": checksum, "losses": losses}, file)
-    trainer.accelerator.wait_for_everyone()  # a clean exit: no rank leaves while the other still talks to it
-    torch.distributed.destroy_process_group()
+    trainer.accelerator.wait_for_everyone()  # both ranks done with this run's model before the next starts
+    return {"processes": trainer.accelerator.num_processes, "checksum": checksum, "losses": losses}
 
 
 if __name__ == "__main__":

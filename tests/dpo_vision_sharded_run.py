@@ -2,7 +2,7 @@
 sharded, rank 1's micro-batches text only.
 
     OMP_NUM_THREADS=1 [DS_ACCELERATOR=cpu] python -m torch.distributed.run --nproc_per_node 2 \
-        tests/dpo_vision_sharded_run.py ENGINE OUT [--no-idle-tower]
+        tests/dpo_vision_sharded_run.py ENGINE[,ENGINE] OUT [--no-idle-tower]
 
 Each rank builds the same ``DPOTrainer`` (tiny Qwen2.5-VL, a reference model) and ``accelerate(trainer)`` makes it
 padding-free; then ``ENGINE`` shards both models as TRL does under it: ``fsdp2`` (``fully_shard`` on every module of
@@ -16,7 +16,8 @@ Rank 0 writes to ``OUT`` (torch.save): ``losses`` (per step, each rank's), ``pac
 ``pack_media_call`` returned), ``towers`` / ``idle`` (per rank and step, the vision towers' forwards and the idle
 tower's uses, policy and reference together), ``media`` (per rank and step, whether its batch had pixels), the full
 final ``state``, the ``sharding`` evidence and ``ref_sharded`` (whether each reference parameter is sharded, taken
-before its first forward). The one-process reference is :func:`reference`.
+before its first forward); with several comma-separated engines (trained one after the other, one launch's
+start-up for all) ``{engine: result}``. The one-process reference is :func:`reference`.
 """
 
 from __future__ import annotations
@@ -201,13 +202,22 @@ def gathered(value) -> list:
     return values
 
 
-def main(engine: str, out: str, idle_tower: bool) -> None:
-    if engine not in ENGINES:
-        sys.exit(f"engine must be one of {ENGINES}, not {engine!r}")
-    result = train(engine, idle_tower)
+def main(engines: str, out: str, idle_tower: bool) -> None:
+    from padfree_plugins.integrations import trl_fused
+    from padfree_plugins.modeling import vision
+
+    if any(engine not in ENGINES for engine in engines.split(",")):
+        sys.exit(f"engine must be one of {ENGINES}, not {engines!r}")
+    results = {}
+    for engine in engines.split(","):
+        originals = trl_fused.pack_media_call, vision.IdleTower.with_idle_tower
+        results[engine] = train(engine, idle_tower)
+        trl_fused.pack_media_call, vision.IdleTower.with_idle_tower = originals  # counted() afresh for the next
+        gc.collect()
+        dist.barrier()
     if dist.get_rank() == 0:
         partial = Path(f"{out}.partial")
-        torch.save(result, partial)
+        torch.save(results if "," in engines else results[engines], partial)
         os.replace(partial, out)  # the result appears whole (run_group watches for it)
     gc.collect()
     dist.barrier()

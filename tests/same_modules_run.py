@@ -1,7 +1,7 @@
 """Worker of tests/test_same_modules.py: every rank runs the same modules, every micro-batch, under a sharded model.
 
     OMP_NUM_THREADS=1 [DS_ACCELERATOR=cpu] python -m torch.distributed.run --nproc_per_node 2 \
-        tests/same_modules_run.py ENGINE OUT SCENARIO [SCENARIO …] [--no-idle-tower]
+        tests/same_modules_run.py ENGINE[,ENGINE] OUT SCENARIO [SCENARIO …] [--no-idle-tower]
 
 ``ENGINE``: ``fsdp2`` (``fully_shard`` on every module of the model's ``_no_split_modules`` classes — decoder
 layers, vision blocks — on the MoE experts, then on the root) or ``zero3`` (as tests/sharded_run.py). Scenarios
@@ -16,7 +16,9 @@ layers, vision blocks — on the MoE experts, then on the root) or ``zero3`` (as
 * ``split``: a tiny Llama on token budgets with over-long examples split into chunks, the rank's own
   ``token_budget_dataloader``.
 
-Rank 0 writes ``{scenario: {"losses", "tokens", "micro_batches", "state", "sharding", "experts"}}`` to ``OUT``.
+Rank 0 writes ``{scenario: {"losses", "tokens", "micro_batches", "state", "sharding", "experts"}}`` to ``OUT``;
+with several comma-separated engines (each trains every scenario, one launch's start-up for all)
+``{engine: {scenario: …}}``.
 The one-process reference of each scenario is :func:`reference` (the test computes it).
 """
 
@@ -213,21 +215,23 @@ def train(scenario: str, engine: str, accelerator, idle_tower: bool) -> dict:
             "sharding": sharding_evidence(engine, model, optimizer), "state": full_state(engine, model)}
 
 
-def main(engine: str, out: str, scenarios: list[str], idle_tower: bool) -> None:
+def main(engines: str, out: str, scenarios: list[str], idle_tower: bool) -> None:
     from accelerate import Accelerator
 
-    if engine not in ENGINES:
-        sys.exit(f"engine must be one of {ENGINES}, not {engine!r}")
+    if any(engine not in ENGINES for engine in engines.split(",")):
+        sys.exit(f"engine must be one of {ENGINES}, not {engines!r}")
     accelerator = Accelerator(cpu=True)
     if accelerator.num_processes < 2:
         sys.exit("launch with torchrun --nproc_per_node 2: one process shards nothing")
     results = {}
-    for scenario in scenarios:
-        results[scenario] = train(scenario, engine, accelerator, idle_tower)
-        gc.collect()
+    for engine in engines.split(","):
+        results[engine] = {}
+        for scenario in scenarios:
+            results[engine][scenario] = train(scenario, engine, accelerator, idle_tower)
+            gc.collect()
     if accelerator.is_main_process:
         partial = Path(f"{out}.partial")
-        torch.save(results, partial)
+        torch.save(results if "," in engines else results[engines], partial)
         os.replace(partial, out)
     gc.collect()
     dist.barrier()

@@ -7,10 +7,11 @@ trained with ``sequence_parallel: {size: 2}`` on 2 CPU processes (gloo).
 ``CASE`` is a key of :data:`CASES` (a trainer made padding-free by ``accelerate(trainer, cfg)``, trained on
 token-budget micro-batches, each rank its own, then evaluated), ``loop`` (``train`` of examples/accelerate_loop.py
 with its config plus ``sequence_parallel.size: 2``) or ``predict`` (HF ``Trainer.predict`` and ``evaluate`` with
-``compute_metrics``: :func:`run_predict`). On 4 processes (2 groups of 2: SP x DP) only ``predict-dp`` runs (HF
-``predict`` / ``evaluate`` alone, :func:`predicted`). Rank 0 writes ``{case: result}`` to ``OUT`` (torch.save): the
-logged losses, the final weights, ``eval_loss``, and what shows each rank computed a slice of the group's row (the
-token counts the embeddings and the LM head saw on every rank). The one-process references are computed by the test.
+``compute_metrics``: :func:`run_predict`). On 4 processes only ``predict-dp`` (2 groups of 2: SP x DP; HF
+``predict`` / ``evaluate`` alone, :func:`predicted`) and the SP4 cases run, in one launch if the test selects both.
+Rank 0 writes ``{case: result}`` to ``OUT`` (torch.save): the logged losses, the final weights, ``eval_loss``, and
+what shows each rank computed a slice of the group's row (the token counts the embeddings and the LM head saw on
+every rank). The one-process references are computed by the test.
 """
 
 from __future__ import annotations
@@ -354,9 +355,9 @@ def main(out: str, cases: list[str]) -> None:
 
     PartialState(cpu=True)  # the gloo process group
     runs = {"loop": run_loop, "predict": run_predict, "predict-dp": run_predict_dp}
-    four = cases == ["predict-dp"] or (cases and all(case in SP4_CASES for case in cases))
+    four = bool(cases) and all(case in (*SP4_CASES, "predict-dp") for case in cases)
     if dist.get_world_size() != (4 if four else 2):
-        sys.exit("launch with torchrun --nproc_per_node 2 (case predict-dp alone, or the SP4 cases alone: 4)")
+        sys.exit("launch with torchrun --nproc_per_node 2 (predict-dp and the SP4 cases, without others: 4)")
     unknown = [case for case in cases if case not in (*ALL_CASES, *runs)]
     if unknown:
         sys.exit(f"unknown cases {unknown}: choose from {[*ALL_CASES, *runs]}")

@@ -1,7 +1,7 @@
 """Worker of tests/test_sharded.py: the plain loop of examples/accelerate_loop.py with the model sharded.
 
     OMP_NUM_THREADS=1 [DS_ACCELERATOR=cpu] python -m torch.distributed.run --nproc_per_node 2 \
-        tests/sharded_run.py ENGINE OUT
+        tests/sharded_run.py ENGINE[,ENGINE...] OUT
 
 ``ENGINE`` is ``fsdp2`` (``torch.distributed.fsdp.fully_shard`` per decoder layer and on the root), ``zero2`` or
 ``zero3`` (``deepspeed.initialize``, fp32, the reference's AdamW as a client optimizer). The model, data, token
@@ -10,6 +10,8 @@ budget and plan are those of ``reference_run`` in tests/test_distributed.py: ran
 ``N`` (the engines average gradients over ranks; docs/scaling.md "The loss across ranks"). Rank 0 writes
 ``{"losses", "tokens", "state", "sharding"}`` to ``OUT`` (torch.save): the step losses summed over ranks, the token
 count of every rank, the full weights gathered after training, and what proves the model was really sharded.
+Several comma-separated engines train one after the other in the same launch (each its own model and optimizer,
+from the same seed), saving a launch's start-up each; ``OUT`` then holds ``{engine: result}``.
 Every check that fails exits non-zero with a message: a run that silently trained unsharded proves nothing.
 """
 
@@ -118,17 +120,22 @@ def full_state(engine: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in module.named_parameters()}
 
 
-def main(engine: str, out: str) -> None:
-    engine, tiled = engine.removesuffix(TILED), engine.endswith(TILED)
-    if engine not in ENGINES:
-        sys.exit(f"engine must be one of {ENGINES} (with {TILED}: memory.tile_tokens {TILE_TOKENS}), not {engine!r}")
+def main(engines: str, out: str) -> None:
+    cases = engines.split(",")
+    for case in cases:
+        if case.removesuffix(TILED) not in ENGINES:
+            sys.exit(f"engine must be one of {ENGINES} (with {TILED}: memory.tile_tokens {TILE_TOKENS}), not {case!r}")
     accelerator = Accelerator(cpu=True)  # the gloo process group, and reduce() for the token count
     if accelerator.num_processes < 2:
         sys.exit("launch with torchrun --nproc_per_node 2 (or more): one process shards nothing")
-    result = train(engine, accelerator, tiled)
+    results = {}
+    for case in cases:
+        results[case] = train(case.removesuffix(TILED), accelerator, case.endswith(TILED))
+        gc.collect()  # the case's sharded model is gone before the next one starts
+        dist.barrier()
     if accelerator.is_main_process:
         partial = Path(f"{out}.partial")
-        torch.save(result, partial)
+        torch.save(results if len(cases) > 1 else results[cases[0]], partial)
         os.replace(partial, out)  # the result appears whole (run_group watches for it)
     # The group is destroyed once train() has returned and the sharded model is gone: destroying it while FSDP's
     # or DeepSpeed's state still holds it aborts gloo at exit (as DDP's reducer does, examples/accelerate_loop.py).

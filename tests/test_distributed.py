@@ -29,6 +29,7 @@ from padfree_plugins import assemble, load_config
 from padfree_plugins.batching.distributed import num_label_tokens
 from padfree_plugins.batching.sampler import token_budget_sampler, trainer_train_dataloader
 from tests.conftest import make_examples
+from tests.shared_launch import launch_once, selected
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOP_ARGS = ["--examples", "96", "--median-length", "20", "--max-tokens", "192", "--epochs", "2"]
@@ -188,19 +189,36 @@ def test_ddp_two_processes_equals_single_process(tmp_path):
     assert spread <= 1.1, spread  # tiny budget (192 tokens): balanced to within a few tokens
 
 
+def per_example_task(item) -> str | None:
+    if item.originalname != "test_per_example_tasks_train_under_ddp_with_mixed_precision":
+        return None
+    return item.callspec.params["task"]
+
+
 @pytest.mark.parametrize("task", ["seq_cls", "embedding"])
-def test_per_example_tasks_train_under_ddp_with_mixed_precision(tmp_path, task):
+def test_per_example_tasks_train_under_ddp_with_mixed_precision(request, tmp_path_factory, task):
     """HF Trainer, 2 processes, bf16: accelerate wraps the model's forward for autocast, DDP wraps the model; the
-    per-example heads run inside both (DDP's all-reduce keeps the ranks' weights equal)."""
-    out = tmp_path / "run.json"
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "configs" / "accelerate" / "ddp_cpu.yaml"), "--main_process_port", str(free_port()),
-               "--mixed_precision", "bf16", str(ROOT / "tests" / "ddp_per_example_run.py"), task, str(out)]
-    returncode, output = run_group(command, env, timeout=180, results=rank_files(out))
-    assert returncode == 0, output[-6000:]
-    ranks = [json.loads(path.read_text()) for path in rank_files(out)]
+    per-example heads run inside both (DDP's all-reduce keeps the ranks' weights equal). One launch trains every
+    selected task, one after the other (tests/shared_launch.py)."""
+    tasks = selected(request, per_example_task)
+
+    def run(out, tasks):
+        env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+               "PYTHONPATH": str(ROOT)}
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   str(ROOT / "configs" / "accelerate" / "ddp_cpu.yaml"), "--main_process_port", str(free_port()),
+                   "--mixed_precision", "bf16", str(ROOT / "tests" / "ddp_per_example_run.py"), ",".join(tasks),
+                   str(out)]
+        return run_group(command, env, timeout=120 + 60 * len(tasks), results=rank_files(out))
+
+    def load(out) -> list[dict] | None:
+        if not all(path.exists() for path in rank_files(out)):
+            return None
+        ranks = [json.loads(path.read_text()) for path in rank_files(out)]
+        return [r[task] for r in ranks] if len(tasks) > 1 else ranks
+
+    returncode, output, ranks = launch_once(request, tmp_path_factory, "per-example", tasks, run, load)
+    assert returncode == 0 and ranks is not None, output[-6000:]
     assert all(r["processes"] == 2 and len(r["losses"]) == 4 for r in ranks)
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in ranks)
     assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], rel=1e-9, abs=1e-9)

@@ -1,9 +1,10 @@
 """Every rank runs the same modules, and as many micro-batches, each step: under FSDP2 and ZeRO-3 (2 CPU processes)
 a rank that skips a module's forward leaves the others in its all-gather.
 
-One launch per engine (tests/same_modules_run.py) trains six scenarios, each equal to one process on the same
-global batches (loss and every weight to 1e-5): a tiny Qwen2-VL, Gemma 3, Idefics3 and LLaVA-OneVision whose rank 1
-sees text only (its vision tower runs on the family's idle image, ``modeling.vision.IdleTower``), a tiny Qwen3-MoE whose rank 1 routes its two tokens to at most
+One launch (tests/same_modules_run.py, started once: tests/shared_launch.py) trains six scenarios under each engine,
+each equal to one process on the same global batches (loss and every weight to 1e-5): a tiny Qwen2-VL, Gemma 3,
+Idefics3 and LLaVA-OneVision whose rank 1 sees text only (its vision tower runs on the family's idle image,
+``modeling.vision.IdleTower``), a tiny Qwen3-MoE whose rank 1 routes its two tokens to at most
 two of 8 experts (transformers' experts are fused 3-D parameters in one ``*Experts`` module, which runs whatever
 the routing: nothing to skip), and token budgets with over-long examples split into chunks (every rank gets the
 same number of micro-batches: the plan is step-major, ``N`` per step). Without the idle tower the Qwen2-VL launch
@@ -24,6 +25,7 @@ import torch
 
 from padfree_plugins import BatchError, assemble
 from tests.same_modules_run import SPLIT_CONFIG, STEPS, VLM_SCENARIOS, build, reference, split_steps
+from tests.shared_launch import launch_once, selected
 from tests.test_distributed import ROOT, free_port, run_group
 from tests.test_sharded import needs_deepspeed
 
@@ -40,12 +42,17 @@ def reference_of(scenario: str) -> dict:
 
 def launch(tmp_path, engine: str, *arguments: str, timeout: float = 240) -> tuple[int, str, dict | None]:
     out = tmp_path / f"{engine}.pt"
+    returncode, output = launch_to(out, engine, *arguments, timeout=timeout)
+    return returncode, output, torch.load(out, weights_only=True) if out.exists() else None
+
+
+def launch_to(out, engine: str, *arguments: str, timeout: float) -> tuple[int, str]:
+    """Launch the worker writing to ``out``: its exit status and output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
            "DS_ACCELERATOR": "cpu"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), str(ROOT / "tests" / "same_modules_run.py"), engine, str(out), *arguments]
-    returncode, output = run_group(command, env, timeout=timeout, results=[out])
-    return returncode, output, torch.load(out, weights_only=True) if out.exists() else None
+    return run_group(command, env, timeout=timeout, results=[out])
 
 
 def differences(run: dict, want: dict) -> tuple[float, float]:
@@ -55,11 +62,30 @@ def differences(run: dict, want: dict) -> tuple[float, float]:
     return loss, weight
 
 
-@pytest.mark.parametrize("engine", ["fsdp2", pytest.param("zero3", marks=needs_deepspeed)])
-def test_every_rank_runs_the_same_modules_and_equals_one_process(tmp_path, engine):
-    started = time.monotonic()
-    returncode, output, runs = launch(tmp_path, engine, *SCENARIOS)
+def case_of(item) -> str | None:
+    if item.originalname != "test_every_rank_runs_the_same_modules_and_equals_one_process":
+        return None
+    return item.callspec.params["engine"]
+
+
+def launch_engines(request, tmp_path_factory, engine: str) -> dict:
+    """``engine``'s runs, from one launch training every scenario under every engine this session selected
+    (tests/shared_launch.py)."""
+    engines = selected(request, case_of)
+    assert engine in engines
+
+    def run(out, engines):
+        return launch_to(out, ",".join(engines), *SCENARIOS, timeout=120 + 120 * len(engines))
+
+    returncode, output, runs = launch_once(request, tmp_path_factory, "engines", engines, run)
     assert returncode == 0 and runs is not None, output[-6000:]
+    return runs[engine] if len(engines) > 1 else runs
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", pytest.param("zero3", marks=needs_deepspeed)])
+def test_every_rank_runs_the_same_modules_and_equals_one_process(request, tmp_path_factory, engine):
+    started = time.monotonic()
+    runs = launch_engines(request, tmp_path_factory, engine)
     for scenario in SCENARIOS:
         run, want = runs[scenario], reference_of(scenario)
         assert run["sharding"]["local_numel"] < run["sharding"]["numel"]  # really sharded

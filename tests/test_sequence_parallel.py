@@ -40,6 +40,7 @@ from padfree_plugins.packing.sequence_parallel import join_rows, padded_length, 
 from padfree_plugins.testing.models import random_examples, tiny_model
 from tests import sequence_parallel_run as worker
 from tests.hybrids_common import ATTENTION_FREE, HYBRIDS
+from tests.shared_launch import launch_once
 from tests.test_distributed import ROOT, free_port, run_group
 from tests.ties import assert_clear
 
@@ -260,30 +261,41 @@ def test_refuses_without_torch_distributed():
 # --- the distributed runs -----------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    """``launches(name)``: the results of launch ``name`` of the worker, by case name (each launch runs once)."""
-    results = {}
+@pytest.fixture
+def launches(request, tmp_path_factory):
+    """``launches(name)``: the results of launch ``name`` of the worker, by case name (each launch runs once per
+    session, also when the xdist workers share its tests: tests/shared_launch.py)."""
 
     def get(name: str) -> dict:
-        if name not in results:
-            results[name] = launch(name, tmp_path_factory.mktemp(name))
-        return results[name]
+        return launch(request, tmp_path_factory, name)
 
     return get
 
 
-def launch(name: str, out) -> dict:
-    started = time.monotonic()
+def launch(request, tmp_path_factory, name: str) -> dict:
     cases = worker.LAUNCHES[name]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(worker.WORLDS[name]),
-               "--master_port", str(free_port()), str(ROOT / "tests" / "sequence_parallel_run.py"), name, str(out)]
-    files = [out / f"{case.name}.pt" for case in cases]
-    returncode, output = run_group(command, env, timeout=LAUNCH_TIMEOUT_S, results=files)
-    assert returncode == 0, output[-6000:]
-    print(f"launch {name}: {len(cases)} cases, {time.monotonic() - started:.0f} s")
-    return {case.name: torch.load(path, weights_only=True) for case, path in zip(cases, files)}
+
+    def run(out, _):
+        started = time.monotonic()
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(worker.WORLDS[name]),
+                   "--master_port", str(free_port()), str(ROOT / "tests" / "sequence_parallel_run.py"), name,
+                   str(out.parent)]
+        result = run_group(command, env, timeout=LAUNCH_TIMEOUT_S, results=files(out))
+        print(f"launch {name}: {len(cases)} cases, {time.monotonic() - started:.0f} s")
+        return result
+
+    def files(out) -> list:
+        return [out.parent / f"{case.name}.pt" for case in cases]
+
+    def load(out) -> dict | None:
+        if not all(path.exists() for path in files(out)):
+            return None
+        return {case.name: torch.load(path, weights_only=True) for case, path in zip(cases, files(out))}
+
+    returncode, output, results = launch_once(request, tmp_path_factory, name, [name], run, load)
+    assert returncode == 0 and results is not None, output[-6000:]
+    return results
 
 
 @functools.cache

@@ -30,6 +30,7 @@ from padfree_plugins import ConfigError, PadfreeError, accelerate, load_config, 
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup
 from tests.sequence_parallel_trainer_run import CASES, EVAL_BATCH, PREDICT_ROWS, SP_CONFIG, SPLIT_BATCH, \
     TRAINER_CONFIG, make_model, make_trainer, predict_trainer, predicted, rows, sft_predicted, trainer_result
+from tests.shared_launch import launch_once, selected
 from tests.test_distributed import ROOT, free_port, load_example, reference_training, run_group
 from tests.test_sequence_parallel import record_pick_gaps
 from tests.ties import assert_clear
@@ -40,16 +41,19 @@ TOLERANCE = 1e-5
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> dict:
-    """Every case of the worker, in one 2-process launch."""
-    out = tmp_path_factory.mktemp("sequence_parallel") / "runs.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "sequence_parallel_trainer_run.py"), str(out), *CASES, "loop",
-               "predict"]
-    returncode, output = run_group(command, env, timeout=300, results=[out])
+def launched(request, tmp_path_factory) -> dict:
+    """Every case of the worker, in one 2-process launch (once per session: tests/shared_launch.py)."""
+    def run(out, _):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                   str(free_port()), str(ROOT / "tests" / "sequence_parallel_trainer_run.py"), str(out), *CASES,
+                   "loop", "predict"]
+        return run_group(command, env, timeout=300, results=[out])
+
+    returncode, output, runs = launch_once(request, tmp_path_factory, "launched", [], run,
+                                           lambda out: torch.load(out, weights_only=False))
     assert returncode == 0, output[-6000:]
-    return torch.load(out, weights_only=False)
+    return runs
 
 
 @functools.lru_cache(maxsize=2)
@@ -183,33 +187,44 @@ def test_predict_and_compute_metrics_under_sequence_parallelism_equal_one_proces
     assert abs(sft["evaluate"]["eval_nll"] - want["evaluate"]["eval_nll"]) < TOLERANCE
 
 
-def test_predict_under_sequence_and_data_parallelism_equals_one_process(tmp_path):
+#: The tests of the 4-process launch and their cases.
+FOUR_PROCESSES = {"test_predict_under_sequence_and_data_parallelism_equals_one_process": "predict-dp",
+                  "test_trainer_at_sp4_on_two_kv_heads_equals_one_process": "hf-sp4-kv2"}
+
+
+def four_processes(request, tmp_path_factory, case: str) -> dict:
+    """``case``'s result, from one 4-process launch running every case of :data:`FOUR_PROCESSES` this session
+    selected (once per session: tests/shared_launch.py)."""
+    cases = selected(request, lambda item: FOUR_PROCESSES.get(item.originalname))
+    assert case in cases
+
+    def run(out, cases):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
+                   str(free_port()), str(ROOT / "tests" / "sequence_parallel_trainer_run.py"), str(out), *cases]
+        return run_group(command, env, timeout=180 + 120 * len(cases), results=[out])
+
+    returncode, output, runs = launch_once(request, tmp_path_factory, "four", cases, run,
+                                           lambda out: torch.load(out, weights_only=False))
+    assert returncode == 0 and runs is not None, output[-6000:]
+    return runs[case]
+
+
+def test_predict_under_sequence_and_data_parallelism_equals_one_process(request, tmp_path_factory):
     """SP = 2 x DP = 2 on 4 processes: each group joins its 2 ranks' micro-batches; the trainer's gather over all 4
     processes gets every example once, as one process evaluating the 4 ranks' micro-batches together."""
-    out = tmp_path / "predict-dp.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "sequence_parallel_trainer_run.py"), str(out), "predict-dp"]
-    returncode, output = run_group(command, env, timeout=240, results=[out])
-    assert returncode == 0, output[-6000:]
-    assert_same_prediction(torch.load(out, weights_only=False)["predict-dp"], one_process_prediction(ranks=4),
-                           "predict (SP 2 x DP 2)")
+    run = four_processes(request, tmp_path_factory, "predict-dp")
+    assert_same_prediction(run, one_process_prediction(ranks=4), "predict (SP 2 x DP 2)")
 
 
-def test_trainer_at_sp4_on_two_kv_heads_equals_one_process(tmp_path):
+def test_trainer_at_sp4_on_two_kv_heads_equals_one_process(request, tmp_path_factory):
     """HF ``Trainer`` with ``sequence_parallel: {size: 4}`` on 4 processes, a Llama of 6 attention heads and 2 key /
     value heads, which Ulysses cannot split 4 ways: ``auto`` runs Ulysses within 2 blocks of 2 ranks and all-gather
     context parallelism across them, and the logged
     losses, final weights and ``eval_loss`` equal one process on the same global batches; each rank computed a
     quarter of every row."""
     case = "hf-sp4-kv2"
-    out = tmp_path / "sp4.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "sequence_parallel_trainer_run.py"), str(out), case]
-    returncode, output = run_group(command, env, timeout=300, results=[out])
-    assert returncode == 0, output[-6000:]
-    run = torch.load(out, weights_only=False)[case]
+    run = four_processes(request, tmp_path_factory, case)
     assert run["implementation"].endswith("_sp4_ulysses2x2"), run["implementation"]
     trainer, _ = make_trainer(case, tempfile.mkdtemp(), TRAINER_CONFIG, ranks=4)
     trainer.train()

@@ -18,6 +18,7 @@ import tempfile
 import pytest
 import torch
 
+from tests.shared_launch import launch_once
 from tests.test_distributed import ROOT, free_port, run_group
 
 pytest.importorskip("trl")
@@ -27,15 +28,19 @@ MODES = ("exact", "no-gather", "first-range")
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> dict:
-    """Every mode of the worker, in one 2-process launch."""
-    out = tmp_path_factory.mktemp("sequence_parallel_trl") / "runs.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "sequence_parallel_trl_run.py"), ",".join(MODES), str(out)]
-    returncode, output = run_group(command, env, timeout=240, results=[out])
+def launched(request, tmp_path_factory) -> dict:
+    """Every mode of the worker, in one 2-process launch (once per session: tests/shared_launch.py)."""
+
+    def run(out, _):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                   str(free_port()), str(ROOT / "tests" / "sequence_parallel_trl_run.py"), ",".join(MODES), str(out)]
+        return run_group(command, env, timeout=240, results=[out])
+
+    returncode, output, runs = launch_once(request, tmp_path_factory, "launched", [], run,
+                                           lambda out: torch.load(out, weights_only=False))
     assert returncode == 0, output[-6000:]
-    return torch.load(out, weights_only=False)
+    return runs
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 
+from tests.shared_launch import launch_once
 from tests.test_distributed import ROOT, free_port, run_group
 
 LOSS = 1e-5
@@ -25,14 +26,19 @@ GRADS = 1e-4
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("sp_undo") / "ranks.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "sequence_parallel_undo_run.py"), str(out)]
-    returncode, output = run_group(command, env, timeout=240, results=[out])
+def launched(request, tmp_path_factory) -> list[dict]:
+    """Every rank's results, from one launch (once per session: tests/shared_launch.py)."""
+
+    def run(out, _):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                   str(free_port()), str(ROOT / "tests" / "sequence_parallel_undo_run.py"), str(out)]
+        return run_group(command, env, timeout=240, results=[out])
+
+    returncode, output, runs = launch_once(request, tmp_path_factory, "launched", [], run,
+                                           lambda out: torch.load(out, weights_only=False))
     assert returncode == 0, output[-6000:]
-    return torch.load(out, weights_only=False)
+    return runs
 
 
 def test_split_then_gather_then_split_each_equal_one_process_and_undo_cleanly(launched):

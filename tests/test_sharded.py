@@ -3,8 +3,9 @@
 The plain loop (tests/sharded_run.py, launched by torchrun) trains the tiny Llama of examples/accelerate_loop.py on
 the token-budget plan of ``reference_run`` in tests/test_distributed.py, with the model sharded; the reference is
 computed here: one process, each step's global batch (both ranks' micro-batches) packed into one row, the plain
-mean token loss, the same AdamW. Loss curve and every final weight agree to 1e-5. Each launch has a timeout, so a
-hang (a collective one rank never joins) fails instead of stalling.
+mean token loss, the same AdamW. Loss curve and every final weight agree to 1e-5. One launch trains every engine's
+case one after the other (tests/shared_launch.py: one start-up, each test asserts its case). Each launch has a
+timeout, so a hang (a collective one rank never joins) fails instead of stalling.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 import pytest
 import torch
 
+from tests.shared_launch import launch_once, selected
 from tests.test_distributed import ROOT, free_port, load_example, reference_training, run_group
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -32,15 +34,32 @@ def reference(ranks: int = 2, per_rank_mean: bool = False) -> dict:
     return reference_training(ranks, per_rank_mean)
 
 
-def launch_sharded(tmp_path, engine: str, timeout: float = 240) -> dict:
-    out = tmp_path / f"{engine}.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
-           "DS_ACCELERATOR": "cpu"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "sharded_run.py"), engine, str(out)]
-    returncode, output = run_group(command, env, timeout=timeout, results=[out])
-    assert returncode == 0, output[-6000:]
-    return torch.load(out, weights_only=True)
+#: The launched tests, and the suffix of their case's name (the engine's name, tiled: ``-tiled``).
+LAUNCHED = {"test_sharded_two_processes_equal_single_process": "",
+            "test_tiled_mlp_and_loss_sharded_equal_the_untiled_single_process": "-tiled"}
+
+
+def case_of(item) -> str | None:
+    suffix = LAUNCHED.get(item.originalname)
+    return None if suffix is None else item.callspec.params["engine"] + suffix
+
+
+def launch_sharded(request, tmp_path_factory, case: str) -> dict:
+    """The result of ``case``, from one launch training every case this session selected one after the other
+    (tests/shared_launch.py)."""
+    cases = selected(request, case_of)
+    assert case in cases
+
+    def launch(out, cases):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
+               "DS_ACCELERATOR": "cpu"}
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                   str(free_port()), str(ROOT / "tests" / "sharded_run.py"), ",".join(cases), str(out)]
+        return run_group(command, env, timeout=120 + 60 * len(cases), results=[out])
+
+    returncode, output, runs = launch_once(request, tmp_path_factory, "sharded", cases, launch)
+    assert returncode == 0 and runs is not None, output[-6000:]
+    return runs[case] if len(cases) > 1 else runs
 
 
 def differences(run: dict, want: dict) -> tuple[float, float]:
@@ -53,9 +72,9 @@ def differences(run: dict, want: dict) -> tuple[float, float]:
 
 @pytest.mark.parametrize("engine", ["fsdp2", pytest.param("zero2", marks=needs_deepspeed),
                                     pytest.param("zero3", marks=needs_deepspeed)])
-def test_sharded_two_processes_equal_single_process(tmp_path, engine):
+def test_sharded_two_processes_equal_single_process(request, tmp_path_factory, engine):
     started = time.monotonic()
-    run = launch_sharded(tmp_path, engine)
+    run = launch_sharded(request, tmp_path_factory, engine)
     want = reference()
     assert run["processes"] == 2 and run["engine"] == engine
     assert run["tokens"] == want["tokens"]  # rank r trained micro-batch s*2 + r of the shared plan
@@ -72,11 +91,11 @@ def test_sharded_two_processes_equal_single_process(tmp_path, engine):
 
 
 @pytest.mark.parametrize("engine", ["fsdp2", pytest.param("zero3", marks=needs_deepspeed)])
-def test_tiled_mlp_and_loss_sharded_equal_the_untiled_single_process(tmp_path, engine):
+def test_tiled_mlp_and_loss_sharded_equal_the_untiled_single_process(request, tmp_path_factory, engine):
     """``memory.tile_tokens`` under FSDP2 (MLP and loss tiled) and ZeRO-3 (the loss tiled; the tiled MLP is refused
     there): the tiled MLP returns its parameters' gradients once per layer to the engine's hooks, the tiled head
     computes inside the head's (gathered) module call; the training equals the untiled single process."""
-    run = launch_sharded(tmp_path, engine + "-tiled")
+    run = launch_sharded(request, tmp_path_factory, engine + "-tiled")
     want = reference()
     assert run["engine"] == engine and run["tiled"] > 0 and run["sharding"]["local_numel"] < run["sharding"]["numel"]
     loss, weight = differences(run, want)

@@ -23,6 +23,7 @@ import sys
 import pytest
 import torch
 
+from tests.shared_launch import launch_once, selected
 from tests.test_distributed import ROOT, free_port, run_group
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -43,11 +44,26 @@ def launch(tmp_path, worker: str, *args: str, out_name: str, timeout: float = 30
     return torch.load(out, weights_only=True)
 
 
-@pytest.fixture(scope="module")
-def loop_runs(tmp_path_factory) -> dict:
-    """Every plain-loop mode, in one launch (the start-up of a launch is most of its time)."""
-    modes = (*ZERO3_LOOPS, *FSDP2_LOOPS) if HAS_DEEPSPEED else FSDP2_LOOPS
-    return launch(tmp_path_factory.mktemp("loops"), "sharded_tasks_run.py", ",".join(modes), out_name="loops.pt")
+def loop_mode(item) -> str | None:
+    return item.callspec.params["mode"] if item.originalname == "test_sharded_task_equals_single_process" else None
+
+
+@pytest.fixture
+def loop_runs(request, tmp_path_factory) -> dict:
+    """Every plain-loop mode this session selected, in one launch (the start-up of a launch is most of its time),
+    once per session even when the xdist workers share the tests (tests/shared_launch.py)."""
+    modes = selected(request, loop_mode)
+
+    def run(out, modes):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
+               "DS_ACCELERATOR": "cpu"}
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                   str(free_port()), str(ROOT / "tests" / "sharded_tasks_run.py"), ",".join(modes), str(out)]
+        return run_group(command, env, timeout=300, results=[out])
+
+    returncode, output, runs = launch_once(request, tmp_path_factory, "loops", modes, run)
+    assert returncode == 0 and runs is not None, output[-6000:]
+    return runs
 
 
 @functools.lru_cache(maxsize=None)

@@ -23,6 +23,7 @@ import torch
 
 from padfree_plugins.packing.sequence_parallel import padded_length
 from tests import split_shared_run as worker
+from tests.shared_launch import launch_once
 from tests.test_distributed import ROOT, free_port, run_group
 
 LOG_PROBS = 1e-5
@@ -30,14 +31,19 @@ GRADS = 1e-4
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("split_shared") / "runs.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "split_shared_run.py"), str(out)]
-    returncode, output = run_group(command, env, timeout=300, results=[out])
+def launched(request, tmp_path_factory) -> dict:
+    """The worker's results, from one launch (once per session: tests/shared_launch.py)."""
+
+    def run(out, _):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
+                   str(free_port()), str(ROOT / "tests" / "split_shared_run.py"), str(out)]
+        return run_group(command, env, timeout=300, results=[out])
+
+    returncode, output, runs = launch_once(request, tmp_path_factory, "launched", [], run,
+                                           lambda out: torch.load(out, weights_only=False))
     assert returncode == 0, output[-6000:]
-    return torch.load(out, weights_only=False)
+    return runs
 
 
 def reach(cu: list[int], parents: tuple[int, ...], sp: int) -> dict:

@@ -7,6 +7,8 @@ no micro-batch goes over the budget; a row longer than the budget is refused at 
 from __future__ import annotations
 
 import copy
+import os
+import sys
 import tempfile
 
 import pytest
@@ -128,15 +130,41 @@ def logged(trainer, key: str = "loss") -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if key in entry and "train_runtime" not in entry]
 
 
-def test_two_processes_train_as_one_on_the_same_global_batches(tmp_path):
+#: The 2-process tests and the kind of run each compares.
+LAUNCHED = {"test_two_processes_train_as_one_on_the_same_global_batches": "dpo",
+            "test_two_processes_of_kto_train_as_trls_padded_run_on_the_same_micro_batches": "kto"}
+
+
+def launched(request, tmp_path_factory, kind: str) -> dict:
+    """``kind``'s run, from one 2-process launch (tests/token_budget_preference_run.py) of every kind this session
+    selected, one after the other (once per session: tests/shared_launch.py)."""
+    from tests.shared_launch import launch_once, selected
+    from tests.test_distributed import ROOT, free_port, run_group
+
+    kinds = selected(request, lambda item: LAUNCHED.get(item.originalname))
+    assert kind in kinds
+
+    def run(out, kinds):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
+               "DS_ACCELERATOR": "cpu"}
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                   str(free_port()), str(ROOT / "tests" / "token_budget_preference_run.py"), ",".join(kinds),
+                   str(out)]
+        return run_group(command, env, timeout=180 + 120 * len(kinds), results=[out])
+
+    returncode, output, runs = launch_once(request, tmp_path_factory, "preference", kinds, run)
+    assert returncode == 0 and runs is not None, output[-6000:]
+    return runs[kind] if len(kinds) > 1 else runs
+
+
+def test_two_processes_train_as_one_on_the_same_global_batches(request, tmp_path_factory, tmp_path):
     """2 processes (DDP, gloo), each its rank's micro-batches of the plan, against one padded process that trains
     both micro-batches of every step with gradient accumulation 2, in the plan's order (the DPO loss is a mean over
     a micro-batch's pairs: DDP averages the ranks' gradients, accumulation averages the micro-batches'): losses,
     reward margins and final weights within 1e-5."""
     from padfree_plugins.batching.sampler import token_budget_dataloader
-    from tests.test_sharded_tasks import launch
 
-    run = launch(tmp_path, "token_budget_preference_run.py", "dpo", out_name="dpo-budget.pt", timeout=300)
+    run = launched(request, tmp_path_factory, "dpo")
     reference = dpo_trainer(str(tmp_path / "reference"), gradient_accumulation_steps=2, **SGD)
     initial = {name: p.detach().clone() for name, p in reference.model.named_parameters()}
     lengths = trl_dpo.pair_lengths(reference.train_dataset, reference.args.max_length, True)
@@ -190,13 +218,11 @@ def test_a_kto_dataset_too_small_for_its_kl_term_is_refused_under_a_budget():
         assert "get_train_dataloader" not in vars(trainer)
 
 
-def test_two_processes_of_kto_train_as_trls_padded_run_on_the_same_micro_batches(tmp_path):
+def test_two_processes_of_kto_train_as_trls_padded_run_on_the_same_micro_batches(request, tmp_path_factory):
     """KTO with its KL term on 2 processes (DDP, gloo) under a budget: TRL's padded KTO on the same 2 processes, fed
     the very same micro-batches, gives the same losses, reward margins and final weights (1e-5). KTO's KL term is
     gathered across the ranks (TRL's), which one process with accumulation would not reproduce."""
-    from tests.test_sharded_tasks import launch
-
-    run = launch(tmp_path, "token_budget_preference_run.py", "kto", out_name="kto-budget.pt", timeout=300)
+    run = launched(request, tmp_path_factory, "kto")
     want = run["reference"]
     losses = max(abs(a - b) for a, b in zip(run["losses"], want["losses"]))
     margins = max(abs(a - b) for a, b in zip(run["margins"], want["margins"]))

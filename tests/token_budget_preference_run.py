@@ -6,9 +6,10 @@
   not across accumulation steps, so one process cannot stand in for two).
 
 Rank 0 writes the logged losses and reward margins (``reference``: the padded run's, for ``kto``) and the final
-weights to ``OUT`` (torch.save).
+weights to ``OUT`` (torch.save); both kinds (``dpo,kto``) run one after the other in one launch, ``OUT`` then
+holding ``{kind: result}`` (``KIND``: ``dpo`` or ``kto``).
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/token_budget_preference_run.py {dpo,kto} OUT
+    python -m torch.distributed.run --nproc_per_node 2 tests/token_budget_preference_run.py KIND[,KIND] OUT
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -30,14 +32,26 @@ def results(trainer) -> dict:
             "state": {name: p.detach().clone() for name, p in trainer.model.named_parameters()}}
 
 
-def main(kind: str, out: str) -> None:
+def main(kinds: str, out: str) -> None:
+    """``kinds``: ``dpo``, ``kto`` or both comma-separated (one after the other in this launch; ``OUT`` then holds
+    ``{kind: result}``)."""
+    runs = {kind: run(kind) for kind in kinds.split(",")}
+    if torch.distributed.get_rank() == 0:
+        partial = Path(f"{out}.partial")
+        torch.save(runs if "," in kinds else runs[kinds], partial)
+        os.replace(partial, out)  # the result appears whole (run_group watches for it)
+    torch.distributed.barrier()
+
+
+def run(kind: str) -> dict:
     trainer = dpo_trainer(tempfile.mkdtemp(), **SGD) if kind == "dpo" else \
         preference_trainer("kto", tempfile.mkdtemp(), **SGD)
-    accelerate(trainer, budget_config())
+    acceleration = accelerate(trainer, budget_config())
     trainer.train()
     if trainer.accelerator.num_processes != 2:
         sys.exit("expected 2 processes")
     found = results(trainer)
+    acceleration.undo()  # nothing of this run's patching reaches the next run of the launch
     if kind == "kto":
         padded = preference_trainer("kto", tempfile.mkdtemp(), **SGD)
         lengths = kto_row_lengths(padded.train_dataset, padded.args.max_length, True)
@@ -45,8 +59,7 @@ def main(kind: str, out: str) -> None:
                                                                        lengths=lengths)
         padded.train()
         found["reference"] = results(padded)
-    if trainer.accelerator.is_main_process:
-        torch.save(found, out)
+    return found
 
 
 if __name__ == "__main__":
