@@ -19,6 +19,7 @@ from typing import Any
 from padfree_plugins import hookimpl
 from padfree_plugins.errors import ConfigError
 from padfree_plugins.integrations.base import keeps_methods, library_class
+from padfree_plugins.integrations.checks import check_collator
 from padfree_plugins.integrations.hf_trainer import HFTrainerPatch
 from padfree_plugins.modeling.patching import own_attribute
 
@@ -29,6 +30,16 @@ REFUSED = {
     "sample_packing": "axolotl packs rows itself (multipack): remove sample_packing, padfree packs every batch",
     "batch_flattening": "axolotl flattens batches itself: remove batch_flattening, padfree packs every batch",
 }
+
+
+def only_pads(collator: Any) -> bool:
+    """axolotl's ``DataCollatorForSeq2Seq`` as axolotl builds it without sample packing: it pads ``input_ids``,
+    ``labels`` (-100) and ``position_ids`` and builds nothing else (no context-parallel shard, no decoder inputs),
+    so the packing collator replaces it."""
+    kind = type(collator)
+    return (kind.__name__ == "DataCollatorForSeq2Seq" and kind.__module__ == "axolotl.utils.collators.batching"
+            and getattr(collator, "cp_shard", None) is None
+            and not hasattr(getattr(collator, "model", None), "prepare_decoder_input_ids_from_labels"))
 
 
 class AxolotlTrainerPatch(HFTrainerPatch):
@@ -43,8 +54,17 @@ class AxolotlTrainerPatch(HFTrainerPatch):
         """``AxolotlTrainer``, or a subclass that keeps its ``compute_loss`` and ``prediction_step``."""
         return keeps_methods(trainer, library_class(trainer, "axolotl", "AxolotlTrainer"))
 
+    @classmethod
+    def runs_trainer_collator(cls, trainer: Any) -> bool:
+        """Not that: axolotl's padding collator is replaced, so the generic refusal of a collator padfree-plugins
+        does not know is skipped for it (:func:`only_pads`); any other collator is refused as usual."""
+        return only_pads(trainer.data_collator)
+
     def check(self) -> None:
         args, name = self.trainer.args, type(self.trainer).__name__
+        evaluation = getattr(self.trainer, "eval_data_collator", None)
+        if evaluation is not None and not only_pads(evaluation):
+            check_collator(evaluation)  # replaced by the packing collator too
         for option, why in REFUSED.items():
             if getattr(args, option, None):
                 raise ConfigError(f"{name} with {option}: {why}")
