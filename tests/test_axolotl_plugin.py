@@ -93,6 +93,16 @@ class AxolotlTrainer(Trainer):
 AxolotlTrainer.__module__ = "axolotl.core.trainers.base"
 
 
+def host_with_plugin() -> PluginHost:
+    """A host with the trainer plugin: from its entry point where the package is installed (scripts/setup.sh),
+    else registered here."""
+    host = PluginHost()
+    if "axolotl_trainer" not in host.records:
+        host.add("axolotl_trainer", axolotl_trainer)
+    assert host.records["axolotl_trainer"].status == "ok"
+    return host
+
+
 def axolotl_like_trainer() -> AxolotlTrainer:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("llama", num_key_value_heads=2), attn_implementation="sdpa")
@@ -115,7 +125,7 @@ def test_axolotl_trainer_takes_the_packed_path_and_its_eval_collator_equal_to_pa
     trainer = axolotl_like_trainer()
     own_eval_collator = trainer.eval_data_collator
     acceleration = accelerate(trainer, {"attention": "exact"},
-                              host=PluginHost(plugins={"axolotl_trainer": axolotl_trainer}))
+                              host=host_with_plugin())
     assert acceleration.describe()["wrapper"] == "AxolotlTrainerPatch (plugin axolotl_trainer)"
     assert trainer.eval_data_collator is trainer.data_collator  # evaluation packs too
     trainer.train()
@@ -139,6 +149,15 @@ def test_axolotl_trainer_options_it_cannot_pack_are_refused_and_nothing_changes(
     trainer.args.orpo_alpha = 0.1
     collator, compute_loss = trainer.data_collator, trainer.compute_loss
     with pytest.raises(ConfigError, match="orpo_alpha: ORPO"):
-        accelerate(trainer, {"attention": "exact"}, host=PluginHost(plugins={"axolotl_trainer": axolotl_trainer}))
+        accelerate(trainer, {"attention": "exact"}, host=host_with_plugin())
     assert trainer.data_collator is collator and trainer.compute_loss == compute_loss
     assert not any(hasattr(m, "_padfree_original_forward") for m in trainer.model.modules())
+
+
+def test_the_fused_trl_plugins_are_blocked_on_a_copy_for_a_trl_without_the_fused_head():
+    from padfree_axolotl.config import FUSED_TRL_PLUGINS, without_fused_trl_plugins
+
+    config = acceleration_config({"padfree": {"attention": "exact", "plugins": {"block": ["trl_kto"]}}})
+    generic = without_fused_trl_plugins(config)
+    assert sorted(generic.plugins.block) == sorted(FUSED_TRL_PLUGINS)  # trl_kto once
+    assert config.plugins.block == ["trl_kto"]  # the user's config is unchanged

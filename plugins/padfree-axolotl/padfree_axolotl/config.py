@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,10 @@ from padfree_plugins.config.schema import PadfreeConfig, load_config
 from padfree_plugins.errors import ConfigError
 
 KEY = "padfree"
+
+#: padfree-plugins' TRL plugins that pack TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``), which the
+#: TRL that axolotl 0.21 pins (1.14) does not have.
+FUSED_TRL_PLUGINS = ("trl_dpo", "trl_kto", "trl_grpo", "trl_rloo")
 
 #: axolotl options that pack or flatten batches themselves, and why they cannot be combined with ``padfree:``.
 OWN_PACKING = {
@@ -49,3 +54,12 @@ def acceleration_config(cfg: Mapping[str, Any]) -> PadfreeConfig | None:
         return load_config(dict(value) if isinstance(value, Mapping) else value)
     except ConfigError as exc:
         raise ConfigError(f"padfree: {exc}") from None
+
+
+def without_fused_trl_plugins(config: PadfreeConfig) -> PadfreeConfig:
+    """A copy of ``config`` with :data:`FUSED_TRL_PLUGINS` blocked: TRL's DPO / KTO / GRPO trainers then train
+    through the generic path (``any_trainer``: their padded batches packed inside the model, TRL's loss as it is)."""
+    config = copy.deepcopy(config)
+    config.plugins.block = [*config.plugins.block, *(name for name in FUSED_TRL_PLUGINS
+                                                     if name not in config.plugins.block)]
+    return config
