@@ -4,7 +4,7 @@
 #   PADFREE_AXOLOTL_ENV  where (default .axolotl-env)
 #   AXOLOTL_PYTHON       the Python 3.12 to create it with (default: python3.12, else pyenv's 3.12.1)
 # torch 2.13.0 is the oldest release axolotl 0.21 accepts (torch>=2.13,<2.15); from PyPI on Linux x86_64 it is a
-# CUDA build (it runs on the CPU). The whole environment is about 10 GB on disk (see docs/launchers.md).
+# CUDA build (it runs on the CPU). The whole environment is about 7 GB on disk (see docs/launchers.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ENV_DIR="${PADFREE_AXOLOTL_ENV:-.axolotl-env}"

@@ -25,7 +25,7 @@ QUIET = {"AXOLOTL_DO_NOT_TRACK": "1", "DO_NOT_TRACK": "1", "WANDB_DISABLED": "tr
          "CUDA_VISIBLE_DEVICES": ""}
 
 pytestmark = pytest.mark.skipif(
-    not AXOLOTL.exists(), reason=f"no axolotl environment at {ENV}: run scripts/axolotl_env.sh (Python 3.12, ~10 GB)")
+    not AXOLOTL.exists(), reason=f"no axolotl environment at {ENV}: run scripts/axolotl_env.sh (Python 3.12, ~7 GB)")
 
 #: What the padding-free run says it did: the trainer plugin that took each trainer.
 WRAPPERS = {"sft": "AxolotlTrainer trains padding-free (AxolotlTrainerPatch (plugin axolotl_trainer))",
