@@ -388,6 +388,21 @@ def test_use_vllm_without_cuda_is_refused_and_the_trainer_left_alone(kind, tmp_p
     assert all(patch_of(model) is None for model in models)
 
 
+def test_a_trl_without_the_fused_lm_head_is_refused_and_the_trainer_left_alone(tmp_path, monkeypatch):
+    """A TRL older than the fused LM head (``trl.trainer.utils.add_fused_lm_head``, TRL 1.15; axolotl 0.21 pins
+    TRL 1.14) is refused at accelerate() with the version to install, the models untouched."""
+    import trl.trainer.utils as trl_utils
+
+    trainer = build("grpo", str(tmp_path))
+    models = [trainer.model, trainer.ref_model]
+    forwards = [vars(model)["forward"] for model in models]
+    monkeypatch.delattr(trl_utils, "add_fused_lm_head")
+    with pytest.raises(ConfigError, match=r"GRPOTrainer on TRL .*fused LM head.*trl>=1\.16"):
+        accelerate(trainer, {"task": "causal_lm"})
+    assert [vars(model)["forward"] for model in models] == forwards
+    assert all(patch_of(model) is None for model in models)
+
+
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
 def test_a_token_budget_is_refused_with_the_reason_and_the_trainer_left_alone(kind, tmp_path):
     """GRPO / RLOO under ``batching.strategy: tokens``: TRL's rollout buffer has fixed sizes that its schedule and

@@ -109,6 +109,18 @@ def fused_forward_of(model: Any) -> Any:
     return method if code is not None and code.co_name == "_fused_forward" else None
 
 
+def refuse_trl_without_fused_head(name: str) -> None:
+    """Refuse, before anything changes, a TRL without ``trl.trainer.utils.add_fused_lm_head`` (added in TRL 1.15):
+    the packed log-probability calls take over the fused forward it adds to the trainer's model."""
+    import trl
+    import trl.trainer.utils as trl_utils
+
+    if not hasattr(trl_utils, "add_fused_lm_head"):
+        raise ConfigError(f"{name} on TRL {trl.__version__}: padfree-plugins packs its log-probability calls through "
+                          "TRL's fused LM head (trl.trainer.utils.add_fused_lm_head), which this TRL does not have. "
+                          "Upgrade TRL (pip install 'trl>=1.16', the version tested), or train this trainer padded")
+
+
 def fused_forward_under_autocast(model: Any, accelerator: Any) -> tuple[Any, Any]:
     """TRL's fused forward of a model that ``accelerator.prepare_model`` wrapped for mixed precision (its
     ``_original_forward``), and a function wrapping another forward the same way (autocast, outputs to fp32);
@@ -576,6 +588,7 @@ class FusedTrainerPatch:
     def check(self) -> None:
         """Refuse, before anything changes, what this trainer cannot do packed (a subclass adds its own)."""
         trainer, config, name = self.trainer, self.assembly.config, type(self.trainer).__name__
+        refuse_trl_without_fused_head(name)
         # DPO / KTO say whether their dataset has images; GRPO / RLOO find images per batch, on a VLM
         vlm = getattr(trainer, "_is_vlm", False)
         images = getattr(trainer, "_is_vision_dataset", vlm)
