@@ -12,13 +12,9 @@ and the gathered assembly after it fails with the error users saw ("packed call 
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
-import torch
 
-from tests.test_distributed import ROOT, free_port, run_group
+from tests.distributed_common import launch
 
 LOSS = 1e-5
 GRADS = 1e-4
@@ -27,12 +23,7 @@ GRADS = 1e-4
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("sp_undo") / "ranks.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "sequence_parallel_undo_run.py"), str(out)]
-    returncode, output = run_group(command, env, timeout=240, results=[out])
-    assert returncode == 0, output[-6000:]
-    return torch.load(out, weights_only=False)
+    return launch("sequence_parallel_undo_run.py", str(out), out=out, timeout=240)
 
 
 def test_split_then_gather_then_split_each_equal_one_process_and_undo_cleanly(launched):

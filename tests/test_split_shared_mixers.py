@@ -15,15 +15,11 @@ are far off. Per-rank activation memory, split against gathered, is measured on 
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
-import torch
 
 from padfree_plugins.packing.sequence_parallel import padded_length
 from tests import split_shared_run as worker
-from tests.test_distributed import ROOT, free_port, run_group
+from tests.distributed_common import launch
 
 LOG_PROBS = 1e-5
 GRADS = 1e-4
@@ -32,12 +28,7 @@ GRADS = 1e-4
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("split_shared") / "runs.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "split_shared_run.py"), str(out)]
-    returncode, output = run_group(command, env, timeout=300, results=[out])
-    assert returncode == 0, output[-6000:]
-    return torch.load(out, weights_only=False)
+    return launch("split_shared_run.py", str(out), out=out, processes=4, timeout=300)
 
 
 def reach(cu: list[int], parents: tuple[int, ...], sp: int) -> dict:
