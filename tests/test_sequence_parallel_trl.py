@@ -11,14 +11,13 @@ the two faults (no gather of the per-token outputs; each rank keeping the joined
 from __future__ import annotations
 
 import copy
-import os
-import sys
 import tempfile
 
 import pytest
 import torch
 
-from tests.test_distributed import ROOT, free_port, run_group
+from tests.distributed_common import launch
+from tests.test_distributed import free_port
 
 pytest.importorskip("trl")
 
@@ -30,12 +29,7 @@ MODES = ("exact", "no-gather", "first-range")
 def launched(tmp_path_factory) -> dict:
     """Every mode of the worker, in one 2-process launch."""
     out = tmp_path_factory.mktemp("sequence_parallel_trl") / "runs.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "sequence_parallel_trl_run.py"), ",".join(MODES), str(out)]
-    returncode, output = run_group(command, env, timeout=240, results=[out])
-    assert returncode == 0, output[-6000:]
-    return torch.load(out, weights_only=False)
+    return launch("sequence_parallel_trl_run.py", ",".join(MODES), str(out), out=out, timeout=240)
 
 
 @pytest.fixture(scope="module")
