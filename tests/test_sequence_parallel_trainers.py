@@ -16,8 +16,6 @@ checked in one process, with the sequence-parallel group faked (no collective ru
 from __future__ import annotations
 
 import functools
-import os
-import sys
 import tempfile
 import types
 
@@ -30,7 +28,8 @@ from padfree_plugins import ConfigError, PadfreeError, accelerate, load_config, 
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup
 from tests.sequence_parallel_trainer_run import CASES, EVAL_BATCH, PREDICT_ROWS, SP_CONFIG, SPLIT_BATCH, \
     TRAINER_CONFIG, make_model, make_trainer, predict_trainer, predicted, rows, sft_predicted, trainer_result
-from tests.test_distributed import ROOT, free_port, load_example, reference_training, run_group
+from tests.distributed_common import launch
+from tests.test_distributed import load_example, reference_training
 from tests.test_sequence_parallel import record_pick_gaps
 from tests.ties import assert_clear
 
@@ -43,13 +42,7 @@ TOLERANCE = 1e-5
 def launched(tmp_path_factory) -> dict:
     """Every case of the worker, in one 2-process launch."""
     out = tmp_path_factory.mktemp("sequence_parallel") / "runs.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "sequence_parallel_trainer_run.py"), str(out), *CASES, "loop",
-               "predict"]
-    returncode, output = run_group(command, env, timeout=300, results=[out])
-    assert returncode == 0, output[-6000:]
-    return torch.load(out, weights_only=False)
+    return launch("sequence_parallel_trainer_run.py", str(out), *CASES, "loop", "predict", out=out, timeout=300)
 
 
 @functools.lru_cache(maxsize=2)
@@ -187,13 +180,8 @@ def test_predict_under_sequence_and_data_parallelism_equals_one_process(tmp_path
     """SP = 2 x DP = 2 on 4 processes: each group joins its 2 ranks' micro-batches; the trainer's gather over all 4
     processes gets every example once, as one process evaluating the 4 ranks' micro-batches together."""
     out = tmp_path / "predict-dp.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "sequence_parallel_trainer_run.py"), str(out), "predict-dp"]
-    returncode, output = run_group(command, env, timeout=240, results=[out])
-    assert returncode == 0, output[-6000:]
-    assert_same_prediction(torch.load(out, weights_only=False)["predict-dp"], one_process_prediction(ranks=4),
-                           "predict (SP 2 x DP 2)")
+    run = launch("sequence_parallel_trainer_run.py", str(out), "predict-dp", out=out, processes=4, timeout=240)
+    assert_same_prediction(run["predict-dp"], one_process_prediction(ranks=4), "predict (SP 2 x DP 2)")
 
 
 def test_trainer_at_sp4_on_two_kv_heads_equals_one_process(tmp_path):
@@ -204,12 +192,7 @@ def test_trainer_at_sp4_on_two_kv_heads_equals_one_process(tmp_path):
     quarter of every row."""
     case = "hf-sp4-kv2"
     out = tmp_path / "sp4.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "sequence_parallel_trainer_run.py"), str(out), case]
-    returncode, output = run_group(command, env, timeout=300, results=[out])
-    assert returncode == 0, output[-6000:]
-    run = torch.load(out, weights_only=False)[case]
+    run = launch("sequence_parallel_trainer_run.py", str(out), case, out=out, processes=4, timeout=300)[case]
     assert run["implementation"].endswith("_sp4_ulysses2x2"), run["implementation"]
     trainer, _ = make_trainer(case, tempfile.mkdtemp(), TRAINER_CONFIG, ranks=4)
     trainer.train()
