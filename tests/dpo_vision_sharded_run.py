@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
 import sys
 import tempfile
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from tests.distributed_common import finish, leave
 
 ENGINES = ("fsdp2", "zero3")
 STEPS = 3
@@ -205,18 +205,12 @@ def main(engine: str, out: str, idle_tower: bool) -> None:
     if engine not in ENGINES:
         sys.exit(f"engine must be one of {ENGINES}, not {engine!r}")
     result = train(engine, idle_tower)
-    if dist.get_rank() == 0:
-        partial = Path(f"{out}.partial")
-        torch.save(result, partial)
-        os.replace(partial, out)  # the result appears whole (run_group watches for it)
     gc.collect()
-    dist.barrier()
+    finish(result, out, destroy=False)
 
 
 if __name__ == "__main__":
     flags = [arg for arg in sys.argv[1:] if arg.startswith("--")]
     positional = [arg for arg in sys.argv[1:] if not arg.startswith("--")]
     main(positional[0], positional[1], "--no-idle-tower" not in flags)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # results on disk, every rank past its last collective: skip the gloo teardown (tests/sharded_run.py)
+    leave()

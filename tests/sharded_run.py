@@ -16,18 +16,16 @@ Every check that fails exits non-zero with a message: a run that silently traine
 from __future__ import annotations
 
 import gc
-import os
 import sys
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator
 
 from padfree_plugins import assemble, load_config
 from padfree_plugins.batching.distributed import global_token_count, num_label_tokens
 from padfree_plugins.batching.sampler import token_budget_dataloader
 from padfree_plugins.packing.labelled_logits import keep_labelled_logits
+from tests.distributed_common import finish, leave
 from tests.test_distributed import LOOP_ARGS, load_example
 
 ENGINES = ("fsdp2", "zero2", "zero3")
@@ -126,15 +124,10 @@ def main(engine: str, out: str) -> None:
     if accelerator.num_processes < 2:
         sys.exit("launch with torchrun --nproc_per_node 2 (or more): one process shards nothing")
     result = train(engine, accelerator, tiled)
-    if accelerator.is_main_process:
-        partial = Path(f"{out}.partial")
-        torch.save(result, partial)
-        os.replace(partial, out)  # the result appears whole (run_group watches for it)
     # The group is destroyed once train() has returned and the sharded model is gone: destroying it while FSDP's
     # or DeepSpeed's state still holds it aborts gloo at exit (as DDP's reducer does, examples/accelerate_loop.py).
     gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(result, out)
 
 
 def train(engine: str, accelerator: Accelerator, tiled: bool = False) -> dict:
@@ -245,23 +238,14 @@ def trainer_main(model_dir: str, out: str) -> None:
         sys.exit(f"trainer: parameters not partitioned by ZeRO-3: {whole[:5]}")
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
         state = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-    if trainer.accelerator.is_main_process:
-        partial = Path(f"{out}.partial")
-        torch.save({"engine": "trainer-zero3", "processes": trainer.accelerator.num_processes,
-                    "losses": trainer_losses(trainer), "state": state, "partitioned_at_assembly": partitioned,
-                    "sharding": {"local_numel": sum(p.ds_tensor.numel() for p in params),
-                                 "numel": sum(p.ds_numel for p in params)}}, partial)
-        os.replace(partial, out)
-    trainer.accelerator.wait_for_everyone()  # no rank leaves while the other still talks to it
-    dist.destroy_process_group()
+    finish({"engine": "trainer-zero3", "processes": trainer.accelerator.num_processes,
+            "losses": trainer_losses(trainer), "state": state, "partitioned_at_assembly": partitioned,
+            "sharding": {"local_numel": sum(p.ds_tensor.numel() for p in params),
+                         "numel": sum(p.ds_numel for p in params)}}, out)
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "trainer-zero3":
         trainer_main(*sys.argv[2:4])
-        # The results are on disk and every rank is past its last collective: leave without the interpreter's
-        # teardown, where a thread of the process group can abort the process (as tests/ddp_per_example_run.py).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        leave()
     main(*sys.argv[1:3])
