@@ -18,14 +18,14 @@ The one-process reference (the same trainer, both ranks' micro-batches of a step
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import tempfile
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
+
+from tests.distributed_common import finish, leave
 
 #: The cases: the model (``tests.tasks_common.model_for`` name, head and overrides), the padfree config, the rows,
 #: the SGD learning rate (the weights move far more than the tolerance, the losses stay finite).
@@ -166,17 +166,9 @@ def main(out: str, cases: list[str]) -> None:
     if unknown:
         sys.exit(f"unknown cases {unknown}: choose from {list(CASES)} (+fault)")
     results = {case: run_case(case) for case in cases}
-    if dist.get_rank() == 0:
-        partial = Path(f"{out}.partial")
-        torch.save(results, partial)
-        os.replace(partial, out)  # the result appears whole (run_group watches for it)
-    dist.barrier()
+    finish(results, out, destroy=False)
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2:])
-    # Every rank is past its last collective and the results are on disk: leave without the interpreter's teardown,
-    # where a thread of the gloo group can abort the process (as tests/sharded_run.py).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()

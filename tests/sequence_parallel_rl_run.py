@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import sys
 import tempfile
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,6 +33,7 @@ import torch.distributed as dist
 from padfree_plugins.integrations import trl_fused
 from padfree_plugins.modeling import sequence_parallel
 from padfree_plugins.packing.batch import packed_tokens
+from tests.distributed_common import finish, leave
 
 STEPS = 2
 KINDS = ("grpo", "rloo", "kto", "reward")
@@ -195,12 +194,7 @@ def main(runs: list[str], out: str) -> None:
         dist.all_gather_object(everyone, (seen, cuts, got.pop("completions")))
         results[run] = {**got, "seen": [e[0] for e in everyone], "cuts": [e[1] for e in everyone],
                         "completions": [e[2] for e in everyone]}
-    if state.is_main_process:
-        partial = Path(f"{out}.partial")
-        torch.save(results, partial)
-        os.replace(partial, out)  # the result appears whole (run_group watches for it)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(results, out)
 
 
 if __name__ == "__main__":
@@ -209,6 +203,4 @@ if __name__ == "__main__":
     if bad:
         sys.exit(f"runs are KIND-MODE, KIND among {', '.join(KINDS)}, MODE among {', '.join(MODES)}: not {bad}")
     main(chosen, sys.argv[2])
-    sys.stdout.flush()  # leave without the interpreter's teardown (tests/sharded_run.py)
-    sys.stderr.flush()
-    os._exit(0)
+    leave()

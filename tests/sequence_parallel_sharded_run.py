@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import sys
 import tempfile
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from tests.distributed_common import finish, leave
 
 #: The plain loop's steps, examples per rank and micro-batch, and SGD rate.
 STEPS, PER_RANK, LR = 3, 3, 0.1
@@ -188,17 +188,9 @@ def main(out: str, cases: list[str]) -> None:
             results[case] = run_fsdp2(fault=case == "fsdp2-wrong-rank")
     if dist.get_world_size() != 2:
         sys.exit("launch with torchrun --nproc_per_node 2: one sequence-parallel group of 2")
-    if dist.get_rank() == 0:
-        partial = Path(f"{out}.partial")
-        torch.save(results, partial)
-        os.replace(partial, out)  # the result appears whole (run_group watches for it)
-    dist.barrier()
+    finish(results, out, destroy=False)
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2:])
-    # Every rank is past its last collective and the results are on disk: leave without the interpreter's teardown,
-    # where a thread of the gloo group can abort the process (as tests/sharded_run.py).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()

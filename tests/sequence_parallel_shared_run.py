@@ -27,16 +27,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import sys
 import tempfile
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from padfree_plugins.integrations import trl_fused
 from padfree_plugins.packing.batch import SHARED_PREFIXES_KEY, packed_tokens
+from tests.distributed_common import finish, leave
 
 STEPS = 2
 KINDS = ("grpo", "dpo", "lfm2", "qwen3_5", "rloo", "kto", "guard")
@@ -253,12 +252,7 @@ def main(runs: list[str], out: str) -> None:
         dist.all_gather_object(everyone, (calls, crossing, attention, got.pop("completions")))
         results[run] = {**got, **{name: [e[index] for e in everyone] for index, name in
                                   enumerate(("calls", "crossing", "attention", "completions"))}}
-    if state.is_main_process:
-        partial = Path(f"{out}.partial")
-        torch.save(results, partial)
-        os.replace(partial, out)  # the result appears whole (run_group watches for it)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(results, out)
 
 
 if __name__ == "__main__":
@@ -267,6 +261,4 @@ if __name__ == "__main__":
     if bad:
         sys.exit(f"runs are KIND-MODE, KIND among {', '.join(KINDS)}, MODE among {', '.join(MODES)}: not {bad}")
     main(chosen, sys.argv[2])
-    sys.stdout.flush()  # leave without the interpreter's teardown (tests/sharded_run.py)
-    sys.stderr.flush()
-    os._exit(0)
+    leave()

@@ -17,13 +17,14 @@ every rank). The one-process references are computed by the test.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from tests.distributed_common import finish, leave
 
 #: padfree.yaml of the trainer runs, without sequence parallelism (the reference's); the runs add size 2.
 TRAINER_CONFIG = {"task": "causal_lm", "batching": {"strategy": "tokens", "max_tokens_per_batch": 128, "seed": 0}}
@@ -362,17 +363,9 @@ def main(out: str, cases: list[str]) -> None:
     if unknown:
         sys.exit(f"unknown cases {unknown}: choose from {[*ALL_CASES, *runs]}")
     results = {case: runs[case]() if case in runs else run_trainer(case) for case in cases}
-    if dist.get_rank() == 0:
-        partial = Path(f"{out}.partial")
-        torch.save(results, partial)
-        os.replace(partial, out)  # the result appears whole (run_group watches for it)
-    dist.barrier()
+    finish(results, out, destroy=False)
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2:])
-    # Every rank is past its last collective and the results are on disk: leave without the interpreter's teardown,
-    # where a thread of the gloo group can abort the process (as tests/sharded_run.py).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()

@@ -14,16 +14,15 @@ first tokens, not its own range). Rank 0 writes ``{mode: {"losses", "margins", "
 from __future__ import annotations
 
 import copy
-import os
 import sys
 import tempfile
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from padfree_plugins.integrations import trl_fused
 from padfree_plugins.packing.batch import packed_tokens
+from tests.distributed_common import finish, leave
 
 STEPS = 3
 SP_CONFIG = {"task": "causal_lm", "sequence_parallel": {"size": 2}}
@@ -105,12 +104,7 @@ def main(modes: list[str], out: str) -> None:
         everyone: list = [None] * 2
         dist.all_gather_object(everyone, seen)
         results[mode] = {**run, "seen": everyone, "processes": state.num_processes}
-    if state.is_main_process:
-        partial = Path(f"{out}.partial")
-        torch.save(results, partial)
-        os.replace(partial, out)  # the result appears whole (run_group watches for it)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(results, out)
 
 
 if __name__ == "__main__":
@@ -119,6 +113,4 @@ if __name__ == "__main__":
     if unknown:
         sys.exit(f"modes must be among exact, {', '.join(FAULTS)}, not {unknown}")
     main(chosen, sys.argv[2])
-    sys.stdout.flush()  # leave without the interpreter's teardown (tests/sharded_run.py)
-    sys.stderr.flush()
-    os._exit(0)
+    leave()

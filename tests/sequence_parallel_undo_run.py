@@ -15,11 +15,8 @@ fault (:func:`undo_in_installation_order`): split, undone in installation order,
 from __future__ import annotations
 
 import contextlib
-import datetime
-import os
 import sys
 import traceback
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -29,6 +26,7 @@ from padfree_plugins.batching.distributed import num_label_tokens
 from padfree_plugins.modeling.patching import ModelPatch
 from padfree_plugins.packing.padded import pad_examples
 from padfree_plugins.testing.undo import assert_state_restored, model_state
+from tests.distributed_common import finish, gloo_group, leave
 from tests.sequence_parallel_run import build, micro_batches
 
 MODEL = "qwen3_5_text"
@@ -137,21 +135,13 @@ def run(rank: int) -> dict:
 
 
 def main(out: str) -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=int(os.environ.get("SP_TIMEOUT_S", 90))))
-    rank = dist.get_rank()
-    result = run(rank)
+    gloo_group()
+    result = run(dist.get_rank())
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
-    if rank == 0:
-        partial = Path(f"{out}.partial")
-        torch.save(gathered, partial)
-        os.replace(partial, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(gathered, out)
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()

@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import sys
 import tempfile
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from tests.distributed_common import finish, leave
 
 SP_CONFIG = {"task": "causal_lm", "sequence_parallel": {"size": 2}}
 CASES = ("forward-qwen2_5_vl", "forward-qwen2_5_vl-fault", "forward-qwen2_5_vl-text-rank",
@@ -451,12 +451,7 @@ def main(out: str, cases: list[str]) -> None:
     results = {}
     for case in cases:
         results[case] = run_case(case)
-    if state.is_main_process:
-        partial = Path(f"{out}.partial")
-        torch.save(results, partial)
-        os.replace(partial, out)  # the result appears whole (run_group watches for it)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(results, out)
 
 
 if __name__ == "__main__":
@@ -464,6 +459,4 @@ if __name__ == "__main__":
     if unknown:
         sys.exit(f"cases must be among {', '.join(CASES)}, not {unknown}")
     main(sys.argv[1], sys.argv[2:])
-    sys.stdout.flush()  # leave without the interpreter's teardown (tests/sharded_run.py)
-    sys.stderr.flush()
-    os._exit(0)
+    leave()

@@ -16,13 +16,11 @@ activations autograd saved on each rank.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import sys
 import time
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,6 +31,7 @@ from padfree_plugins.modeling import unpad
 from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY
 from padfree_plugins.packing.sequence_parallel import SEGMENT_PARENTS_KEY, segment_parents, slice_row
 from padfree_plugins.testing import faults
+from tests.distributed_common import finish, gloo_group, leave
 
 VOCAB = 96
 #: Prompt lengths and each row's (prompt, completion length). Prompt 2 begins with prompt 1's first token, so the row
@@ -190,7 +189,7 @@ def memory(rank: int, world: int, ids, mask, labels) -> dict:
 
 
 def main(out: str) -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=int(os.environ.get("SP_TIMEOUT_S", 90))))
+    gloo_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     ids, mask, labels = padded_call()
     results: dict = {"row": shared_row(ids, mask, labels)[0]["cu_seq_lens_q"].tolist(),
@@ -211,16 +210,9 @@ def main(out: str) -> None:
     everyone: list = [None] * world
     dist.all_gather_object(everyone, memory(rank, world, ids, mask, labels))
     results["memory"] = everyone
-    if rank == 0:
-        partial = Path(f"{out}.partial")
-        torch.save(results, partial)
-        os.replace(partial, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(results, out)
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()

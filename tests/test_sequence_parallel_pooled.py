@@ -20,8 +20,6 @@ off. Bad input is refused at ``accelerate()``, nothing changed.
 from __future__ import annotations
 
 import functools
-import os
-import sys
 import tempfile
 
 import numpy as np
@@ -29,7 +27,7 @@ import pytest
 import torch
 
 from tests.sequence_parallel_pooled_run import CASES, FAULT, STEPS, make_model, make_trainer, result_of
-from tests.test_distributed import ROOT, free_port, run_group
+from tests.distributed_common import launch
 
 LOSS_TOLERANCE = 1e-5
 TOLERANCE = 1e-4
@@ -40,12 +38,7 @@ FAULTS = ("bert-seq_cls" + FAULT, "bert-embedding" + FAULT)
 def launched(tmp_path_factory) -> dict:
     """Every case of the worker, and the faults, in one 2-process launch."""
     out = tmp_path_factory.mktemp("sequence_parallel_pooled") / "runs.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "sequence_parallel_pooled_run.py"), str(out), *CASES, *FAULTS]
-    returncode, output = run_group(command, env, timeout=300, results=[out])
-    assert returncode == 0, output[-6000:]
-    return torch.load(out, weights_only=False)
+    return launch("sequence_parallel_pooled_run.py", str(out), *CASES, *FAULTS, out=out, timeout=300)
 
 
 @functools.lru_cache(maxsize=len(CASES))
@@ -186,12 +179,7 @@ def test_seq_cls_under_sequence_and_data_parallelism_equals_one_process(tmp_path
     process accumulating the 4 ranks' micro-batches of each step; each group embedded its own joined row."""
     case = "llama-seq_cls"
     out = tmp_path / "runs.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "sequence_parallel_pooled_run.py"), str(out), case]
-    returncode, output = run_group(command, env, timeout=300, results=[out])
-    assert returncode == 0, output[-6000:]
-    run = torch.load(out, weights_only=False)[case]
+    run = launch("sequence_parallel_pooled_run.py", str(out), case, out=out, processes=4, timeout=300)[case]
     trainer, acceleration = make_trainer(case, tempfile.mkdtemp(), ranks=4)
     trainer.train()
     want = result_of(trainer)

@@ -17,13 +17,9 @@ off. Bad input is refused at ``accelerate()``, nothing changed.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
-import torch
 
-from tests.test_distributed import ROOT, free_port, run_group
+from tests.distributed_common import launch
 
 pytest.importorskip("trl")
 
@@ -43,12 +39,7 @@ SPLIT_CALLS = {"grpo": 4, "rloo": 6, "kto": 8, "reward": 2}
 def launched(tmp_path_factory) -> dict:
     """Every run of the worker, in one 2-process launch."""
     out = tmp_path_factory.mktemp("sequence_parallel_rl") / "runs.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "sequence_parallel_rl_run.py"), ",".join(RUNS), str(out)]
-    returncode, output = run_group(command, env, timeout=300, results=[out])
-    assert returncode == 0, output[-6000:]
-    return torch.load(out, weights_only=False)
+    return launch("sequence_parallel_rl_run.py", ",".join(RUNS), str(out), out=out, timeout=300)
 
 
 def differences(run: dict, want: dict) -> tuple[float, float, float]:
@@ -147,13 +138,8 @@ def test_grpo_under_sequence_and_data_parallelism_equals_trls_run(tmp_path):
     every step and the final weights within 1e-5; each group split every fused call of its own row; the fault
     ``no-gather`` still fails the comparison."""
     out = tmp_path / "runs.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "sequence_parallel_rl_run.py"),
-               "grpo-sp,grpo-padded,grpo-no-gather", str(out)]
-    returncode, output = run_group(command, env, timeout=300, results=[out])
-    assert returncode == 0, output[-6000:]
-    launched = torch.load(out, weights_only=False)
+    launched = launch("sequence_parallel_rl_run.py", "grpo-sp,grpo-padded,grpo-no-gather", str(out),
+                      out=out, processes=4, timeout=300)
     run, want = launched["grpo-sp"], launched["grpo-padded"]
     assert run["completions"] == want["completions"] and len(run["completions"]) == 4
     assert len({repr(scored) for scored in run["completions"]}) == 4  # every rank scored its own completions

@@ -14,15 +14,13 @@ times, so the ranks wait for each other forever (seen: a hang in the first forwa
 from __future__ import annotations
 
 import functools
-import os
-import sys
 import tempfile
 import time
 
 import pytest
 import torch
 
-from tests.test_distributed import ROOT, free_port, run_group
+from tests.distributed_common import launch
 from tests.test_sharded import needs_deepspeed
 
 
@@ -36,15 +34,10 @@ def launched(tmp_path_factory) -> dict:
     pytest.importorskip("deepspeed")
     started = time.monotonic()
     out = tmp_path_factory.mktemp("sequence_parallel_sharded") / "runs.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
-           "DS_ACCELERATOR": "cpu"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "sequence_parallel_sharded_run.py"), str(out), "fsdp2",
-               "fsdp2-wrong-rank", "zero3"]
-    returncode, output = run_group(command, env, timeout=240, results=[out])
-    assert returncode == 0, output[-6000:]
+    runs = launch("sequence_parallel_sharded_run.py", str(out), "fsdp2", "fsdp2-wrong-rank", "zero3", out=out,
+                  timeout=240, env={"DS_ACCELERATOR": "cpu"})
     print(f"sharded sequence-parallel launch: {time.monotonic() - started:.0f} s")
-    return torch.load(out, weights_only=False)
+    return runs
 
 
 @functools.cache

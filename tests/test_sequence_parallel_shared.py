@@ -22,13 +22,10 @@ gathered row.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-from tests.test_distributed import ROOT, free_port, run_group
+from tests.distributed_common import launch
 
 pytest.importorskip("trl")
 
@@ -52,12 +49,7 @@ GRAD_TOLERANCE = {"qwen3_5": 1e-4}
 def launched(tmp_path_factory) -> dict:
     """Every run of the worker, in one 2-process launch."""
     out = tmp_path_factory.mktemp("sequence_parallel_shared") / "runs.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "sequence_parallel_shared_run.py"), ",".join(RUNS), str(out)]
-    returncode, output = run_group(command, env, timeout=300, results=[out])
-    assert returncode == 0, output[-6000:]
-    return torch.load(out, weights_only=False)
+    return launch("sequence_parallel_shared_run.py", ",".join(RUNS), str(out), out=out, timeout=300)
 
 
 def differences(run: dict, want: dict) -> tuple[float, float, float]:

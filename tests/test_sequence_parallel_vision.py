@@ -36,15 +36,12 @@ under sequence parallelism do not take is refused in one process (the group fake
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
 from padfree_plugins import ConfigError, assemble, patch_of
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup
-from tests.test_distributed import ROOT, free_port, run_group
+from tests.distributed_common import launch
 
 pytest.importorskip("PIL")
 trl = pytest.importorskip("trl")
@@ -63,12 +60,7 @@ def launched(tmp_path_factory) -> dict:
     from tests.sequence_parallel_vision_run import CASES
 
     out = tmp_path_factory.mktemp("sequence_parallel_vision") / "runs.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "sequence_parallel_vision_run.py"), str(out), *CASES]
-    returncode, output = run_group(command, env, timeout=240, results=[out])
-    assert returncode == 0, output[-6000:]
-    return torch.load(out, weights_only=False)
+    return launch("sequence_parallel_vision_run.py", str(out), *CASES, out=out, timeout=240)
 
 
 def tower(name: str) -> bool:
