@@ -2,7 +2,9 @@
 
 Worker side: :func:`gloo_group` joins the launch's process group, :func:`save_result` has rank 0 write the result
 whole, :func:`finish` writes it and waits for every rank, :func:`leave` exits without the interpreter's teardown.
-Test side: :func:`launch` runs a worker under torchrun with a timeout and returns what it wrote.
+Test side: :func:`launch` runs a worker under torchrun with a timeout and returns what it wrote, and
+:func:`run_differences` compares two training runs a worker recorded. :func:`chosen_runs` reads a worker's
+``KIND-MODE`` run names.
 """
 
 from __future__ import annotations
@@ -38,6 +40,29 @@ def finish(result: Any, out: str | Path, destroy: bool = True) -> None:
     dist.barrier()
     if destroy:
         dist.destroy_process_group()
+
+
+def chosen_runs(names: str, kinds, modes) -> list[str]:
+    """The comma-separated ``KIND-MODE`` run names a worker was given, each kind among ``kinds`` and each mode among
+    ``modes``; any other name ends the worker with the names it takes."""
+    chosen = names.split(",")
+    bad = [run for run in chosen if run.partition("-")[0] not in kinds or run.partition("-")[2] not in modes]
+    if bad:
+        sys.exit(f"runs are KIND-MODE, KIND among {', '.join(kinds)}, MODE among {', '.join(modes)}: not {bad}")
+    return chosen
+
+
+def run_differences(run: dict, want: dict, steps: int) -> tuple[float, float, float]:
+    """Largest loss, gradient (any parameter, any step) and final-weight differences between two runs of ``steps``
+    steps (each with ``losses``, ``grads`` a dict per step, and the final ``state``)."""
+    assert len(run["losses"]) == len(want["losses"]) == steps
+    assert len(run["grads"]) == len(want["grads"]) == steps
+    loss = max(abs(a - b) for a, b in zip(run["losses"], want["losses"]))
+    assert all(got.keys() == ref.keys() and ref for got, ref in zip(run["grads"], want["grads"]))
+    grad = max((got[k] - ref[k]).abs().max().item() for got, ref in zip(run["grads"], want["grads"]) for k in ref)
+    assert run["state"].keys() == want["state"].keys()
+    weight = max((run["state"][k] - want["state"][k]).abs().max().item() for k in want["state"])
+    return loss, grad, weight
 
 
 def leave() -> None:

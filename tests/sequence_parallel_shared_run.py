@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from padfree_plugins.integrations import trl_fused
 from padfree_plugins.packing.batch import SHARED_PREFIXES_KEY, packed_tokens
-from tests.distributed_common import finish, leave
+from tests.distributed_common import chosen_runs, finish, leave
 
 STEPS = 2
 KINDS = ("grpo", "dpo", "lfm2", "qwen3_5", "rloo", "kto", "guard")
@@ -256,9 +256,5 @@ def main(runs: list[str], out: str) -> None:
 
 
 if __name__ == "__main__":
-    chosen = sys.argv[1].split(",")
-    bad = [run for run in chosen if run.partition("-")[0] not in KINDS or run.partition("-")[2] not in MODES]
-    if bad:
-        sys.exit(f"runs are KIND-MODE, KIND among {', '.join(KINDS)}, MODE among {', '.join(MODES)}: not {bad}")
-    main(chosen, sys.argv[2])
+    main(chosen_runs(sys.argv[1], KINDS, MODES), sys.argv[2])
     leave()

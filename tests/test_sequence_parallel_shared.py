@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed_common import launch
+from tests.distributed_common import launch, run_differences
 
 pytest.importorskip("trl")
 
@@ -56,14 +56,7 @@ def differences(run: dict, want: dict) -> tuple[float, float, float]:
     """Largest loss, gradient (any parameter, any step) and final-weight differences between two runs."""
     from tests.sequence_parallel_shared_run import STEPS
 
-    assert len(run["losses"]) == len(want["losses"]) == STEPS
-    assert len(run["grads"]) == len(want["grads"]) == STEPS
-    loss = max(abs(a - b) for a, b in zip(run["losses"], want["losses"]))
-    assert all(got.keys() == ref.keys() and ref for got, ref in zip(run["grads"], want["grads"]))
-    grad = max((got[k] - ref[k]).abs().max().item() for got, ref in zip(run["grads"], want["grads"]) for k in ref)
-    assert run["state"].keys() == want["state"].keys()
-    weight = max((run["state"][k] - want["state"][k]).abs().max().item() for k in want["state"])
-    return loss, grad, weight
+    return run_differences(run, want, STEPS)
 
 
 @pytest.mark.parametrize("kind, mode", [("grpo", "shared"), ("dpo", "shared"), ("lfm2", "shared"), ("lfm2", "split"),
