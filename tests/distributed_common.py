@@ -4,7 +4,9 @@ Worker side: :func:`gloo_group` joins the launch's process group, :func:`save_re
 whole, :func:`finish` writes it and waits for every rank, :func:`leave` exits without the interpreter's teardown.
 Test side: :func:`launch` runs a worker under torchrun with a timeout and returns what it wrote, and
 :func:`run_differences` compares two training runs a worker recorded. :func:`chosen_runs` reads a worker's
-``KIND-MODE`` run names.
+``KIND-MODE`` run names. Evaluations: :func:`evaluated` records ``evaluate`` / ``predict`` with the
+``compute_metrics`` of TRL's trainers (:func:`token_metrics`, :func:`score_metrics`), :func:`evaluation_differences`
+compares two.
 """
 
 from __future__ import annotations
@@ -63,6 +65,59 @@ def run_differences(run: dict, want: dict, steps: int) -> tuple[float, float, fl
     assert run["state"].keys() == want["state"].keys()
     weight = max((run["state"][k] - want["state"][k]).abs().max().item() for k in want["state"])
     return loss, grad, weight
+
+
+def token_metrics(prediction) -> dict:
+    """``compute_metrics`` of the TRL evaluations whose predictions are per-token logits (DPO, KTO: ``[rows, width,
+    vocab]``, ``label_ids`` the rows' ``input_ids``; -100 where the evaluation loop padded one batch to another's
+    width): the mean negative log-likelihood of each row's next tokens, and the rows counted (continuous or exact:
+    no argmax)."""
+    logits, labels = torch.as_tensor(prediction.predictions), torch.as_tensor(prediction.label_ids)
+    logits, labels = logits[:, :-1].double(), labels[:, 1:]
+    counted = labels != -100
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return {"nll": -(picked * counted).sum().item() / counted.sum().item(), "rows": int(labels.shape[0])}
+
+
+def score_metrics(prediction) -> dict:
+    """``compute_metrics`` of a RewardTrainer's evaluation (predictions: every text's score): their mean and mean
+    square, and the texts counted."""
+    scores = torch.as_tensor(prediction.predictions).double()
+    return {"mean_score": scores.mean().item(), "square_score": scores.square().mean().item(),
+            "texts": int(scores.shape[0])}
+
+
+def evaluated(trainer, fault: Any = None) -> dict:
+    """What an evaluation test compares: ``trainer.evaluate()``'s metrics (with what it logged: TRL's own metrics),
+    ``trainer.predict()``'s predictions, label ids and metrics (on the trainer's evaluation set); then, when ``fault``
+    is a context manager, ``predict`` once more inside it (``faulty``)."""
+    output = trainer.predict(trainer.eval_dataset)
+    metrics = trainer.evaluate()  # TRL's trainers log their own metrics beside it
+    result = {"evaluate": {**trainer.state.log_history[-1], **metrics},
+              "predictions": torch.as_tensor(output.predictions), "label_ids": torch.as_tensor(output.label_ids),
+              "metrics": output.metrics}
+    if fault is not None:
+        with fault:
+            output = trainer.predict(trainer.eval_dataset)
+        result["faulty"] = {"predictions": torch.as_tensor(output.predictions), "metrics": output.metrics}
+    return result
+
+
+def evaluation_differences(run: dict, want: dict, keys: tuple[str, ...],
+                           evaluate_keys: tuple[str, ...] = ()) -> tuple[float, float]:
+    """Largest difference of the metrics ``keys`` (without their ``eval_`` / ``test_`` prefix) of ``evaluate`` and of
+    ``predict`` (and ``evaluate_keys`` of ``evaluate`` alone: TRL's own metrics), relative to the value where it
+    exceeds 1 (a sum of log-probabilities), and of the predictions (equal shapes, label ids equal), between two
+    :func:`evaluated` records."""
+    assert run["predictions"].shape == want["predictions"].shape and torch.equal(run["label_ids"], want["label_ids"])
+    predictions = (run["predictions"] - want["predictions"]).abs().max().item()
+    metrics = 0.0
+    for source, prefix, names in (("evaluate", "eval_", keys + evaluate_keys), ("metrics", "test_", keys)):
+        for key in names:
+            got, expected = run[source].get(prefix + key), want[source].get(prefix + key)
+            assert got is not None and expected is not None, (prefix + key, run[source], want[source])
+            metrics = max(metrics, abs(got - expected) / max(1.0, abs(expected)))
+    return metrics, predictions
 
 
 def leave() -> None:

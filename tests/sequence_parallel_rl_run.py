@@ -18,6 +18,9 @@ Rank 0 writes ``{run: {"losses", "grads", "initial", "state", "completions", "se
 ``grads`` every parameter's gradient at each optimizer step (after the data-parallel all-reduce), ``completions``
 per rank the completion ids each reward call scored (GRPO / RLOO), ``seen`` per rank per split fused call (the
 joined row's tokens, the slice's), ``cuts`` per rank per split call whether an example crosses the cut.
+``kto-sp``, ``reward-sp`` and their ``padded`` runs then evaluate (``evaluation``: ``evaluate()`` and ``predict()``
+with ``compute_metrics``, :data:`EVAL_BATCH` rows a rank; its ``cuts``: per split call of rank 0, whether a text, or a
+completion's labelled tokens, cross the cut), the ``sp`` runs predicting once more under :data:`EVALUATION_FAULTS`.
 """
 
 from __future__ import annotations
@@ -33,9 +36,12 @@ import torch.distributed as dist
 from padfree_plugins.integrations import trl_fused
 from padfree_plugins.modeling import sequence_parallel
 from padfree_plugins.packing.batch import packed_tokens
-from tests.distributed_common import chosen_runs, finish, leave
+from padfree_plugins.testing.faults import pooling_reads_local_slice
+from tests.distributed_common import chosen_runs, evaluated, finish, leave, score_metrics, token_metrics
 
 STEPS = 2
+#: The evaluation of ``kto-sp`` / ``reward-sp`` and their ``padded`` runs: one batch of 3 rows a rank.
+EVAL_BATCH = 3
 KINDS = ("grpo", "rloo", "kto", "reward")
 MODES = ("sp", "padded", "no-gather", "first-range")
 
@@ -83,14 +89,20 @@ def build(kind: str, output_dir: str, scored: list):
         model = testing_qwen3(len(tok), "seq_cls", num_labels=1, initializer_range=0.1,
                               pad_token_id=tok.pad_token_id)
         reward_args = {k: v for k, v in common.items() if k != "beta"}
-        args = trl.RewardConfig(per_device_train_batch_size=3, dataloader_pin_memory=False, **reward_args)
+        args = trl.RewardConfig(per_device_train_batch_size=3, dataloader_pin_memory=False,
+                                per_device_eval_batch_size=EVAL_BATCH, **reward_args)
         return trl.RewardTrainer(model=model, args=args, processing_class=tok,
-                                 train_dataset=datasets.Dataset.from_list(preference_rows(2 * 3 * STEPS, 0)))
+                                 train_dataset=datasets.Dataset.from_list(preference_rows(2 * 3 * STEPS, 0)),
+                                 eval_dataset=datasets.Dataset.from_list(preference_rows(2 * EVAL_BATCH, 1)),
+                                 compute_metrics=score_metrics)
     if kind == "kto":
         model = testing_qwen3(len(tok))
-        args = trl.KTOConfig(per_device_train_batch_size=3, **common)
+        args = trl.KTOConfig(per_device_train_batch_size=3, per_device_eval_batch_size=EVAL_BATCH, **common)
+        rows = 4 * 3 * STEPS  # the evaluation's rows come after the training's
+        evaluation = unpaired(rows + 2 * EVAL_BATCH).select(range(rows, rows + 2 * EVAL_BATCH))
         return trl.KTOTrainer(model=model, ref_model=copy.deepcopy(model).eval(), args=args,
-                              train_dataset=unpaired(4 * 3 * STEPS), processing_class=tok)
+                              train_dataset=unpaired(4 * 3 * STEPS), eval_dataset=evaluation, processing_class=tok,
+                              compute_metrics=token_metrics)
     model = AutoModelForCausalLM.from_pretrained(qwen3_dir(tok))
 
     def length_reward(completions: list[str], completion_ids: list, **kwargs) -> list[float]:
@@ -126,11 +138,26 @@ def first_range(whole: torch.Tensor, sizes: list[int], rank: int) -> torch.Tenso
     return whole[:, :sizes[rank]]
 
 
+@contextlib.contextmanager
+def keeping_first_range():
+    """The fault ``first-range`` within the block (each rank keeps the joined row's first tokens)."""
+    saved = trl_fused.own_tokens
+    trl_fused.own_tokens = first_range
+    try:
+        yield
+    finally:
+        trl_fused.own_tokens = saved
+
+
+#: The fault each kind's ``sp`` run predicts under once more after evaluating: KTO keeping the joined row's first
+#: tokens, the RewardTrainer scoring its texts from its own slice's hidden states alone.
+EVALUATION_FAULTS = {"kto": keeping_first_range, "reward": pooling_reads_local_slice}
+
+
 def train(kind: str, mode: str, seen: list, cuts: list) -> dict:
     from transformers import TrainerCallback
 
     from padfree_plugins import accelerate
-    from padfree_plugins.testing.faults import pooling_reads_local_slice
 
     saved = trl_fused.gather_sequence, trl_fused.slice_row, trl_fused.own_tokens
     pooled = sequence_parallel.gather_sequence, sequence_parallel.slice_row
@@ -147,8 +174,12 @@ def train(kind: str, mode: str, seen: list, cuts: list) -> dict:
         cut = packed_tokens(local)
         seen.append((joined, cut))
         cuts.append(any(start < cut < end for start, end in zip(cu, cu[1:])))
+        labelled = (row["shift_labels"][0] != -100).tolist() if "shift_labels" in row else [True] * joined
+        crossings.append(any(start < cut < end and any(labelled[start:cut]) and any(labelled[cut:end])
+                             for start, end in zip(cu, cu[1:])))
         return local
 
+    crossings: list = []  # per split call, whether a text, or a completion's labelled tokens, crosses the cut
     trl_fused.slice_row = sequence_parallel.slice_row = recording_slice_row
     grads: list = []
 
@@ -169,12 +200,18 @@ def train(kind: str, mode: str, seen: list, cuts: list) -> dict:
         trainer.add_callback(Gradients())
         initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
         trainer.train()
+        evaluation = None
+        if kind in ("kto", "reward") and mode in ("sp", "padded"):  # evaluate, then predict under the run's fault
+            trained = len(seen)
+            evaluation = evaluated(trainer, EVALUATION_FAULTS[kind]() if mode == "sp" else None)
+            evaluation["cuts"] = crossings[trained:]
+            del seen[trained:], cuts[trained:]
     finally:
         faults.close()
         trl_fused.gather_sequence, trl_fused.slice_row, trl_fused.own_tokens = saved
         sequence_parallel.gather_sequence, sequence_parallel.slice_row = pooled
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    return {"losses": losses, "grads": grads, "completions": completions, "initial": initial,
+    return {"losses": losses, "grads": grads, "completions": completions, "initial": initial, "evaluation": evaluation,
             "state": {name: p.detach().clone() for name, p in trainer.model.named_parameters()}}
 
 

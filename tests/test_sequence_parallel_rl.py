@@ -12,7 +12,8 @@ with the head. TRL's generation (unsliced, per rank), advantages and loss code r
 own run, not accelerated (padded rows), on the same 2 processes: the same global batch, the same sampled completions
 (asserted). Losses, every parameter's gradient at every step and the final weights agree within 1e-5 (SGD, no
 clipping); the faults (no gather of the per-token outputs; the texts scored from the rank's own half alone) are far
-off. Bad input is refused at ``accelerate()``, nothing changed.
+off. Bad input is refused at ``accelerate()``, nothing changed. After training, KTO's and the RewardTrainer's
+``evaluate()`` / ``predict()`` with ``compute_metrics`` equal TRL's run's; a fault at prediction is far off.
 """
 
 from __future__ import annotations
@@ -67,6 +68,39 @@ def test_rl_and_kto_under_sequence_parallelism_equal_trls_run(launched, kind):
     assert len(seen[0]) == len(seen[1]) == SPLIT_CALLS[kind]
     assert seen[0] == seen[1] and all(local == -(-joined // 2) for joined, local in seen[0])
     assert all(all(rank) for rank in run["cuts"])
+
+
+#: What ``evaluate()`` and ``predict()`` report and the test compares (without the ``eval_`` / ``test_`` prefix): the
+#: loss and the ``compute_metrics`` values (tests/distributed_common.py); and, from ``evaluate()``, TRL's own metrics
+#: (continuous; both runs gather them over the same 2 ranks).
+EVAL_KEYS = {"kto": ("loss", "nll", "rows"), "reward": ("loss", "mean_score", "square_score", "texts")}
+TRL_EVAL_KEYS = {"kto": ("kl", "entropy", "num_tokens", "rewards/chosen", "rewards/rejected", "rewards/margins",
+                         "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected"),
+                 "reward": ("mean_reward", "min_reward", "max_reward", "margin")}
+
+
+@pytest.mark.parametrize("kind", ["kto", "reward"])
+def test_kto_and_reward_evaluate_and_predict_under_sequence_parallelism_equal_trls_run(launched, kind):
+    """After training, ``evaluate()`` and ``predict()`` with ``compute_metrics`` (3 rows a rank, split across the
+    group: a completion's labelled tokens, or a text, across every cut) equal TRL's own run evaluating the same rows on
+    the same ranks: the loss, TRL's metrics, the ``compute_metrics`` values and the predictions (KTO: the padded logits
+    of TRL's extra forward, which runs on each rank's own rows; reward: every text's score, each rank scoring its own
+    texts from the slices that computed them). Predicting once more under a fault (KTO: each rank keeping the joined
+    row's first tokens; reward: texts scored from the rank's own slice alone) is far off."""
+    from tests.distributed_common import evaluation_differences
+
+    run, want = launched[f"{kind}-sp"]["evaluation"], launched[f"{kind}-padded"]["evaluation"]
+    assert len(run["cuts"]) == (4 if kind == "kto" else 1) * 3 and all(run["cuts"]), run["cuts"]
+    metrics, predictions = evaluation_differences(run, want, EVAL_KEYS[kind], TRL_EVAL_KEYS[kind])
+    print(f"{kind} sp2 evaluation: max metric difference {metrics:.2e}, predictions {predictions:.2e}")
+    assert metrics < TOLERANCE and predictions < TOLERANCE
+    faulty = run["faulty"]
+    loss = abs(faulty["metrics"]["test_loss"] - want["metrics"]["test_loss"])
+    scores = (faulty["predictions"] - want["predictions"]).abs().max().item() if kind == "reward" else 0.0
+    print(f"{kind} sp2 evaluation under a fault: loss difference {loss:.2e}, predictions {scores:.2e}")
+    assert loss > 100 * TOLERANCE
+    if kind == "reward":  # the scores themselves are what the fault breaks
+        assert scores > 100 * TOLERANCE
 
 
 @pytest.mark.parametrize("run", ["grpo-no-gather", "kto-first-range", "reward-no-gather"])

@@ -299,15 +299,17 @@ def test_a_sequence_classifier_under_hf_trainer_is_accepted_but_not_a_loss_from_
 
 def test_compute_metrics_is_refused_only_where_evaluation_does_not_gather_the_logits(fake_group):
     """HF ``Trainer`` (and TRL's ``SFTTrainer``, its plugin's subclass) gathers the group's logits for
-    ``compute_metrics``: accepted. A trainer plugin that does not (``gathers_logits`` False: DPO's) is refused."""
+    ``compute_metrics``: accepted. A trainer plugin that does not say it hands each rank its own examples' outputs
+    (``gathers_logits`` off: a third party's) is refused, saying why."""
     from padfree_plugins.integrations.checks import check_sequence_parallel
 
     trainer = hf_trainer(compute_metrics=lambda prediction: {})
     acceleration = accelerate(trainer, SP_CONFIG)
     assert "prediction_step" in vars(trainer)
     acceleration.undo()
-    with pytest.raises(ConfigError, match=r"sequence_parallel.size: 2 with compute_metrics: Trainer's evaluation "
-                                          r"would hand it per-token logits.*Evaluate the loss alone"):
+    with pytest.raises(ConfigError, match=r"sequence_parallel.size: 2 with compute_metrics: Trainer's trainer plugin "
+                                          r"does not hand evaluation each rank's own examples' outputs.*gathers_logits "
+                                          r"is off.*Evaluate the loss alone"):
         check_sequence_parallel(trainer, load_config(SP_CONFIG))
     check_sequence_parallel(trainer, load_config(SP_CONFIG), gathers_logits=True)
 
@@ -338,15 +340,33 @@ def trl_like(name: str, module: str, methods: tuple[str, ...] = ("compute_loss",
     return trainer
 
 
-def test_dpo_compute_metrics_is_refused_under_sequence_parallelism():
-    """DPO's evaluation does not gather the group's logits (its plugin leaves ``gathers_logits`` off): refused."""
-    from padfree_plugins.integrations.trl_dpo import DPOTrainerPatch
+@pytest.mark.parametrize("module, plugin", [("trl_dpo", "DPOTrainerPatch"), ("trl_kto", "KTOTrainerPatch"),
+                                            ("trl_grpo", "GRPOTrainerPatch"), ("trl_rloo", "RLOOTrainerPatch")])
+def test_trl_compute_metrics_passes_the_sequence_parallel_checks(module, plugin):
+    """TRL's DPO and KTO hand ``compute_metrics`` the logits of their extra forward without the fused head, TRL's own
+    padded forward of each rank's own batch (never split); GRPO and RLOO hand it nothing: under sequence parallelism
+    each rank's evaluation is its own examples', as one process's (tests/test_sequence_parallel_trl.py and
+    tests/test_sequence_parallel_rl.py compare them). The plugin gets past every sequence-parallel check to the model
+    check, which this stand-in trainer (no model) fails."""
+    import importlib
 
-    trainer = trl_like("DPOTrainer", "trl.trainer.dpo_trainer", DPOTrainerPatch.kept_methods)
-    trainer.compute_metrics = lambda prediction: {}
+    cls = getattr(importlib.import_module(f"padfree_plugins.integrations.{module}"), plugin)
+    trainer = trl_like(cls.trainer_class, f"trl.trainer.{cls.kind}_trainer", cls.kept_methods)
+    trainer.compute_metrics, trainer.model = (lambda prediction: {}), None
     assembly = types.SimpleNamespace(config=load_config(SP_CONFIG))
-    with pytest.raises(ConfigError, match=r"sequence_parallel.size: 2 with compute_metrics: DPOTrainer's evaluation"):
-        DPOTrainerPatch.wrap(trainer, assembly)
+    with pytest.raises(PadfreeError, match="the assembly was built for another model"):
+        cls.wrap(trainer, assembly)
+    assert cls.metrics_forward == (cls.kind in ("dpo", "kto"))  # said in a warning (tests/test_sequence_parallel_trl.py)
+
+
+def test_reward_compute_metrics_passes_the_sequence_parallel_checks():
+    """A RewardTrainer's evaluation scores each rank's own texts (tests/test_sequence_parallel_rl.py compares them with
+    TRL's run): its ``compute_metrics`` passes the check of its task hook."""
+    from padfree_plugins.integrations.trl_reward import trainer_config
+
+    trainer = trl_like("RewardTrainer", "trl.trainer.reward_trainer")
+    trainer.compute_metrics = lambda prediction: {}
+    assert trainer_config(trainer, load_config(SP_CONFIG)).task == "seq_cls"
 
 
 # TRL DPO, GRPO, RLOO, KTO and RewardTrainer train sequence-parallel: tests/test_sequence_parallel_trl.py and

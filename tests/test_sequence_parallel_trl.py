@@ -6,6 +6,8 @@ reference model's, packs its rows, the group joins them into one row and each ra
 keeps its own examples' log-probabilities, so TRL's loss and metrics are those of data parallelism. Losses, reward
 margins and final weights equal one process of 4 pairs a step (sigmoid loss, a separate reference model) to 1e-5;
 the two faults (no gather of the per-token outputs; each rank keeping the joined row's first tokens) are far off.
+After training, ``evaluate()`` and ``predict()`` with ``compute_metrics`` (2 pairs a rank, a completion across every
+cut) equal one process's; predicting with each rank keeping the joined row's first tokens is far off.
 """
 
 from __future__ import annotations
@@ -45,13 +47,17 @@ def launched(request, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
-    """One process, padding-free without sequence parallelism, 4 pairs a step: the global batches of the launch."""
+    """One process, padding-free without sequence parallelism, 4 pairs a step: the global batches of the launch. With
+    ``compute_metrics``, ``accelerate()`` says that TRL's extra forward for its logits runs padded."""
     from tests.sequence_parallel_trl_run import dpo_trainer, result
 
-    trainer = dpo_trainer(tempfile.mkdtemp(), {"task": "causal_lm"}, batch_size=4)
+    from tests.distributed_common import evaluated
+
+    with pytest.warns(UserWarning, match=r"DPOTrainer with compute_metrics: TRL recomputes the logits.*padded"):
+        trainer = dpo_trainer(tempfile.mkdtemp(), {"task": "causal_lm"}, batch_size=4)
     initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
-    return {**result(trainer), "initial": initial}
+    return {**result(trainer), "initial": initial, "evaluation": evaluated(trainer)}
 
 
 def differences(run: dict, want: dict) -> tuple[float, float, float]:
@@ -78,6 +84,35 @@ def test_dpo_under_sequence_parallelism_equals_one_process(launched, reference):
     assert len(seen[0]) == len(seen[1]) >= 2 * 3
     assert all(local == -(-joined // 2) for rank in seen for joined, local in rank)
     assert [joined for joined, _ in seen[0]] == [joined for joined, _ in seen[1]]
+
+
+#: What ``evaluate()`` and ``predict()`` report and the test compares: the loss, the ``compute_metrics`` values
+#: (tests/distributed_common.py ``token_metrics``) and, from ``evaluate()``, TRL's metrics that are means over pairs
+#: (its ``logits/*`` and ``mean_token_accuracy`` are ratios of sums per logged batch, so one process evaluating 2
+#: pairs a batch averages them otherwise than 2 ranks gathered; accuracies are discontinuous).
+EVAL_KEYS = ("loss", "nll", "rows")
+TRL_EVAL_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
+
+
+def test_dpo_evaluate_and_predict_under_sequence_parallelism_equal_one_process(launched, reference):
+    """``evaluate()`` and ``predict()`` with ``compute_metrics``, after training, each rank evaluating 2 pairs whose
+    fused calls are split across the group (a completion across every cut): the loss, the metrics and the predictions
+    (the padded logits of TRL's extra forward, which runs on each rank's own pairs) equal one process evaluating the
+    same pairs 2 at a time. Predicting with each rank keeping the joined row's first tokens (not its own) changes the
+    loss far beyond the tolerance."""
+    from tests.distributed_common import evaluation_differences
+
+    run, want = launched["exact"]["evaluation"], reference["evaluation"]
+    cuts = launched["exact"]["evaluation_cuts"]
+    assert cuts[0] == cuts[1] and len(cuts[0]) >= 2 and all(cuts[0]), cuts  # policy and reference calls, each cut
+    assert run["metrics"]["test_rows"] == 2 * 4  # every pair's chosen and rejected row, each once
+    metrics, predictions = evaluation_differences(run, want, EVAL_KEYS, TRL_EVAL_KEYS)
+    print(f"dpo sp2 evaluation: max metric difference {metrics:.2e}, predictions {predictions:.2e}")
+    assert metrics < TOLERANCE and predictions < TOLERANCE
+    assert abs(want["evaluate"]["eval_rewards/margins"]) > 1e-2  # the trained policy, away from the reference
+    faulty = abs(run["faulty"]["metrics"]["test_loss"] - want["metrics"]["test_loss"])
+    print(f"dpo sp2 evaluation, first-range: loss difference {faulty:.2e}")
+    assert faulty > 100 * TOLERANCE
 
 
 @pytest.mark.parametrize("fault", ["no-gather", "first-range"])

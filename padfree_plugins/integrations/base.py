@@ -197,8 +197,10 @@ class TrainerPatch:
     #: Whether the patch trains under ``sequence_parallel.size > 1`` (its loss through ``assembly.forward``, which
     #: slices the group's row, normalised by the label count of every rank); refused otherwise.
     sequence_parallel: ClassVar[bool] = False
-    #: Whether its ``prediction_step`` under ``sequence_parallel.size > 1`` gathers the group's per-token outputs back
-    #: into each rank's own examples (``compute_metrics`` / ``predict`` allowed); refused otherwise.
+    #: Whether its ``prediction_step`` under ``sequence_parallel.size > 1`` hands the trainer each rank's own
+    #: examples' outputs — the group's per-token slices gathered back (HF ``Trainer``), or outputs computed for the
+    #: rank's own examples (pooled tasks, TRL's reward scores) — so that ``compute_metrics`` / ``predict`` see what one
+    #: process sees; refused otherwise.
     gathers_logits: ClassVar[bool] = False
     #: Whether the patch shares repeated prompts (``prefix_sharing``, decided by its own checks); ``prefix_sharing: on``
     #: is refused otherwise.

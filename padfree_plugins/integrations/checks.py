@@ -110,8 +110,11 @@ def check_sequence_parallel(trainer: Any, config: Any, not_sequence_parallel: st
                             gathers_logits: bool = False) -> None:
     """Under ``sequence_parallel.size > 1`` (each rank computes a slice of its group's row, joined from every rank's
     micro-batch), refuse a trainer whose plugin does not train that way (``not_sequence_parallel`` says why), a
-    per-rank token count, ``compute_metrics`` where evaluation does not gather the group's logits into each rank's own
-    examples (``gathers_logits`` False), and NEFTune."""
+    per-rank token count, ``compute_metrics`` where evaluation does not hand each rank its own examples' outputs
+    (``gathers_logits`` False: a plugin that does not say it does), and NEFTune. Every builtin plugin that trains
+    sequence-parallel hands them (HF ``Trainer`` / ``SFTTrainer`` gather the slices back; TRL's DPO and KTO
+    ``compute_metrics`` logits come from TRL's own padded forward of each rank's batch; RewardTrainer scores each
+    rank's own texts; GRPO and RLOO hand ``compute_metrics`` nothing)."""
     size = sequence_parallel_size(config)
     if size <= 1:
         return
@@ -126,8 +129,10 @@ def check_sequence_parallel(trainer: Any, config: Any, not_sequence_parallel: st
                           "its own micro-batch's label count, but its slice of the group's row holds labels of every "
                           "rank's micro-batch. Set average_tokens_across_devices=True (the default)")
     if getattr(trainer, "compute_metrics", None) is not None and not gathers_logits:
-        raise ConfigError(f"{where} with compute_metrics: {name}'s evaluation would hand it per-token logits of "
-                          "this rank's slice of the group's row, not of its own examples. Evaluate the loss alone (no "
+        raise ConfigError(f"{where} with compute_metrics: {name}'s trainer plugin does not hand evaluation each "
+                          "rank's own examples' outputs (its prediction_step does not gather the group's per-token "
+                          "slices back: gathers_logits is off), so compute_metrics would get per-token logits of this "
+                          "rank's slice of the group's row, not of its own examples. Evaluate the loss alone (no "
                           "compute_metrics: trainer.evaluate() reports eval_loss, exact under sequence "
                           "parallelism), or compute the metrics with sequence_parallel.size: 1")
     if getattr(trainer, "neftune_noise_alpha", None) is not None:

@@ -17,7 +17,9 @@ tokens`` each pair's tokens and pixels are counted once by TRL's collator on the
 
 Under ``sequence_parallel.size: N`` (text only) every fused call's packed row is split across the group and each rank
 keeps its own examples' log-probabilities (:func:`~padfree_plugins.integrations.trl_fused.fused_on_slice`): the loss,
-its normalisation and the metrics are TRL's, as under data parallelism.
+its normalisation and the metrics are TRL's, as under data parallelism. ``compute_metrics`` / ``predict`` get the
+logits of TRL's extra forward without the fused head, which runs TRL's own padded forward of the rank's own batch
+(said in a warning): each rank's own examples, as one process.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class DPOTrainerPatch(FusedTrainerPatch):
     kept_methods = ("compute_loss", "_compute_loss", "prediction_step", "compute_ref_log_probs")
     packs_media = True
     sequence_parallel = True
+    metrics_forward = True
     budgets_rows = True
     image_budget_refusal = None
 

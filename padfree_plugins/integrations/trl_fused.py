@@ -552,6 +552,14 @@ class FusedTrainerPatch:
     #: Whether the plugin trains under ``sequence_parallel.size > 1`` (its fused calls through
     #: :func:`fused_on_slice`); refused otherwise.
     sequence_parallel: ClassVar[bool] = False
+    #: Whether, under sequence parallelism, ``compute_metrics`` / ``predict`` get each rank's own examples' outputs:
+    #: TRL's ``prediction_step`` hands them the logits of an extra forward without the fused head (DPO, KTO), which
+    #: :class:`PackedFusedHead` leaves to TRL's own padded forward of the rank's own batch (never split), or nothing
+    #: (GRPO, RLOO); its loss and TRL's metrics come from the split fused calls, each rank's own examples'.
+    gathers_logits: ClassVar[bool] = True
+    #: Whether TRL's ``prediction_step`` recomputes logits for ``compute_metrics`` with that extra forward (DPO, KTO):
+    #: with a ``compute_metrics``, :meth:`check` says that the forward runs padded.
+    metrics_forward: ClassVar[bool] = False
     #: Whether the plugin plans token-budget batches of the trainer's rows (``batching.strategy: tokens``, with
     #: :meth:`row_lengths`); refused otherwise.
     budgets_rows: ClassVar[bool] = False
@@ -622,6 +630,14 @@ class FusedTrainerPatch:
         self.shares_prefixes = shares_prefixes(trainer, self.assembly, splits_shared_rows=self.sequence_parallel)
         if uses_token_budget(config):
             self.check_budget(vision)
+        if self.metrics_forward and getattr(trainer, "compute_metrics", None) is not None:
+            split = " and whole on every rank of the sequence-parallel group (each rank its own examples)" \
+                if size > 1 else ""
+            warnings.warn(f"{name} with compute_metrics: TRL recomputes the logits it hands compute_metrics with an "
+                          "extra forward without its fused head ([rows, width, vocab] logits); padfree-plugins leaves "
+                          f"that forward to TRL, padded{split}, so evaluation costs that forward's memory and time. "
+                          "The loss and TRL's own eval metrics run packed. Drop compute_metrics to evaluate without it",
+                          UserWarning, stacklevel=4)
 
     def row_lengths(self) -> Any:
         """Every training row's tokens as its forwards compute them (a plugin with :attr:`budgets_rows`)."""
@@ -679,7 +695,8 @@ class FusedTrainerPatch:
             return None
         check_parallelism(trainer, assembly.config, None if cls.sequence_parallel else
                           "its log-probabilities run through TRL's fused LM head on padded rows, which padfree-plugins "
-                          "packs per call but does not split across ranks yet for this trainer")
+                          "packs per call but does not split across ranks yet for this trainer",
+                          gathers_logits=cls.gathers_logits)
         if trainer.model is None or unwrap_model(trainer.model) is not assembly.model:
             raise PadfreeError("the assembly was built for another model than trainer.model")
         patch = cls(trainer, assembly)

@@ -5,6 +5,8 @@ desirable / undesirable weights and metrics unchanged.
 
 Under ``sequence_parallel.size: N`` (text only) every one of those forwards goes through the group as DPO's
 (:func:`~padfree_plugins.integrations.trl_fused.fused_on_slice`): each rank keeps its own rows' log-probabilities.
+``compute_metrics`` / ``predict`` get the logits of TRL's extra forward without the fused head, TRL's own padded
+forward of the rank's own rows (said in a warning), as under data parallelism.
 
 ``precompute_ref_log_probs=True``: as for DPO, TRL's pass in ``__init__`` runs padded; later ones run packed.
 """
@@ -28,6 +30,7 @@ class KTOTrainerPatch(FusedTrainerPatch):
     kind = "kto"
     packs_media = True
     sequence_parallel = True
+    metrics_forward = True
     kept_methods = ("compute_loss", "_compute_loss", "prediction_step", "compute_ref_log_probs",
                     "_compute_kl_logps")
     budgets_rows = True

@@ -16,6 +16,11 @@ last token that is not the pad id, as the model's head picks it), so that each t
 hybrid each text's sequence mixers start from the prompt's state; a prompt is shared only where that saves the mixers'
 chunks (:func:`~padfree_plugins.packing.prefixes.prefix_tree`), and a batch that keeps some in every text says so in a
 warning.
+
+Under ``sequence_parallel.size: N`` each rank's base model runs its slice of the group's joined row and each rank
+scores its own texts from their hidden states, brought from the slices that computed them: the loss, TRL's metrics
+and the scores ``prediction_step`` returns (what ``compute_metrics`` and ``predict`` get) are each rank's own texts',
+as under data parallelism.
 """
 
 from __future__ import annotations
@@ -160,6 +165,7 @@ class RewardTrainerPatch(TrainerPatch):
 
     kind = "reward"
     sequence_parallel = True  # each rank scores its own texts (hidden states from the slices that computed them)
+    gathers_logits = True  # prediction_step hands compute_metrics those scores: each rank's own texts'
     shares_prompts = True
 
     @classmethod
@@ -239,7 +245,7 @@ def trainer_config(trainer, config):
     if not RewardTrainerPatch.claims(trainer):
         return None
     # under sequence parallelism each rank scores its own texts, their hidden states brought from the slices
-    check_sequence_parallel(trainer, config)
+    check_sequence_parallel(trainer, config, gathers_logits=RewardTrainerPatch.gathers_logits)
     if config.task == "seq_cls":
         return None
     if config.task != "causal_lm":  # the default: a config that never named a task
