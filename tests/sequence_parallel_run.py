@@ -9,13 +9,15 @@ assembly's forward + backward with ``num_items_in_batch`` = the micro-step's lab
 gradients are summed over all ranks (what DDP's all-reduce gives, times the world size a DDP loss is scaled by);
 a training case then takes an SGD step. Rank 0 writes ``OUT_DIR/<case>.pt``: the step losses summed over ranks,
 the last step's gradients, the final weights, and what shows the sequence-parallel path ran. A case that raises
-writes its error instead (a refusal case expects one). ``case.fault`` deliberately breaks one thing (:data:`FAULTS`).
+writes its error instead (a refusal case expects one). ``case.fault`` deliberately breaks one thing (:data:`FAULTS`);
+``case.compiled`` runs the forward through ``torch.compile(model)`` (aot_eager) and records its graphs and breaks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import sys
 import time
@@ -30,6 +32,7 @@ from padfree_plugins import assemble
 from padfree_plugins.batching.distributed import num_label_tokens
 from padfree_plugins.packing.labelled_logits import keep_labelled_logits
 from padfree_plugins.testing import faults
+from padfree_plugins.testing.compiled import compile_report, counting_backend
 from padfree_plugins.testing.models import random_examples, tiny_model
 
 #: Example lengths of each rank's micro-batch (for up to 4 ranks), per micro-step. Micro-step 0: every cut of a
@@ -47,7 +50,8 @@ SPANNING = ([5, 40], [9], [3, 7], [12, 2])
 #: covers all of rank 1's slice) and a 1-token piece follows a cut (the example at 80..100), for the split mixers.
 SPANNING_MIXERS = ([3, 70], [2], [5, 20], [32])
 #: The micro-steps of each case, by ``Case.lengths``.
-LENGTH_SETS = {"": LENGTHS, "spanning": (*LENGTHS, SPANNING), "spanning-mixers": (SPANNING_MIXERS,)}
+LENGTH_SETS = {"": LENGTHS, "spanning": (*LENGTHS, SPANNING), "spanning-mixers": (SPANNING_MIXERS,),
+               "first": LENGTHS[:1]}
 VOCAB = 96
 LR = 0.5
 #: What each tiny model needs on top of tiny_model's defaults for the test to mean something.
@@ -105,6 +109,7 @@ class Case:
     attention: str = ""  # sequence_parallel.attention ("": the default, auto)
     lengths: str = ""  # the micro-steps' example lengths: a key of LENGTH_SETS
     mixers: str = "split"  # sequence_parallel.mixers
+    compiled: bool = False  # the forward through torch.compile(model) (aot_eager: forward and backward traced)
 
 
 LAUNCHES = {
@@ -118,6 +123,8 @@ LAUNCHES = {
         Case("llama-local-attention", "llama", 2, fault="local-attention"),
         Case("llama-labels-after-cut", "llama", 2, fault="labels-after-cut"),
         Case("qwen3_5_text-gather", "qwen3_5_text", 2, mixers="gather"),
+        # compiled: one micro-step (its cut inside an example), the split gated delta rule outside the graph
+        Case("qwen3_5_text-compiled", "qwen3_5_text", 2, compiled=True, lengths="first"),
         Case("qwen3_5_text-gather-local-mixer", "qwen3_5_text", 2, fault="local-mixer", mixers="gather"),
         *(Case(f"{model_type}-{fault}", model_type, 2, fault=fault) for model_type in ("qwen3_5_text", "nemotron_h",
                                                                                       "lfm2")
@@ -240,6 +247,12 @@ def run_case(case: Case, rank: int, world: int) -> dict:
                                  for module in model.modules())}
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         losses, logits = [], []
+        forward_model, compiling, counted = model, contextlib.ExitStack(), None
+        if case.compiled:
+            logging.getLogger("torch._dynamo").setLevel(logging.ERROR)  # its graph breaks are counted, not printed
+            torch._dynamo.reset()
+            counted = compiling.enter_context(compile_report())
+            forward_model = torch.compile(model, backend=counting_backend(counted))
         for step in range(case.steps):
             total = torch.zeros(())
             for micro in micro_batches(world, case.lengths):
@@ -247,7 +260,7 @@ def run_case(case: Case, rank: int, world: int) -> dict:
                 if case.counted:
                     count = num_label_tokens(assembly.collator(micro[rank])).clone()
                     dist.all_reduce(count)
-                outputs = outputs_of(assembly, model, micro[rank], count, case.labelled)
+                outputs = outputs_of(assembly, forward_model, micro[rank], count, case.labelled)
                 loss = outputs.loss
                 if case.sp == world and not case.labelled and step == 0:  # the row's logits, every micro-step
                     tokens = sum(len(example["input_ids"]) for examples in micro for example in examples)
@@ -267,6 +280,10 @@ def run_case(case: Case, rank: int, world: int) -> dict:
             if case.steps > 1:
                 optimizer.step()
             optimizer.zero_grad()
+        compiling.close()
+        if counted is not None:
+            evidence["compiled"] = {"graphs": counted.graphs, "breaks": dict(counted.breaks)}
+            torch._dynamo.reset()
     assembly.undo()
     state = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
     return {"losses": losses, "grads": grads, "state": state, "world": world, "logits": logits, **evidence}

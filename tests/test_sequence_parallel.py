@@ -10,6 +10,9 @@ ranks packed into one row in rank order (the rows of the groups accumulated), th
 = the micro-step's label count. A row is what a group trains: the MoE load-balancing loss (Qwen3-MoE with
 ``output_router_logits``) is the row's, not a sum over tokens.
 
+One ``sp2`` case runs through ``torch.compile`` (a Qwen3.5-shaped hybrid, ``mixers: split``: the compiled graphs
+around the split gated delta rule, which runs outside them) against the same eager one-process reference.
+
 Tolerance: the summed loss, the row's logits and every gradient (and, for training, every weight) within 1e-5
 **absolute**; the gradients compared are O(1e-2 .. 1), so this is far below their scale. Hybrid families run their
 sequence mixers split (each rank its slice, the state passed across the cut: micro-step 0 cuts an example 8 + 3
@@ -463,6 +466,17 @@ def test_sequence_parallel_equals_one_process(launches, launch_name, case):
         initial = {name: p.detach() for name, p in worker.build(case.model_type).named_parameters()}
         moved = max((want["state"][k] - initial[k]).abs().max().item() for k in initial)
         assert moved > 100 * TOLERANCE and want["losses"][-1] < want["losses"][0]  # it trains
+
+
+def test_a_compiled_hybrid_runs_its_split_mixers_outside_the_graph(launches):
+    """``qwen3_5_text-compiled``: ``torch.compile`` (aot_eager: forward and backward traced) of a Qwen3.5-shaped hybrid
+    under SP2 with ``mixers: split``. Graphs were compiled, and each split gated-delta-rule call left the graph (its
+    run reads the slice's segments on the host and exchanges states with the neighbouring rank); its loss, row
+    logits and gradients equal one process (``test_sequence_parallel_equals_one_process``)."""
+    run = result(launches, "sp2", next(case for case in worker.LAUNCHES["sp2"] if case.compiled))
+    compiled = run["compiled"]
+    assert compiled["graphs"] > 0 and run["split"] > 0, run
+    assert any("_run_split_eagerly" in reason for reason in compiled["breaks"]), compiled["breaks"]
 
 
 def test_every_hybrid_family_is_tested_under_sequence_parallelism():
