@@ -40,11 +40,12 @@ def test_quick_run_prints_the_table_and_writes_the_figures(quick_run):
     assert result.exit_code == 0, result.output
     printed = " ".join(result.output.split())  # the table's and the notes' lines wrap at the console's width
     for words in ("SP=2 communication, llama: 4 attention layer(s): 4 all-to-alls per layer", "torch.profiler",
-                  "│ pass │", "no speed target", "a TRL DPO step on a group (8 pairs", "a TRL GRPO step on a group (2 "
-                  "prompts x 8 completions"):
+                  "│ pass │", "no speed target", "a TRL DPO step on a group (8 pairs",
+                  "a TRL GRPO step on a group (2 prompts x 8 completions"):
         assert words in printed
     steps = {(row["step"], row["variant"]): row for row in data["rows"]}
-    assert list(steps) == [("sft", v) for v in VARIANTS] + [(s, v) for s in ("dpo", "grpo") for v in ("ddp", "sp2")]
+    assert list(steps) == ([("sft", v) for v in VARIANTS]
+                           + [(step, v) for step in ("dpo", "grpo") for v in ("ddp", "sp2")])
     assert all(row["model"] == "llama" for row in data["rows"])
     assert data["memory_target"] == 0.55 and data["memory_target_met"] is True
     for row in data["rows"]:
@@ -135,7 +136,8 @@ def test_the_dpo_and_grpo_groups_hold_their_tokens():
     group = grpo_group(4096, 4096, seed=0)
     assert sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in group) == 4096
     first = group[:GRPO_GENERATIONS]
-    assert all(r["prompt_ids"] == first[0]["prompt_ids"] for r in first) and first[0]["prompt_ids"] != group[-1]["prompt_ids"]
+    assert all(r["prompt_ids"] == first[0]["prompt_ids"] for r in first)
+    assert first[0]["prompt_ids"] != group[-1]["prompt_ids"]
     assert abs(sum(r["advantage"] for r in first)) < 1e-4  # normalised within the group
     inputs = grpo_inputs(group[:3], completion_tokens=100)
     width = max(len(r["completion_ids"]) for r in group[:3])

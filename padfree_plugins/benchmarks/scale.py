@@ -17,6 +17,11 @@ Variants, each on N CPU processes (gloo), launched by :func:`run_scale_benchmark
 * ``sp<N>-gather`` (on request, ``variants``) — ``sp<N>`` with ``sequence_parallel.mixers: gather``: every rank runs
   the mixers on the whole row.
 
+What a step trains (``steps``): ``sft``, the row's causal-LM loss (below); ``dpo`` / ``grpo``, a TRL DPO or GRPO
+trainer step's log-probability, loss and backward work on a group of pairs / completions totalling ``tokens`` tokens
+(:mod:`.scale_rl`; variants ``ddp`` and ``sp<N>``, not ``fsdp2``). Memory targets (:data:`MEMORY_TARGETS`): peak
+memory per rank at SP = 2 at most 0.55x ddp's, at SP = 4 at most 0.30x, for every model's ``sft`` row.
+
 The row's examples are the same in every variant (lognormal lengths, median ``tokens / 8``, the last one cut so
 that the row holds ``tokens`` tokens exactly), as are the weights; no optimizer step, so the variants' losses must
 agree (checked: ``loss rel. diff`` from ``ddp``). Each step is forward + backward, the loss normalised by the global
@@ -34,11 +39,12 @@ Measured per variant:
 * **real tokens/s** — the tokens of all rows trained in a step (``2 x tokens`` for ``ddp`` / ``fsdp2``, ``tokens``
   for ``sp2``) over the step time (the slowest rank's), median over interleaved rounds; per rank: half of it.
 
-Communication of SP = 2 (:func:`communication`), computed from the model config: per attention layer four
+Communication of SP = N (:func:`communication`), computed from the model config: per attention layer four
 all-to-alls (q, k, v in: ``[T/N, H, D]`` each, k and v with their heads repeated when ``N`` does not divide them;
 the output back: ``[T/N, H, D]``), the same again in the backward; per sequence-mixer layer, split: one state per
 cut (the recurrent state and the conv taps transformers' cache keeps, sent point to point, its gradient back in the
-backward); gathered: one all-gather of ``[T, hidden]``, an all-to-all of the same size in the backward.
+backward; ``N - 1`` cuts; without shared prefixes a rank sends at most one state per layer, whatever ``T`` and
+``N``); gathered: one all-gather of ``[T, hidden]``, an all-to-all of the same size in the backward.
 """
 
 from __future__ import annotations
@@ -59,7 +65,14 @@ from typing import Any
 
 import torch
 
-from padfree_plugins.benchmarks.scale_rl import DPO_PAIRS, GRPO_GENERATIONS, GRPO_GROUPS, RL_STEPS, RLVariant, check_world
+from padfree_plugins.benchmarks.scale_rl import (
+    DPO_PAIRS,
+    GRPO_GENERATIONS,
+    GRPO_GROUPS,
+    RL_STEPS,
+    RLVariant,
+    check_world,
+)
 from padfree_plugins.benchmarks.sft import MODEL_SIZES
 from padfree_plugins.errors import PadfreeError
 
@@ -316,7 +329,8 @@ def communication_line(model: str, volume: dict[str, Any], tokens: int, world: i
                          "per layer")
     if volume["mixer layers"]:
         recurrent, conv = volume["mixer state elements (recurrent, conv)"]
-        parts.append(f"{volume['mixer layers']} mixer layer(s), split: one state per cut (recurrent {recurrent:,} + "
+        parts.append(f"{volume['mixer layers']} mixer layer(s), split: one state per cut ({world - 1} cut(s), a rank "
+                     f"sends at most one state to the next; recurrent {recurrent:,} + "
                      f"conv taps {conv:,} elements) = {volume['mixer state bytes per cut'] / 2**10:.1f} KiB per layer "
                      f"(gathered: 1 all-gather of [T={tokens}, hidden={volume['hidden']}] = "
                      f"{volume['mixer bytes per layer'] / mib:.2f} MiB per rank per layer)")
