@@ -159,12 +159,9 @@ class RLVariant:
 
         self.name, self.variant = step, variant
         world, rank = dist.get_world_size(), dist.get_rank()
-        share = slice(None) if sequence_parallel is None else None  # the whole group, or this rank's share
         units = dpo_pairs(tokens, vocab, seed) if step == "dpo" else grpo_group(tokens, vocab, seed)
-        if share is None:
-            size = len(units) // world
-            share = slice(rank * size, (rank + 1) * size)
-        mine = units[share]
+        size = len(units) if sequence_parallel is None else len(units) // world  # the whole group, or a share
+        mine = units if sequence_parallel is None else units[rank * size:(rank + 1) * size]
         reference = None
         if step == "dpo":
             reference, model = copy.deepcopy(model).eval(), drifted(model, DRIFT, seed)
