@@ -1,10 +1,13 @@
-"""``padfree-plugins bench scale`` at the test suite's size (``--quick``, the Llama: one 2-process run): the output's
-structure, sane figures, SP=2 on less memory per rank than SP=1 at the same loss; the communication volume from the
-config; the launcher's timeout and errors. (Speed is measured by the benchmark itself, never asserted here.)"""
+"""``padfree-plugins bench scale`` at the test suite's size (``--quick``, the Llama: one 2-process run, the row's
+causal-LM step and the TRL DPO and GRPO steps): the output's structure, sane figures, SP=2 on less memory per rank
+than SP=1 at the same loss (every step: a sequence-parallel run that computes another loss fails here, shown with a
+fault); the communication volume from the config; the groups of the DPO / GRPO steps; the launcher's timeout and
+errors. (Speed is measured by the benchmark itself, never asserted here.)"""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -19,6 +22,7 @@ from padfree_plugins.benchmarks.scale import (
     run_scale_benchmark,
     variants,
 )
+from padfree_plugins.benchmarks.scale_rl import DPO_PAIRS, GRPO_GENERATIONS, dpo_pairs, grpo_group, grpo_inputs
 from padfree_plugins.cli.app import app
 from padfree_plugins.errors import PadfreeError
 
@@ -26,8 +30,8 @@ from padfree_plugins.errors import PadfreeError
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-scale")
-    result = CliRunner().invoke(app, ["bench", "scale", "--quick", "--models", "llama", "--timeout", "300",
-                                      "--out", str(out)])
+    result = CliRunner().invoke(app, ["bench", "scale", "--quick", "--models", "llama", "--steps", "sft,dpo,grpo",
+                                      "--timeout", "300", "--out", str(out)])
     return result, json.loads((out / "bench_scale.json").read_text()) if result.exit_code == 0 else None
 
 
@@ -36,15 +40,24 @@ def test_quick_run_prints_the_table_and_writes_the_figures(quick_run):
     assert result.exit_code == 0, result.output
     printed = " ".join(result.output.split())  # the table's and the notes' lines wrap at the console's width
     for words in ("SP=2 communication, llama: 4 attention layer(s): 4 all-to-alls per layer", "torch.profiler",
-                  "│ pass │", "no speed target"):
+                  "│ pass │", "no speed target", "a TRL DPO step on a group (8 pairs",
+                  "a TRL GRPO step on a group (2 prompts x 8 completions"):
         assert words in printed
-    rows = {row["variant"]: row for row in data["rows"]}
-    assert list(rows) == list(VARIANTS) and all(row["model"] == "llama" for row in rows.values())
-    assert data["memory_target"] == 0.6 and data["memory_target_met"] is True
-    for row in rows.values():
+    steps = {(row["step"], row["variant"]): row for row in data["rows"]}
+    assert list(steps) == ([("sft", v) for v in VARIANTS]
+                           + [(step, v) for step in ("dpo", "grpo") for v in ("ddp", "sp2")])
+    assert all(row["model"] == "llama" for row in data["rows"])
+    assert data["memory_target"] == 0.55 and data["memory_target_met"] is True
+    for row in data["rows"]:
         assert row["tokens_per_s"] > 0 and row["step_s"] > 0 and row["saved_bytes"] > 0 and row["weight_bytes"] > 0
         assert len(row["peak_bytes_by_rank"]) == 2 and min(row["peak_bytes_by_rank"]) > 0
         assert row["loss_rel_diff"] < 1e-5  # the same examples and weights: the same loss, however trained
+    for step in ("dpo", "grpo"):  # the group's tokens: on every rank (ddp), or split over the two
+        ddp, sp = steps[step, "ddp"], steps[step, "sp2"]
+        assert (ddp["tokens_per_step"], sp["tokens_per_step"]) == (2 * 1024, 1024)
+        assert sp["peak_bytes"] < 0.75 * ddp["peak_bytes"] and sp["saved_bytes"] < 0.75 * ddp["saved_bytes"]
+        assert abs(ddp["loss"]) > 1e-3
+    rows = {variant: row for (step, variant), row in steps.items() if step == "sft"}
     assert rows["ddp"]["tokens_per_step"] == 2 * 1024 and rows["sp2"]["tokens_per_step"] == 1024
     assert rows["sp2"]["peak_bytes"] < rows["ddp"]["peak_bytes"]
     assert rows["sp2"]["saved_bytes"] < rows["ddp"]["saved_bytes"]
@@ -103,3 +116,38 @@ def test_unknown_model_and_odd_row_are_refused():
         run_scale_benchmark(ScaleSettings(models=("mamba",)))
     with pytest.raises(PadfreeError, match="even number"):
         run_scale_benchmark(ScaleSettings(tokens=1001))
+
+
+def test_the_rl_steps_catch_a_sequence_parallel_fault(monkeypatch):
+    """With each rank reading only its own slice of the fused log-probabilities (no gather: tests/scale_fault), the
+    GRPO step's SP=2 loss is far from ddp's: the quick run's loss check would fail."""
+    fault = Path(__file__).parent / "scale_fault"
+    monkeypatch.setenv("PYTHONPATH", f"{fault}:{Path(__file__).parent.parent}")
+    result = run_scale_benchmark(ScaleSettings(tokens=256, models=("llama",), steps=("grpo",), rounds=1, warmup=0,
+                                               chosen=("ddp", "sp2"), timeout=300))
+    assert result.row("llama", "sp2", "grpo").loss_rel_diff > 1e-3
+
+
+def test_the_dpo_and_grpo_groups_hold_their_tokens():
+    pairs = dpo_pairs(4096, 4096, seed=0)
+    assert len(pairs) == DPO_PAIRS
+    assert sum(2 * len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in pairs) == 4096
+    assert all(p["chosen_ids"][-1] == p["rejected_ids"][-1] == 2 for p in pairs)  # answers end with EOS
+    group = grpo_group(4096, 4096, seed=0)
+    assert sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in group) == 4096
+    first = group[:GRPO_GENERATIONS]
+    assert all(r["prompt_ids"] == first[0]["prompt_ids"] for r in first)
+    assert first[0]["prompt_ids"] != group[-1]["prompt_ids"]
+    assert abs(sum(r["advantage"] for r in first)) < 1e-4  # normalised within the group
+    inputs = grpo_inputs(group[:3], completion_tokens=100)
+    width = max(len(r["completion_ids"]) for r in group[:3])
+    assert inputs["completion_ids"].shape == inputs["old_per_token_logps"].shape == (3, width)
+    assert inputs["prompt_mask"][:, -1].all() and inputs["completion_mask"][:, 0].all()  # left / right padded
+    assert int(inputs["num_items_in_batch"]) == 100
+
+
+def test_unknown_steps_and_uneven_groups_are_refused():
+    with pytest.raises(PadfreeError, match="--steps: ppo; choose from sft, dpo, grpo"):
+        run_scale_benchmark(ScaleSettings(tokens=1024, models=("llama",), steps=("ppo",)))
+    with pytest.raises(PadfreeError, match="8 pairs must split evenly over --world 3"):
+        run_scale_benchmark(ScaleSettings(tokens=1026, models=("llama",), steps=("dpo",), world=3))

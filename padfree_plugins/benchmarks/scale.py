@@ -17,6 +17,11 @@ Variants, each on N CPU processes (gloo), launched by :func:`run_scale_benchmark
 * ``sp<N>-gather`` (on request, ``variants``) — ``sp<N>`` with ``sequence_parallel.mixers: gather``: every rank runs
   the mixers on the whole row.
 
+What a step trains (``steps``): ``sft``, the row's causal-LM loss (below); ``dpo`` / ``grpo``, a TRL DPO or GRPO
+trainer step's log-probability, loss and backward work on a group of pairs / completions totalling ``tokens`` tokens
+(:mod:`.scale_rl`; variants ``ddp`` and ``sp<N>``, not ``fsdp2``). Memory targets (:data:`MEMORY_TARGETS`): peak
+memory per rank at SP = 2 at most 0.55x ddp's, at SP = 4 at most 0.30x, for every model's ``sft`` row.
+
 The row's examples are the same in every variant (lognormal lengths, median ``tokens / 8``, the last one cut so
 that the row holds ``tokens`` tokens exactly), as are the weights; no optimizer step, so the variants' losses must
 agree (checked: ``loss rel. diff`` from ``ddp``). Each step is forward + backward, the loss normalised by the global
@@ -34,11 +39,12 @@ Measured per variant:
 * **real tokens/s** — the tokens of all rows trained in a step (``2 x tokens`` for ``ddp`` / ``fsdp2``, ``tokens``
   for ``sp2``) over the step time (the slowest rank's), median over interleaved rounds; per rank: half of it.
 
-Communication of SP = 2 (:func:`communication`), computed from the model config: per attention layer four
+Communication of SP = N (:func:`communication`), computed from the model config: per attention layer four
 all-to-alls (q, k, v in: ``[T/N, H, D]`` each, k and v with their heads repeated when ``N`` does not divide them;
 the output back: ``[T/N, H, D]``), the same again in the backward; per sequence-mixer layer, split: one state per
 cut (the recurrent state and the conv taps transformers' cache keeps, sent point to point, its gradient back in the
-backward); gathered: one all-gather of ``[T, hidden]``, an all-to-all of the same size in the backward.
+backward; ``N - 1`` cuts; without shared prefixes a rank sends at most one state per layer, whatever ``T`` and
+``N``); gathered: one all-gather of ``[T, hidden]``, an all-to-all of the same size in the backward.
 """
 
 from __future__ import annotations
@@ -59,10 +65,20 @@ from typing import Any
 
 import torch
 
+from padfree_plugins.benchmarks.scale_rl import (
+    DPO_PAIRS,
+    GRPO_GENERATIONS,
+    GRPO_GROUPS,
+    RL_STEPS,
+    RLVariant,
+    check_world,
+)
 from padfree_plugins.benchmarks.sft import MODEL_SIZES
 from padfree_plugins.errors import PadfreeError
 
 VARIANTS = ("ddp", "fsdp2", "sp2")
+#: What a step trains: the row's causal-LM loss (``sft``), or a TRL DPO / GRPO step on a group (:mod:`.scale_rl`).
+STEPS = ("sft", *RL_STEPS)
 #: Processes of every variant by default (sequence-parallel group size of ``sp2``).
 WORLD = 2
 
@@ -70,10 +86,9 @@ WORLD = 2
 def variants(world: int = WORLD, allgather: bool = False) -> tuple[str, ...]:
     """The variants of a run on ``world`` processes; ``allgather``: with all-gather sequence parallelism too."""
     return ("ddp", "fsdp2", f"sp{world}") + ((f"sp{world}-allgather",) if allgather else ())
-#: Target: peak memory per rank at SP = 2 over SP = 1, for the Llama.
-MEMORY_TARGET = 0.6
-#: Target for the hybrids at SP = 2 with split mixers (their mixers' activations are split too).
-HYBRID_MEMORY_TARGET = 0.55
+#: Targets: peak memory per rank at SP = N over SP = 1 (``ddp``), by N, for every model (the Llama; the hybrids with
+#: their mixers split, so that their activations are split too). No target at other sizes.
+MEMORY_TARGETS = {2: 0.55, 4: 0.30}
 PROGRESS = "[bench scale] "
 #: The models: name -> (model type, overrides of :func:`~padfree_plugins.testing.models.tiny_model`). Both at
 #: bench sft's tiny scale (d=256, 4 layers, vocab 4096): its tiny Llama, and the shape of
@@ -95,6 +110,9 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 TITLES = {"llama": "Llama (4 layers, d=256, GQA 8/2)",
           "qwen3_5_text": "Qwen3.5-shaped: 3 gated DeltaNet + 1 attention layer, d=256",
           "granite4h": "Granite-4.0-H-shaped (Mamba2 hybrid): 5 Mamba2 + 1 attention layer, d=256"}
+#: What the DPO and GRPO steps' groups hold (:mod:`.scale_rl`).
+STEP_TITLES = {"dpo": f"{DPO_PAIRS} pairs, chosen and rejected each after its prompt, every sequence whole",
+               "grpo": f"{GRPO_GROUPS} prompts x {GRPO_GENERATIONS} completions, every sequence whole"}
 QUICK = dict(tokens=1024, rounds=1, warmup=0)
 #: ``layer_types`` entries of attention layers (the others are sequence mixers: gated DeltaNet, Mamba, conv).
 ATTENTION_LAYERS = ("full_attention", "sliding_attention", "attention")
@@ -113,6 +131,8 @@ class ScaleSettings:
     allgather: bool = False
     #: The variants to run (``ddp`` always among them); empty: :func:`variants`.
     chosen: tuple[str, ...] = ()
+    #: The steps measured: ``sft`` (the row's causal-LM loss), ``dpo``, ``grpo`` (:mod:`.scale_rl`).
+    steps: tuple[str, ...] = ("sft",)
 
 
 @dataclass
@@ -133,6 +153,7 @@ class ScaleRow:
     memory_vs_ddp: float = 1.0
     speed_vs_ddp: float = 1.0
     processes: int = WORLD
+    step: str = "sft"
 
     @property
     def tokens_per_s_per_rank(self) -> float:
@@ -146,20 +167,21 @@ class ScaleResult:
     communication: dict[str, dict[str, Any]]
     environment: dict[str, Any] = field(default_factory=dict)
 
-    def row(self, model: str, variant: str) -> ScaleRow:
-        return next(r for r in self.rows if r.model == model and r.variant == variant)
+    def row(self, model: str, variant: str, step: str = "sft") -> ScaleRow:
+        return next(r for r in self.rows if r.model == model and r.variant == variant and r.step == step)
 
     def memory_target(self, model: str = "llama") -> bool | None:
         """Whether peak memory per rank at SP = N is within its target (:func:`target_of`) of SP = 1 (``None``: not
         run)."""
         sp = f"sp{self.settings.world}"
-        if not any(r.model == model and r.variant == sp for r in self.rows):
+        if not any(r.model == model and r.variant == sp and r.step == "sft" for r in self.rows):
             return None
-        return self.row(model, sp).memory_vs_ddp <= target_of(model)
+        target = target_of(self.settings.world)
+        return None if target is None else self.row(model, sp).memory_vs_ddp <= target
 
     def as_dict(self) -> dict[str, Any]:
         return {"settings": asdict(self.settings), "environment": self.environment,
-                "communication": self.communication, "memory_target": MEMORY_TARGET,
+                "communication": self.communication, "memory_target": target_of(self.settings.world),
                 "memory_target_met": self.memory_target(),
                 "rows": [{**asdict(r), "tokens_per_s_per_rank": r.tokens_per_s_per_rank} for r in self.rows]}
 
@@ -170,9 +192,9 @@ class ScaleResult:
 # -- what the model implies -------------------------------------------------------------------------------------
 
 
-def target_of(model: str) -> float:
-    """The memory target of ``model``'s ``sp2`` row: :data:`MEMORY_TARGET` (Llama), :data:`HYBRID_MEMORY_TARGET`."""
-    return MEMORY_TARGET if model == "llama" else HYBRID_MEMORY_TARGET
+def target_of(world: int) -> float | None:
+    """The memory target of an ``sp<world>`` row (:data:`MEMORY_TARGETS`; ``None``: none at that size)."""
+    return MEMORY_TARGETS.get(world)
 
 
 def model_config(name: str, tokens: int) -> Any:
@@ -262,7 +284,8 @@ MEMORY_NOTE = ("peak MiB: the highest total of CPU bytes allocated during one fo
                "(weights, DDP buckets): activations, transients, gradients, FSDP's gathered weights; the largest "
                "rank. saved MiB: distinct storages autograd saved for backward (weights a layer saves included).")
 COLUMNS = ("variant", "SP", "rows / step", "real tok/s", "tok/s per rank", "step s", "speed vs ddp",
-           "peak MiB per rank", "vs ddp", f"target <= {MEMORY_TARGET}x (hybrids {HYBRID_MEMORY_TARGET}x)",
+           "peak MiB per rank", "vs ddp",
+           "target " + ", ".join(f"SP={n} <= {t}x" for n, t in MEMORY_TARGETS.items()),
            "saved MiB", "weights MiB per rank",
            "loss rel. diff")
 
@@ -274,7 +297,12 @@ def verdict(row: ScaleRow) -> str:
         return "none (mixers: whole row)"
     if not row.variant.startswith("sp"):
         return "-"
-    return "pass" if row.memory_vs_ddp <= target_of(row.model) else "FAIL"
+    if row.step != "sft":
+        return f"none ({row.step} step)"
+    target = target_of(row.sequence_parallel)
+    if target is None:
+        return f"none (SP={row.sequence_parallel})"
+    return "pass" if row.memory_vs_ddp <= target else "FAIL"
 
 
 def cells(row: ScaleRow) -> tuple[str, ...]:
@@ -301,7 +329,8 @@ def communication_line(model: str, volume: dict[str, Any], tokens: int, world: i
                          "per layer")
     if volume["mixer layers"]:
         recurrent, conv = volume["mixer state elements (recurrent, conv)"]
-        parts.append(f"{volume['mixer layers']} mixer layer(s), split: one state per cut (recurrent {recurrent:,} + "
+        parts.append(f"{volume['mixer layers']} mixer layer(s), split: one state per cut ({world - 1} cut(s), a rank "
+                     f"sends at most one state to the next; recurrent {recurrent:,} + "
                      f"conv taps {conv:,} elements) = {volume['mixer state bytes per cut'] / 2**10:.1f} KiB per layer "
                      f"(gathered: 1 all-gather of [T={tokens}, hidden={volume['hidden']}] = "
                      f"{volume['mixer bytes per layer'] / mib:.2f} MiB per rank per layer)")
@@ -333,6 +362,12 @@ def run_scale_benchmark(settings: ScaleSettings, progress: Callable[[str], None]
                            f"of at least 64, got {settings.tokens}")
     if settings.rounds < 1:
         raise PadfreeError(f"--rounds must be at least 1 (the timed steps), got {settings.rounds}")
+    wrong = [s for s in settings.steps if s not in STEPS]
+    if wrong or not settings.steps:
+        raise PadfreeError(f"--steps: {', '.join(wrong) or '(none given)'}; choose from {', '.join(STEPS)}")
+    for step in settings.steps:
+        if step in RL_STEPS:
+            check_world(step, settings.world)
     known = (*variants(settings.world, True), f"sp{settings.world}-gather")
     wrong = [v for v in settings.chosen if v not in known]
     if wrong or (settings.chosen and "ddp" not in settings.chosen):
@@ -350,9 +385,11 @@ def run_scale_benchmark(settings: ScaleSettings, progress: Callable[[str], None]
         raw = json.loads(out.read_text())
     rows = [ScaleRow(**row) for row in raw["rows"]]
     for model in settings.models:
-        base = next(r for r in rows if r.model == model and r.variant == "ddp")
-        for r in rows:
-            if r.model == model:
+        for step in settings.steps:
+            base = next(r for r in rows if r.model == model and r.step == step and r.variant == "ddp")
+            for r in rows:
+                if r.model != model or r.step != step:
+                    continue
                 r.memory_vs_ddp = r.peak_bytes / base.peak_bytes
                 r.speed_vs_ddp = r.tokens_per_s / base.tokens_per_s
                 r.loss_rel_diff = abs(r.loss - base.loss) / abs(base.loss)
@@ -461,6 +498,19 @@ class Variant:
         self.loss().backward()
 
 
+def rl_variant(model_name: str, step: str, variant: str, settings: ScaleSettings) -> RLVariant:
+    """A DPO or GRPO step's variant on this rank (:mod:`.scale_rl`), ``sp<N>`` variants as :class:`Variant`'s."""
+    import torch.distributed as dist
+
+    sequence_parallel = None
+    if variant.startswith("sp"):
+        scheme = "allgather" if variant.endswith("-allgather") else "auto"
+        mixers = "gather" if variant.endswith("-gather") and not variant.endswith("-allgather") else "split"
+        sequence_parallel = {"size": dist.get_world_size(), "attention": scheme, "mixers": mixers}
+    return RLVariant(step, build_model(model_name, settings.tokens), variant, settings.tokens,
+                     MODELS[model_name][1]["vocab_size"], settings.seed, sequence_parallel)
+
+
 def _local(parameter: torch.Tensor) -> torch.Tensor:
     return parameter.to_local() if hasattr(parameter, "to_local") else parameter
 
@@ -498,12 +548,18 @@ def worker(settings: ScaleSettings, out: str) -> None:
         return values
 
     rows = []
-    for name in settings.models:
+    for name, step in [(name, step) for name in settings.models for step in settings.steps]:
         lengths = row_lengths(settings.tokens, settings.seed)
         examples = random_examples(lengths, MODELS[name][1]["vocab_size"], seed=settings.seed, low=3)
-        names = settings.chosen or variants(dist.get_world_size(), settings.allgather)
-        say(f"{name}: building {', '.join(names)} ({len(lengths)} examples in the row, longest {max(lengths)})")
-        built = {v: Variant(name, v, examples, settings.tokens) for v in names}
+        names = list(settings.chosen or variants(dist.get_world_size(), settings.allgather))
+        if step == "sft":
+            say(f"{name}: building {', '.join(names)} ({len(lengths)} examples in the row, longest {max(lengths)})")
+            built: dict[str, Any] = {v: Variant(name, v, examples, settings.tokens) for v in names}
+        else:
+            names = [v for v in names if v != "fsdp2"]  # a TRL trainer's model under DDP only
+            say(f"{name} {step} step: building {', '.join(names)} (a group of {settings.tokens} tokens)")
+            built = {v: rl_variant(name, step, v, settings) for v in names}
+        label = name if step == "sft" else f"{name} {step}"
         peaks: dict[str, list[int]] = {}
         saved: dict[str, int] = {}
         losses: dict[str, float] = {}
@@ -523,7 +579,9 @@ def worker(settings: ScaleSettings, out: str) -> None:
             loss = measured[0].detach().clone()  # the same on every step: no optimizer step
             dist.all_reduce(loss)
             losses[v] = float(loss) / dist.get_world_size()
-            say(f"{name} {v}: peak {max(peaks[v]) / 2**20:,.1f} MiB per rank, loss {losses[v]:.6f}")
+            if step != "sft":
+                variant.check_packed()
+            say(f"{label} {v}: peak {max(peaks[v]) / 2**20:,.1f} MiB per rank, loss {losses[v]:.6f}")
         times: dict[str, list[float]] = {v: [] for v in names}
         for r in range(settings.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
@@ -532,12 +590,13 @@ def worker(settings: ScaleSettings, out: str) -> None:
                 start = time.perf_counter()
                 built[v].step()
                 times[v].append(max(gathered(time.perf_counter() - start)))  # a step lasts as its slowest rank
-            say(f"{name} round {r + 1}/{settings.rounds}: "
+            say(f"{label} round {r + 1}/{settings.rounds}: "
                 + ", ".join(f"{v} {built[v].tokens / times[v][-1]:,.0f} tok/s" for v in names))
         for v, variant in built.items():
             step_s = statistics.median(times[v])
             world = dist.get_world_size()
-            rows.append(dict(model=name, variant=v, sequence_parallel=world if v.startswith("sp") else 1,
+            rows.append(dict(model=name, step=step, variant=v,
+                             sequence_parallel=world if v.startswith("sp") else 1,
                              rows_per_step=variant.rows, tokens_per_step=variant.tokens,
                              tokens_per_s=variant.tokens / step_s, step_s=step_s, peak_bytes=max(peaks[v]),
                              peak_bytes_by_rank=peaks[v], saved_bytes=saved[v], weight_bytes=variant.weight_bytes,
@@ -554,7 +613,8 @@ def worker(settings: ScaleSettings, out: str) -> None:
 
 if __name__ == "__main__":
     raw = json.loads(sys.argv[1])
-    worker(ScaleSettings(**{**raw, "models": tuple(raw["models"]), "chosen": tuple(raw["chosen"])}), sys.argv[2])
+    worker(ScaleSettings(**{**raw, "models": tuple(raw["models"]), "chosen": tuple(raw["chosen"]),
+                            "steps": tuple(raw["steps"])}), sys.argv[2])
     # The figures are on disk and every rank is past its last collective: leave without the interpreter's teardown,
     # where a thread of the process group can still abort the process (SIGABRT after a finished run, seen under load).
     sys.stdout.flush()

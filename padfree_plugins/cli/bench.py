@@ -543,6 +543,9 @@ def bench_scale(
     world: Annotated[int, positive("Processes (and sequence-parallel group size): 2, or more.")] = 2,
     allgather: Annotated[bool, typer.Option(help="Also run sequence parallelism with all-gather attention "
                                                  "(sequence_parallel.attention: allgather).")] = False,
+    steps: Annotated[str, typer.Option(help="Comma-separated: sft (the row's causal-LM loss), dpo, grpo (a TRL "
+                                            "DPO / GRPO step on a group of pairs / completions totalling --tokens; "
+                                            "variants ddp and sp<N>).")] = "sft",
     out: Annotated[Path, typer.Option(help="Directory for bench_scale.json.")] = Path("out/bench-scale"),
     as_json: JsonFlag = False,
 ) -> None:
@@ -553,10 +556,10 @@ def bench_scale(
 
     from padfree_plugins.benchmarks.scale import (
         COLUMNS,
-        HYBRID_MEMORY_TARGET,
         MEMORY_NOTE,
-        MEMORY_TARGET,
+        MEMORY_TARGETS,
         QUICK,
+        STEP_TITLES,
         TITLES,
         ScaleSettings,
         cells,
@@ -567,7 +570,8 @@ def bench_scale(
 
     settings = ScaleSettings(tokens=tokens, models=tuple(m.strip() for m in models.split(",")), rounds=rounds,
                              warmup=warmup, seed=seed, threads=threads, timeout=timeout, world=world,
-                             allgather=allgather, chosen=tuple(v.strip() for v in variants.split(",") if v.strip()))
+                             allgather=allgather, chosen=tuple(v.strip() for v in variants.split(",") if v.strip()),
+                             steps=tuple(s.strip() for s in steps.split(",") if s.strip()))
     if quick:
         settings = dataclasses.replace(settings, **QUICK)
     try:
@@ -579,13 +583,15 @@ def bench_scale(
         print(result.to_json())
         return
     stdout = console()
-    for model in settings.models:
-        table = Table(title=f"{TITLES[model]}: one row of {settings.tokens:,} tokens per step and SP group, fwd + "
+    for model, step in [(model, step) for model in settings.models for step in settings.steps]:
+        what = ("one row" if step == "sft" else
+                f"a TRL {step.upper()} step on a group ({STEP_TITLES[step]}) of")
+        table = Table(title=f"{TITLES[model]}: {what} {settings.tokens:,} tokens per step and SP group, fwd + "
                             f"bwd, {settings.world} CPU processes (gloo)")
         for column in COLUMNS:
             table.add_column(column, justify="right")
         for row in result.rows:
-            if row.model == model:
+            if row.model == model and row.step == step:
                 table.add_row(*cells(row))
         stdout.print(table)
     for model, volume in result.communication.items():
@@ -593,8 +599,9 @@ def bench_scale(
         stdout.print(f"SP={settings.world} communication, {line}", highlight=False)
     stdout.print(f"{MEMORY_NOTE} real tok/s: the tokens of all rows of a step (ddp, fsdp2: one row per rank; "
                  f"sp{settings.world}: one row for all) over the slowest rank's step time. Targets: peak memory per rank at "
-                 f"SP=2 <= {MEMORY_TARGET}x ddp for the Llama, <= {HYBRID_MEMORY_TARGET}x for the hybrids (mixers "
-                 "split). On CPU the exchanges cost time: no speed target.", highlight=False)
+                 + ", ".join(f"SP={n} <= {t}x" for n, t in MEMORY_TARGETS.items())
+                 + " ddp's, every model (the hybrids' mixers split; none for the DPO / GRPO steps' rows). On CPU the "
+                 "exchanges cost time: no speed target.", highlight=False)
     stdout.print(f"environment: {result.environment}", highlight=False)
     stdout.print(f"wrote {path}", highlight=False)
 
