@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import warnings
 from contextlib import nullcontext
+from functools import cache
 from unittest import mock
 
 import pytest
@@ -19,7 +20,7 @@ from padfree_plugins.modeling import tiled_mixers
 from padfree_plugins.modeling.tiled_mixers import TiledMixer
 from padfree_plugins.packing.labelled_logits import keep_labelled_logits
 from padfree_plugins.testing import faults
-from tests.hybrids_common import hybrid_model
+from tests.hybrids_common import LENGTHS, hybrid_model
 from tests.test_hybrid_prefixes import assert_same as assert_same_as_padded, model_for, shared_and_padded
 from tests.test_tiling import assert_same, loss_and_grads
 
@@ -46,11 +47,15 @@ def counting_tiles():
     return counts, mock.patch.object(tiled_mixers, "run_one_tile", counted)
 
 
+@cache
+def untiled(model_type: str):
+    """The untiled loss and gradients of ``model_type``'s checkpointed step on the hybrids' row (computed once)."""
+    return loss_and_grads(hybrid(model_type), lengths=LENGTHS)
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "bamba"])
 def test_tiled_mixers_give_the_untiled_loss_and_gradients(model_type):
-    from tests.hybrids_common import LENGTHS
-
-    want = loss_and_grads(hybrid(model_type), lengths=LENGTHS)
+    want = untiled(model_type)
     counts, counting = counting_tiles()
     with counting:
         got = loss_and_grads(hybrid(model_type), MIXERS_ONLY, lengths=LENGTHS)
@@ -59,9 +64,7 @@ def test_tiled_mixers_give_the_untiled_loss_and_gradients(model_type):
 
 
 def test_a_tile_starting_from_zeros_fails_the_comparison():
-    from tests.hybrids_common import LENGTHS
-
-    want = loss_and_grads(hybrid("qwen3_5_text"), lengths=LENGTHS)
+    want = untiled("qwen3_5_text")
     got = loss_and_grads(hybrid("qwen3_5_text"), MIXERS_ONLY, lengths=LENGTHS, fault=faults.mixer_tile_starts_from_zero)
     with pytest.raises(AssertionError):
         assert_same(got, want)

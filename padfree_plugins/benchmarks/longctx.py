@@ -145,6 +145,8 @@ class LongContextSettings:
     device: str = "cpu"
     budget_gib: float = 4.0
     threads: int = 1
+    #: Training steps per measurement; memory and tokens/s are the last step's (1: the first step, warm-up included).
+    steps: int = 2
 
 
 @dataclass
@@ -194,11 +196,12 @@ class LongContextResult:
 
 
 def run_one(argv: list[str]) -> None:
-    """``python -m padfree_plugins.benchmarks.longctx SHAPE VARIANT TOKENS HIDDEN LAYERS EXAMPLE DEVICE THREADS``: one
-    measurement as JSON on stdout (a fresh process per measurement: peak resident memory is per process)."""
-    shape, variant, tokens, hidden, layers, example, device, threads = argv
+    """``python -m padfree_plugins.benchmarks.longctx SHAPE VARIANT TOKENS HIDDEN LAYERS EXAMPLE DEVICE THREADS
+    [STEPS]``: one measurement as JSON on stdout (a fresh process per measurement: peak resident memory is per
+    process)."""
+    shape, variant, tokens, hidden, layers, example, device, threads, *steps = argv
     result = measure(shape, variant, int(tokens), int(hidden), int(layers), int(example), device,
-                     threads=int(threads))
+                     steps=int(steps[0]) if steps else 2, threads=int(threads))
     print(json.dumps(asdict(result)))
 
 
@@ -210,7 +213,8 @@ def run_longctx_benchmark(settings: LongContextSettings, progress: Any = None) -
         for tokens in settings.lengths:
             for variant in variants_of(shape):
                 command = [sys.executable, "-m", "padfree_plugins.benchmarks.longctx", shape, variant, str(tokens),
-                           str(settings.hidden), str(settings.layers), str(settings.example_tokens), settings.device, str(settings.threads)]
+                           str(settings.hidden), str(settings.layers), str(settings.example_tokens), settings.device, str(settings.threads),
+                           str(settings.steps)]
                 done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
                 if done.returncode != 0:
                     raise RuntimeError(f"bench longctx {shape} {variant} {tokens}: {done.stderr[-2000:]}")

@@ -610,6 +610,8 @@ def bench_longctx(
     device: Annotated[str, typer.Option(help="auto (cuda when available), cpu or cuda.")] = "auto",
     budget_gib: Annotated[float, typer.Option(help="Activation budget for the longest-row estimate, GiB.")] = 4.0,
     threads: Annotated[int, positive("torch intra-op threads per process.")] = 1,
+    steps: Annotated[int, positive("Training steps per measurement; memory and tokens/s are the last step's (1: the "
+                                   "first step, warm-up included).")] = 2,
     out: Annotated[Path, typer.Option(help="Directory for bench_longctx.json.")] = Path("out/bench-longctx"),
     as_json: JsonFlag = False,
 ) -> None:
@@ -622,7 +624,7 @@ def bench_longctx(
     settings = LongContextSettings(shapes=tuple(s.strip() for s in shapes.split(",")),
                                    lengths=positive_ints(lengths, "--lengths"), hidden=hidden, layers=layers,
                                    example_tokens=example_tokens, device=device, budget_gib=budget_gib,
-                                   threads=threads)
+                                   threads=threads, steps=steps)
     try:
         result = run_longctx_benchmark(settings, progress=progress_lines("bench longctx", not as_json))
     except (PadfreeError, RuntimeError) as error:
@@ -635,7 +637,7 @@ def bench_longctx(
     stdout = console()
     for shape in settings.shapes:
         table = Table(title=f"{TITLES[shape]}, hidden {hidden}, {layers} layers, examples of {example_tokens:,} "
-                            f"tokens, one step, {device}, {threads} thread(s)")
+                            f"tokens, step {steps} of {steps}, {device}, {threads} thread(s)")
         for column in ("tokens", "variant", "peak activations MiB", "real tok/s"):
             table.add_column(column, justify="right")
         for row in result.rows:
