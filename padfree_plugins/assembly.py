@@ -116,7 +116,7 @@ def mixer_tiling(config: PadfreeConfig, tiles: tuple[int, int] | None) -> str:
     if config.sequence_parallel.size > 1:
         return "sequence mixers untiled under sequence parallelism (each rank scans its slice)"
     return (f"sequence mixers in tiles of {tiles[0]} tokens, each continuing the previous tile's state (a hybrid's "
-            "gated delta rule, Mamba2, KDA, short conv; one that cannot continue a state stays whole, with a warning)")
+            "gated delta rule, Mamba2, KDA; others stay whole, with a warning)")
 
 
 def _model_type(model_config: Any) -> str:

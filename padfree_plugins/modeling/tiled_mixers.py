@@ -242,7 +242,7 @@ def why_not_tiled(mixer: Any) -> str:
     """Why a packed sequence mixer cannot be tiled ("" where it can): it must continue a state given through a cache
     (as :mod:`~padfree_plugins.modeling.split_mixers` needs) and run its torch code."""
     if not isinstance(mixer, PackedMixer):
-        return f"{type(mixer).__name__} is not a boundary-aware packed mixer"
+        return f"its packed forward ({type(mixer).__name__}) is not one that tiles yet"
     return why_not_split(mixer)
 
 
