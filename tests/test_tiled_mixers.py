@@ -53,7 +53,7 @@ def untiled(model_type: str):
     return loss_and_grads(hybrid(model_type), lengths=LENGTHS)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "bamba"])
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "kimi_linear", "bamba"])
 def test_tiled_mixers_give_the_untiled_loss_and_gradients(model_type):
     want = untiled(model_type)
     counts, counting = counting_tiles()
