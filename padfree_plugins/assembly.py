@@ -33,6 +33,7 @@ from padfree_plugins.modeling.patching import ModelPatch, unwrap_model
 from padfree_plugins.modeling.pooling import unknown_mode_hint
 from padfree_plugins.modeling.probe import PROBE, PROBE_PLUGIN, probed_architecture, verify
 from padfree_plugins.modeling.sequence_parallel import SequenceParallelForward, SequenceParallelPatch, sequence_group
+from padfree_plugins.modeling.tiled_mixers import MixerTiling
 from padfree_plugins.modeling.tiling import MLPTiling, TiledLossForward, check_tiled_loss, resolve_tiles, tiled_modules
 from padfree_plugins.modeling.unpad import UnpadPatch
 from padfree_plugins.packing.collator import refusing_undeclared, within_embeddings
@@ -79,6 +80,8 @@ class Plan:
     answers: dict[str, str | None] = field(default_factory=dict)
     #: ``memory.tile_tokens`` resolved for the model: (MLP tile, loss tile) in tokens, or None (off).
     tiles: tuple[int, int] | None = None
+    #: What ``memory.tile_mixers`` does for the model's sequence mixers ("" without tiling).
+    tile_mixers: str = ""
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -90,17 +93,30 @@ class Plan:
             "device": self.device_type,
             "position_start": self.position_start,
             "hooks answered by": ", ".join(f"{hook}: {plugin or '-'}" for hook, plugin in self.answers.items()) or "-",
-            "memory": describe_tiles(self.tiles),
+            "memory": describe_tiles(self.tiles, self.tile_mixers),
             "notes": self.notes,
         }
 
 
-def describe_tiles(tiles: tuple[int, int] | None) -> str:
-    """What ``memory.tile_tokens`` chose, for ``check`` and logs."""
+def describe_tiles(tiles: tuple[int, int] | None, mixers: str = "") -> str:
+    """What ``memory.tile_tokens`` chose, for ``check`` and logs; ``mixers``: what it chose for the sequence mixers
+    ("": nothing to say)."""
     if tiles is None:
         return "no tiling (memory.tile_tokens: null)"
-    return (f"MLP in tiles of {tiles[0]} tokens, LM head + loss in tiles of {tiles[1]} tokens (rows no longer than a "
-            "tile run untiled)")
+    return (f"MLP in tiles of {tiles[0]} tokens, LM head + loss in tiles of {tiles[1]} tokens"
+            f"{', ' + mixers if mixers else ''} (rows no longer than a tile run untiled)")
+
+
+def mixer_tiling(config: PadfreeConfig, tiles: tuple[int, int] | None) -> str:
+    """What ``memory.tile_mixers`` does for a family's sequence mixers, for ``check`` ("" without tiling)."""
+    if tiles is None:
+        return ""
+    if not config.memory.tile_mixers:
+        return "sequence mixers untiled (memory.tile_mixers: false)"
+    if config.sequence_parallel.size > 1:
+        return "sequence mixers untiled under sequence parallelism (each rank scans its slice)"
+    return (f"sequence mixers in tiles of {tiles[0]} tokens, each continuing the previous tile's state (a hybrid's "
+            "gated delta rule, Mamba2, KDA; others stay whole, with a warning)")
 
 
 def _model_type(model_config: Any) -> str:
@@ -273,7 +289,8 @@ def _resolve(model_config: Any, config: PadfreeConfig, host: PluginHost, device_
                          f"{backend.name}; set attention_dropout: disable to use {faster[0]}")
     tiles = None if config.memory.tile_tokens is None else resolve_tiles(config.memory.tile_tokens, model_config)
     return Plan(architecture, architecture_plugin, task, task_plugin, backend, fallback, features, device_type,
-                int(architecture.position_start(model_config)), notes, tiles=tiles)
+                int(architecture.position_start(model_config)), notes, tiles=tiles,
+                tile_mixers=mixer_tiling(config, tiles))
 
 
 @dataclass(frozen=True)
@@ -551,6 +568,12 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
             raise
     if tile_mlp is not None:
         patch.handles.append(MLPTiling.install(inner, tile_mlp))
+    if resolved.tiles is not None and config.memory.tile_mixers:
+        if sequence is None:
+            patch.handles.append(MixerTiling.install(inner, resolved.tiles[0]))
+        elif sequence_mixers(inner):
+            logger.warning("padfree-plugins: memory.tile_mixers: under sequence parallelism each rank scans its "
+                           "slice of the row whole; its sequence mixers are not tiled")
     if tile_loss is not None:
         parts = dataclasses.replace(parts, forward=TiledLossForward(parts.forward, tile_loss))
     if sequence is not None:  # each rank computes its slice of the group's row

@@ -24,5 +24,30 @@ def test_the_summary_compares_the_longest_row_and_fits_the_budget():
     lines = "\n".join(result.summary("llama"))
     assert "tiled peak = 0.30 x checkpointing alone" in lines
     assert "growth 4,096 / 1,024 tokens, tiled: 4.00 x" in lines
-    assert "tiled 0.90 x checkpointing alone" in lines
+    assert "tiled 0.90 x checkpointing alone (target" in lines
     assert "checkpointing: ~10,485 tokens" in lines and "+ tiled loss: ~34,952 tokens" in lines
+
+
+def test_the_variants_option_names_the_benchmarks_variants_and_refuses_unknown_ones():
+    import pytest
+    import typer
+
+    from padfree_plugins.benchmarks.longctx import variants_of
+    from padfree_plugins.cli.bench import longctx_variants
+
+    assert longctx_variants("all") == ()
+    assert longctx_variants("checkpointing, mixers") == ("checkpointing", "+ tiled mixers")
+    assert variants_of("llama") == ["checkpointing", "+ tiled MLP", "+ tiled loss"]  # no sequence mixers
+    assert variants_of("qwen3_5")[-1] == "+ tiled mixers"
+    with pytest.raises(typer.Exit):
+        longctx_variants("checkpointing,mixer")
+
+
+def test_the_summary_of_a_shape_with_mixers_compares_everything_tiled():
+    settings = LongContextSettings(shapes=("qwen3_5",), lengths=(1024, 4096), budget_gib=1.0)
+    rows = [Measurement("qwen3_5", variant, tokens, peak << 20, 1000.0, 1.0, "cpu", 500.0)
+            for variant, peaks in (("checkpointing", (100, 400)), ("+ tiled loss", (40, 160)),
+                                   ("+ tiled mixers", (20, 80))) for tokens, peak in zip((1024, 4096), peaks)]
+    lines = "\n".join(LongContextResult(settings, rows).summary("qwen3_5"))
+    assert "tiled peak = 0.20 x checkpointing alone" in lines
+    assert "per CPU-second 1.00 x" in lines and "+ tiled mixers: ~" in lines and "+ tiled loss: ~" not in lines

@@ -617,6 +617,11 @@ def bench_longctx(
     device: Annotated[str, typer.Option(help="auto (cuda when available), cpu or cuda.")] = "auto",
     budget_gib: Annotated[float, typer.Option(help="Activation budget for the longest-row estimate, GiB.")] = 4.0,
     threads: Annotated[int, positive("torch intra-op threads per process.")] = 1,
+    steps: Annotated[int, positive("Training steps per measurement; memory and tokens/s are the last step's (1: the "
+                                   "first step, warm-up included).")] = 2,
+    variants: Annotated[str, typer.Option(help="Comma-separated variants to measure: checkpointing, mlp (+ tiled "
+                                               "MLP), loss (+ tiled loss), mixers (+ tiled mixers, shapes with "
+                                               "sequence mixers); all by default.")] = "all",
     out: Annotated[Path, typer.Option(help="Directory for bench_longctx.json.")] = Path("out/bench-longctx"),
     as_json: JsonFlag = False,
 ) -> None:
@@ -629,7 +634,7 @@ def bench_longctx(
     settings = LongContextSettings(shapes=tuple(s.strip() for s in shapes.split(",")),
                                    lengths=positive_ints(lengths, "--lengths"), hidden=hidden, layers=layers,
                                    example_tokens=example_tokens, device=device, budget_gib=budget_gib,
-                                   threads=threads)
+                                   threads=threads, steps=steps, variants=longctx_variants(variants))
     try:
         result = run_longctx_benchmark(settings, progress=progress_lines("bench longctx", not as_json))
     except (PadfreeError, RuntimeError) as error:
@@ -642,16 +647,27 @@ def bench_longctx(
     stdout = console()
     for shape in settings.shapes:
         table = Table(title=f"{TITLES[shape]}, hidden {hidden}, {layers} layers, examples of {example_tokens:,} "
-                            f"tokens, one step, {device}, {threads} thread(s)")
-        for column in ("tokens", "variant", "peak activations MiB", "real tok/s"):
+                            f"tokens, step {steps} of {steps}, {device}, {threads} thread(s)")
+        for column in ("tokens", "variant", "peak activations MiB", "real tok/s", "tok/CPU-s"):
             table.add_column(column, justify="right")
         for row in result.rows:
             if row.shape == shape:
                 table.add_row(f"{row.tokens:,}", row.variant, f"{row.peak_bytes / 2 ** 20:,.0f}",
-                              f"{row.tokens_per_s:,.0f}")
+                              f"{row.tokens_per_s:,.0f}", f"{row.tokens_per_cpu_s:,.0f}")
         stdout.print(table)
         for line in result.summary(shape):
             stdout.print(line, highlight=False)
+
+
+def longctx_variants(names: str) -> tuple[str, ...]:
+    """``--variants`` of ``bench longctx`` as the benchmark's variant names (empty: all)."""
+    known = {"checkpointing": "checkpointing", "mlp": "+ tiled MLP", "loss": "+ tiled loss", "mixers": "+ tiled mixers"}
+    chosen = [name.strip() for name in names.split(",") if name.strip()]
+    if chosen == ["all"]:
+        return ()
+    if unknown := [name for name in chosen if name not in known]:
+        fail(f"--variants: unknown {', '.join(unknown)}; use all or some of {', '.join(known)}")
+    return tuple(known[name] for name in chosen)
 
 
 def torch_cuda() -> bool:

@@ -122,6 +122,10 @@ class MemoryConfig:
     tile_loss: bool = _help("with tile_tokens: tile the LM head and its cross-entropy in the loss-only calls of HF "
                             "Trainer and of assembly.forward on a batch with labelled logits (the logits of the whole "
                             "row are never built)", default=True)
+    tile_mixers: bool = _help("with tile_tokens: scan the sequence mixers of a hybrid (gated delta rule, Mamba2, KDA) "
+                              "in tiles of the MLP's size, each tile continuing the previous tile's state, "
+                              "recomputed tile by tile in the backward (Mamba1 mixers, LFM2's short conv, and mixers "
+                              "under sequence parallelism stay whole, with a warning)", default=True)
 
     def __post_init__(self) -> None:
         tokens = self.tile_tokens

@@ -15,6 +15,8 @@ Both leave a model run on one example alone exactly as it was, and change only p
 * :func:`tile_drops_last_token` and :func:`loss_normalised_per_tile`: the two ways tiled computation
   (:mod:`padfree_plugins.modeling.tiling`) can go wrong — a feed-forward tile that loses its last token's output, a
   tiled loss that averages each tile on its own instead of dividing the row's sum once;
+* :func:`mixer_tile_starts_from_zero`: a hybrid's sequence mixer scanned in tiles (``memory.tile_mixers``) whose
+  every tile starts an example cut by the previous tile from zeros (no recurrent state, no conv taps);
 * :func:`rows_swap_media`: a padded image-text call split wrongly — two rows' media (of the same shapes, other
   pixels) swapped, so each row's tokens get the other's images;
 * :func:`context_keys_from_own_slice_only` and :func:`context_queries_one_token_ahead`: the two ways all-gather
@@ -50,7 +52,7 @@ from unittest import mock
 
 import torch
 
-from padfree_plugins.modeling import attention, mixers, patching, split_mixers, tiling
+from padfree_plugins.modeling import attention, mixers, patching, split_mixers, tiled_mixers, tiling
 from padfree_plugins.modeling.attention import backends, context_parallel
 from padfree_plugins.modeling.patching import unwrap_model
 from padfree_plugins.modeling.sequence_parallel import SequenceParallelForward, SliceRow
@@ -408,6 +410,20 @@ def loss_normalised_per_tile() -> Iterator[None]:
         return torch.stack([s / c for s, c in zip(sums, counts) if c > 0]).mean()
 
     with mock.patch.object(tiling, "normalised", per_tile):
+        yield
+
+
+@contextmanager
+def mixer_tile_starts_from_zero() -> Iterator[None]:
+    """Within the block, a tiled sequence mixer's piece of an example after a tile cut starts from zeros (no recurrent
+    state, no conv taps from the previous tile), in the forward and in the recompute alike, as a mixer scanning each
+    tile alone would."""
+
+    def zeros(received: mixers.MixerState) -> mixers.MixerState:
+        return mixers.MixerState(final_conv=_times_zero(received.final_conv),
+                                 final_recurrent=_times_zero(received.final_recurrent), lead=received.lead)
+
+    with mock.patch.object(tiled_mixers, "tile_start", zeros):
         yield
 
 

@@ -1,0 +1,161 @@
+"""Sequence mixers scanned in tiles (``memory.tile_mixers``): the untiled loss and every gradient for gated-DeltaNet,
+KDA and Mamba2 hybrids, with gradient checkpointing, examples crossing the tile cuts; a row with shared prefixes
+cut by tiles inside prompts, one-token branch points and completions equals its padded call; a tile that starts
+from zeros (a deliberate fault) fails both; mixers that cannot continue a state stay whole and say so; ``check``
+shows the choice; the peak of the tiled step is lower."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from contextlib import nullcontext
+from functools import cache
+from unittest import mock
+
+import pytest
+import torch
+
+from padfree_plugins import assemble
+from padfree_plugins.modeling import tiled_mixers
+from padfree_plugins.modeling.tiled_mixers import TiledMixer
+from padfree_plugins.packing.labelled_logits import keep_labelled_logits
+from padfree_plugins.testing import faults
+from tests.hybrids_common import LENGTHS, hybrid_model
+from tests.test_hybrid_prefixes import assert_same as assert_same_as_padded, model_for, shared_and_padded
+from tests.test_tiling import assert_same, loss_and_grads
+
+#: Mixers only (the MLP and the loss untiled), tiles of 16 tokens: the hybrids' row of 350 tokens (examples of 1 to
+#: 150 tokens) is cut inside examples, at their starts, and in their one- and two-token examples.
+MIXERS_ONLY = {"tile_tokens": 16, "tile_mlp": False, "tile_loss": False}
+
+
+def hybrid(model_type: str):
+    model = hybrid_model(model_type).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def counting_tiles():
+    """A patch that counts the tiles the mixers run (forward and recompute)."""
+    counts = []
+    original = tiled_mixers.run_one_tile
+
+    def counted(*args, **kwargs):
+        counts.append(1)
+        return original(*args, **kwargs)
+
+    return counts, mock.patch.object(tiled_mixers, "run_one_tile", counted)
+
+
+@cache
+def untiled(model_type: str):
+    """The untiled loss and gradients of ``model_type``'s checkpointed step on the hybrids' row (computed once)."""
+    return loss_and_grads(hybrid(model_type), lengths=LENGTHS)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "kimi_linear", "bamba"])
+def test_tiled_mixers_give_the_untiled_loss_and_gradients(model_type):
+    want = untiled(model_type)
+    counts, counting = counting_tiles()
+    with counting:
+        got = loss_and_grads(hybrid(model_type), MIXERS_ONLY, lengths=LENGTHS)
+    assert len(counts) >= 22 * 2  # 350 tokens: 22 tiles per mixer layer, forward and recompute
+    assert_same(got, want)
+
+
+def test_a_tile_starting_from_zeros_fails_the_comparison():
+    want = untiled("qwen3_5_text")
+    got = loss_and_grads(hybrid("qwen3_5_text"), MIXERS_ONLY, lengths=LENGTHS, fault=faults.mixer_tile_starts_from_zero)
+    with pytest.raises(AssertionError):
+        assert_same(got, want)
+
+
+@pytest.mark.parametrize("fault", [None, faults.mixer_tile_starts_from_zero])
+def test_a_shared_row_cut_into_tiles_equals_its_padded_call(fault):
+    """Tiles of 8 tokens cut the shared row inside prompts, completions and one-token branch points: a completion's
+    state is handed on from tile to tile until it runs, as on the ranks of a sequence-parallel group."""
+    model = model_for("qwen3_5_text")
+    assembly = assemble(model, {"task": "causal_lm", "unpad": "off",
+                                "memory": {"tile_tokens": 8, "tile_mlp": False, "tile_loss": False}})
+    try:
+        counts, counting = counting_tiles()
+        with counting, (fault() if fault else nullcontext()):
+            outputs = shared_and_padded(model)
+        assert counts
+        if fault is None:
+            assert_same_as_padded(outputs)
+        else:
+            with pytest.raises(AssertionError):
+                assert_same_as_padded(outputs)
+    finally:
+        assembly.undo()
+
+
+def test_mixers_that_cannot_continue_a_state_stay_whole_and_say_why():
+    model = hybrid_model("mamba")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assembly = assemble(model, {"task": "causal_lm", "memory": MIXERS_ONLY})
+    try:
+        assert not any(isinstance(vars(m).get("forward"), TiledMixer) for m in model.modules())
+        assert any("MambaMixer runs untiled" in str(w.message) and "initial" in str(w.message) for w in caught)
+    finally:
+        assembly.undo()
+
+
+def test_tile_mixers_false_and_undo_leave_the_mixers_whole():
+    model = hybrid("qwen3_5_text")
+    assembly = assemble(model, {"task": "causal_lm", "memory": {**MIXERS_ONLY, "tile_mixers": False}})
+    assert not any(isinstance(vars(m).get("forward"), TiledMixer) for m in model.modules())
+    assembly.undo()
+    assembly = assemble(model, {"task": "causal_lm", "memory": MIXERS_ONLY})
+    tiled = [m for m in model.modules() if isinstance(vars(m).get("forward"), TiledMixer)]
+    assert len(tiled) == 2  # the two gated-DeltaNet layers
+    assembly.undo()
+    assert not any("forward" in vars(m) for m in tiled)
+
+
+@pytest.mark.parametrize("tile_mixers", [True, False])
+def test_check_shows_what_tiling_does_for_the_mixers(tmp_path, tile_mixers):
+    from typer.testing import CliRunner
+
+    from padfree_plugins.cli import app
+
+    config = tmp_path / "padfree.yaml"
+    config.write_text(f"memory:\n  tile_tokens: auto\n  tile_mixers: {str(tile_mixers).lower()}\n")
+    result = CliRunner().invoke(app, ["check", str(config), "--model-type", "qwen3_5_text", "--device", "cpu",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    memory = json.loads(result.output)["memory"]
+    if tile_mixers:
+        assert "sequence mixers in tiles of 4096 tokens, each continuing the previous tile's state" in memory
+    else:
+        assert "sequence mixers untiled (memory.tile_mixers: false)" in memory
+
+
+def peak_allocated(memory, trace) -> int:
+    """The growth of the CPU allocator's total over one checkpointed step of a qwen3_5 hybrid on a row of 2,048
+    tokens, at its peak (the profiler's memory events, written to ``trace``)."""
+    model = hybrid_model("qwen3_5_text", linear_num_value_heads=8, linear_value_head_dim=32,
+                         max_position_embeddings=4096).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assembly = assemble(model, {"task": "causal_lm", "memory": memory})
+    try:
+        generator = torch.Generator().manual_seed(0)
+        examples = [{"input_ids": torch.randint(5, 128, (512,), generator=generator).tolist()} for _ in range(4)]
+        batch = keep_labelled_logits(assembly.collator(examples))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            assembly.forward(model, batch).loss.backward()
+        prof.export_chrome_trace(str(trace))
+        events = sorted((e for e in json.loads(trace.read_text())["traceEvents"] if e.get("name") == "[memory]"),
+                        key=lambda e: e["ts"])
+        before = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
+        return max(e["args"]["Total Allocated"] for e in events) - before
+    finally:
+        assembly.undo()
+
+
+def test_tiled_mixers_lower_the_peak_of_a_checkpointed_step(tmp_path):
+    untiled = peak_allocated({"tile_tokens": 256, "tile_mixers": False}, tmp_path / "untiled.json")
+    tiled = peak_allocated({"tile_tokens": 256}, tmp_path / "tiled.json")
+    assert untiled > 0 and tiled < 0.7 * untiled, (tiled, untiled)
