@@ -263,5 +263,62 @@ def test_best_of_n_times_the_shared_row_beside_padfree():
     shared = rows[SHARED_VARIANT]
     assert shared.loss_rel_diff < 1e-5 and shared.real_tokens == rows["padfree"].real_tokens
     assert "over padfree, ideal x" in shared.note and float(shared.note.split("ideal x")[1].split()[0]) > 1.2
+    # the token ideal, and the one weighted by the LM head + loss timed alone: not shareable, so it lies between 1
+    # and the token ideal (a weighted ideal that counted the head as shared, or left it out, would not)
+    assert shared.ideal_vs_padfree == pytest.approx(float(shared.note.split("ideal x")[1].split()[0]), abs=0.005)
+    assert 1 < shared.weighted_ideal_vs_padfree < shared.ideal_vs_padfree
+    assert shared.speedup_vs_padfree > 0 and "cost-weighted ideal x" in shared.note
+    assert rows["padfree"].head_loss_ms > 0 and shared.head_loss_ms > 0
+    assert all(r.head_loss_ms != r.head_loss_ms for r in result.rows if r.variant not in ("padfree", SHARED_VARIANT))
     with pytest.raises(PadfreeError, match="--best-of 4"):
         run_sft_benchmark(BenchSettings(**TINY, best_of=4))  # no prompt
+
+
+def test_the_weighted_ideal_weighs_labelled_positions_and_tokens_by_what_padfree_spends_on_them():
+    """Per round: a labelled position costs padfree's head-and-loss time over its labelled positions, a computed
+    token the rest of its step over its tokens; the ideal is padfree's time over the shared row's at those costs."""
+    from padfree_plugins.benchmarks.sft import weighted_ideal
+
+    # round 1: 10 s, 2 of them head + loss; round 2: 20 s, 8 of them; 900 -> 300 tokens, 100 labelled in both
+    first, second, third = (10 / (300 * 8 / 900 + 100 * 2 / 100), 20 / (300 * 12 / 900 + 100 * 8 / 100),
+                            30 / (300 * 27 / 900 + 100 * 3 / 100))
+    assert weighted_ideal([10.0, 20.0, 30.0], [2.0, 8.0, 3.0], (900, 300), (100, 100)) == pytest.approx(
+        sorted([first, second, third])[1])
+    assert 1 < weighted_ideal([10.0], [2.0], (900, 300), (100, 100)) < 3
+    assert weighted_ideal([10.0], [0.0], (900, 300), (100, 100)) == pytest.approx(3)  # no head: the token ideal
+    with pytest.raises(ValueError):
+        weighted_ideal([10.0, 20.0], [2.0], (900, 300), (100, 100))  # every round needs its head time
+
+
+def test_the_head_and_loss_are_timed_alone_on_the_steps_own_labelled_positions(monkeypatch):
+    """The LM head's call of a step, rerun alone: on the labelled positions only, through the model's loss on the
+    step's shift_labels, its gradients cleared after (the next step starts clean)."""
+    from padfree_plugins.benchmarks.measure import calls_seen
+    from padfree_plugins.benchmarks.sft import (
+        SHARED_VARIANT,
+        Runner,
+        build_model,
+        head_and_loss_seconds,
+        make_examples,
+    )
+
+    settings = BenchSettings(**TINY)
+    model = build_model(settings)
+    runner = Runner(model, torch.device("cpu"))
+    examples = make_examples([30, 40, 24, 50], model.config.vocab_size, 0, prompt_share=0.6, best_of=4)
+    inputs = runner.prepare(SHARED_VARIANT, examples)
+    runner.enter(SHARED_VARIANT)
+    head = model.get_output_embeddings()
+    with calls_seen([head]) as calls:
+        step_loss = runner.loss(SHARED_VARIANT, inputs)
+    labelled = inputs["logits_to_keep"].numel()
+    assert len(calls) == 1 and calls[0][1][0].shape[1] == labelled < inputs["input_ids"].shape[-1]
+    seen = []
+    original = model.loss_function
+    runner.close()
+    monkeypatch.setattr(type(model), "loss_function",
+                        property(lambda self: lambda **kwargs: seen.append(kwargs) or original(**kwargs)))
+    assert head_and_loss_seconds(model, calls, inputs) > 0
+    assert len(seen) == 1 and seen[0]["shift_labels"] is inputs["shift_labels"]
+    assert float(original(**seen[0])) == pytest.approx(float(step_loss), rel=1e-6)  # the step's own loss
+    assert all(p.grad is None for p in model.parameters())

@@ -24,8 +24,17 @@ Four ways to run a causal-LM training step (forward + backward of the loss) on t
 their mean drawn length; each answer the rest of its example's drawn length, at least one token); a fifth
 variant, ``padfree+shared``, packs them with each prompt once (HF Trainer's / SFTTrainer's ``prefix_sharing``:
 :func:`~padfree_plugins.packing.prefixes.share_unlabelled`). It counts the same real tokens (every example whole);
-its note gives its speedup over ``padfree`` and that ratio's ideal, the tokens ``padfree`` computes over those the
-shared row computes.
+its row gives its speedup over ``padfree`` beside two ideals. The *token ideal* (``ideal_vs_padfree``): the tokens
+``padfree`` computes over those the shared row computes. The *cost-weighted ideal* (``weighted_ideal_vs_padfree``):
+the LM head and the loss run on the same labelled answer tokens in both variants, which sharing cannot save, so after
+each timed step of ``padfree`` and of ``padfree+shared`` (outside its time, in the same rounds) the LM head's call of
+that step is run again alone on its inputs, forward and backward through the model's own loss on the step's
+``shift_labels`` (:func:`~padfree_plugins.benchmarks.measure.seconds_alone`, as ``bench grpo --vision`` times its
+vision tower). Per round, a labelled position then costs ``padfree``'s head-and-loss time over its labelled positions
+and a computed token the rest of ``padfree``'s step over its computed tokens; the ideal is ``padfree``'s time over
+what the shared row's tokens and labelled positions cost at those rates
+(:func:`~padfree_plugins.benchmarks.measure.cost_weighted_ideal`), the median over rounds. The labelled positions
+being the same in both, it lies between 1 and the token ideal. ``head_loss_ms``: the head and loss alone per step.
 
 Batches are collated and moved to the device beforehand (collator speed is ``bench collator``'s job); each timed
 step is the model's forward + backward, gradients cleared in between, no optimizer step (so every variant sees
@@ -87,7 +96,13 @@ from typing import Any
 import torch
 
 from padfree_plugins.benchmarks.lengths import DATASET_LAW, dataset_lengths, draw_lengths, sample_lengths
-from padfree_plugins.benchmarks.measure import saved_activation_bytes, synchronize
+from padfree_plugins.benchmarks.measure import (
+    calls_seen,
+    cost_weighted_ideal,
+    saved_activation_bytes,
+    seconds_alone,
+    synchronize,
+)
 from padfree_plugins.errors import PadfreeError
 from padfree_plugins.modeling.mixers import PackedMixer, mixer_chunk
 from padfree_plugins.packing.labelled_logits import keep_labelled_logits
@@ -159,6 +174,12 @@ class BenchRow:
     backend: str = ""
     mfu: float = float("nan")
     of_ideal: float = float("nan")  # speedup_vs_padded over the ideal 1 / (1 - padding_fraction)
+    # best-of-N (see the module docstring): on padfree+shared, its speedup over padfree, the token ideal and the
+    # cost-weighted ideal; on padfree and padfree+shared, the LM head + loss timed alone (ms per step, median)
+    speedup_vs_padfree: float = float("nan")
+    ideal_vs_padfree: float = float("nan")
+    weighted_ideal_vs_padfree: float = float("nan")
+    head_loss_ms: float = float("nan")
     timed: bool = True  # False: an HF flattening check on a hybrid model (loss only; no speed, no memory)
     note: str = ""  # for a check: "mixes examples", "matches padded" or "refuses: <the model's error>"
 
@@ -433,8 +454,10 @@ def _measure(runner: Runner, settings: BenchSettings, law: str, batch_size: int,
     real = [sum(len(ex["input_ids"]) for ex in examples) for examples, _ in batches]
     computed = {v: sum(int(prepared[v]["input_ids"].shape[-1]) for _, prepared in batches)
                 for v in ("padfree", SHARED_VARIANT) if v in timed}
+    labelled = {v: sum(int(prepared[v]["logits_to_keep"].numel()) for _, prepared in batches) for v in computed}
     padded_tokens = [len(examples) * max(len(ex["input_ids"]) for ex in examples) for examples, _ in batches]
     times = {v: [] for v in timed}  # per round: seconds spent on all batches
+    head_times: dict[str, list[float]] = {v: [] for v in computed if settings.best_of > 1}  # per round, head alone
     losses: dict[str, list] = {v: [] for v in (*timed, *checks)}  # first round: the loss of every batch
     refusals = {v: "" for v in checks}
     memory = {v: 0 for v in timed}
@@ -474,15 +497,21 @@ def _measure(runner: Runner, settings: BenchSettings, law: str, batch_size: int,
         shift = r % len(timed)
         order = timed[shift:] + timed[:shift]
         spent = {v: 0.0 for v in timed}
+        head_spent = {v: 0.0 for v in head_times}
         for _, prepared in batches:
             for variant in order:
                 runner.enter(variant)
-                elapsed, loss = step(variant, prepared[variant])
+                with calls_seen([model.get_output_embeddings()] if variant in head_times else []) as calls:
+                    elapsed, loss = step(variant, prepared[variant])
                 spent[variant] += elapsed
+                if variant in head_times:  # outside the step's time
+                    head_spent[variant] += head_and_loss_seconds(model, calls, prepared[variant])
                 if r == 0:
                     losses[variant].append(loss)
         for v in timed:
             times[v].append(spent[v])
+        for v in head_times:
+            head_times[v].append(head_spent[v])
         say(f"{law} bs{batch_size} round {r + 1}/{settings.rounds}: "
             + ", ".join(f"{v} {sum(real) / spent[v]:,.0f} tok/s" for v in timed))
     model.zero_grad(set_to_none=True)
@@ -509,15 +538,54 @@ def _measure(runner: Runner, settings: BenchSettings, law: str, batch_size: int,
                                  timed=False, note=note))
             continue
         speedup = ratio("padded", v)
+        if v in head_times:
+            common["head_loss_ms"] = statistics.median(head_times[v]) / len(batches) * 1e3
         if v == SHARED_VARIANT:
-            common["note"] = (f"x{ratio('padfree', v):.2f} over padfree, ideal x{computed['padfree'] / computed[v]:.2f}"
-                              f" ({computed[v]:,} of {computed['padfree']:,} tokens computed)")
+            common.update(speedup_vs_padfree=ratio("padfree", v), ideal_vs_padfree=computed["padfree"] / computed[v],
+                          weighted_ideal_vs_padfree=weighted_ideal(times["padfree"], head_times["padfree"],
+                                                                   (computed["padfree"], computed[v]),
+                                                                   (labelled["padfree"], labelled[v])))
+            common["note"] = shared_note(common, computed["padfree"], computed[v],
+                                         *(statistics.median(t["padfree"]) / len(batches) * 1e3
+                                           for t in (times, head_times)))
         rows.append(BenchRow(
             **common, tokens_per_s=total_real / statistics.median(times[v]),
             step_ms=statistics.median(times[v]) / len(batches) * 1e3, memory_bytes=int(memory[v]),
             speedup_vs_padded=speedup, speedup_vs_hf=ratio("hf_native", v),
             of_ideal=speedup * (1 - padding) if v != "padded" else nan))
     return rows
+
+
+def head_and_loss_seconds(model: torch.nn.Module, calls: list, inputs: dict) -> float:
+    """Seconds of the LM head's calls of one step run again alone (:func:`seconds_alone`, gradients cleared first),
+    forward and backward through the model's own loss on the step's ``shift_labels`` (the labelled positions, those
+    of ``logits_to_keep``)."""
+    model.zero_grad(set_to_none=True)
+
+    def loss(logits: torch.Tensor) -> torch.Tensor:
+        return model.loss_function(logits=logits, labels=None, vocab_size=model.config.vocab_size,
+                                   shift_labels=inputs["shift_labels"])
+
+    seconds = sum(seconds_alone(call, trained=True, objective=loss) for call in calls)
+    model.zero_grad(set_to_none=True)
+    return seconds
+
+
+def weighted_ideal(seconds: list[float], head_seconds: list[float], tokens: tuple[int, int],
+                   labelled: tuple[int, int]) -> float:
+    """The cost-weighted ideal of ``padfree+shared`` over ``padfree`` (see the module docstring): per round,
+    :func:`cost_weighted_ideal` of ``padfree``'s time and its head-and-loss time alone, the tokens each computes and
+    their labelled positions; the median over rounds."""
+    return statistics.median(cost_weighted_ideal(step, head, tokens, labelled)
+                             for step, head in zip(seconds, head_seconds, strict=True))
+
+
+def shared_note(row: dict, native_tokens: int, shared_tokens: int, step_ms: float, head_ms: float) -> str:
+    """The shared row's note: its speedup over ``padfree`` and the share it reaches of each ideal."""
+    speedup, ideal, weighted = row["speedup_vs_padfree"], row["ideal_vs_padfree"], row["weighted_ideal_vs_padfree"]
+    return (f"x{speedup:.2f} over padfree, ideal x{ideal:.2f} ({speedup / ideal:.0%}; {shared_tokens:,} of "
+            f"{native_tokens:,} tokens computed), cost-weighted ideal x{weighted:.2f} ({speedup / weighted:.0%}; "
+            f"LM head + loss alone {head_ms:,.0f} of padfree's {step_ms:,.0f} ms per step)")
 
 
 # -- output -----------------------------------------------------------------------------------------------------

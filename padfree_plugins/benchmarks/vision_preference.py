@@ -41,7 +41,6 @@ import json
 import os
 import statistics
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -51,7 +50,7 @@ from typing import Any
 import torch
 
 from padfree_plugins.benchmarks.lengths import Mixture, mixture_lengths
-from padfree_plugins.benchmarks.measure import torch_threads
+from padfree_plugins.benchmarks.measure import calls_seen, cost_weighted_ideal, seconds_alone, torch_threads
 from padfree_plugins.benchmarks.preference import (
     GRPO_GENERATIONS,
     PreferenceRow,
@@ -336,41 +335,21 @@ def vision_tower(model: Any) -> Any:
 @dataclass
 class TowerTimed(Variant):
     """A variant whose every timed step is followed (outside its time) by the vision towers the step ran, alone, on
-    the pixel rows the step gave them: the policy's forward and backward, the reference model's (DPO) forward. What
-    the towers cost beside the step, in the same rounds."""
+    the pixel rows the step gave them (:func:`~padfree_plugins.benchmarks.measure.seconds_alone`): the policy's forward
+    and backward, the reference model's (DPO) forward. What the towers cost beside the step, in the same rounds."""
 
     tower_seconds: list[float] = field(default_factory=list)  # per timed step, in order
 
     def timed_step(self, inputs: dict) -> float:
         reference = getattr(self.trainer, "ref_model", None)
-        towers = [(vision_tower(self.trainer.model), True)] + \
-            ([(vision_tower(reference), False)] if reference is not None else [])
-        calls: list[tuple[Any, bool, tuple, dict]] = []
-        handles = [tower.register_forward_pre_hook(
-            lambda module, args, kwargs, trained=trained: calls.append((module, trained, args, kwargs)),
-            with_kwargs=True) for tower, trained in towers]
-        try:
+        towers = [vision_tower(self.trainer.model)] + ([vision_tower(reference)] if reference is not None else [])
+        with calls_seen(towers) as calls:
             seconds = super().timed_step(inputs)
-        finally:
-            for handle in handles:
-                handle.remove()
-        self.tower_seconds.append(sum(tower_step(*call) for call in calls))
+        self.trainer.model.zero_grad(set_to_none=True)
+        # the policy's tower trained (forward and backward), the reference's forward only
+        self.tower_seconds.append(sum(seconds_alone(call, trained=call[0] is towers[0]) for call in calls))
         self.trainer.model.zero_grad(set_to_none=True)
         return seconds
-
-
-def tower_step(tower: Any, trained: bool, args: tuple, kwargs: dict) -> float:
-    """Seconds of ``tower``'s forward on one call's inputs, and if ``trained`` its backward (a gradient of ones on
-    its features); without autograd otherwise. Its own ``forward``: the benchmark's hooks on it (the pixel rows
-    counted) do not see these calls."""
-    start = time.perf_counter()
-    with torch.set_grad_enabled(trained):
-        output = tower.forward(*args, **kwargs)
-    features = output if isinstance(output, torch.Tensor) else (
-        output.pooler_output if getattr(output, "pooler_output", None) is not None else output.last_hidden_state)
-    if trained:
-        features.backward(torch.ones_like(features))
-    return time.perf_counter() - start
 
 
 def measured_costs(rows: list[PreferenceRow], variants: list[Variant], tower_rows: dict[str, int]) -> dict[str, Any]:
@@ -386,9 +365,9 @@ def measured_costs(rows: list[PreferenceRow], variants: list[Variant], tower_row
     weighted, ratios = [], []
     for r, seconds in enumerate(native.seconds):
         tower = sum(native.tower_seconds[r * steps:(r + 1) * steps])
-        pixel_row, token = tower / tower_rows["native"], (seconds - tower) / tokens["native"]
-        weighted.append(seconds / (tokens["shared"] * token + tower_rows["shared"] * pixel_row))
-        ratios.append(pixel_row / token)
+        weighted.append(cost_weighted_ideal(seconds, tower, (tokens["native"], tokens["shared"]),
+                                            (tower_rows["native"], tower_rows["shared"])))
+        ratios.append((tower / tower_rows["native"]) / ((seconds - tower) / tokens["native"]))
     return {"tower_ms_per_step": {variant.name: statistics.median(variant.tower_seconds) * 1e3
                                   for variant in (native, shared)},
             "step_ms": {variant.name: statistics.median(variant.seconds) / steps * 1e3 for variant in (native, shared)},

@@ -261,6 +261,11 @@ def bench_sft(
                      "(or TRL, or a hand-written loop) calls it; the layers run on real tokens only (packed inside "
                      "the model, every step checked), but the LM head and the loss on the padded [B, L, V] logits, "
                      "hence below padfree (logits only where a label counts).", highlight=False)
+    if any(r.variant == "padfree+shared" for r in result.rows):
+        stdout.print("padfree+shared: its speedup over padfree beside two ideals: the tokens padfree computes over "
+                     "those shared computes, and that ratio weighted by measured cost (the LM head + loss, on the same "
+                     "labelled tokens in both, timed alone after each step in the same rounds; the rest of padfree's "
+                     "step per computed token).", highlight=False)
     if result.environment.get("hybrid (sequence mixers)"):
         stdout.print("hybrid model: HF flattening runs its sequence mixers across the examples of the packed row "
                      "(or refuses to), so it is checked (loss vs padded, forward only), not timed; of ideal = "

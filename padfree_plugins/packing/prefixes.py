@@ -389,12 +389,12 @@ def unlabelled_prefixes(batch: Mapping) -> list[list[tuple]]:
     columns = [value.reshape(total, -1).tolist() for key, value in batch.items()
                if key not in TARGET_KEYS and key != "seq_idx" and isinstance(value, torch.Tensor)
                and value.ndim >= 2 and tuple(value.shape[:2]) == (1, total)]
-    tokens = [tuple(tuple(column[index]) for column in columns) for index in range(total)]
     labelled = (batch["labels"].reshape(-1) != -100).tolist()
     prefixes = []
-    for start, end in zip(cu, cu[1:]):
+    for start, end in zip(cu, cu[1:]):  # tuples for the prefixes' tokens only (the answers' are never compared)
         first = next((index for index in range(start + 1, end) if labelled[index]), end)
-        prefixes.append(tokens[start:max(start, first - 1)])
+        prefixes.append([tuple(tuple(column[index]) for column in columns)
+                         for index in range(start, max(start, first - 1))])
     return prefixes
 
 
