@@ -16,7 +16,8 @@ cd "$(dirname "$0")/.."
 LOCK=scripts/axolotl-lock.txt
 TORCH_SPEC="${PADFREE_TORCH_SPEC:-torch==2.13.0}"
 PYTHON="${AXOLOTL_PYTHON:-python3}"
-key="$( (cat "$LOCK"; echo "$TORCH_SPEC"; "$PYTHON" -c 'import sys; print(sys.version_info[:2])') | sha256sum | cut -c1-12)"
+version="$("$PYTHON" -c 'import sys; print(sys.version_info[:2])')"
+key="$( (cat "$LOCK"; echo "$TORCH_SPEC $version") | sha256sum | cut -c1-12)"
 ENV_DIR="${PADFREE_AXOLOTL_ENV:-${XDG_CACHE_HOME:-$HOME/.cache}/padfree-plugins/axolotl-env-$key}"
 if [ "${1:-}" = "--print-path" ]; then
   echo "$ENV_DIR"

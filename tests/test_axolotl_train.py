@@ -5,7 +5,7 @@ to axolotl's own padded run.
 axolotl 0.21 pins its own transformers / datasets, so it runs in an environment of its own, made from
 scripts/axolotl-lock.txt by scripts/axolotl_env.sh (which ``make test`` runs first). That environment has TRL 1.16
 over axolotl's pin of 1.14.1, so the RL trainers take padfree-plugins' fused TRL plugins. Skipped, saying so, where
-the environment does not exist (a bare ``pytest`` run without the setup)."""
+the environment does not exist (a bare ``pytest`` run without the setup); failed there under ``make test``."""
 
 from __future__ import annotations
 
@@ -38,9 +38,18 @@ STEPS = 3
 QUIET = {"AXOLOTL_DO_NOT_TRACK": "1", "DO_NOT_TRACK": "1", "WANDB_DISABLED": "true", "WANDB_MODE": "disabled",
          "CUDA_VISIBLE_DEVICES": ""}
 
+READY = (ENV / ".padfree-axolotl-setup").exists()
+#: ``make test`` sets PADFREE_REQUIRE_AXOLOTL=1 after making the environment: there a missing one fails, not skips.
+REQUIRED = os.environ.get("PADFREE_REQUIRE_AXOLOTL") == "1"
 pytestmark = pytest.mark.skipif(
-    not (ENV / ".padfree-axolotl-setup").exists(),
-    reason=f"no axolotl environment at {ENV}: run scripts/axolotl_env.sh (make test does)")
+    not READY and not REQUIRED, reason=f"no axolotl environment at {ENV}: run scripts/axolotl_env.sh (make test does)")
+
+
+@pytest.fixture(autouse=True)
+def axolotl_environment():
+    if not READY:
+        pytest.fail(f"PADFREE_REQUIRE_AXOLOTL=1 but no axolotl environment at {ENV}: scripts/axolotl_env.sh did not "
+                    "make it")
 
 #: What the padding-free run says it did: the trainer plugin that took each trainer. The RL trainers take the fused
 #: TRL plugins (the environment's TRL 1.16 has the fused LM head), not the generic path.
