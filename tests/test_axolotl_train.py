@@ -47,9 +47,11 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(autouse=True)
 def axolotl_environment():
+    """Under ``make test`` (PADFREE_REQUIRE_AXOLOTL=1) a missing environment is a failure, with the reason."""
     if not READY:
         pytest.fail(f"PADFREE_REQUIRE_AXOLOTL=1 but no axolotl environment at {ENV}: scripts/axolotl_env.sh did not "
                     "make it")
+
 
 #: What the padding-free run says it did: the trainer plugin that took each trainer. The RL trainers take the fused
 #: TRL plugins (the environment's TRL 1.16 has the fused LM head), not the generic path.
@@ -114,8 +116,9 @@ def log_history(output_dir: Path) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sft", "dpo", "kto", "grpo"])
 def test_axolotl_train_padding_free_equals_axolotls_padded_run(assets, tmp_path, kind, monkeypatch):  # noqa: F811
-    """One ``axolotl train`` padded and one with ``padfree:``, side by side: the same loss at every step (1e-5),
-    the padding-free run through the trainer plugin named, and (RL) every fused call packed."""
+    """One ``axolotl train`` padded and one with ``padfree:``, side by side: the same loss at every step (1e-5), the
+    same gradient norm, log-probabilities, entropy and KL as logged (1e-4), the padding-free run through the trainer
+    plugin named, and (RL) every fused call packed."""
     from tests.test_trl_launcher import run_together
 
     data = datasets(assets, tmp_path)[kind]
@@ -136,6 +139,12 @@ def test_axolotl_train_padding_free_equals_axolotls_padded_run(assets, tmp_path,
     assert len(padded) == len(packed) == STEPS
     assert [entry["loss"] for entry in packed] == pytest.approx([entry["loss"] for entry in padded], abs=1e-5)
     assert len({entry["loss"] for entry in padded}) > 1, "every step's loss is the same: the comparison proves little"
+    # what the forward computes, every step: an RL loss at its first step does not depend on it (policy = reference)
+    for step, (padded_entry, packed_entry) in enumerate(zip(padded, packed)):
+        compared = {key: value for key, value in padded_entry.items()
+                    if key in ("grad_norm", "entropy", "kl") or key.startswith(("logps/", "logits/"))}
+        assert "grad_norm" in compared and (kind == "sft" or "entropy" in compared), compared
+        assert {key: packed_entry.get(key) for key in compared} == pytest.approx(compared, rel=1e-4, abs=1e-5), step
     if kind != "sft":  # TRL's fused calls: every one packed, none run padded
         assert packed[-1]["padfree/packed_calls"] > 0 and packed[-1]["padfree/padded_calls"] == 0, packed[-1]
 
