@@ -29,6 +29,12 @@ want="$key $(cat pyproject.toml plugins/padfree-axolotl/pyproject.toml | sha256s
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0  # already set up for this lock and this clone
 fi
+mkdir -p "$(dirname "$ENV_DIR")"
+exec 9>"$ENV_DIR.lock"  # one setup at a time (clones that share the cache)
+flock 9
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0  # another setup made it meanwhile
+fi
 fail() { echo "scripts/axolotl_env.sh: $1 (the axolotl environment at $ENV_DIR is incomplete;" \
   "tests/test_axolotl_train.py needs it)" >&2; exit 1; }
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || fail "$PYTHON is older than Python 3.11"
@@ -36,7 +42,6 @@ PIP=("$ENV_DIR/bin/python" -m pip --disable-pip-version-check -q)
 if [ ! -f "$ENV_DIR/.padfree-axolotl-lock" ] || [ "$(cat "$ENV_DIR/.padfree-axolotl-lock")" != "$key" ]; then
   echo "scripts/axolotl_env.sh: making the axolotl environment at $ENV_DIR (once; a few minutes)" >&2
   rm -rf "$ENV_DIR"
-  mkdir -p "$(dirname "$ENV_DIR")"
   "$PYTHON" -m venv "$ENV_DIR" || fail "could not make a venv with $PYTHON"
   read -r -a TORCH_ARGS <<< "$TORCH_SPEC"  # split into words (requirement + pip options), no globbing
   "${PIP[@]}" install "${TORCH_ARGS[@]}" || fail "pip could not install $TORCH_SPEC"
