@@ -16,7 +16,7 @@ from padfree_plugins.errors import ConfigError
 KEY = "padfree"
 
 #: padfree-plugins' TRL plugins that pack TRL's fused LM head (``trl.trainer.utils.add_fused_lm_head``), which the
-#: TRL that axolotl 0.21 pins (1.14) does not have.
+#: TRL that axolotl 0.21 pins (1.14.1) does not have; TRL 1.16, installed beside it, has.
 FUSED_TRL_PLUGINS = ("trl_dpo", "trl_kto", "trl_grpo", "trl_rloo")
 
 #: axolotl options that pack or flatten batches themselves, and why they cannot be combined with ``padfree:``.

@@ -5,8 +5,8 @@ axolotl loads every installed plugin of that group whatever the config says, so 
 key. With it, the key is checked when axolotl validates its config (:mod:`.args`), and ``post_trainer_create`` hands
 the built trainer to :func:`padfree_plugins.accelerate`: ``AxolotlTrainer`` through :mod:`.trainer`, axolotl's
 DPO / KTO / GRPO trainers (TRL's, subclassed) through padfree-plugins' TRL plugins where the installed TRL has
-the fused LM head they pack (TRL >= 1.16), else, saying so, through the generic path (``any_trainer``): axolotl 0.21
-pins TRL 1.14.
+the fused LM head they pack (TRL >= 1.16, which axolotl 0.21 trains with beside its pin of 1.14.1), else, saying so,
+through the generic path (``any_trainer``).
 """
 
 from __future__ import annotations
@@ -43,8 +43,10 @@ class PadfreePlugin(BasePlugin):
 
             logger.warning("padfree-plugins: TRL %s has no fused LM head (trl.trainer.utils.add_fused_lm_head), "
                            "which the plugins %s pack: %s trains through the generic path (plugin any_trainer), its "
-                           "padded batches packed inside the model and TRL's loss unchanged. TRL >= 1.16 takes the "
-                           "packed path", trl.__version__, ", ".join(FUSED_TRL_PLUGINS), type(trainer).__name__)
+                           "padded batches packed inside the model and TRL's loss unchanged. For the packed path, "
+                           "install TRL 1.16 beside axolotl: pip install 'trl==1.16.*' (axolotl 0.21 pins 1.14.1; "
+                           "its SFT, DPO, KTO and GRPO train with 1.16)",
+                           trl.__version__, ", ".join(FUSED_TRL_PLUGINS), type(trainer).__name__)
             config = without_fused_trl_plugins(config)
         acceleration = accelerate(trainer, config)
         logger.warning("padfree-plugins: %s trains padding-free (%s)", type(trainer).__name__,
