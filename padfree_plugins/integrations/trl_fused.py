@@ -89,6 +89,7 @@ from padfree_plugins.modeling.mixers import mixer_chunk
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup, gather_sequence
 from padfree_plugins.modeling.patching import own_attribute, patch_of, restore_attributes, unwrap_model
 from padfree_plugins.modeling.sequence_parallel import gather_rows
+from padfree_plugins.modeling.tower_share import media_counts, media_shares
 from padfree_plugins.packing.batch import BOUNDARY_KEYS, MEDIA_KEYS, MODEL_INPUT_KEYS, packed_tokens
 from padfree_plugins.packing.multimodal import MODALITY_KEYS, TOKEN_TYPES_KEY, MultimodalCollator, media_equal, \
     share_prompts
@@ -180,7 +181,8 @@ def fused_on_slice(original: Any, inputs: dict, group: SequenceGroup, shares: bo
     gathered = gather_rows(rows, group, dropped=(), media=media)
     sizes = [packed_tokens(row) for row in gathered]
     local = slice_row(join_rows(gathered), group.rank, group.size, pad, pre_shifted=True, whole=bool(media))
-    output = original(fused_lm_head=True, **rest, **local)
+    with media_shares(media_counts(gathered, media)):  # the vision tower runs on this rank's own media
+        output = original(fused_lm_head=True, **rest, **local)
     tokens = local["shift_labels"].shape[1]  # the slice's (an image-text row's inputs are whole)
     keys = [key for key, value in output.items() if key != "label_mask" and isinstance(value, torch.Tensor) and
             tuple(value.shape) == (1, tokens)]

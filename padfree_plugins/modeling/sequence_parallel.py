@@ -54,6 +54,7 @@ from padfree_plugins.modeling.heads import FAMILY_INPUT_KEYS, run_base
 from padfree_plugins.modeling.mixers import PACKED_ROW, sequence_mixers
 from padfree_plugins.modeling.patching import ModelPatch, own_attribute, restore_attributes, unwrap_model
 from padfree_plugins.modeling.router_aux import RouterAux
+from padfree_plugins.modeling.tower_share import install_tower_share, media_counts, media_shares
 from padfree_plugins.modeling.split_mixers import SplitMixer, partitioned_by_zero3, why_not_split, zero3_refusal
 from padfree_plugins.packing.batch import PackedBatch, packed_tokens
 from padfree_plugins.packing.sequence_parallel import CU_KEYS, DROPPED_KEYS, MAX_KEYS, is_rotary_rows, is_token_key, \
@@ -197,6 +198,9 @@ class SequenceParallelPatch:
                                   "an image-text row after the image features are merged: train it with "
                                   "sequence_parallel.size: 1")
             installed.hooks.append(text_model.register_forward_pre_hook(SliceRow(group), with_kwargs=True))
+            shared_tower = install_tower_share(model, group, patch.handles)
+            if shared_tower is not None:
+                installed.hooks.append(shared_tower)
         if patch.previous_implementation is not None:  # a model with attention (not Mamba)
             installed.implementation = attention.register(patch.backend, patch.fallback, patch.attention_dropout,
                                                           patch.architecture.kind == "decoder",
@@ -455,11 +459,14 @@ class SequenceParallelForward:
     def slice(self, batch: Mapping) -> PackedBatch:
         """This rank's slice of the group's row (the exchange of the ranks' micro-batches included); with labelled
         logits only when ``batch`` asked for them (``logits_to_keep``), computed on the slice. Its ``row_tokens``
-        are the row's real tokens (the padding segment after them)."""
+        are the row's real tokens (the padding segment after them), its ``media_counts`` every rank's count of each
+        media key (:func:`~padfree_plugins.modeling.tower_share.media_counts`)."""
         labelled = "logits_to_keep" in batch
-        row = join_rows(gather_rows(batch, self.group, media=self.media_keys))
+        rows = gather_rows(batch, self.group, media=self.media_keys)
+        row = join_rows(rows)
         local = slice_row(row, self.group.rank, self.group.size, self.pad_token_id, whole=bool(self.media_keys))
         local.row_tokens = packed_tokens(row)
+        local.media_counts = media_counts(rows, self.media_keys)
         if labelled and "labels" in local:  # its labels are shifted already: keep the positions that have one
             positions = torch.nonzero(local["labels"][0] != -100).reshape(-1)
             local.update(logits_to_keep=positions, shift_labels=local["labels"][:, positions])
@@ -475,7 +482,8 @@ class SequenceParallelForward:
             dist.all_reduce(count, group=self.group.group)
             kwargs["num_items_in_batch"] = count
             scale = self.group.size
-        outputs = self.inner(model, local, **kwargs)
+        with media_shares(getattr(local, "media_counts", {})):  # the vision tower runs on this rank's own media
+            outputs = self.inner(model, local, **kwargs)
         if isinstance(outputs, Mapping) and outputs.get("aux_loss") is not None and outputs.get("router_logits"):
             self.share_router_aux(model, local, outputs)
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else None
