@@ -52,8 +52,9 @@ its own call's tokens. Each rank's TRL loss then reads exactly its own examples'
 parallelism. The ranks of a group agree at every fused call whether all of them pack it (one small all-reduce): if
 one cannot, every rank runs its own call through TRL's forward, padded, so that their collectives stay in step.
 An image-text call is exchanged with its media (each rank's pixels and grids, in rank order) and goes to the model
-whole on every rank, its ``shift_labels`` sliced: the model embeds the joined row, runs the vision tower on every image
-of it and merges the features, and its language model takes this rank's slice
+whole on every rank, its ``shift_labels`` sliced: the model embeds the joined row, each rank's vision tower encodes its
+own call's media and the features are all-gathered (:mod:`~padfree_plugins.modeling.tower_share`) and merged, and its
+language model takes this rank's slice
 (:class:`~padfree_plugins.modeling.sequence_parallel.SliceRow`), so that an image cut by a rank boundary is whole.
 With ``prefix_sharing``
 each rank's call shares its prompts, and its row's prompt structure travels with it (one parent per segment:

@@ -11,8 +11,9 @@ its own contiguous slice of the tokens.
   row (:class:`WholeRowMixer`: ``gather``, and Mamba1, which cannot start from a state), and the guard checking each
   rank's slice; ``remove()`` (in ``patch.handles``) undoes it;
 * :class:`SliceRow` — for a vision-language model, a forward pre-hook on its language model: the model gets the
-  group's whole image-text row (every rank embeds it, runs the vision tower on all its images and merges the
-  features), and its language model takes this rank's slice of the merged embeddings and positions;
+  group's whole image-text row (every rank embeds it and merges the whole row's image features, each rank's vision
+  tower having encoded only its own micro-batch's media: :mod:`~padfree_plugins.modeling.tower_share`), and its
+  language model takes this rank's slice of the merged embeddings and positions;
 * :class:`SequenceParallelForward` — the assembly's forward under sequence parallelism: the group's micro-batches
   exchanged into one row (:func:`gather_rows`, an image-text row's media with it), shifted, padded and sliced
   (:mod:`padfree_plugins.packing.sequence_parallel`), this rank's slice through the model; for evaluation's
@@ -122,13 +123,15 @@ ROW_STRUCTURE_KEYS = (*CU_KEYS, *MAX_KEYS, "block_sequence_ids")
 @dataclass
 class SliceRow:
     """Forward pre-hook of a vision-language model's language model under sequence parallelism: a packed call (its
-    boundaries given) arrives with the whole row's merged embeddings — the model embedded the group's whole row, ran
-    its vision tower on every image of it and filled the placeholders — and goes on with this rank's slice of them:
+    boundaries given) arrives with the whole row's merged embeddings — the model embedded the group's whole row and
+    filled the placeholders with every rank's image features (:class:`~padfree_plugins.modeling.tower_share.
+    TowerShare`) — and goes on with this rank's slice of them:
     ``inputs_embeds``, ``position_ids`` (Qwen's ``[R, 1, T]`` rows along their last axis) and every other per-token
     input ``[1, T, ...]`` cut to :meth:`SequenceGroup.slice_of`, the row's structure (boundaries, image blocks) kept
     whole, as attention reads it after its all-to-all. The backward of the cut sends each rank's slice's gradient to
-    the merged embeddings alone, so each rank's tower and embedding gradients are its slice's share, which the data-
-    parallel all-reduce sums over the group (as for a text row's embeddings). Qwen3-VL's deepstack features (one per
+    the merged embeddings alone, so each rank's embedding gradients are its slice's share, which the data-parallel
+    all-reduce sums over the group (as for a text row's embeddings); the image features' gradient is summed over the
+    group by their gather. Qwen3-VL's deepstack features (one per
     visual token, added at ``visual_pos_masks``) keep the slice's visual tokens."""
 
     group: SequenceGroup
@@ -184,7 +187,8 @@ class SequenceParallelPatch:
         passed between ranks: :mod:`~padfree_plugins.modeling.split_mixers`; the whole row, with a warning, for a mixer
         that cannot start from a state) or ``gather`` (:class:`WholeRowMixer` for every mixer). ``whole_rows``: a
         vision-language model, given whole image-text rows: its language model takes this rank's slice
-        (:class:`SliceRow`)."""
+        (:class:`SliceRow`), and each rank's vision tower encodes its own media
+        (:func:`~padfree_plugins.modeling.tower_share.install_tower_share`)."""
         if mixers not in MIXER_MODES:
             raise ConfigError(f"sequence_parallel.mixers: {mixers!r} is not one of {', '.join(MIXER_MODES)}")
         model = patch.model
