@@ -18,7 +18,8 @@ Cases (:data:`CASES`):
   scaled by). The same process also computes the one-process reference: a second copy of the model, assembled
   without sequence parallelism, on the two ranks' examples packed into one row. ``cut``: whether the group's row is
   cut inside an image's tokens; ``tower``: per rank, the pixel rows (Gemma 3: images) its vision tower encoded in
-  each call, and ``own``: per rank, its own micro-batch's;
+  each call, and ``own``: per rank, its own micro-batch's; ``pixels_kept``: per rank, whether the joined row's pixels
+  held its own where they stand and zeros for the other rank's (never exchanged);
 * ``hf``: HF ``Trainer`` on Qwen2.5-VL processor rows (:func:`hf_trainer`), 2 SGD steps, its logged losses and the
   first step's gradients (after DDP's all-reduce);
 * ``sft``: TRL ``SFTTrainer`` on conversational Qwen2.5-VL rows with images (:func:`sft_trainer`), the same;
@@ -135,6 +136,9 @@ def run_forward(family: str, fault: str | None, text_rank: bool = False, attenti
         lambda module, args, kwargs: seen.append(kwargs["inputs_embeds"].shape[1]), with_kwargs=True)
     tower: list = []
     base = assembly.model.model
+    joined: list = []
+    given = base.register_forward_pre_hook(lambda module, args, kwargs: joined.append(kwargs.get("pixel_values")),
+                                           with_kwargs=True)
     counted = (getattr(base, "visual", None) or base.vision_tower).register_forward_pre_hook(
         lambda module, args, kwargs: tower.append(int(next(iter((*args, *kwargs.values()))).shape[0])),
         with_kwargs=True)
@@ -143,8 +147,17 @@ def run_forward(family: str, fault: str | None, text_rank: bool = False, attenti
         loss.backward()
     handle.remove()
     counted.remove()
+    given.remove()
+    own = int(mine["pixel_values"].shape[0]) if "pixel_values" in mine else 0
     towers: list = [None, None]
-    dist.all_gather_object(towers, (tower, int(mine["pixel_values"].shape[0]) if "pixel_values" in mine else 0))
+    dist.all_gather_object(towers, (tower, own))
+    # the joined row's pixels: this rank's own where they stand, the other rank's never sent (zeros)
+    start = towers[0][1] if rank else 0
+    pixels = joined[0]
+    others = torch.cat([pixels[:start], pixels[start + own:]])
+    kept = bool(not others.any() and (not own or torch.equal(pixels[start:start + own], mine["pixel_values"])))
+    everyone: list = [None, None]
+    dist.all_gather_object(everyone, kept)
     total = loss.detach().clone()
     dist.all_reduce(total)
     grads = gradients(assembly.model)
@@ -162,7 +175,7 @@ def run_forward(family: str, fault: str | None, text_rank: bool = False, attenti
     return {"loss": float(total), "reference_loss": float(loss_one), "grads": grads,
             "reference_grads": gradients(one.model), "cut": cut, "row": tokens.numel(), "seen": seen,
             "slice": half, "attention": attention_function(model), "tower": [rows for rows, _ in towers],
-            "own": [own for _, own in towers],
+            "own": [own for _, own in towers], "pixels_kept": everyone,
             "split": split_mixers(model), "whole": split_mixers(model, "WholeRowMixer")}
 
 

@@ -92,6 +92,7 @@ def test_an_image_text_row_split_across_ranks_equals_one_process(launched, famil
     # idle image (Qwen: one merged cell of 4 pixel rows)
     idle = 1 if family == "gemma3" else 4
     assert run["tower"] == [[own or idle] for own in run["own"]] and run["own"][0] > 0, (run["tower"], run["own"])
+    assert run["pixels_kept"] == [True, True]  # the other rank's pixels are never sent, only the features
     every, towers = gradient_difference(run["grads"], run["reference_grads"])
     loss = abs(run["loss"] - run["reference_loss"]) / abs(run["reference_loss"])
     print(f"{family} sp2: loss {loss:.1e} (relative), gradients {every:.1e}, tower {towers:.1e}")

@@ -55,8 +55,8 @@ from padfree_plugins.modeling.heads import FAMILY_INPUT_KEYS, run_base
 from padfree_plugins.modeling.mixers import PACKED_ROW, sequence_mixers
 from padfree_plugins.modeling.patching import ModelPatch, own_attribute, restore_attributes, unwrap_model
 from padfree_plugins.modeling.router_aux import RouterAux
-from padfree_plugins.modeling.tower_share import install_tower_share, media_counts, media_shares
 from padfree_plugins.modeling.split_mixers import SplitMixer, partitioned_by_zero3, why_not_split, zero3_refusal
+from padfree_plugins.modeling.tower_share import install_tower_share, kept_media, media_counts, media_shares
 from padfree_plugins.packing.batch import PackedBatch, packed_tokens
 from padfree_plugins.packing.sequence_parallel import CU_KEYS, DROPPED_KEYS, MAX_KEYS, is_rotary_rows, is_token_key, \
     join_rows, padded_length, slice_row
@@ -288,13 +288,15 @@ def _media_shapes(batch: Mapping, media: tuple[str, ...]) -> dict[str, tuple[str
 
 
 def gather_rows(batch: Mapping, group: SequenceGroup, dropped: tuple[str, ...] = DROPPED_KEYS,
-                media: tuple[str, ...] = ()) -> list[PackedBatch]:
+                media: tuple[str, ...] = (), kept: tuple[str, ...] = ()) -> list[PackedBatch]:
     """Every rank's packed micro-batch of the group, in rank order (this rank's ``batch`` among them): one header
     exchange (token and example counts, one host sync), then one all-gather per key, padded to the largest; the
     keys ``dropped`` left out (by default the labelled logits, recomputed on the slice). ``media``: the keys of an
     image-text row's media (pixels, grids: any number of rows each, absent where a rank's micro-batch has no images),
-    exchanged with their own lengths; a rank without one gets it empty. Multimodal ``position_ids`` ``[R, 1, T]``
-    travel along their token axis."""
+    exchanged with their own lengths; a rank without one gets it empty. ``kept``: media keys that each rank keeps to
+    itself (the pixels a :class:`~padfree_plugins.modeling.tower_share.TowerShare` encodes on their owner's rank
+    alone): not exchanged, the other ranks' rows of them zeros of their shape. Multimodal ``position_ids``
+    ``[R, 1, T]`` travel along their token axis."""
     batch = {key: value for key, value in batch.items() if key not in dropped}
     signatures: list[Any] = [None] * group.size
     dist.all_gather_object(signatures, (_signature(batch, media), _media_shapes(batch, media)), group=group.group)
@@ -335,7 +337,12 @@ def gather_rows(batch: Mapping, group: SequenceGroup, dropped: tuple[str, ...] =
         value = batch.get(key)
         if not isinstance(value, torch.Tensor):
             value = torch.zeros((0, *trailing), dtype=getattr(torch, dtype.removeprefix("torch.")), device=device)
-        for row, piece in zip(rows, _all_gather_padded(value.to(device), lengths, 0, group)):
+        if key in kept:  # never read on another rank: stand-ins of their shape
+            pieces = [value.to(device) if rank == group.rank else value.new_zeros((length, *trailing), device=device)
+                      for rank, length in enumerate(lengths)]
+        else:
+            pieces = _all_gather_padded(value.to(device), lengths, 0, group)
+        for row, piece in zip(rows, pieces):
             row[key] = piece
     for row in rows:  # the joined row's media are model inputs on every rank, one without images of its own too
         if row.model_keys is not None and shapes:
@@ -460,13 +467,14 @@ class SequenceParallelForward:
             raise AttributeError(name)
         return getattr(self.inner, name)
 
-    def slice(self, batch: Mapping) -> PackedBatch:
+    def slice(self, batch: Mapping, kept: tuple[str, ...] = ()) -> PackedBatch:
         """This rank's slice of the group's row (the exchange of the ranks' micro-batches included); with labelled
         logits only when ``batch`` asked for them (``logits_to_keep``), computed on the slice. Its ``row_tokens``
         are the row's real tokens (the padding segment after them), its ``media_counts`` every rank's count of each
-        media key (:func:`~padfree_plugins.modeling.tower_share.media_counts`)."""
+        media key (:func:`~padfree_plugins.modeling.tower_share.media_counts`). ``kept``: the media keys not
+        exchanged (:func:`gather_rows`)."""
         labelled = "logits_to_keep" in batch
-        rows = gather_rows(batch, self.group, media=self.media_keys)
+        rows = gather_rows(batch, self.group, media=self.media_keys, kept=kept)
         row = join_rows(rows)
         local = slice_row(row, self.group.rank, self.group.size, self.pad_token_id, whole=bool(self.media_keys))
         local.row_tokens = packed_tokens(row)
@@ -479,7 +487,7 @@ class SequenceParallelForward:
     def __call__(self, model: Any, batch: Mapping, **kwargs: Any) -> Any:
         if getattr(self.inner, "pools_examples", False):
             return self.pooled(model, batch, **kwargs)
-        local = self.slice(batch)
+        local = self.slice(batch, kept_media(model, self.media_keys))
         scale = 1
         if kwargs.get("num_items_in_batch") is None and "labels" in local:
             count = (local["labels"] != -100).sum()

@@ -6,7 +6,8 @@ model fills the placeholders in) and its language model cuts this rank's slice a
 rank: :class:`TowerShare`, in place of the base model's ``get_image_features`` / ``get_video_features``, runs the
 original on this rank's own pixel rows and grids only (:data:`MEDIA_SHARES`: every rank's count of each media key,
 published around the model call) and all-gathers the features (:class:`_GatherFeatures`, rank order) so that the
-model merges the whole row's as before. Its backward sums the features' gradients over the group (each rank's slice
+model merges the whole row's as before; the pixels (:data:`PIXEL_KEYS`) are therefore not exchanged with the row
+(:func:`kept_media`). Its backward sums the features' gradients over the group (each rank's slice
 uses every image's features) and hands each rank its own images' part: a rank's tower gets its own images' whole
 gradient, which the data-parallel all-reduce sums over the group as before.
 
@@ -30,8 +31,11 @@ import torch.distributed as dist
 from padfree_plugins.errors import PadfreeError
 from padfree_plugins.modeling.attention import ThreadValue
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup
-from padfree_plugins.modeling.patching import own_attribute, restore_attributes
+from padfree_plugins.modeling.patching import own_attribute, restore_attributes, unwrap_model
 from padfree_plugins.modeling.vision import TowerGuard, zero_sum
+
+__all__ = ["MEDIA_SHARES", "PIXEL_KEYS", "TowerShare", "TowerShareHandle", "gather_features", "install_tower_share",
+           "kept_media", "media_counts", "media_shares", "why_not_shared"]
 
 #: Every rank's count of each media key of the group's joined row (``{key: [count per rank]}``), while the model
 #: runs on it; ``None`` outside.
@@ -42,6 +46,8 @@ _SHARING = ThreadValue(False)
 
 #: The methods of a vision-language base model that run its tower on pixels.
 FEATURE_METHODS = ("get_image_features", "get_video_features")
+#: Their pixel inputs: another rank's rows of them are never encoded here, so they are not exchanged (:func:`kept_media`).
+PIXEL_KEYS = ("pixel_values", "pixel_values_videos")
 #: The fields of their outputs that the model's forward merges (gathered); the others are left out.
 GATHERED_FIELDS = ("pooler_output", "deepstack_features")
 
@@ -144,10 +150,11 @@ class TowerShare:
             return self.original(*args, **kwargs)
         if any(not isinstance(value, torch.Tensor) or value.shape[0] != sum(counts[name])
                for name, value in shared.items()):
-            warnings.warn(f"{type(self.original.__self__).__name__}.{self.original.__name__} was given media that "
-                          "are not the sequence-parallel group's joined row: every rank runs the vision tower on all "
-                          "of them", stacklevel=2)
-            return self.original(*args, **kwargs)
+            found = {name: getattr(value, "shape", None) for name, value in shared.items()}
+            raise PadfreeError(f"{type(self.original.__self__).__name__}.{self.original.__name__} was given media "
+                               f"that are not the sequence-parallel group's joined row ({found}; every rank's counts: "
+                               f"{counts}), so this rank's own cannot be picked out; train this model with "
+                               "sequence_parallel.size: 1")
         rank = self.group.rank
         for name, value in shared.items():
             start = sum(counts[name][:rank])
@@ -204,6 +211,16 @@ class TowerShareHandle:
         self.saved = {}
 
 
+def kept_media(model: Any, media: Sequence[str]) -> tuple[str, ...]:
+    """The ``media`` keys each rank of the group keeps to itself (:data:`PIXEL_KEYS`) where ``model``'s feature
+    methods are :class:`TowerShare` s (its tower encodes only this rank's own); none otherwise."""
+    base = unwrap_model(model)
+    base = getattr(base, "base_model", base)
+    if not isinstance(base.__dict__.get("get_image_features"), TowerShare):
+        return ()
+    return tuple(key for key in media if key in PIXEL_KEYS)
+
+
 def why_not_shared(model: Any, idle_image: Callable[[Any], Any] | None) -> str | None:
     """Why each rank cannot run the tower on its own media only (``None`` when it can)."""
     base = getattr(model, "base_model", model)
@@ -244,6 +261,3 @@ def install_tower_share(model: Any, group: SequenceGroup, handles: Sequence[Any]
             setattr(base, name, TowerShare(original, idle, idle_image, base.config, group))
     return TowerShareHandle(base, saved)
 
-
-__all__ = ["MEDIA_SHARES", "TowerShare", "TowerShareHandle", "gather_features", "install_tower_share",
-           "media_counts", "media_shares", "why_not_shared"]
