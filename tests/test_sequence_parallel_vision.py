@@ -9,7 +9,8 @@ case the group's row is cut inside an image's tokens (asserted), and every resul
 examples: losses to 1e-5 (relative), gradients — the vision tower's included — to 1e-4:
 
 * ``assembly.forward`` + backward on Qwen2.5-VL (mRoPE ``[4, 1, T]`` positions; also with one rank's micro-batch
-  without images, which sends no pixels, and with all-gather attention), Qwen2-VL, Gemma 3 (the cut image's tokens
+  without images, which sends no pixels, and with all-gather attention), Qwen3-VL with images on one rank and a video
+  on the other, Qwen2-VL, Gemma 3 (the cut image's tokens
   attend to each other both ways across the two slices), Qwen3-VL (also all-gather) and Qwen3-VL-MoE (deepstack
   features per visual token), Qwen3.5 and Qwen3.5-MoE (hybrid language models: the gated delta rule split, rank 1's
   piece of the cut example starting from rank 0's state; Qwen3.5 also gathered, ``mixers: gather``);
@@ -96,6 +97,20 @@ def test_an_image_text_row_split_across_ranks_equals_one_process(launched, famil
     every, towers = gradient_difference(run["grads"], run["reference_grads"])
     loss = abs(run["loss"] - run["reference_loss"]) / abs(run["reference_loss"])
     print(f"{family} sp2: loss {loss:.1e} (relative), gradients {every:.1e}, tower {towers:.1e}")
+    assert loss < LOSS and every < GRADIENT and towers < GRADIENT
+
+
+def test_images_on_one_rank_and_a_video_on_the_other_equal_one_process(launched):
+    """Qwen3-VL (deepstack features), rank 0's micro-batch with images and no video, rank 1's with a video and no image:
+    each rank's tower encodes its own media and the idle image for the kind it lacks (rank 0: its images' 36 pixel
+    rows, then 4 for the video call; rank 1: 4, then its video's 16), the video's features gathered through
+    ``get_video_features`` (which calls ``get_image_features`` itself). Loss and gradients, the tower's too, equal one
+    process."""
+    run = launched["forward-qwen3_vl-video"]
+    assert run["tower"] == [[36, 4], [4, 16]] and run["own"] == [36, 0] and run["pixels_kept"] == [True, True]
+    every, towers = gradient_difference(run["grads"], run["reference_grads"])
+    loss = abs(run["loss"] - run["reference_loss"]) / abs(run["reference_loss"])
+    print(f"qwen3_vl video sp2: loss {loss:.1e} (relative), gradients {every:.1e}, tower {towers:.1e}")
     assert loss < LOSS and every < GRADIENT and towers < GRADIENT
 
 
