@@ -342,8 +342,8 @@ def labels_shifted_after_cut(rank: int):
 
     right = SequenceParallelForward.slice
 
-    def wrong(self, batch):
-        local = right(self, batch)
+    def wrong(self, batch, *args, **kwargs):
+        local = right(self, batch, *args, **kwargs)
         labels = local["labels"].clone()
         labels[:, -1] = -100
         local.update(labels=labels, shift_labels=labels)

@@ -11,12 +11,16 @@ Cases (:data:`CASES`):
   rank 1's micro-batch without images; ``...-allgather``: ``sequence_parallel.attention: allgather``;
   ``...-gather``: ``sequence_parallel.mixers: gather``; ``...-zero-state``: under :func:`~padfree_plugins.testing.
   faults.mixer_scans_only_its_slice`; ``...-fault``: under :func:`~padfree_plugins.testing.faults.
-  image_features_sliced_off_by_one`): each rank packs its own image-text examples (:func:`rank_examples`) and runs
+  image_features_sliced_off_by_one`; ``...-unsummed``: under :func:`~padfree_plugins.testing.faults.
+  tower_gradients_not_summed`; ``forward-qwen3_vl-video``: rank 1's micro-batch a video and text, no image): each
+  rank packs its own image-text examples (:func:`rank_examples`) and runs
   ``assembly.forward`` + backward with ``num_items_in_batch`` the label count over both ranks; the losses and the
   gradients (vision tower included) are summed over the ranks (DDP's all-reduce times the world size a DDP loss is
   scaled by). The same process also computes the one-process reference: a second copy of the model, assembled
   without sequence parallelism, on the two ranks' examples packed into one row. ``cut``: whether the group's row is
-  cut inside an image's tokens;
+  cut inside an image's tokens; ``tower``: per rank, the pixel rows (Gemma 3: images) its vision tower encoded in
+  each call, and ``own``: per rank, its own micro-batch's; ``pixels_kept``: per rank, whether the joined row's pixels
+  held its own where they stand and zeros for the other rank's (never exchanged);
 * ``hf``: HF ``Trainer`` on Qwen2.5-VL processor rows (:func:`hf_trainer`), 2 SGD steps, its logged losses and the
   first step's gradients (after DDP's all-reduce);
 * ``sft``: TRL ``SFTTrainer`` on conversational Qwen2.5-VL rows with images (:func:`sft_trainer`), the same;
@@ -45,14 +49,15 @@ import torch.distributed as dist
 from tests.distributed_common import finish, leave
 
 SP_CONFIG = {"task": "causal_lm", "sequence_parallel": {"size": 2}}
-CASES = ("forward-qwen2_5_vl", "forward-qwen2_5_vl-fault", "forward-qwen2_5_vl-text-rank",
+CASES = ("forward-qwen2_5_vl", "forward-qwen2_5_vl-fault", "forward-qwen2_5_vl-unsummed",
+         "forward-qwen2_5_vl-text-rank", "forward-qwen3_vl-video",
          "forward-qwen2_5_vl-allgather", "forward-qwen3_vl-allgather", "forward-qwen2_vl",
          "forward-gemma3", "forward-qwen3_vl", "forward-qwen3_vl_moe", "forward-qwen3_5", "forward-qwen3_5_moe",
          "forward-qwen3_5-gather", "forward-qwen3_5-zero-state", "hf", "sft", "dpo", "dpo-shared", "dpo-shared-gemma3", "dpo-shared-qwen3_5",
          "grpo", "rloo", "kto")
 STEPS = 2
 #: What a ``forward-<family>`` case may end with (see the module docstring).
-FORWARD_SUFFIXES = ("-fault", "-text-rank", "-allgather", "-zero-state", "-gather")
+FORWARD_SUFFIXES = ("-fault", "-unsummed", "-video", "-text-rank", "-allgather", "-zero-state", "-gather")
 #: Per rank, per example: (words of text before, images as (height, width) pixels, words after). Rank 0's last
 #: example ends with an image, so the group's row is cut inside an image's tokens (asserted: ``cut``).
 LAYOUT = (
@@ -81,15 +86,21 @@ def family_model(family: str):
     return model(family, seed=0)
 
 
-def rank_examples(family: str, rank: int, text_rank: bool = False) -> list[dict]:
+def rank_examples(family: str, rank: int, text_rank: bool | str = False) -> list[dict]:
     """Rank ``rank``'s image-text examples (processor outputs, labels from input_ids): :data:`LAYOUT` (``text_rank``:
-    :data:`TEXT_RANK_LAYOUT`)."""
+    :data:`TEXT_RANK_LAYOUT`; ``"video"``: rank 1's a video and a text example, no image)."""
+    if text_rank == "video" and rank == 1:
+        from padfree_plugins.testing.vision import image_text_example, synthetic_video_example
+
+        processor = family_processor(family)
+        return [synthetic_video_example(processor, family_model(family).config, "a video <image> and its words",
+                                        seed=3), image_text_example(processor, "only words here")]
     from padfree_plugins.testing.vision import gemma3_example, image_text_example, synthetic_image
     from tests.vision_trl import words
 
     processor = family_processor(family)
     examples = []
-    layout = GEMMA3_LAYOUT if family == "gemma3" else TEXT_RANK_LAYOUT if text_rank else LAYOUT
+    layout = GEMMA3_LAYOUT if family == "gemma3" else TEXT_RANK_LAYOUT if text_rank is True else LAYOUT
     for index, (before, sizes, after) in enumerate(layout[rank]):
         seed = 10 * rank + index
         if family == "gemma3":
@@ -112,7 +123,7 @@ def gradients(model) -> dict:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def run_forward(family: str, fault: str | None, text_rank: bool = False, attention: str = "auto",
+def run_forward(family: str, fault: str | None, text_rank: bool | str = False, attention: str = "auto",
                 mixers: str = "split") -> dict:
     """One forward + backward of each rank's micro-batch, sequence-parallel (``attention``, ``mixers``: its
     ``sequence_parallel`` options), and the one-process reference."""
@@ -130,10 +141,30 @@ def run_forward(family: str, fault: str | None, text_rank: bool = False, attenti
     seen: list = []
     handle = assembly.model.model.language_model.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(kwargs["inputs_embeds"].shape[1]), with_kwargs=True)
+    tower: list = []
+    base = assembly.model.model
+    joined: list = []
+    given = base.register_forward_pre_hook(lambda module, args, kwargs: joined.append(kwargs.get("pixel_values")),
+                                           with_kwargs=True)
+    counted = (getattr(base, "visual", None) or base.vision_tower).register_forward_pre_hook(
+        lambda module, args, kwargs: tower.append(int(next(iter((*args, *kwargs.values()))).shape[0])),
+        with_kwargs=True)
     with getattr(faults, fault)() if fault else contextlib.nullcontext():
         loss = assembly.forward(assembly.model, mine, num_items_in_batch=count).loss
-    loss.backward()
+        loss.backward()
     handle.remove()
+    counted.remove()
+    given.remove()
+    own = int(mine["pixel_values"].shape[0]) if "pixel_values" in mine else 0
+    towers: list = [None, None]
+    dist.all_gather_object(towers, (tower, own))
+    # the joined row's pixels: this rank's own where they stand, the other rank's never sent (zeros)
+    start = towers[0][1] if rank else 0
+    pixels = joined[0]
+    others = torch.cat([pixels[:start], pixels[start + own:]])
+    kept = bool(not others.any() and (not own or torch.equal(pixels[start:start + own], mine["pixel_values"])))
+    everyone: list = [None, None]
+    dist.all_gather_object(everyone, kept)
     total = loss.detach().clone()
     dist.all_reduce(total)
     grads = gradients(assembly.model)
@@ -150,7 +181,8 @@ def run_forward(family: str, fault: str | None, text_rank: bool = False, attenti
     cut = bool(tokens[half - 1] and tokens[half])
     return {"loss": float(total), "reference_loss": float(loss_one), "grads": grads,
             "reference_grads": gradients(one.model), "cut": cut, "row": tokens.numel(), "seen": seen,
-            "slice": half, "attention": attention_function(model),
+            "slice": half, "attention": attention_function(model), "tower": [rows for rows, _ in towers],
+            "own": [own for _, own in towers], "pixels_kept": everyone,
             "split": split_mixers(model), "whole": split_mixers(model, "WholeRowMixer")}
 
 
@@ -417,8 +449,9 @@ def run_case(case: str) -> dict:
         for suffix in FORWARD_SUFFIXES:
             family = family.removesuffix(suffix)
         fault = "image_features_sliced_off_by_one" if case.endswith("-fault") else \
-            "mixer_scans_only_its_slice" if case.endswith("-zero-state") else None
-        return run_forward(family, fault, case.endswith("-text-rank"),
+            "mixer_scans_only_its_slice" if case.endswith("-zero-state") else \
+            "tower_gradients_not_summed" if case.endswith("-unsummed") else None
+        return run_forward(family, fault, "video" if case.endswith("-video") else case.endswith("-text-rank"),
                            "allgather" if case.endswith("-allgather") else "auto",
                            "gather" if case.endswith("-gather") else "split")
     if case == "rloo":

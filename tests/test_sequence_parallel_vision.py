@@ -2,13 +2,15 @@
 is tests/sequence_parallel_vision_run.py, every case in one torchrun launch with a timeout).
 
 Each rank loads its own image-text micro-batch; the group joins them into one row (the media with them, in rank
-order) and the model embeds the whole row, runs its vision tower on every image and merges the features on every
-rank; its language model then takes this rank's half (``SliceRow``). In every case the group's row is cut inside an
-image's tokens (asserted), and every result equals one process on the same examples: losses to 1e-5 (relative),
-gradients — the vision tower's included — to 1e-4:
+order) and the model embeds the whole row on every rank; each rank's vision tower encodes only its own micro-batch's
+images (asserted; the idle image on a rank without any) and the features are all-gathered in rank order
+(``TowerShare``), merged into the whole row; its language model then takes this rank's half (``SliceRow``). In every
+case the group's row is cut inside an image's tokens (asserted), and every result equals one process on the same
+examples: losses to 1e-5 (relative), gradients — the vision tower's included — to 1e-4:
 
 * ``assembly.forward`` + backward on Qwen2.5-VL (mRoPE ``[4, 1, T]`` positions; also with one rank's micro-batch
-  without images, which sends no pixels, and with all-gather attention), Qwen2-VL, Gemma 3 (the cut image's tokens
+  without images, which sends no pixels, and with all-gather attention), Qwen3-VL with images on one rank and a video
+  on the other, Qwen2-VL, Gemma 3 (the cut image's tokens
   attend to each other both ways across the two slices), Qwen3-VL (also all-gather) and Qwen3-VL-MoE (deepstack
   features per visual token), Qwen3.5 and Qwen3.5-MoE (hybrid language models: the gated delta rule split, rank 1's
   piece of the cut example starting from rank 0's state; Qwen3.5 also gathered, ``mixers: gather``);
@@ -22,7 +24,7 @@ gradients — the vision tower's included — to 1e-4:
 
 Shared image-text prompts (``prefix_sharing: on``): each rank's fused call holds each prompt once, its images once;
 the group joins the rows, their prompt structure (segment parents offset) and their media into one shared row, the
-model embeds it whole on every rank (the tower encodes each distinct prompt's images once) and the language model
+model embeds it whole on every rank (each rank's tower encodes its own prompts' images once) and the language model
 takes this rank's slice; attention applies the joined row's structure after Ulysses' all-to-all. GRPO (Qwen2.5-VL: a
 completion on rank 1 whose prompt starts on rank 0, the cut inside that prompt's first image, the tower given a
 quarter of the unshared call's pixel rows) and DPO (Qwen2.5-VL: the cut inside an image; Gemma 3: its images'
@@ -30,7 +32,8 @@ bidirectional blocks inside the prompts) equal TRL's runs, every fused call shar
 
 The deliberate faults ``image_features_sliced_off_by_one`` (a later rank's merged embeddings cut one token early),
 ``parent_keys_not_exchanged`` (shared GRPO: the keys and values of a completion's prompt on the other rank left out)
-and ``mixer_scans_only_its_slice`` (Qwen3.5: rank 1's mixers start from zeros) are far off. What image-text rows
+``mixer_scans_only_its_slice`` (Qwen3.5: rank 1's mixers start from zeros) and ``tower_gradients_not_summed`` (the
+gathered features' gradient not summed over the group: the tower's gradients) are far off. What image-text rows
 under sequence parallelism do not take is refused in one process (the group faked), before anything changes.
 """
 
@@ -86,9 +89,28 @@ def test_an_image_text_row_split_across_ranks_equals_one_process(launched, famil
     assert (run["split"] > 0) == (family.startswith("qwen3_5") and not family.endswith("gather"))
     assert (run["whole"] > 0) == (family == "qwen3_5-gather")
     assert run["seen"] == [run["slice"]] and run["slice"] * 2 >= run["row"]  # the language model got a half
+    # each rank's tower encoded its own micro-batch's pixel rows (Gemma 3: images) once, a rank without images the
+    # idle image (Qwen: one merged cell of 4 pixel rows)
+    idle = 1 if family == "gemma3" else 4
+    assert run["tower"] == [[own or idle] for own in run["own"]] and run["own"][0] > 0, (run["tower"], run["own"])
+    assert run["pixels_kept"] == [True, True]  # the other rank's pixels are never sent, only the features
     every, towers = gradient_difference(run["grads"], run["reference_grads"])
     loss = abs(run["loss"] - run["reference_loss"]) / abs(run["reference_loss"])
     print(f"{family} sp2: loss {loss:.1e} (relative), gradients {every:.1e}, tower {towers:.1e}")
+    assert loss < LOSS and every < GRADIENT and towers < GRADIENT
+
+
+def test_images_on_one_rank_and_a_video_on_the_other_equal_one_process(launched):
+    """Qwen3-VL (deepstack features), rank 0's micro-batch with images and no video, rank 1's with a video and no image:
+    each rank's tower encodes its own media and the idle image for the kind it lacks (rank 0: its images' 36 pixel
+    rows, then 4 for the video call; rank 1: 4, then its video's 16), the video's features gathered through
+    ``get_video_features`` (which calls ``get_image_features`` itself). Loss and gradients, the tower's too, equal one
+    process."""
+    run = launched["forward-qwen3_vl-video"]
+    assert run["tower"] == [[36, 4], [4, 16]] and run["own"] == [36, 0] and run["pixels_kept"] == [True, True]
+    every, towers = gradient_difference(run["grads"], run["reference_grads"])
+    loss = abs(run["loss"] - run["reference_loss"]) / abs(run["reference_loss"])
+    print(f"qwen3_vl video sp2: loss {loss:.1e} (relative), gradients {every:.1e}, tower {towers:.1e}")
     assert loss < LOSS and every < GRADIENT and towers < GRADIENT
 
 
@@ -98,6 +120,16 @@ def test_image_features_sliced_off_by_one_are_far_off(launched):
     every, towers = gradient_difference(run["grads"], run["reference_grads"])
     loss = abs(run["loss"] - run["reference_loss"]) / abs(run["reference_loss"])
     assert loss > 100 * LOSS and every > 100 * GRADIENT and towers > 100 * GRADIENT
+
+
+def test_image_features_whose_gradient_is_not_summed_over_the_group_are_far_off(launched):
+    """The fault ``tower_gradients_not_summed``: the backward of the gathered image features hands each rank's tower
+    only its own slice's gradient of its images' features. The forward is right; the tower's gradients are far off
+    (an image whose tokens the other rank's slice holds, or that the cut splits, loses that rank's part)."""
+    run = launched["forward-qwen2_5_vl-unsummed"]
+    every, towers = gradient_difference(run["grads"], run["reference_grads"])
+    loss = abs(run["loss"] - run["reference_loss"]) / abs(run["reference_loss"])
+    assert loss < LOSS and towers > 100 * GRADIENT
 
 
 def test_a_hybrid_image_text_row_whose_mixers_start_from_zeros_after_the_cut_is_far_off(launched):
@@ -238,15 +270,15 @@ def test_dpo_with_shared_image_text_prompts_under_sequence_parallelism_equals_on
     one-process run (padded, 4 pairs a step): losses, reward margins, first step's gradients (the tower's too); every
     fused call shared, a completion across the cut from its prompt. Qwen2.5-VL: the cut inside an image, and the tower
     given half the unshared run's pixel rows; Gemma 3: each prompt's image a bidirectional block, attended after
-    Ulysses' all-to-all on the whole row (the tower given the 4 pairs' images once each); Qwen3.5 (a hybrid language
-    model): the cut inside an image, its gated delta rule split across the ranks, each completion starting from its
-    prompt's state, handed on from the rank where the prompt ended."""
+    Ulysses' all-to-all on the whole row (each rank's tower given its own 2 pairs' images once each); Qwen3.5 (a hybrid
+    language model): the cut inside an image, its gated delta rule split across the ranks, each completion starting
+    from its prompt's state, handed on from the rank where the prompt ended."""
     run, want = launched[kind], trainer_reference(kind)
     assert_every_call_shared(run, prompts=4, children=2)
     calls = run["calls"]
     assert (run["split"] > 0) == kind.endswith("qwen3_5")  # Qwen3.5's gated delta rule split across the ranks
     if kind == "dpo-shared-gemma3":
-        assert calls["tower"] == [4, 4]  # one image a pair, held once
+        assert calls["tower"] == [2, 2]  # one image a pair, held once; rank 0's own pairs only
     else:
         assert all(cut for _, cut in calls["rows"]), "the cut must fall inside an image's tokens"
     if kind == "dpo-shared":
@@ -354,3 +386,32 @@ def test_what_image_text_rows_under_sequence_parallelism_do_not_take_is_refused(
         assemble(net, config)
     assert patch_of(net) is None and net.config.get_text_config()._attn_implementation == implementation
     assert not any(module._forward_pre_hooks for module in net.modules())
+
+
+def test_each_rank_runs_the_tower_on_its_own_media_or_says_why_not(fake_group, monkeypatch):
+    """One process (the group of 2 faked): under sequence parallelism the base model's ``get_image_features`` and
+    ``get_video_features`` become :class:`TowerShare` s (each rank's own media, the features gathered), which
+    ``generate()`` still reads the inputs of (their signature is the original's), and come off with the patch. A
+    family that cannot (here: no idle image for a rank without images) keeps the whole tower on every rank, with a
+    warning that says why."""
+    import inspect
+
+    from padfree_plugins.modeling import tower_share
+    from tests.vision_trl import model
+
+    net = model("qwen2_5_vl")
+    base = net.base_model
+    want = inspect.signature(base.get_image_features)
+    assemble(net, {"task": "causal_lm", "sequence_parallel": {"size": 2}})
+    for name in tower_share.FEATURE_METHODS:
+        assert isinstance(base.__dict__[name], tower_share.TowerShare)
+    assert inspect.signature(base.get_image_features) == want
+    patch_of(net).undo()
+    assert not any(name in base.__dict__ for name in tower_share.FEATURE_METHODS)
+
+    monkeypatch.setattr(tower_share, "idle_image_of", lambda handles: None)
+    with pytest.warns(UserWarning, match=r"every rank runs the vision tower on all the images of its group's row.*"
+                                         r"no idle image"):
+        assemble(net, {"task": "causal_lm", "sequence_parallel": {"size": 2}})
+    assert not any(name in base.__dict__ for name in tower_share.FEATURE_METHODS)
+    assert patch_of(net) is not None

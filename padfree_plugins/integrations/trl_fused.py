@@ -52,8 +52,9 @@ its own call's tokens. Each rank's TRL loss then reads exactly its own examples'
 parallelism. The ranks of a group agree at every fused call whether all of them pack it (one small all-reduce): if
 one cannot, every rank runs its own call through TRL's forward, padded, so that their collectives stay in step.
 An image-text call is exchanged with its media (each rank's pixels and grids, in rank order) and goes to the model
-whole on every rank, its ``shift_labels`` sliced: the model embeds the joined row, runs the vision tower on every image
-of it and merges the features, and its language model takes this rank's slice
+whole on every rank, its ``shift_labels`` sliced: the model embeds the joined row, each rank's vision tower encodes its
+own call's media and the features are all-gathered (:mod:`~padfree_plugins.modeling.tower_share`) and merged, and its
+language model takes this rank's slice
 (:class:`~padfree_plugins.modeling.sequence_parallel.SliceRow`), so that an image cut by a rank boundary is whole.
 With ``prefix_sharing``
 each rank's call shares its prompts, and its row's prompt structure travels with it (one parent per segment:
@@ -89,6 +90,7 @@ from padfree_plugins.modeling.mixers import mixer_chunk
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup, gather_sequence
 from padfree_plugins.modeling.patching import own_attribute, patch_of, restore_attributes, unwrap_model
 from padfree_plugins.modeling.sequence_parallel import gather_rows
+from padfree_plugins.modeling.tower_share import kept_media, media_counts, media_shares
 from padfree_plugins.packing.batch import BOUNDARY_KEYS, MEDIA_KEYS, MODEL_INPUT_KEYS, packed_tokens
 from padfree_plugins.packing.multimodal import MODALITY_KEYS, TOKEN_TYPES_KEY, MultimodalCollator, media_equal, \
     share_prompts
@@ -159,7 +161,7 @@ def own_tokens(whole: torch.Tensor, sizes: list[int], rank: int) -> torch.Tensor
 
 
 def fused_on_slice(original: Any, inputs: dict, group: SequenceGroup, shares: bool = False,
-                   media: tuple[str, ...] = (), pad: int = 0) -> Any:
+                   media: tuple[str, ...] = (), pad: int = 0, kept: tuple[str, ...] = ()) -> Any:
     """TRL's fused forward ``original`` of this rank's packed call ``inputs`` (pre-shifted ``shift_labels``) under
     sequence parallelism: the group's packed rows joined, this rank's slice through ``original``, every per-token
     output gathered back to the whole row (in one exchange) and cut to this rank's own tokens; the label mask and the
@@ -168,7 +170,9 @@ def fused_on_slice(original: Any, inputs: dict, group: SequenceGroup, shares: bo
     built alike on every rank (:func:`~padfree_plugins.packing.sequence_parallel.slice_row`). ``media``: the media keys
     of an image-text row (its family's collator's): the joined row goes to the model whole, its ``shift_labels``
     sliced, and the model's language model cuts this rank's slice after merging the image features
-    (:class:`~padfree_plugins.modeling.sequence_parallel.SliceRow`); ``pad``: the padding segment's token."""
+    (:class:`~padfree_plugins.modeling.sequence_parallel.SliceRow`); ``pad``: the padding segment's token; ``kept``:
+    the media keys each rank keeps to itself (its vision tower encodes its own:
+    :func:`~padfree_plugins.modeling.tower_share.kept_media`)."""
     inputs = dict(inputs)
     structure = inputs.pop(SHARED_PREFIXES_KEY, None)
     if shares:
@@ -177,10 +181,11 @@ def fused_on_slice(original: Any, inputs: dict, group: SequenceGroup, shares: bo
         raise PadfreeError("a shared row under sequence parallelism from a head that does not share prefixes")
     rows = {key: value for key, value in inputs.items() if isinstance(value, torch.Tensor) or key in MAX_KEYS}
     rest = {key: value for key, value in inputs.items() if key not in rows}
-    gathered = gather_rows(rows, group, dropped=(), media=media)
+    gathered = gather_rows(rows, group, dropped=(), media=media, kept=kept)
     sizes = [packed_tokens(row) for row in gathered]
     local = slice_row(join_rows(gathered), group.rank, group.size, pad, pre_shifted=True, whole=bool(media))
-    output = original(fused_lm_head=True, **rest, **local)
+    with media_shares(media_counts(gathered, media)):  # the vision tower runs on this rank's own media
+        output = original(fused_lm_head=True, **rest, **local)
     tokens = local["shift_labels"].shape[1]  # the slice's (an image-text row's inputs are whole)
     keys = [key for key, value in output.items() if key != "label_mask" and isinstance(value, torch.Tensor) and
             tuple(value.shape) == (1, tokens)]
@@ -494,7 +499,8 @@ class PackedFusedHead:
         if self.sequence is not None:
             media = self.collator.media_keys if self.collator is not None else ()
             output = fused_on_slice(self.original, inputs, self.sequence, self.share_prefixes, media,
-                                    pad_token_of(self.model, self.collator) if media else 0)
+                                    pad_token_of(self.model, self.collator) if media else 0,
+                                    kept_media(self.model, media))
         else:
             output = self.original(fused_lm_head=True, **inputs)
         for key in list(output.keys()):

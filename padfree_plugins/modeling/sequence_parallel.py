@@ -11,8 +11,9 @@ its own contiguous slice of the tokens.
   row (:class:`WholeRowMixer`: ``gather``, and Mamba1, which cannot start from a state), and the guard checking each
   rank's slice; ``remove()`` (in ``patch.handles``) undoes it;
 * :class:`SliceRow` — for a vision-language model, a forward pre-hook on its language model: the model gets the
-  group's whole image-text row (every rank embeds it, runs the vision tower on all its images and merges the
-  features), and its language model takes this rank's slice of the merged embeddings and positions;
+  group's whole image-text row (every rank embeds it and merges the whole row's image features, each rank's vision
+  tower having encoded only its own micro-batch's media: :mod:`~padfree_plugins.modeling.tower_share`), and its
+  language model takes this rank's slice of the merged embeddings and positions;
 * :class:`SequenceParallelForward` — the assembly's forward under sequence parallelism: the group's micro-batches
   exchanged into one row (:func:`gather_rows`, an image-text row's media with it), shifted, padded and sliced
   (:mod:`padfree_plugins.packing.sequence_parallel`), this rank's slice through the model; for evaluation's
@@ -55,6 +56,7 @@ from padfree_plugins.modeling.mixers import PACKED_ROW, sequence_mixers
 from padfree_plugins.modeling.patching import ModelPatch, own_attribute, restore_attributes, unwrap_model
 from padfree_plugins.modeling.router_aux import RouterAux
 from padfree_plugins.modeling.split_mixers import SplitMixer, partitioned_by_zero3, why_not_split, zero3_refusal
+from padfree_plugins.modeling.tower_share import install_tower_share, kept_media, media_counts, media_shares
 from padfree_plugins.packing.batch import PackedBatch, packed_tokens
 from padfree_plugins.packing.sequence_parallel import CU_KEYS, DROPPED_KEYS, MAX_KEYS, is_rotary_rows, is_token_key, \
     join_rows, padded_length, slice_row
@@ -121,13 +123,15 @@ ROW_STRUCTURE_KEYS = (*CU_KEYS, *MAX_KEYS, "block_sequence_ids")
 @dataclass
 class SliceRow:
     """Forward pre-hook of a vision-language model's language model under sequence parallelism: a packed call (its
-    boundaries given) arrives with the whole row's merged embeddings — the model embedded the group's whole row, ran
-    its vision tower on every image of it and filled the placeholders — and goes on with this rank's slice of them:
+    boundaries given) arrives with the whole row's merged embeddings — the model embedded the group's whole row and
+    filled the placeholders with every rank's image features (:class:`~padfree_plugins.modeling.tower_share.
+    TowerShare`) — and goes on with this rank's slice of them:
     ``inputs_embeds``, ``position_ids`` (Qwen's ``[R, 1, T]`` rows along their last axis) and every other per-token
     input ``[1, T, ...]`` cut to :meth:`SequenceGroup.slice_of`, the row's structure (boundaries, image blocks) kept
     whole, as attention reads it after its all-to-all. The backward of the cut sends each rank's slice's gradient to
-    the merged embeddings alone, so each rank's tower and embedding gradients are its slice's share, which the data-
-    parallel all-reduce sums over the group (as for a text row's embeddings). Qwen3-VL's deepstack features (one per
+    the merged embeddings alone, so each rank's embedding gradients are its slice's share, which the data-parallel
+    all-reduce sums over the group (as for a text row's embeddings); the image features' gradient is summed over the
+    group by their gather. Qwen3-VL's deepstack features (one per
     visual token, added at ``visual_pos_masks``) keep the slice's visual tokens."""
 
     group: SequenceGroup
@@ -183,7 +187,8 @@ class SequenceParallelPatch:
         passed between ranks: :mod:`~padfree_plugins.modeling.split_mixers`; the whole row, with a warning, for a mixer
         that cannot start from a state) or ``gather`` (:class:`WholeRowMixer` for every mixer). ``whole_rows``: a
         vision-language model, given whole image-text rows: its language model takes this rank's slice
-        (:class:`SliceRow`)."""
+        (:class:`SliceRow`), and each rank's vision tower encodes its own media
+        (:func:`~padfree_plugins.modeling.tower_share.install_tower_share`)."""
         if mixers not in MIXER_MODES:
             raise ConfigError(f"sequence_parallel.mixers: {mixers!r} is not one of {', '.join(MIXER_MODES)}")
         model = patch.model
@@ -197,6 +202,9 @@ class SequenceParallelPatch:
                                   "an image-text row after the image features are merged: train it with "
                                   "sequence_parallel.size: 1")
             installed.hooks.append(text_model.register_forward_pre_hook(SliceRow(group), with_kwargs=True))
+            shared_tower = install_tower_share(model, group, patch.handles)
+            if shared_tower is not None:
+                installed.hooks.append(shared_tower)
         if patch.previous_implementation is not None:  # a model with attention (not Mamba)
             installed.implementation = attention.register(patch.backend, patch.fallback, patch.attention_dropout,
                                                           patch.architecture.kind == "decoder",
@@ -280,13 +288,15 @@ def _media_shapes(batch: Mapping, media: tuple[str, ...]) -> dict[str, tuple[str
 
 
 def gather_rows(batch: Mapping, group: SequenceGroup, dropped: tuple[str, ...] = DROPPED_KEYS,
-                media: tuple[str, ...] = ()) -> list[PackedBatch]:
+                media: tuple[str, ...] = (), kept: tuple[str, ...] = ()) -> list[PackedBatch]:
     """Every rank's packed micro-batch of the group, in rank order (this rank's ``batch`` among them): one header
     exchange (token and example counts, one host sync), then one all-gather per key, padded to the largest; the
     keys ``dropped`` left out (by default the labelled logits, recomputed on the slice). ``media``: the keys of an
     image-text row's media (pixels, grids: any number of rows each, absent where a rank's micro-batch has no images),
-    exchanged with their own lengths; a rank without one gets it empty. Multimodal ``position_ids`` ``[R, 1, T]``
-    travel along their token axis."""
+    exchanged with their own lengths; a rank without one gets it empty. ``kept``: media keys that each rank keeps to
+    itself (the pixels a :class:`~padfree_plugins.modeling.tower_share.TowerShare` encodes on their owner's rank
+    alone): not exchanged, the other ranks' rows of them zeros of their shape. Multimodal ``position_ids``
+    ``[R, 1, T]`` travel along their token axis."""
     batch = {key: value for key, value in batch.items() if key not in dropped}
     signatures: list[Any] = [None] * group.size
     dist.all_gather_object(signatures, (_signature(batch, media), _media_shapes(batch, media)), group=group.group)
@@ -327,7 +337,12 @@ def gather_rows(batch: Mapping, group: SequenceGroup, dropped: tuple[str, ...] =
         value = batch.get(key)
         if not isinstance(value, torch.Tensor):
             value = torch.zeros((0, *trailing), dtype=getattr(torch, dtype.removeprefix("torch.")), device=device)
-        for row, piece in zip(rows, _all_gather_padded(value.to(device), lengths, 0, group)):
+        if key in kept:  # never read on another rank: stand-ins of their shape
+            pieces = [value.to(device) if rank == group.rank else value.new_zeros((length, *trailing), device=device)
+                      for rank, length in enumerate(lengths)]
+        else:
+            pieces = _all_gather_padded(value.to(device), lengths, 0, group)
+        for row, piece in zip(rows, pieces):
             row[key] = piece
     for row in rows:  # the joined row's media are model inputs on every rank, one without images of its own too
         if row.model_keys is not None and shapes:
@@ -452,14 +467,18 @@ class SequenceParallelForward:
             raise AttributeError(name)
         return getattr(self.inner, name)
 
-    def slice(self, batch: Mapping) -> PackedBatch:
+    def slice(self, batch: Mapping, kept: tuple[str, ...] = ()) -> PackedBatch:
         """This rank's slice of the group's row (the exchange of the ranks' micro-batches included); with labelled
         logits only when ``batch`` asked for them (``logits_to_keep``), computed on the slice. Its ``row_tokens``
-        are the row's real tokens (the padding segment after them)."""
+        are the row's real tokens (the padding segment after them), its ``media_counts`` every rank's count of each
+        media key (:func:`~padfree_plugins.modeling.tower_share.media_counts`). ``kept``: the media keys not
+        exchanged (:func:`gather_rows`)."""
         labelled = "logits_to_keep" in batch
-        row = join_rows(gather_rows(batch, self.group, media=self.media_keys))
+        rows = gather_rows(batch, self.group, media=self.media_keys, kept=kept)
+        row = join_rows(rows)
         local = slice_row(row, self.group.rank, self.group.size, self.pad_token_id, whole=bool(self.media_keys))
         local.row_tokens = packed_tokens(row)
+        local.media_counts = media_counts(rows, self.media_keys)
         if labelled and "labels" in local:  # its labels are shifted already: keep the positions that have one
             positions = torch.nonzero(local["labels"][0] != -100).reshape(-1)
             local.update(logits_to_keep=positions, shift_labels=local["labels"][:, positions])
@@ -468,14 +487,15 @@ class SequenceParallelForward:
     def __call__(self, model: Any, batch: Mapping, **kwargs: Any) -> Any:
         if getattr(self.inner, "pools_examples", False):
             return self.pooled(model, batch, **kwargs)
-        local = self.slice(batch)
+        local = self.slice(batch, kept_media(model, self.media_keys))
         scale = 1
         if kwargs.get("num_items_in_batch") is None and "labels" in local:
             count = (local["labels"] != -100).sum()
             dist.all_reduce(count, group=self.group.group)
             kwargs["num_items_in_batch"] = count
             scale = self.group.size
-        outputs = self.inner(model, local, **kwargs)
+        with media_shares(getattr(local, "media_counts", {})):  # the vision tower runs on this rank's own media
+            outputs = self.inner(model, local, **kwargs)
         if isinstance(outputs, Mapping) and outputs.get("aux_loss") is not None and outputs.get("router_logits"):
             self.share_router_aux(model, local, outputs)
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else None

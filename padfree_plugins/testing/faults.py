@@ -38,6 +38,9 @@ Both leave a model run on one example alone exactly as it was, and change only p
 * :func:`mixer_scans_only_its_slice` and :func:`state_from_wrong_rank`: the two ways sequence mixers split across the
   ranks of a sequence-parallel group (:mod:`padfree_plugins.modeling.split_mixers`) can go wrong — the piece of an
   example after a cut starting from zeros, or from a state that is not the previous rank's;
+* :func:`tower_gradients_not_summed`: an image-text row under sequence parallelism whose gathered image features
+  (:mod:`padfree_plugins.modeling.tower_share`) hand each rank's tower only its own slice's gradient of its images'
+  features, not the group's sum;
   :func:`child_starts_from_rank_predecessor`: in a shared row, a completion whose prompt ended on an earlier rank
   starting from the state its previous rank handed on last instead of its prompt's.
 """
@@ -52,7 +55,7 @@ from unittest import mock
 
 import torch
 
-from padfree_plugins.modeling import attention, mixers, patching, split_mixers, tiled_mixers, tiling
+from padfree_plugins.modeling import attention, mixers, patching, split_mixers, tiled_mixers, tiling, tower_share
 from padfree_plugins.modeling.attention import backends, context_parallel
 from padfree_plugins.modeling.patching import unwrap_model
 from padfree_plugins.modeling.sequence_parallel import SequenceParallelForward, SliceRow
@@ -606,4 +609,14 @@ def image_features_sliced_off_by_one() -> Iterator[None]:
         return answer
 
     with mock.patch.object(SliceRow, "__call__", early):
+        yield
+
+
+@contextmanager
+def tower_gradients_not_summed() -> Iterator[None]:
+    """Within the block, the backward of the image features gathered over a sequence-parallel group
+    (:class:`~padfree_plugins.modeling.tower_share.TowerShare`) does not sum their gradient over the group: each rank's
+    tower gets only what its own slice of the row sends its images' features (an image whose tokens lie in another
+    rank's slice gets nothing from there). The forward is untouched."""
+    with mock.patch.object(tower_share, "sum_over_group", lambda grad, group: grad):
         yield
