@@ -15,7 +15,8 @@ works, whatever the number of attention or key / value heads; the price is the r
 * :class:`Zigzag` — causal work balanced across the ranks (``sequence_parallel.balance``): the row cut into
   ``2N`` chunks (by its boundaries), rank ``r`` attends the queries of chunks ``r`` and
   ``2N-1-r`` (the pairing of ring-flash-attn's zigzag and Llama 3's context parallelism), exchanged by all-to-all
-  before the attention and sent back after it, so the rest of the layer keeps its contiguous slices;
+  before the attention and sent back after it, so the rest of the layer keeps its contiguous slices (the cuts are
+  read on the host from the boundaries);
   :func:`causal_work` counts the (query, key) pairs of a set of queries;
 * :func:`ulysses_share` — how many of a group's ranks ``sequence_parallel.attention`` splits by heads (Ulysses),
   the rest by all-gather, and why; :class:`AttentionLayout` — the process groups of that split (USP-style: Ulysses
@@ -290,7 +291,8 @@ class AllGatherAttention:
         return return_outputs(out, route), None
 
     def attend(self, module, query, key, value, attention_mask, causal: bool, start: int | None = None, **kwargs):
-        """This rank's queries (``start``: the row position of the first, by default its slice's) ``[1, H, T/N, D]`` attended to the row's keys and values ``[1, H_kv, T, D]``
+        """This rank's queries ``[1, H, T/N, D]`` (``start``: the row position of the first; by default its slice's)
+        attended to the row's keys and values ``[1, H_kv, T, D]``
         (causal: those up to the slice's end only, the later ones never seen). A row with shared prefixes: each
         segment's queries against its ancestors' keys, then its own up to the slice's end
         (:meth:`~padfree_plugins.packing.prefixes.SharedPrefixes.slice_keys`), wherever in the row they lie."""
