@@ -24,7 +24,7 @@ works, whatever the number of attention or key / value heads; the price is the r
 
 A rank that attended to its own slice's keys alone, or whose queries were placed one token off, whose balanced
 queries were masked as if they were one contiguous run, or whose outputs went back to the wrong rank, would be
-silently wrong: the faults of :mod:`padfree_plugins.testing.faults` show the tests catch both.
+silently wrong: the faults of :mod:`padfree_plugins.testing.faults` show the tests catch each.
 """
 
 from __future__ import annotations
@@ -175,13 +175,13 @@ class Zigzag:
     def route(self, rank: int, group: SequenceGroup, device: torch.device) -> Route:
         """The all-to-all that takes ``rank``'s slice of the row to the ranks attending its queries."""
         local = self.total // self.size
-        order, send = [], []
+        order, send = [torch.zeros(0, dtype=torch.long)], []
         for destination in range(self.size):
             pieces = self._pieces(rank, destination)
-            order.extend(p - rank * local for a, b in pieces for p in range(a, b))
+            order.extend(torch.arange(a - rank * local, b - rank * local) for a, b in pieces)
             send.append(sum(b - a for a, b in pieces))
         receive = [sum(b - a for a, b in self._pieces(source, rank)) for source in range(self.size)]
-        order = torch.tensor(order, dtype=torch.long, device=device)
+        order = torch.cat(order).to(device)
         return Route(group, order, torch.argsort(order), send, receive)
 
 
@@ -276,7 +276,7 @@ class AllGatherAttention:
     def attend_balanced(self, module, query, key, value, attention_mask, **kwargs):
         """Causal attention with the work balanced: this rank's slice of queries ``[1, H, T/N, D]`` exchanged for
         its :class:`Zigzag` chunks, each attended at its own row positions, the outputs sent back to their owners."""
-        group, local = self.group, query.shape[2]
+        group = self.group
         zigzag = Zigzag.of(kwargs["cu_seq_lens_q"], group.size)
         route = zigzag.route(group.rank, group, query.device)
         query = exchange(query, route, 2)
