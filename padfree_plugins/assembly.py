@@ -558,7 +558,7 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
         balance, why = balance_choice(config.sequence_parallel.balance, share, config.sequence_parallel.size)
         if config.sequence_parallel.balance == "zigzag" and not balance:
             logger.warning("padfree-plugins: sequence_parallel.balance: %s", why)
-        layout = AttentionLayout.of(sequence, share, balance)
+        layout = AttentionLayout.of(sequence, share, config.sequence_parallel.balance if balance else "off")
     patch = host.call_first("patch_model", model=inner, architecture=resolved.architecture,
                             backend=resolved.backend, fallback=resolved.fallback, config=config)
     if patch is None:

@@ -24,8 +24,10 @@ from padfree_plugins.modeling.attention.context_parallel import (
     balance_choice,
     causal_work,
     ulysses_share,
+    unbalanced,
 )
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup
+from padfree_plugins.packing.sequence_parallel import padded_length
 from padfree_plugins.testing import faults
 from tests import sequence_parallel_run as worker
 
@@ -135,7 +137,7 @@ def balanced(function, module, query, key, value, kwargs) -> torch.Tensor:
     total = query.shape[2]
     out = [None] * total
     for rank in range(SIZE):
-        ranked = AllGatherAttention(function, SequenceGroup(None, rank, SIZE), balance=True)
+        ranked = AllGatherAttention(function, SequenceGroup(None, rank, SIZE), balance="zigzag")
         for start, stop in Zigzag.of(kwargs["cu_seq_lens_q"], SIZE).spans(rank):
             if stop > start:
                 piece, _ = ranked.attend(module, query[:, :, start:stop], key, value, None, True, start=start,
@@ -202,16 +204,32 @@ def rank_work(lengths, size: int, zigzag: bool) -> list[int]:
 @pytest.mark.parametrize("lengths", [(4096,), (37, 4000, 59), (3, 61, 5, 11)])
 def test_zigzag_balances_the_causal_work_that_contiguous_slices_do_not(lengths):
     """The (query, key) pairs each of 4 ranks computes, for a row that is one long example, a long example crossing
-    every cut between short ones, and the distributed runs' spanning step (at SP4, 80 tokens): within 10% of each
+    every cut between short ones, and a short row of 80 tokens with one example across 3 slices: within 10% of each
     other by zigzag, far apart by contiguous slices (the last rank does 2N - 1 = 7 times the first's work on the
-    single example)."""
-    for want_total, zigzag in ((True, True), (True, False)):
+    single example); ``auto`` finds every one of them worth balancing."""
+    everything = causal_work(boundaries(lengths), [(0, sum(lengths))])
+    for zigzag in (True, False):
         work = rank_work(lengths, 4, zigzag)
-        total = sum(lengths)
-        assert sum(work) == causal_work(torch.tensor([0, *lengths]).cumsum(0), [(0, total)]) and want_total
         spread = max(work) / min(work)
-        print(f"{lengths} {'zigzag' if zigzag else 'contiguous'}: {work} (max / min {spread:.2f})")
+        print(f"{lengths} {'zigzag' if zigzag else 'contiguous'}: {work} (max / min {spread:.3f})")
+        assert sum(work) == everything
         assert spread < 1.1 if zigzag else spread > 1.5
+    assert unbalanced(boundaries(lengths), 4)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_auto_exchanges_the_distributed_runs_spanning_row(size):
+    """The spanning micro-step of tests/sequence_parallel_run.py (its group's row, the padding segment after it) is
+    one ``balance: auto`` exchanges, so the SP = 2 and SP = 4 all-gather cases run the zigzag path."""
+    lengths = [n for rank in worker.SPANNING[:size] for n in rank]
+    padding = padded_length(sum(lengths), size) - sum(lengths)
+    assert unbalanced(boundaries(lengths + ([padding] if padding else [])), size)
+
+
+@pytest.mark.parametrize("lengths", [(1024,) * 4, (16,) * 256, (7, 9) * 128])
+def test_auto_leaves_rows_whose_slices_are_balanced_anyway(lengths):
+    """Rows of examples no longer than a slice: contiguous slices within 10% of the mean work, no exchange."""
+    assert not unbalanced(boundaries(lengths), 4)
 
 
 def test_balance_is_chosen_wherever_allgather_runs_and_check_shows_it():
@@ -231,8 +249,11 @@ def test_balance_is_chosen_wherever_allgather_runs_and_check_shows_it():
     with pytest.raises(ConfigError, match="zigzag"):
         load_config({"sequence_parallel": {"size": 4, "balance": "zigzg"}})
     assert SequenceParallelConfig().balance == "auto"
-    layout = AttentionLayout(4, None, SequenceGroup(None, 0, 4), balance=True)
-    assert layout.suffix == "_sp4_allgather_zigzag" and layout.wrap(PadfreeAttention(_exact_backend())).balance
+    layout = AttentionLayout(4, None, SequenceGroup(None, 0, 4), balance="auto")
+    assert layout.suffix == "_sp4_allgather_zigzag"
+    assert layout.wrap(PadfreeAttention(_exact_backend())).balance == "auto"
+    assert "slice's causal work above 1.1 x the mean" in balance_choice("auto", 1, 4)[1]
+    assert "above" not in balance_choice("zigzag", 1, 4)[1]
 
 
 # --- the scheme and its refusals ---------------------------------------------------------------------------------

@@ -104,7 +104,8 @@ class SequenceParallelConfig:
         "across Ulysses blocks): zigzag (the row cut into 2 x ranks chunks, rank r attends the queries of chunks r "
         "and 2 x ranks - 1 - r, exchanged by all-to-all before the attention and sent back after it; the rest of the "
         "layer keeps its contiguous slices; exact); off (each rank attends its own slice's queries: the rank holding "
-        "the end of a long example does the most work); auto (zigzag wherever attention runs all-gather; nothing to "
+        "the end of a long example does the most work); auto (zigzag wherever attention runs all-gather, for the rows "
+        "whose contiguous slices are unbalanced: the largest slice's causal work above 1.1 x the mean; nothing to "
         "balance under Ulysses alone)", default="auto")
     mixers: Literal["split", "gather"] = _help(
         "sequence mixers of hybrid models (gated delta rule, KDA, Mamba2, short conv) under sequence parallelism: "

@@ -41,6 +41,10 @@ from padfree_plugins.modeling.attention.ulysses import SequenceGroup, UlyssesAtt
 from padfree_plugins.packing.batch import SHARED_PREFIXES_KEY
 from padfree_plugins.packing.prefixes import SHARED_PREFIXES_FEATURE
 
+#: ``sequence_parallel.balance: auto`` exchanges a row's queries only where its contiguous slices are this unbalanced:
+#: the largest slice's causal work above this many times the ranks' mean.
+PAYS_ABOVE = 1.1
+
 #: The backend feature all-gather needs: queries aligned to the end of their keys within an example (the backends
 #: that take shared prefixes have it: ``exact``, ``flash_attn``).
 ALIGNED_FEATURE = SHARED_PREFIXES_FEATURE
@@ -84,8 +88,10 @@ def balance_choice(requested: str, share: int, size: int) -> tuple[bool, str]:
     if requested == "off":
         return False, (f"off: each of the {ranks} all-gather ranks attends its own slice's queries (the one holding "
                        "the end of a long example does the most causal work)")
+    where = ("" if requested == "zigzag" else f", for rows whose contiguous slices would be unbalanced (the largest "
+             f"slice's causal work above {PAYS_ABOVE} x the mean)")
     return True, (f"zigzag over the {ranks} all-gather ranks (sequence_parallel.balance: {requested}): the row cut "
-                  f"into {2 * ranks} chunks, rank r attends the queries of chunks r and {2 * ranks - 1}-r")
+                  f"into {2 * ranks} chunks, rank r attends the queries of chunks r and {2 * ranks - 1}-r{where}")
 
 
 def slice_boundaries(cu_seq_lens: torch.Tensor, start: int, local: int, causal: bool
@@ -109,6 +115,15 @@ def cumulative_work(cu_seq_lens: torch.Tensor) -> torch.Tensor:
     total = int(bounds[-1])
     starts = bounds[:-1].repeat_interleave(bounds.diff())
     return torch.cat([torch.zeros(1, dtype=torch.long), (torch.arange(total) - starts + 1).cumsum(0)])
+
+
+def unbalanced(cu_seq_lens: torch.Tensor, size: int) -> bool:
+    """Whether ``size`` contiguous slices of a row of boundaries ``cu_seq_lens`` are unbalanced enough for
+    ``balance: auto`` to exchange its queries: the largest slice's causal work above :data:`PAYS_ABOVE` x the mean."""
+    work = cumulative_work(cu_seq_lens)
+    local = (len(work) - 1) // size
+    slices = work[local::local][:size] - work[:-1:local][:size]
+    return float(slices.max()) > PAYS_ABOVE * float(work[-1]) / size
 
 
 def causal_work(cu_seq_lens: torch.Tensor, spans) -> int:
@@ -246,7 +261,7 @@ class AllGatherAttention:
 
     inner: Any
     group: SequenceGroup
-    balance: bool = False
+    balance: str = "off"  # sequence_parallel.balance as resolved: off, auto (where the row needs it), zigzag
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         cu_seq_lens = kwargs.get("cu_seq_lens_q")
@@ -269,7 +284,8 @@ class AllGatherAttention:
                 f"{name}: a bidirectional sliding window (local attention) under all-gather sequence parallelism; "
                 "use sequence_parallel.attention: ulysses with a size that divides the attention heads")
         key, value = gather_row(key, group), gather_row(value, group)
-        if not (self.balance and causal):
+        if not causal or self.balance == "off" or (
+                self.balance == "auto" and not unbalanced(kwargs["cu_seq_lens_q"], group.size)):
             return self.attend(module, query, key, value, attention_mask, causal, **kwargs)
         return self.attend_balanced(module, query, key, value, attention_mask, **kwargs)
 
@@ -324,14 +340,14 @@ class AttentionLayout:
     size: int
     ulysses: SequenceGroup | None
     gather: SequenceGroup | None
-    balance: bool = False
+    balance: str = "off"
 
     @classmethod
-    def of(cls, group: SequenceGroup, share: int, balance: bool = False) -> AttentionLayout:
-        """The layout of ``group`` with Ulysses over ``share`` ranks (:func:`ulysses_share`); ``balance``: the
-        all-gather ranks' causal work balanced (:class:`Zigzag`). Mixed, it creates the
-        blocks' and the places' process groups: every rank of the default group must call it (``new_group`` is
-        collective), as assembly does on every rank."""
+    def of(cls, group: SequenceGroup, share: int, balance: str = "off") -> AttentionLayout:
+        """The layout of ``group`` with Ulysses over ``share`` ranks (:func:`ulysses_share`); ``balance``: how the
+        all-gather ranks' causal work is balanced (:class:`Zigzag`; ``auto``: for the rows that need it). Mixed, it
+        creates the blocks' and the places' process groups: every rank of the default group must call it
+        (``new_group`` is collective), as assembly does on every rank."""
         size = group.size
         if share == size:
             return cls(size, group, None)
@@ -358,7 +374,7 @@ class AttentionLayout:
         ``_zigzag`` after it where the all-gather ranks balance their causal work."""
         if self.gather is None:
             return f"_sp{self.size}"
-        balanced = "_zigzag" if self.balance else ""
+        balanced = "" if self.balance == "off" else "_zigzag"
         if self.ulysses is None:
             return f"_sp{self.size}_allgather{balanced}"
         return f"_sp{self.size}_ulysses{self.ulysses.size}x{self.gather.size}{balanced}"
