@@ -27,7 +27,12 @@ from padfree_plugins.errors import (
     did_you_mean,
 )
 from padfree_plugins.modeling.attention import BLOCKS_FEATURE
-from padfree_plugins.modeling.attention.context_parallel import ALIGNED_FEATURE, AttentionLayout, ulysses_share
+from padfree_plugins.modeling.attention.context_parallel import (
+    ALIGNED_FEATURE,
+    AttentionLayout,
+    balance_choice,
+    ulysses_share,
+)
 from padfree_plugins.modeling.mixers import note_unused_mixer_backend, sequence_mixers
 from padfree_plugins.modeling.patching import ModelPatch, unwrap_model
 from padfree_plugins.modeling.pooling import unknown_mode_hint
@@ -82,6 +87,8 @@ class Plan:
     tiles: tuple[int, int] | None = None
     #: What ``memory.tile_mixers`` does for the model's sequence mixers ("" without tiling).
     tile_mixers: str = ""
+    #: ``sequence_parallel`` resolved for the model, in words (attention scheme, causal work balance).
+    sequence: str = "off (sequence_parallel.size: 1)"
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -94,6 +101,7 @@ class Plan:
             "position_start": self.position_start,
             "hooks answered by": ", ".join(f"{hook}: {plugin or '-'}" for hook, plugin in self.answers.items()) or "-",
             "memory": describe_tiles(self.tiles, self.tile_mixers),
+            "sequence parallel": self.sequence,
             "notes": self.notes,
         }
 
@@ -290,7 +298,23 @@ def _resolve(model_config: Any, config: PadfreeConfig, host: PluginHost, device_
     tiles = None if config.memory.tile_tokens is None else resolve_tiles(config.memory.tile_tokens, model_config)
     return Plan(architecture, architecture_plugin, task, task_plugin, backend, fallback, features, device_type,
                 int(architecture.position_start(model_config)), notes, tiles=tiles,
-                tile_mixers=mixer_tiling(config, tiles))
+                tile_mixers=mixer_tiling(config, tiles),
+                sequence=describe_sequence_parallel(config, model_config))
+
+
+def describe_sequence_parallel(config: PadfreeConfig, model_config: Any) -> str:
+    """How ``sequence_parallel`` runs the model's attention, in words: the scheme and the causal work balance."""
+    size = config.sequence_parallel.size
+    if size == 1:
+        return "off (sequence_parallel.size: 1)"
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    heads = getattr(text_config, "num_attention_heads", None)
+    share, _ = ulysses_share(config.sequence_parallel.attention, heads, size)
+    scheme = ("Ulysses" if share == size else "all-gather" if share == 1 else
+              f"Ulysses within blocks of {share} ranks, all-gather across {size // share}")
+    _, balance = balance_choice(config.sequence_parallel.balance, share, size)
+    return (f"size {size}, attention: {scheme} (sequence_parallel.attention: {config.sequence_parallel.attention}, "
+            f"{heads} heads); balance: {balance}")
 
 
 @dataclass(frozen=True)
@@ -548,7 +572,10 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
     if config.sequence_parallel.size > 1:
         share = refuse_sequence_parallel(inner, config, resolved, parts.collator, parts.forward)
         sequence = sequence_group(config.sequence_parallel.size)
-        layout = AttentionLayout.of(sequence, share)
+        balance, why = balance_choice(config.sequence_parallel.balance, share, config.sequence_parallel.size)
+        if config.sequence_parallel.balance == "zigzag" and not balance:
+            logger.warning("padfree-plugins: sequence_parallel.balance: %s", why)
+        layout = AttentionLayout.of(sequence, share, config.sequence_parallel.balance if balance else "off")
     patch = host.call_first("patch_model", model=inner, architecture=resolved.architecture,
                             backend=resolved.backend, fallback=resolved.fallback, config=config)
     if patch is None:

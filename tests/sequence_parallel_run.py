@@ -110,6 +110,7 @@ class Case:
     lengths: str = ""  # the micro-steps' example lengths: a key of LENGTH_SETS
     mixers: str = "split"  # sequence_parallel.mixers
     compiled: bool = False  # the forward through torch.compile(model) (aot_eager: forward and backward traced)
+    balance: str = ""  # sequence_parallel.balance ("": the default, auto)
 
 
 LAUNCHES = {
@@ -160,7 +161,12 @@ LAUNCHES = {
         Case("llama_kv2-sp4-train", "llama_kv2", 4, steps=3, labelled=True, checkpointing=True),
         Case("llama_kv2-sp4-allgather-train", "llama_kv2", 4, attention="allgather", steps=3, labelled=True,
              checkpointing=True),
-        Case("llama_kv2-sp2xdp2-allgather", "llama_kv2", 2, attention="allgather"),
+        Case("llama_kv2-sp2xdp2-allgather", "llama_kv2", 2, attention="allgather", balance="off"),  # contiguous
+        # the causal work balanced (zigzag, as auto chooses above), its two deliberate faults
+        Case("llama_kv2-sp4-zigzag-misaligned", "llama_kv2", 4, attention="allgather", balance="zigzag",
+             fault="zigzag-misaligned", lengths="spanning"),
+        Case("llama_kv2-sp4-zigzag-wrong-rank", "llama_kv2", 4, attention="allgather", balance="zigzag",
+             fault="zigzag-wrong-rank", lengths="spanning"),
         Case("llama_kv2-sp4-own-slice-keys", "llama_kv2", 4, fault="own-slice-keys", lengths="spanning"),
         Case("llama_kv2-sp4-allgather-own-slice-keys", "llama_kv2", 4, attention="allgather",
              fault="own-slice-keys", lengths="spanning"),
@@ -230,6 +236,7 @@ def run_case(case: Case, rank: int, world: int) -> dict:
         try:
             memory = {} if case.tile_tokens is None else {"memory": {"tile_tokens": case.tile_tokens}}
             scheme = {"attention": case.attention} if case.attention else {}
+            scheme.update({"balance": case.balance} if case.balance else {})
             assembly = assemble(model, {"attention": "exact", **memory,
                                         "sequence_parallel": {"size": case.sp, "mixers": case.mixers, **scheme}})
         except Exception as error:
@@ -412,6 +419,8 @@ FAULTS = {"local-attention": attend_locally, "labels-after-cut": labels_shifted_
           "local-mixer": scan_locally, "slice-aux": aux_of_the_slice, "slice-statistics": statistics_of_the_slice,
           "own-slice-keys": lambda rank: faults.context_keys_from_own_slice_only(),
           "query-ahead": lambda rank: faults.context_queries_one_token_ahead(),
+          "zigzag-misaligned": lambda rank: faults.zigzag_chunks_masked_as_one_run(),
+          "zigzag-wrong-rank": lambda rank: faults.zigzag_outputs_to_wrong_rank(),
           "slice-only": lambda rank: faults.mixer_scans_only_its_slice(),
           "wrong-rank": lambda rank: faults.state_from_wrong_rank()}
 

@@ -85,7 +85,8 @@ def test_communication_per_layer_follows_the_config():
 
 
 def test_unknown_variants_are_refused():
-    with pytest.raises(PadfreeError, match="--variants: sp3; choose from ddp, fsdp2, sp2, sp2-allgather, sp2-gather"):
+    with pytest.raises(PadfreeError, match="--variants: sp3; choose from ddp, fsdp2, sp2, sp2-allgather, "
+                                           "sp2-allgather-contiguous, sp2-gather"):
         run_scale_benchmark(ScaleSettings(tokens=1024, models=("llama",), chosen=("ddp", "sp3")))
 
 
@@ -104,7 +105,7 @@ def test_a_run_past_its_timeout_is_killed_with_a_clear_error():
 
 def test_variants_of_a_larger_world_and_all_gather():
     assert variants() == VARIANTS == ("ddp", "fsdp2", "sp2")
-    assert variants(4, allgather=True) == ("ddp", "fsdp2", "sp4", "sp4-allgather")
+    assert variants(4, allgather=True) == ("ddp", "fsdp2", "sp4", "sp4-allgather", "sp4-allgather-contiguous")
     with pytest.raises(PadfreeError, match="multiple of the 4 processes"):
         run_scale_benchmark(ScaleSettings(tokens=1026, world=4))
     with pytest.raises(PadfreeError, match="at least 2 processes"):

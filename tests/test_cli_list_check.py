@@ -184,6 +184,15 @@ def test_check_shows_the_pooling_the_model_decides(tmp_path):
     assert data["settings"]["pooling"] == "first"  # pooling: null leaves it to the architecture
 
 
+def test_check_shows_how_sequence_parallelism_runs_attention_and_balances_it(tmp_path):
+    """Llama's default 32 heads at size 3: all-gather attention, its causal work balanced by zigzag (auto) or not."""
+    config = tmp_path / "padfree.yaml"
+    for balance, shown in (("auto", "balance: zigzag over the 3 all-gather ranks"), ("off", "balance: off")):
+        config.write_text(f"sequence_parallel:\n  size: 3\n  balance: {balance}\n")
+        data = json.loads(run("check", str(config), "--model-type", "llama", "--device", "cpu", "--json").output)
+        assert "attention: all-gather" in data["sequence parallel"] and shown in data["sequence parallel"], data
+
+
 # -- the ALLOW / BLOCK switches ---------------------------------------------------------------------------------------
 
 

@@ -16,8 +16,18 @@ from padfree_plugins.config.schema import SequenceParallelConfig
 from padfree_plugins.errors import ConfigError
 from padfree_plugins.modeling.attention import PadfreeAttention
 from padfree_plugins.modeling.attention.backends import exact_varlen
-from padfree_plugins.modeling.attention.context_parallel import AllGatherAttention, AttentionLayout, ulysses_share
+from padfree_plugins.assembly import plan
+from padfree_plugins.modeling.attention.context_parallel import (
+    AllGatherAttention,
+    AttentionLayout,
+    Zigzag,
+    balance_choice,
+    causal_work,
+    ulysses_share,
+    unbalanced,
+)
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup
+from padfree_plugins.packing.sequence_parallel import padded_length
 from padfree_plugins.testing import faults
 from tests import sequence_parallel_run as worker
 
@@ -115,6 +125,135 @@ def test_a_deliberate_fault_breaks_the_equality(fault):
     with fault():
         got = sliced(function, module, query, key, value, kwargs, True).detach()
     assert (got - want).abs().max() > 1e-2
+
+
+# --- the causal work balanced (zigzag) -----------------------------------------------------------------------------
+
+
+def balanced(function, module, query, key, value, kwargs) -> torch.Tensor:
+    """Every rank's :class:`Zigzag` chunks of queries, each attended at its own row positions
+    (:meth:`AllGatherAttention.attend` with ``start``), put back in row order (the exchanges are the distributed
+    runs')."""
+    total = query.shape[2]
+    out = [None] * total
+    for rank in range(SIZE):
+        ranked = AllGatherAttention(function, SequenceGroup(None, rank, SIZE), balance="zigzag")
+        for start, stop in Zigzag.of(kwargs["cu_seq_lens_q"], SIZE).spans(rank):
+            if stop > start:
+                piece, _ = ranked.attend(module, query[:, :, start:stop], key, value, None, True, start=start,
+                                         **kwargs)
+                out[start:stop] = piece.unbind(1)
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("variant", [name for name, options in VARIANTS.items() if options["causal"]])
+def test_zigzag_chunks_of_queries_against_the_row_equal_the_row(variant):
+    function, module, kwargs = attention(**VARIANTS[variant])
+    query, key, value = inputs()
+    want, want_grads = outputs_and_grads(lambda: function(module, query, key, value, None, **kwargs)[0],
+                                         query, key, value)
+    got, got_grads = outputs_and_grads(lambda: balanced(function, module, query, key, value, kwargs),
+                                       query, key, value)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    for got_grad, want_grad in zip(got_grads, want_grads):
+        torch.testing.assert_close(got_grad, want_grad, atol=1e-5, rtol=1e-5)
+
+
+def test_zigzag_mask_misaligned_across_the_exchange_breaks_the_equality():
+    function, module, kwargs = attention(causal=True)
+    query, key, value = inputs()
+    want = function(module, query, key, value, None, **kwargs)[0].detach()
+    with faults.zigzag_chunks_masked_as_one_run():
+        got = balanced(function, module, query, key, value, kwargs).detach()
+    assert (got - want).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("lengths, size", [(LENGTHS, 4), ((30, 14), 4), ((9,), 3), ((1, 1, 1, 1), 4), ((6,), 2),
+                                           ((5, 40, 9, 3, 7, 12, 2, 2), 4)])
+def test_zigzag_route_takes_each_rank_its_chunks_and_back(lengths, size):
+    """The all-to-all of :meth:`Zigzag.route`, played in one process: every rank receives exactly the tokens of its
+    two chunks, in row order; the way back returns every token to its slice's place."""
+    total = sum(lengths)
+    zigzag, local = Zigzag.of(boundaries(lengths), size), total // size
+    routes = [zigzag.route(rank, SequenceGroup(None, rank, size), torch.device("cpu")) for rank in range(size)]
+    row = torch.arange(total)
+    outgoing = []  # [source][destination]: the positions sent
+    for rank, route in enumerate(routes):
+        assert sum(route.send) == local and sorted(route.order.tolist()) == list(range(local))
+        outgoing.append(row[rank * local:(rank + 1) * local][route.order].split(route.send))
+    received = []
+    for rank, route in enumerate(routes):
+        assert route.receive == [len(outgoing[source][rank]) for source in range(size)]
+        received.append(torch.cat([outgoing[source][rank] for source in range(size)]))
+        want = [p for start, stop in zigzag.spans(rank) for p in range(start, stop)]
+        assert received[rank].tolist() == want
+    assert sorted(torch.cat(received).tolist()) == list(range(total))
+    for rank, route in enumerate(routes):  # back: each destination returns its pieces to their sources
+        back = torch.cat([received[d].split(routes[d].receive)[rank] for d in range(size)])
+        assert back[route.inverse].tolist() == list(range(rank * local, (rank + 1) * local))
+
+
+def rank_work(lengths, size: int, zigzag: bool) -> list[int]:
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    total = int(cu[-1])
+    local = total // size
+    return [causal_work(cu, Zigzag.of(cu, size).spans(rank) if zigzag else [(rank * local, (rank + 1) * local)])
+            for rank in range(size)]
+
+
+@pytest.mark.parametrize("lengths", [(4096,), (37, 4000, 59), (3, 61, 5, 11)])
+def test_zigzag_balances_the_causal_work_that_contiguous_slices_do_not(lengths):
+    """The (query, key) pairs each of 4 ranks computes, for a row that is one long example, a long example crossing
+    every cut between short ones, and a short row of 80 tokens with one example across 3 slices: within 10% of each
+    other by zigzag, far apart by contiguous slices (the last rank does 2N - 1 = 7 times the first's work on the
+    single example); ``auto`` finds every one of them worth balancing."""
+    everything = causal_work(boundaries(lengths), [(0, sum(lengths))])
+    for zigzag in (True, False):
+        work = rank_work(lengths, 4, zigzag)
+        spread = max(work) / min(work)
+        print(f"{lengths} {'zigzag' if zigzag else 'contiguous'}: {work} (max / min {spread:.3f})")
+        assert sum(work) == everything
+        assert spread < 1.1 if zigzag else spread > 1.5
+    assert unbalanced(boundaries(lengths), 4)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_auto_exchanges_the_distributed_runs_spanning_row(size):
+    """The spanning micro-step of tests/sequence_parallel_run.py (its group's row, the padding segment after it) is
+    one ``balance: auto`` exchanges, so the SP = 2 and SP = 4 all-gather cases run the zigzag path."""
+    lengths = [n for rank in worker.SPANNING[:size] for n in rank]
+    padding = padded_length(sum(lengths), size) - sum(lengths)
+    assert unbalanced(boundaries(lengths + ([padding] if padding else [])), size)
+
+
+@pytest.mark.parametrize("lengths", [(1024,) * 4, (16,) * 256, (7, 9) * 128])
+def test_auto_leaves_rows_whose_slices_are_balanced_anyway(lengths):
+    """Rows of examples no longer than a slice: contiguous slices within 10% of the mean work, no exchange."""
+    assert not unbalanced(boundaries(lengths), 4)
+
+
+def test_balance_is_chosen_wherever_allgather_runs_and_check_shows_it():
+    assert balance_choice("auto", 1, 4)[0] and balance_choice("zigzag", 2, 4)[0]
+    assert "zigzag over the 2 all-gather ranks" in balance_choice("auto", 2, 4)[1]
+    assert not balance_choice("off", 1, 4)[0] and "off: each of the 4" in balance_choice("off", 1, 4)[1]
+    off, why = balance_choice("zigzag", 4, 4)
+    assert not off and "Ulysses alone" in why and "no effect" in why
+    config = kv2_model().config
+    described = plan(config, {"attention": "exact", "sequence_parallel": {"size": 4}}).describe()
+    assert "all-gather across 2" in described["sequence parallel"]
+    assert "balance: zigzag over the 2 all-gather ranks" in described["sequence parallel"]
+    described = plan(config, {"attention": "exact", "sequence_parallel": {"size": 4, "attention": "allgather",
+                                                                          "balance": "off"}}).describe()
+    assert "all-gather" in described["sequence parallel"] and "balance: off" in described["sequence parallel"]
+    assert plan(config, {"attention": "exact"}).describe()["sequence parallel"].startswith("off")
+    with pytest.raises(ConfigError, match="zigzag"):
+        load_config({"sequence_parallel": {"size": 4, "balance": "zigzg"}})
+    assert SequenceParallelConfig().balance == "auto"
+    layout = AttentionLayout(4, None, SequenceGroup(None, 0, 4), balance="auto")
+    assert layout.suffix == "_sp4_allgather_zigzag"
+    assert layout.wrap(PadfreeAttention(_exact_backend())).balance == "auto"
+    assert "slice's causal work above 1.1 x the mean" in balance_choice("auto", 1, 4)[1]
+    assert "above" not in balance_choice("zigzag", 1, 4)[1]
 
 
 # --- the scheme and its refusals ---------------------------------------------------------------------------------

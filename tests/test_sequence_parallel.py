@@ -396,13 +396,15 @@ def implementation_suffix(case: worker.Case) -> str:
     heads = worker.build(case.model_type).config.num_attention_heads
     share = case.sp if case.attention == "ulysses" else 1 if case.attention == "allgather" else \
         max(n for n in range(1, case.sp + 1) if case.sp % n == 0 and heads % n == 0)
-    return "" if share == case.sp else "_allgather" if share == 1 else f"_ulysses{share}x{case.sp // share}"
+    balanced = "_zigzag" if case.balance != "off" else ""  # auto balances wherever all-gather runs
+    return "" if share == case.sp else f"_allgather{balanced}" if share == 1 else \
+        f"_ulysses{share}x{case.sp // share}{balanced}"
 
 
 def test_the_kv2_cases_run_every_layout():
     suffixes = {implementation_suffix(case) for launch in worker.LAUNCHES.values() for case in launch
                 if case.model_type == "llama_kv2"}
-    assert suffixes == {"", "_allgather", "_ulysses2x2"}
+    assert suffixes == {"", "_allgather", "_allgather_zigzag", "_ulysses2x2_zigzag"}
 
 
 @pytest.mark.parametrize("world, sp", [(2, 2), (4, 2), (4, 4)])
@@ -491,7 +493,7 @@ def test_allgather_equals_ulysses(launches):
     as each equals one process."""
     runs = launches("sp2")
     allgather, ulysses = runs["llama_kv2-allgather"], runs["llama_kv2-ulysses"]
-    assert allgather["implementation"].endswith("_allgather") and not ulysses["implementation"].endswith("_allgather")
+    assert "_allgather" in allgather["implementation"] and "_allgather" not in ulysses["implementation"]
     diff = differences(allgather, ulysses)
     assert diff["loss"] < TOLERANCE and diff["grad"] < TOLERANCE, diff
 

@@ -220,12 +220,12 @@ def test_predict_under_sequence_and_data_parallelism_equals_one_process(request,
 def test_trainer_at_sp4_on_two_kv_heads_equals_one_process(request, tmp_path_factory):
     """HF ``Trainer`` with ``sequence_parallel: {size: 4}`` on 4 processes, a Llama of 6 attention heads and 2 key /
     value heads, which Ulysses cannot split 4 ways: ``auto`` runs Ulysses within 2 blocks of 2 ranks and all-gather
-    context parallelism across them, and the logged
+    context parallelism across them (its causal work balanced by zigzag), and the logged
     losses, final weights and ``eval_loss`` equal one process on the same global batches; each rank computed a
     quarter of every row."""
     case = "hf-sp4-kv2"
     run = four_processes(request, tmp_path_factory, case)
-    assert run["implementation"].endswith("_sp4_ulysses2x2"), run["implementation"]
+    assert run["implementation"].endswith("_sp4_ulysses2x2_zigzag"), run["implementation"]
     trainer, _ = make_trainer(case, tempfile.mkdtemp(), TRAINER_CONFIG, ranks=4)
     trainer.train()
     want = trainer_result(trainer)

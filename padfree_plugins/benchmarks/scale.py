@@ -1,4 +1,4 @@
-"""Scale benchmark: one long packed row trained by 2 processes (``--world``: N), three ways (four with
+"""Scale benchmark: one long packed row trained by 2 processes (``--world``: N), three ways (five with
 ``--allgather``), side by side in one run.
 
 Variants, each on N CPU processes (gloo), launched by :func:`run_scale_benchmark` with ``torch.distributed.run``
@@ -13,7 +13,10 @@ Variants, each on N CPU processes (gloo), launched by :func:`run_scale_benchmark
   (``sp<N>`` with N processes; attention by ``sequence_parallel.attention: auto``). A hybrid's sequence mixers run
   split (each rank its slice, the state passed across the cut: :mod:`padfree_plugins.modeling.split_mixers`);
 * ``sp<N>-allgather`` (``allgather``) — the same with ``sequence_parallel.attention: allgather``: each rank gathers
-  the row's keys and values instead of exchanging heads;
+  the row's keys and values instead of exchanging heads, its causal work balanced (``sequence_parallel.balance:
+  auto``, zigzag);
+* ``sp<N>-allgather-contiguous`` (``allgather``) — the same with ``sequence_parallel.balance: off``: each rank
+  attends its own slice's queries;
 * ``sp<N>-gather`` (on request, ``variants``) — ``sp<N>`` with ``sequence_parallel.mixers: gather``: every rank runs
   the mixers on the whole row.
 
@@ -84,8 +87,10 @@ WORLD = 2
 
 
 def variants(world: int = WORLD, allgather: bool = False) -> tuple[str, ...]:
-    """The variants of a run on ``world`` processes; ``allgather``: with all-gather sequence parallelism too."""
-    return ("ddp", "fsdp2", f"sp{world}") + ((f"sp{world}-allgather",) if allgather else ())
+    """The variants of a run on ``world`` processes; ``allgather``: with all-gather sequence parallelism too
+    (balanced and contiguous)."""
+    return ("ddp", "fsdp2", f"sp{world}") + (
+        (f"sp{world}-allgather", f"sp{world}-allgather-contiguous") if allgather else ())
 #: Targets: peak memory per rank at SP = N over SP = 1 (``ddp``), by N, for every model (the Llama; the hybrids with
 #: their mixers split, so that their activations are split too). No target at other sizes.
 MEMORY_TARGETS = {2: 0.55, 4: 0.30}
@@ -467,9 +472,10 @@ class Variant:
         model = build_model(model_name, tokens)
         config: dict[str, Any] = {"task": "causal_lm"}
         if variant.startswith("sp"):
-            scheme = "allgather" if variant.endswith("-allgather") else "auto"
+            scheme = "allgather" if "-allgather" in variant else "auto"
             mixers = "gather" if variant.endswith("-gather") and not variant.endswith("-allgather") else "split"
-            config["sequence_parallel"] = {"size": world, "attention": scheme, "mixers": mixers}
+            balance = "off" if variant.endswith("-contiguous") else "auto"
+            config["sequence_parallel"] = {"size": world, "attention": scheme, "mixers": mixers, "balance": balance}
             half = _halves(examples, world)
             examples = half[rank]
         self.assembly = assemble(model, config)

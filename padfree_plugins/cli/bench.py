@@ -537,9 +537,10 @@ def bench_scale(
     models: Annotated[str, typer.Option(help="Comma-separated: llama, qwen3_5_text, granite4h (a Mamba2 "
                                              "hybrid).")] = "llama,qwen3_5_text",
     variants: Annotated[str, typer.Option(help="Comma-separated: ddp (always), fsdp2, sp<N> (hybrids: mixers "
-                                               "split), sp<N>-allgather, sp<N>-gather (mixers on the whole row); "
-                                               "empty: ddp, fsdp2, sp<N> (and sp<N>-allgather with "
-                                               "--allgather).")] = "",
+                                               "split), sp<N>-allgather (causal work balanced), "
+                                               "sp<N>-allgather-contiguous (not balanced), sp<N>-gather (mixers on "
+                                               "the whole row); empty: ddp, fsdp2, sp<N> (and both all-gather ones "
+                                               "with --allgather).")] = "",
     rounds: Annotated[int, positive("Interleaved timed rounds; figures are medians over rounds.")] = 2,
     warmup: Annotated[int, typer.Option(help="Untimed warm-up steps per variant.")] = 1,
     seed: Annotated[int, typer.Option(help="Seed of the lengths, the tokens and the weights.")] = 0,
@@ -547,7 +548,8 @@ def bench_scale(
     timeout: Annotated[float, positive("Seconds before the processes are killed.")] = 1800.0,
     world: Annotated[int, positive("Processes (and sequence-parallel group size): 2, or more.")] = 2,
     allgather: Annotated[bool, typer.Option(help="Also run sequence parallelism with all-gather attention "
-                                                 "(sequence_parallel.attention: allgather).")] = False,
+                                                 "(sequence_parallel.attention: allgather), balanced and "
+                                                 "not.")] = False,
     steps: Annotated[str, typer.Option(help="Comma-separated: sft (the row's causal-LM loss), dpo, grpo (a TRL "
                                             "DPO / GRPO step on a group of pairs / completions totalling --tokens; "
                                             "variants ddp and sp<N>).")] = "sft",

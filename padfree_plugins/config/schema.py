@@ -99,6 +99,14 @@ class SequenceParallelConfig:
         "backend); auto (ulysses where size divides the heads; else Ulysses over the largest factor of "
         "size that divides the heads and allgather over the rest, or allgather alone; with a warning)",
         default="auto")
+    balance: Literal["auto", "off", "zigzag"] = _help(
+        "causal attention work across the ranks that attend by all-gather (attention: allgather, or the all-gather "
+        "across Ulysses blocks): zigzag (the row cut into 2 x ranks chunks, rank r attends the queries of chunks r "
+        "and 2 x ranks - 1 - r, exchanged by all-to-all before the attention and sent back after it; the rest of the "
+        "layer keeps its contiguous slices; exact); off (each rank attends its own slice's queries: the rank holding "
+        "the end of a long example does the most work); auto (zigzag wherever attention runs all-gather, for the rows "
+        "whose contiguous slices are unbalanced: the largest slice's causal work above 1.1 x the mean; nothing to "
+        "balance under Ulysses alone)", default="auto")
     mixers: Literal["split", "gather"] = _help(
         "sequence mixers of hybrid models (gated delta rule, KDA, Mamba2, short conv) under sequence parallelism: "
         "split (each rank runs its own slice; an example crossing a cut continues from the previous rank's final "

@@ -22,6 +22,10 @@ Both leave a model run on one example alone exactly as it was, and change only p
 * :func:`context_keys_from_own_slice_only` and :func:`context_queries_one_token_ahead`: the two ways all-gather
   sequence parallelism (:mod:`padfree_plugins.modeling.attention.context_parallel`) can go wrong — a rank that
   attends only to its own slice's keys, queries placed one token off (each sees the next token of its example);
+  :func:`zigzag_chunks_masked_as_one_run` and :func:`zigzag_outputs_to_wrong_rank`: the two ways its balanced causal
+  work (:class:`~padfree_plugins.modeling.attention.context_parallel.Zigzag`) can go wrong — a rank's second chunk of
+  queries masked as if it followed its first (the mask misaligned across the exchange), outputs sent back to the
+  wrong ranks;
 * :func:`image_features_to_another_group`: a row that shares image-text prompts with one group's image features in
   another group's prompt;
 * :func:`completions_start_from_zero`, :func:`completions_continue_a_sibling` and
@@ -472,6 +476,37 @@ def context_queries_one_token_ahead() -> Iterator[None]:
         return queries, cu_seq_lens.clamp(max=seen + 1), seen + 1
 
     with mock.patch.object(context_parallel, "slice_boundaries", ahead):
+        yield
+
+
+@contextmanager
+def zigzag_chunks_masked_as_one_run() -> Iterator[None]:
+    """Balanced all-gather attention masks each rank's exchanged queries as one contiguous run from its first chunk:
+    the second chunk's queries (later in the row) are aligned to the keys right after the first chunk."""
+    right = context_parallel.AllGatherAttention.attend
+
+    def misaligned(self, module, query, key, value, attention_mask, causal, start=None, **kwargs):
+        if start is not None:
+            zigzag = context_parallel.Zigzag.of(kwargs["cu_seq_lens_q"], self.group.size)
+            (_, first_end), (second, _) = zigzag.spans(self.group.rank)
+            start = first_end if start == second else start
+        return right(self, module, query, key, value, attention_mask, causal, start=start, **kwargs)
+
+    with mock.patch.object(context_parallel.AllGatherAttention, "attend", misaligned):
+        yield
+
+
+@contextmanager
+def zigzag_outputs_to_wrong_rank() -> Iterator[None]:
+    """Balanced all-gather attention sends each rank's two chunks of outputs back swapped: each block of outputs
+    reaches the rank that owns the other chunk's tokens (same sizes, so nothing hangs)."""
+    right = context_parallel.return_outputs
+
+    def swapped(out, route):
+        half = out.shape[1] // 2
+        return right(torch.cat([out[:, half:], out[:, :half]], 1), route)
+
+    with mock.patch.object(context_parallel, "return_outputs", swapped):
         yield
 
 

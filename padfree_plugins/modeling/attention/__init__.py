@@ -309,7 +309,7 @@ def register(backend: AttentionBackend, fallback: AttentionBackend | None = None
     """Register the implementation of this variant with transformers and return its name; ``sequence``: the variant
     for a sequence-parallel group (each rank's packed calls hold its slice of the group's row), an
     :class:`~padfree_plugins.modeling.attention.context_parallel.AttentionLayout` (Ulysses, all-gather or both; named
-    ``…_sp<size>``, ``…_sp<size>_allgather``, ``…_sp<size>_ulysses<u>x<r>``) or a
+    ``…_sp<size>``, ``…_sp<size>_allgather``, ``…_sp<size>_ulysses<u>x<r>``, then ``_zigzag`` where balanced) or a
     :class:`~padfree_plugins.modeling.attention.ulysses.SequenceGroup` (Ulysses over the group).
 
     Registering the same variant again replaces its function with an equal one; the registry belongs to

@@ -12,12 +12,19 @@ works, whatever the number of attention or key / value heads; the price is the r
   queries to the end of its keys), or all of them (bidirectional). Tensor ops only: nothing read on the host;
 * :func:`gather_row` — the row's keys or values on every rank, differentiable;
 * :class:`AllGatherAttention` — a registered padding-free attention function run this way;
+* :class:`Zigzag` — causal work balanced across the ranks (``sequence_parallel.balance``): the row cut into
+  ``2N`` chunks (by its boundaries), rank ``r`` attends the queries of chunks ``r`` and
+  ``2N-1-r`` (the pairing of ring-flash-attn's zigzag and Llama 3's context parallelism), exchanged by all-to-all
+  before the attention and sent back after it, so the rest of the layer keeps its contiguous slices (the cuts are
+  read on the host from the boundaries);
+  :func:`causal_work` counts the (query, key) pairs of a set of queries;
 * :func:`ulysses_share` — how many of a group's ranks ``sequence_parallel.attention`` splits by heads (Ulysses),
   the rest by all-gather, and why; :class:`AttentionLayout` — the process groups of that split (USP-style: Ulysses
   within blocks of consecutive ranks, all-gather across the blocks) and the attention function it runs.
 
-A rank that attended to its own slice's keys alone, or whose queries were placed one token off, would be silently
-wrong: the faults of :mod:`padfree_plugins.testing.faults` show the tests catch both.
+A rank that attended to its own slice's keys alone, or whose queries were placed one token off, whose balanced
+queries were masked as if they were one contiguous run, or whose outputs went back to the wrong rank, would be
+silently wrong: the faults of :mod:`padfree_plugins.testing.faults` show the tests catch each.
 """
 
 from __future__ import annotations
@@ -33,6 +40,10 @@ from padfree_plugins.modeling.attention import BLOCKS_KWARG, GATHERED_KEYS
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup, UlyssesAttention, gather_sequence
 from padfree_plugins.packing.batch import SHARED_PREFIXES_KEY
 from padfree_plugins.packing.prefixes import SHARED_PREFIXES_FEATURE
+
+#: ``sequence_parallel.balance: auto`` exchanges a row's queries only where its contiguous slices are this unbalanced:
+#: the largest slice's causal work above this many times the ranks' mean.
+PAYS_ABOVE = 1.1
 
 #: The backend feature all-gather needs: queries aligned to the end of their keys within an example (the backends
 #: that take shared prefixes have it: ``exact``, ``flash_attn``).
@@ -64,6 +75,25 @@ def ulysses_share(requested: str, heads: int | None, size: int) -> tuple[int, st
         "of its heads; exact). Set sequence_parallel.attention: allgather for all-gather alone")
 
 
+def balance_choice(requested: str, share: int, size: int) -> tuple[bool, str]:
+    """Whether a group of ``size`` ranks with Ulysses over ``share`` of them (:func:`ulysses_share`) balances its
+    causal attention work (``sequence_parallel.balance``), and the choice in words. ``auto`` and ``zigzag``: wherever
+    attention runs all-gather (``share < size``); Ulysses alone has nothing to balance (every rank attends every
+    query of its heads)."""
+    if share == size:
+        why = ("nothing to balance: attention runs Ulysses alone, every rank attends every query of its heads"
+               + (" (sequence_parallel.balance: zigzag has no effect)" if requested == "zigzag" else ""))
+        return False, why
+    ranks = size // share
+    if requested == "off":
+        return False, (f"off: each of the {ranks} all-gather ranks attends its own slice's queries (the one holding "
+                       "the end of a long example does the most causal work)")
+    where = ("" if requested == "zigzag" else f", for rows whose contiguous slices would be unbalanced (the largest "
+             f"slice's causal work above {PAYS_ABOVE} x the mean)")
+    return True, (f"zigzag over the {ranks} all-gather ranks (sequence_parallel.balance: {requested}): the row cut "
+                  f"into {2 * ranks} chunks, rank r attends the queries of chunks r and {2 * ranks - 1}-r{where}")
+
+
 def slice_boundaries(cu_seq_lens: torch.Tensor, start: int, local: int, causal: bool
                      ) -> tuple[torch.Tensor, torch.Tensor, int | None]:
     """``(cu_seq_lens_q, cu_seq_lens_k, keys)`` of the queries ``[start, start + local)`` of a row of boundaries
@@ -75,6 +105,145 @@ def slice_boundaries(cu_seq_lens: torch.Tensor, start: int, local: int, causal: 
     if not causal:
         return queries, cu_seq_lens, None
     return queries, cu_seq_lens.clamp(max=start + local), start + local
+
+
+def cumulative_work(cu_seq_lens: torch.Tensor) -> torch.Tensor:
+    """``[T + 1]`` (int64, on the host): the (query, key) pairs causal attention computes for the row's first ``p``
+    queries, at every ``p``: a query ``i`` tokens into its example sees ``i + 1`` keys. Reads the boundaries on the
+    host."""
+    bounds = cu_seq_lens.long().cpu()
+    total = int(bounds[-1])
+    starts = bounds[:-1].repeat_interleave(bounds.diff())
+    return torch.cat([torch.zeros(1, dtype=torch.long), (torch.arange(total) - starts + 1).cumsum(0)])
+
+
+def unbalanced(cu_seq_lens: torch.Tensor, size: int) -> bool:
+    """Whether ``size`` contiguous slices of a row of boundaries ``cu_seq_lens`` are unbalanced enough for
+    ``balance: auto`` to exchange its queries: the largest slice's causal work above :data:`PAYS_ABOVE` x the mean."""
+    work = cumulative_work(cu_seq_lens)
+    local = (len(work) - 1) // size
+    slices = work[local::local][:size] - work[:-1:local][:size]
+    return float(slices.max()) > PAYS_ABOVE * float(work[-1]) / size
+
+
+def causal_work(cu_seq_lens: torch.Tensor, spans) -> int:
+    """The (query, key) pairs causal attention computes for the queries of ``spans`` (``(start, stop)`` row
+    positions) of a row of boundaries ``cu_seq_lens``."""
+    work = cumulative_work(cu_seq_lens)
+    return sum(int(work[stop] - work[start]) for start, stop in spans)
+
+
+def _nearest(work: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The row positions whose cumulative work (:func:`cumulative_work`) is nearest to each of ``targets``."""
+    after = torch.searchsorted(work.double(), targets).clamp(max=len(work) - 1)
+    before = (after - 1).clamp(min=0)
+    nearer = (targets - work[before]).abs() <= (work[after] - targets).abs()
+    return torch.where(nearer, before, after)
+
+
+@dataclass(frozen=True)
+class Zigzag:
+    """The zigzag placement of a row's queries over ``size`` ranks that hold it in contiguous slices: the row cut at
+    ``cuts`` into ``2 x size`` chunks (:meth:`of`), rank ``r`` attends the queries of chunks ``r`` and
+    ``2 x size - 1 - r``: an early chunk's queries see few keys, a late one's many, so each pair holds the same
+    causal work."""
+
+    cuts: tuple[int, ...]
+    size: int
+
+    @classmethod
+    def of(cls, cu_seq_lens: torch.Tensor, size: int) -> Zigzag:
+        """The placement of a row of boundaries ``cu_seq_lens`` that gives every rank the same causal work
+        (:func:`cumulative_work`), up to a token's at its cuts: the first half of the row in ``size`` chunks of
+        equal tokens, each rank's second chunk (from the row's end back) cut where its work reaches its share; where
+        the first half's chunks hold more than a share of the work (a long example early, short ones late), all
+        ``2 x size`` chunks cut at equal work instead. For one example spanning the row, chunks of equal tokens."""
+        work = cumulative_work(cu_seq_lens)
+        total, chunks = len(work) - 1, 2 * size
+        share = float(work[-1]) / size
+        first = [j * total // chunks for j in range(size + 1)]
+        targets = [float(work[-1]) - (r + 1) * share + float(work[first[r + 1]]) for r in range(size - 1)]
+        second = [*_nearest(work, torch.tensor(targets, dtype=torch.float64)).flip(0).tolist(), total]
+        cuts = first + second
+        if all(a <= b for a, b in zip(cuts, cuts[1:])):
+            return cls(tuple(cuts), size)
+        targets = torch.arange(chunks + 1, dtype=torch.float64) * (float(work[-1]) / chunks)
+        cuts = _nearest(work, targets).cummax(0).values.tolist()
+        cuts[0], cuts[-1] = 0, total
+        return cls(tuple(int(cut) for cut in cuts), size)
+
+    @property
+    def total(self) -> int:
+        return self.cuts[-1]
+
+    def spans(self, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The row positions ``[start, stop)`` of ``rank``'s two chunks of queries, in row order."""
+        chunks, cut = 2 * self.size, self.cuts
+        return (cut[rank], cut[rank + 1]), (cut[chunks - 1 - rank], cut[chunks - rank])
+
+    def _pieces(self, source: int, destination: int) -> list[tuple[int, int]]:
+        """The row positions of ``source``'s slice among ``destination``'s chunks."""
+        local = self.total // self.size
+        low, high = source * local, (source + 1) * local
+        return [(max(a, low), min(b, high)) for a, b in self.spans(destination) if min(b, high) > max(a, low)]
+
+    def route(self, rank: int, group: SequenceGroup, device: torch.device) -> Route:
+        """The all-to-all that takes ``rank``'s slice of the row to the ranks attending its queries."""
+        local = self.total // self.size
+        order, send = [torch.zeros(0, dtype=torch.long)], []
+        for destination in range(self.size):
+            pieces = self._pieces(rank, destination)
+            order.extend(torch.arange(a - rank * local, b - rank * local) for a, b in pieces)
+            send.append(sum(b - a for a, b in pieces))
+        receive = [sum(b - a for a, b in self._pieces(source, rank)) for source in range(self.size)]
+        order = torch.cat(order).to(device)
+        return Route(group, order, torch.argsort(order), send, receive)
+
+
+@dataclass(frozen=True)
+class Route:
+    """An all-to-all permutation of a row's tokens: this rank's tokens taken in ``order`` (``inverse``: its
+    inverse), ``send[d]`` of them to rank ``d``, ``receive[s]`` from rank ``s``."""
+
+    group: SequenceGroup
+    order: torch.Tensor
+    inverse: torch.Tensor
+    send: list[int]
+    receive: list[int]
+
+    def run(self, x: torch.Tensor, dim: int, back: bool) -> torch.Tensor:
+        """``x``'s tokens (along ``dim``) sent along the route (``back``: returned to where they came from)."""
+        if not back:
+            x = x.index_select(dim, self.order)
+        moved = x.movedim(dim, 0).contiguous()
+        send, receive = (self.receive, self.send) if back else (self.send, self.receive)
+        out = moved.new_empty((sum(receive), *moved.shape[1:]))
+        dist.all_to_all_single(out, moved, output_split_sizes=receive, input_split_sizes=send,
+                               group=self.group.group)
+        out = out.movedim(0, dim)
+        return out.index_select(dim, self.inverse) if back else out
+
+
+class _Exchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, route: Route, dim: int, back: bool) -> torch.Tensor:
+        ctx.route, ctx.dim, ctx.back = route, dim, back
+        return route.run(x, dim, back)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.route.run(grad, ctx.dim, not ctx.back), None, None, None
+
+
+def exchange(x: torch.Tensor, route: Route, dim: int, back: bool = False) -> torch.Tensor:
+    """``x``'s tokens along ``dim`` sent along ``route`` (``back``: returned), differentiable (the backward sends
+    the gradient the other way)."""
+    return _Exchange.apply(x, route, dim, back)
+
+
+def return_outputs(out: torch.Tensor, route: Route) -> torch.Tensor:
+    """The balanced queries' outputs ``[1, Q, H, D]`` sent back to the ranks that own their tokens."""
+    return exchange(out, route, 1, back=True)
 
 
 def gather_row(x: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
@@ -92,6 +261,7 @@ class AllGatherAttention:
 
     inner: Any
     group: SequenceGroup
+    balance: str = "off"  # sequence_parallel.balance as resolved: off, auto (where the row needs it), zigzag
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         cu_seq_lens = kwargs.get("cu_seq_lens_q")
@@ -113,16 +283,37 @@ class AllGatherAttention:
             raise NotImplementedError(
                 f"{name}: a bidirectional sliding window (local attention) under all-gather sequence parallelism; "
                 "use sequence_parallel.attention: ulysses with a size that divides the attention heads")
-        return self.attend(module, query, gather_row(key, group), gather_row(value, group), attention_mask,
-                           causal, **kwargs)
+        key, value = gather_row(key, group), gather_row(value, group)
+        if not causal or self.balance == "off" or (
+                self.balance == "auto" and not unbalanced(kwargs["cu_seq_lens_q"], group.size)):
+            return self.attend(module, query, key, value, attention_mask, causal, **kwargs)
+        return self.attend_balanced(module, query, key, value, attention_mask, **kwargs)
 
-    def attend(self, module, query, key, value, attention_mask, causal: bool, **kwargs):
-        """This rank's queries ``[1, H, T/N, D]`` attended to the row's keys and values ``[1, H_kv, T, D]``
+    def attend_balanced(self, module, query, key, value, attention_mask, **kwargs):
+        """Causal attention with the work balanced: this rank's slice of queries ``[1, H, T/N, D]`` exchanged for
+        its :class:`Zigzag` chunks, each attended at its own row positions, the outputs sent back to their owners."""
+        group = self.group
+        zigzag = Zigzag.of(kwargs["cu_seq_lens_q"], group.size)
+        route = zigzag.route(group.rank, group, query.device)
+        query = exchange(query, route, 2)
+        pieces, offset = [], 0
+        for start, stop in zigzag.spans(group.rank):
+            if stop > start:
+                out, _ = self.attend(module, query[:, :, offset:offset + stop - start], key, value, attention_mask,
+                                     True, start=start, **kwargs)
+                pieces.append(out)
+            offset += stop - start
+        out = torch.cat(pieces, 1) if pieces else query.new_zeros(1, 0, query.shape[1], value.shape[-1])
+        return return_outputs(out, route), None
+
+    def attend(self, module, query, key, value, attention_mask, causal: bool, start: int | None = None, **kwargs):
+        """This rank's queries ``[1, H, T/N, D]`` (``start``: the row position of the first; by default its slice's)
+        attended to the row's keys and values ``[1, H_kv, T, D]``
         (causal: those up to the slice's end only, the later ones never seen). A row with shared prefixes: each
         segment's queries against its ancestors' keys, then its own up to the slice's end
         (:meth:`~padfree_plugins.packing.prefixes.SharedPrefixes.slice_keys`), wherever in the row they lie."""
         local = query.shape[2]
-        start = self.group.rank * local
+        start = self.group.rank * local if start is None else start
         cu_q, cu_k, keys = slice_boundaries(kwargs["cu_seq_lens_q"], start, local, causal)
         if keys is not None:
             key, value = key[:, :, :keys], value[:, :, :keys]
@@ -149,17 +340,19 @@ class AttentionLayout:
     size: int
     ulysses: SequenceGroup | None
     gather: SequenceGroup | None
+    balance: str = "off"
 
     @classmethod
-    def of(cls, group: SequenceGroup, share: int) -> AttentionLayout:
-        """The layout of ``group`` with Ulysses over ``share`` ranks (:func:`ulysses_share`). Mixed, it creates the
-        blocks' and the places' process groups: every rank of the default group must call it (``new_group`` is
-        collective), as assembly does on every rank."""
+    def of(cls, group: SequenceGroup, share: int, balance: str = "off") -> AttentionLayout:
+        """The layout of ``group`` with Ulysses over ``share`` ranks (:func:`ulysses_share`); ``balance``: how the
+        all-gather ranks' causal work is balanced (:class:`Zigzag`; ``auto``: for the rows that need it). Mixed, it
+        creates the blocks' and the places' process groups: every rank of the default group must call it
+        (``new_group`` is collective), as assembly does on every rank."""
         size = group.size
         if share == size:
             return cls(size, group, None)
         if share == 1:
-            return cls(size, None, group)
+            return cls(size, None, group, balance)
         world, rank = dist.get_world_size(), dist.get_rank()
         ulysses = gather = None
         for start in range(0, world, size):  # every sequence-parallel group of the world, in the same order
@@ -173,21 +366,23 @@ class AttentionLayout:
                 made = dist.new_group(ranks)
                 if rank in ranks:
                     gather = SequenceGroup(made, ranks.index(rank), size // share)
-        return cls(size, ulysses, gather)
+        return cls(size, ulysses, gather, balance)
 
     @property
     def suffix(self) -> str:
-        """The attention implementation's name suffix: ``_sp4`` (Ulysses), ``_sp4_allgather``, ``_sp4_ulysses2x2``."""
+        """The attention implementation's name suffix: ``_sp4`` (Ulysses), ``_sp4_allgather``, ``_sp4_ulysses2x2``;
+        ``_zigzag`` after it where the all-gather ranks balance their causal work."""
         if self.gather is None:
             return f"_sp{self.size}"
+        balanced = "" if self.balance == "off" else "_zigzag"
         if self.ulysses is None:
-            return f"_sp{self.size}_allgather"
-        return f"_sp{self.size}_ulysses{self.ulysses.size}x{self.gather.size}"
+            return f"_sp{self.size}_allgather{balanced}"
+        return f"_sp{self.size}_ulysses{self.ulysses.size}x{self.gather.size}{balanced}"
 
     def wrap(self, function: Any) -> Any:
         """``function`` (a :class:`~padfree_plugins.modeling.attention.PadfreeAttention`) run on the group's row."""
         if self.gather is not None:
-            function = AllGatherAttention(function, self.gather)
+            function = AllGatherAttention(function, self.gather, self.balance)
         if self.ulysses is not None:
             function = UlyssesAttention(function, self.ulysses, row_size=self.size)
         return function
