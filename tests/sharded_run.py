@@ -34,8 +34,10 @@ from tests.test_distributed import LOOP_ARGS, load_example
 
 ENGINES = ("fsdp2", "zero2", "zero3")
 #: An engine's name with this suffix trains with the MLP and the loss tiled (``memory.tile_tokens``), on batches with
-#: labelled logits (the tiled loss's calls); the reference stays untiled. Under ZeRO-3 the loss alone is tiled.
+#: labelled logits (the tiled loss's calls); the reference stays untiled.
 TILED = "-tiled"
+#: A tiled case's name with this suffix trains with a deliberate fault: every MLP tile drops its last token's output.
+FAULTY = "-faulty"
 TILE_TOKENS = 16
 
 
@@ -62,7 +64,10 @@ def setup(engine: str, model: torch.nn.Module, optimizer_of, world: int):
         "train_batch_size": world,
         # Persistence threshold 0: every parameter is partitioned (by default ones under 1e5 elements, all of this
         # tiny model's, stay whole on every rank and ZeRO-3 would shard nothing).
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0} if engine == "zero3"
+        # Reuse distance 0: ZeRO releases a gathered parameter after each module call that used it, so how often
+        # the tiled MLP's parameters are gathered is counted by their releases.
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
+        if engine == "zero3"
         else {"stage": 2},
         "zero_allow_untested_optimizer": True,  # torch AdamW, the reference's own optimizer
         "gradient_clipping": 0.0,
@@ -123,14 +128,15 @@ def full_state(engine: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def main(engines: str, out: str) -> None:
     cases = engines.split(",")
     for case in cases:
-        if case.removesuffix(TILED) not in ENGINES:
+        if case.removesuffix(FAULTY).removesuffix(TILED) not in ENGINES or case.endswith(FAULTY) and TILED not in case:
             sys.exit(f"engine must be one of {ENGINES} (with {TILED}: memory.tile_tokens {TILE_TOKENS}), not {case!r}")
     accelerator = Accelerator(cpu=True)  # the gloo process group, and reduce() for the token count
     if accelerator.num_processes < 2:
         sys.exit("launch with torchrun --nproc_per_node 2 (or more): one process shards nothing")
     results = {}
     for case in cases:
-        results[case] = train(case.removesuffix(TILED), accelerator, case.endswith(TILED))
+        results[case] = train(case.removesuffix(FAULTY).removesuffix(TILED), accelerator, TILED in case,
+                              case.endswith(FAULTY))
         gc.collect()  # the case's sharded model is gone before the next one starts
         dist.barrier()
     if accelerator.is_main_process:
@@ -144,9 +150,26 @@ def main(engines: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def train(engine: str, accelerator: Accelerator, tiled: bool = False) -> dict:
-    """Train under ``engine`` (``tiled``: with :data:`TILE_TOKENS`); the losses, token counts, full weights and
-    sharding evidence (every rank)."""
+def counted_releases(param: torch.nn.Parameter) -> list[int]:
+    """ZeRO-3: a one-element counter of ``param``'s releases (``param.partition`` calls; each follows a gather)."""
+    count, partition = [0], param.partition
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return partition(*args, **kwargs)
+
+    param.partition = counting
+    return count
+
+
+def train(engine: str, accelerator: Accelerator, tiled: bool = False, faulty: bool = False) -> dict:
+    """Train under ``engine`` (``tiled``: with :data:`TILE_TOKENS`; ``faulty``: every MLP tile drops its last token);
+    the losses, token counts, full weights and sharding evidence (every rank); under ZeRO-3 also how many times the
+    first layer's ``gate_proj.weight`` was released (gathered) in training."""
+    from contextlib import nullcontext
+
+    from padfree_plugins.testing.faults import tile_drops_last_token
+
     world, rank = accelerator.num_processes, accelerator.process_index
     loop = load_example()
     args = loop.parse_args(LOOP_ARGS)
@@ -154,7 +177,6 @@ def train(engine: str, accelerator: Accelerator, tiled: bool = False) -> dict:
     config.batching.max_tokens_per_batch = args.max_tokens
     if tiled:
         config.memory.tile_tokens = TILE_TOKENS
-        config.memory.tile_mlp = engine != "zero3"  # refused under ZeRO-3 (its partitioned parameters)
     model = loop.tiny_llama()  # same seed as the reference
     assembly = assemble(model, config)  # patch first, then shard
     tiled_modules = sum(type(m.__dict__.get("forward")).__name__ in ("_TiledForward", "TiledLossForward")
@@ -163,8 +185,18 @@ def train(engine: str, accelerator: Accelerator, tiled: bool = False) -> dict:
     loader = token_budget_dataloader(dataset, assembly.collator, config, num_replicas=world, rank=rank)
     model, optimizer, backward, step = setup(engine, model, lambda p: torch.optim.AdamW(p, lr=args.lr), world)
 
+    releases = counted_releases(model.module.model.layers[0].mlp.gate_proj.weight) if engine == "zero3" else [None]
     losses, tokens = [], []
     model.train()
+    with tile_drops_last_token() if faulty else nullcontext():
+        train_epochs(args, loader, accelerator, assembly, model, backward, step, tiled, world, losses, tokens)
+    evidence = sharding_evidence(engine, model, optimizer)
+    return {"engine": engine, "processes": world, "losses": losses, "tokens": tokens, "releases": releases[0],
+            "state": full_state(engine, model), "sharding": evidence, "tiled": tiled_modules}
+
+
+def train_epochs(args, loader, accelerator, assembly, model, backward, step, tiled, world, losses, tokens) -> None:
+    """The training loop of :func:`train`: appends each step's loss (summed over ranks) and token counts."""
     for epoch in range(args.epochs):
         loader.batch_sampler.set_epoch(epoch)  # a plain DataLoader: the sampler reshuffles
         for batch in loader:
@@ -176,9 +208,6 @@ def train(engine: str, accelerator: Accelerator, tiled: bool = False) -> dict:
             step()
             losses.append(accelerator.reduce(loss.detach(), reduction="sum").item())
             tokens.append(accelerator.gather(torch.tensor([batch.num_tokens])).tolist())
-    evidence = sharding_evidence(engine, model, optimizer)
-    return {"engine": engine, "processes": world, "losses": losses, "tokens": tokens,
-            "state": full_state(engine, model), "sharding": evidence, "tiled": tiled_modules}
 
 
 # -- HF Trainer under DeepSpeed ZeRO-3 -----------------------------------------------------------------------------

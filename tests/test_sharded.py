@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 
+from tests.sharded_run import TILE_TOKENS
 from tests.shared_launch import launch_once, selected
 from tests.test_distributed import ROOT, free_port, load_example, reference_training, run_group
 
@@ -36,7 +37,8 @@ def reference(ranks: int = 2, per_rank_mean: bool = False) -> dict:
 
 #: The launched tests, and the suffix of their case's name (the engine's name, tiled: ``-tiled``).
 LAUNCHED = {"test_sharded_two_processes_equal_single_process": "",
-            "test_tiled_mlp_and_loss_sharded_equal_the_untiled_single_process": "-tiled"}
+            "test_tiled_mlp_and_loss_sharded_equal_the_untiled_single_process": "-tiled",
+            "test_a_tile_dropping_a_token_under_zero3_fails_the_comparison": "-tiled-faulty"}
 
 
 def case_of(item) -> str | None:
@@ -92,15 +94,33 @@ def test_sharded_two_processes_equal_single_process(request, tmp_path_factory, e
 
 @pytest.mark.parametrize("engine", ["fsdp2", pytest.param("zero3", marks=needs_deepspeed)])
 def test_tiled_mlp_and_loss_sharded_equal_the_untiled_single_process(request, tmp_path_factory, engine):
-    """``memory.tile_tokens`` under FSDP2 (MLP and loss tiled) and ZeRO-3 (the loss tiled; the tiled MLP is refused
-    there): the tiled MLP returns its parameters' gradients once per layer to the engine's hooks, the tiled head
-    computes inside the head's (gathered) module call; the training equals the untiled single process."""
+    """``memory.tile_tokens`` under FSDP2 and ZeRO-3, the MLP and the loss tiled: the tiled MLP hands its
+    parameters' gradients once per layer to the engine's hooks, the tiled head computes inside the head's (gathered)
+    module call; the training equals the untiled single process. Under ZeRO-3 (which releases a parameter after
+    every module call that used it, reuse distance 0) the first layer's ``gate_proj.weight`` is released, so
+    gathered, twice a step (the forward, and the backward with its recompute), not once per tile: every row spans
+    at least 3 tiles, so a gather per tile would be at least 3 in the forward alone."""
     run = launch_sharded(request, tmp_path_factory, engine + "-tiled")
     want = reference()
-    assert run["engine"] == engine and run["tiled"] > 0 and run["sharding"]["local_numel"] < run["sharding"]["numel"]
+    assert run["engine"] == engine and run["sharding"]["local_numel"] < run["sharding"]["numel"]
+    assert run["tiled"] == 1 + len(load_example().tiny_llama().model.layers)  # the loss and every layer's MLP
     loss, weight = differences(run, want)
-    print(f"{engine} tiled: max loss difference {loss:.2e}, max weight difference {weight:.2e}")
+    print(f"{engine} tiled: max loss difference {loss:.2e}, max weight difference {weight:.2e}, "
+          f"releases {run['releases']} in {len(run['losses'])} steps")
     assert loss < TOLERANCE and weight < TOLERANCE
+    if engine == "zero3":
+        assert min(min(step) for step in run["tokens"]) > 2 * TILE_TOKENS  # every row spans at least 3 tiles
+        assert run["releases"] <= 2 * len(run["losses"])
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("engine", ["zero3"])
+def test_a_tile_dropping_a_token_under_zero3_fails_the_comparison(request, tmp_path_factory, engine):
+    """The comparison above has teeth under ZeRO-3: every MLP tile dropping its last token's output
+    (``padfree_plugins.testing.faults.tile_drops_last_token``) trains far from the untiled single process."""
+    run = launch_sharded(request, tmp_path_factory, engine + "-tiled-faulty")
+    loss, weight = differences(run, reference())
+    assert loss > 10 * TOLERANCE and weight > 10 * TOLERANCE, (loss, weight)
 
 
 @functools.lru_cache(maxsize=1)

@@ -87,33 +87,96 @@ def run_tile(fn: Callable, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
     return fn(*pieces)
 
 
+class HeldGathered:
+    """DeepSpeed ZeRO-3: a layer's partitioned parameters gathered once for all its tiles. ZeRO's own module hooks
+    gather them at the first tile; a mark in each one's ``ds_active_sub_modules`` keeps ZeRO's hooks from releasing
+    them between tiles; :meth:`let_go` (before the last tile's release) lets ZeRO's hooks release them as usual."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.params = [p for p in module.parameters() if hasattr(p, "ds_active_sub_modules")]
+        self.mark = f"padfree-plugins:tiled:{id(module)}"
+
+    def __enter__(self) -> "HeldGathered":
+        for p in self.params:
+            p.ds_active_sub_modules.add(self.mark)
+        return self
+
+    def let_go(self) -> None:
+        for p in self.params:
+            p.ds_active_sub_modules.discard(self.mark)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.let_go()
+
+
+def _zero_partitioned(module: torch.nn.Module) -> bool:
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def spans(total: int, tile: int) -> tuple[tuple[int, int], ...]:
+    """``(start, size)`` of each tile of a row of ``total`` tokens."""
+    return tuple((start, min(tile, total - start)) for start in range(0, total, tile))
+
+
+def agreed_spans(total: int, tile: int, device: torch.device) -> tuple[tuple[int, int], ...]:
+    """ZeRO-3: the tiles of a row of ``total`` tokens, as many on every rank (the most any rank needs, a collective):
+    ZeRO gathers parameters, and prefetches by the order of module calls, collectively, so every rank must call the
+    layer's modules as many times. Tiles of ``ceil(total / count)`` tokens; the last ones may be empty."""
+    import torch.distributed as dist
+
+    count = torch.tensor(max(1, math.ceil(total / tile)), device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    count = int(count.item())
+    size = math.ceil(total / count)
+    return tuple((min(i * size, total), max(0, min(size, total - i * size))) for i in range(count))
+
+
+def run_tiles(fn: Callable, inputs: Sequence[torch.Tensor], dim: int, cuts: Sequence[tuple[int, int]],
+              module: torch.nn.Module) -> torch.Tensor:
+    """``fn`` on every tile (``cuts``: start, size) of ``inputs`` (no recompute), concatenated; under ZeRO-3 the
+    parameters are gathered once for all the tiles (:class:`HeldGathered`)."""
+    outputs = []
+    with HeldGathered(module) as held:
+        for index, (start, size) in enumerate(cuts):
+            if index == len(cuts) - 1:
+                held.let_go()  # ZeRO's hooks release the parameters after the last tile
+            outputs.append(run_tile(fn, [x.narrow(dim, start, size) for x in inputs]))
+    return torch.cat(outputs, dim=_token_dim(outputs[0]))
+
+
 class TiledCall(torch.autograd.Function):
     """``fn(*inputs)`` over tiles of ``tile`` tokens (every input cut along its token dimension), recomputed tile by
-    tile in the backward. ``params``: the tensors ``fn`` reads besides its inputs that need gradients."""
+    tile in the backward. ``params``: the tensors ``fn`` reads besides its inputs that need gradients. Under ZeRO-3
+    (``module``'s parameters partitioned) ``params`` is an empty anchor that makes the backward run; the parameters
+    stay gathered over the tiles, and their gradients accumulate over the tiles into ``.grad`` and reach ZeRO's
+    reduce once, at the last tile (``ds_grad_is_ready``, as DeepSpeed's ``TiledMLP``)."""
 
     @staticmethod
-    def forward(ctx, fn: Callable, tile: int, count: int, *tensors: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, fn: Callable, module: torch.nn.Module, cuts: Sequence[tuple[int, int]], count: int,
+                *tensors: torch.Tensor) -> torch.Tensor:
         inputs, params = tensors[:count], tensors[count:]
         dim = _token_dim(inputs[0])
-        ctx.fn, ctx.tile, ctx.count, ctx.dim = fn, tile, count, dim
+        ctx.fn, ctx.module, ctx.cuts, ctx.count, ctx.dim = fn, module, cuts, count, dim
         ctx.rng = _rng_states(inputs[0].device)
         ctx.save_for_backward(*inputs)
         ctx.params = params
-        outputs = [run_tile(fn, [x.narrow(dim, start, min(tile, x.shape[dim] - start)) for x in inputs])
-                   for start in range(0, inputs[0].shape[dim], tile)]
-        return torch.cat(outputs, dim=_token_dim(outputs[0]))
+        return run_tiles(fn, inputs, dim, cuts, module)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> tuple:
-        inputs, params, dim, tile = ctx.saved_tensors, ctx.params, ctx.dim, ctx.tile
-        wants = [x.is_floating_point() and need for x, need in zip(inputs, ctx.needs_input_grad[3:3 + ctx.count])]
+        inputs, dim = ctx.saved_tensors, ctx.dim
+        wants = [x.is_floating_point() and need for x, need in zip(inputs, ctx.needs_input_grad[4:4 + ctx.count])]
+        if _zero_partitioned(ctx.module):
+            input_grads = _zero_backward(ctx, inputs, wants, grad_output)
+            return (None, None, None, None, *input_grads, *[None] * len(ctx.params))
+        params = ctx.params
         input_grads = [torch.zeros_like(x) if want else None for x, want in zip(inputs, wants)]
-        trained = [p for p, need in zip(params, ctx.needs_input_grad[3 + ctx.count:]) if need]
+        trained = [p for p, need in zip(params, ctx.needs_input_grad[4 + ctx.count:]) if need]
         param_grads: list[Any] = [None] * len(trained)
         out_dim = _token_dim(grad_output)
         with _replayed_rng(ctx.rng, inputs[0].device), torch.enable_grad():
-            for start in range(0, inputs[0].shape[dim], tile):
-                size = min(tile, inputs[0].shape[dim] - start)
+            for start, size in ctx.cuts:
                 pieces = [x.narrow(dim, start, size).detach().requires_grad_(want) for x, want in zip(inputs, wants)]
                 output = run_tile(ctx.fn, pieces)
                 targets = [p for p, want in zip(pieces, wants) if want] + trained
@@ -129,27 +192,56 @@ class TiledCall(torch.autograd.Function):
                     if got is not None:
                         param_grads[i] = got if param_grads[i] is None else param_grads[i] + got
         param_grads_iter = iter(param_grads)
-        every_param = [next(param_grads_iter) if need else None for need in ctx.needs_input_grad[3 + ctx.count:]]
-        return (None, None, None, *input_grads, *every_param)
+        every_param = [next(param_grads_iter) if need else None for need in ctx.needs_input_grad[4 + ctx.count:]]
+        return (None, None, None, None, *input_grads, *every_param)
+
+
+def _zero_backward(ctx: Any, inputs: Sequence[torch.Tensor], wants: list[bool], grad_output: torch.Tensor) -> list:
+    """The backward of :class:`TiledCall` under ZeRO-3: each tile recomputed through ``module``'s (hooked) calls,
+    the parameters held gathered from the first tile to the last (:class:`HeldGathered`); their gradients accumulate
+    in ``.grad`` and ZeRO reduces them once, after the last tile (``ds_grad_is_ready`` false before it)."""
+    dim, cuts = ctx.dim, ctx.cuts
+    trained = [p for p in ctx.module.parameters() if p.requires_grad]
+    input_grads = [torch.zeros_like(x) if want else None for x, want in zip(inputs, wants)]
+    out_dim = _token_dim(grad_output)
+    try:
+        with _replayed_rng(ctx.rng, inputs[0].device), torch.enable_grad(), HeldGathered(ctx.module) as held:
+            for index, (start, size) in enumerate(cuts):
+                last = index == len(cuts) - 1
+                for p in trained:
+                    p.ds_grad_is_ready = last
+                pieces = [x.narrow(dim, start, size).detach().requires_grad_(want) for x, want in zip(inputs, wants)]
+                output = run_tile(ctx.fn, pieces)
+                if last:
+                    held.let_go()  # ZeRO's post-backward hooks release the parameters after this tile
+                targets = [p for p, want in zip(pieces, wants) if want] + trained
+                if targets and output.requires_grad:
+                    torch.autograd.backward(output, grad_output.narrow(out_dim, start, size), inputs=targets)
+                for i, (piece, want) in enumerate(zip(pieces, wants)):
+                    if want and piece.grad is not None:
+                        input_grads[i].narrow(dim, start, size).copy_(piece.grad)
+    finally:
+        for p in trained:
+            p.ds_grad_is_ready = True
+    return input_grads
 
 
 def tiled(fn: Callable, module: torch.nn.Module, tile: int, *inputs: torch.Tensor) -> torch.Tensor:
     """``fn(*inputs)`` (a call of ``module``'s) over tiles of ``tile`` tokens: directly when the row fits one tile;
-    under ``no_grad`` tile by tile without recomputation."""
-    total = inputs[0].shape[_token_dim(inputs[0])]
-    if total <= tile:
+    under ``no_grad`` tile by tile without recomputation. Under DeepSpeed ZeRO-3 the module's parameters are
+    gathered once per call, not once per tile, and their gradients reach ZeRO's reduce once per call."""
+    dim = _token_dim(inputs[0])
+    zero = _zero_partitioned(module)
+    total = inputs[0].shape[dim]
+    cuts = agreed_spans(total, tile, inputs[0].device) if zero else spans(total, tile)
+    if len(cuts) == 1:
         return fn(*inputs)
-    if any(hasattr(p, "ds_id") for p in module.parameters()):
-        raise UnsupportedArchitectureError(
-            f"memory.tile_mlp under DeepSpeed ZeRO-3 ({type(module).__name__}'s parameters are partitioned): the "
-            "tiled recompute does not gather them yet. Set memory.tile_mlp: false (the loss can still be tiled), or "
-            "use FSDP2")
     params = [p for p in module.parameters() if p.requires_grad]
     if not torch.is_grad_enabled() or not (params or any(x.requires_grad for x in inputs)):
-        dim = _token_dim(inputs[0])
-        outputs = [run_tile(fn, [x.narrow(dim, s, min(tile, total - s)) for x in inputs]) for s in range(0, total, tile)]
-        return torch.cat(outputs, dim=_token_dim(outputs[0]))
-    return TiledCall.apply(fn, tile, len(inputs), *inputs, *params)
+        return run_tiles(fn, inputs, dim, cuts, module)
+    if zero:  # the parameters are not the Function's inputs (their data is ZeRO's placeholder outside the layer)
+        params = [inputs[0].new_empty(0).requires_grad_()] if params else []
+    return TiledCall.apply(fn, module, cuts, len(inputs), *inputs, *params)
 
 
 # -- which modules are tiled ----------------------------------------------------------------------------------------

@@ -400,6 +400,8 @@ def tile_drops_last_token() -> Iterator[None]:
     def dropping(fn, pieces):
         output = original(fn, pieces)
         dim = 1 if output.ndim == 3 else 0
+        if not output.shape[dim]:
+            return output  # an empty tile (ZeRO-3 gives every rank as many tiles) has no token to drop
         keep = torch.ones(output.shape[dim], dtype=output.dtype, device=output.device)
         keep[-1] = 0
         return output * keep.reshape([-1] + [1] * (output.ndim - dim - 1))
