@@ -7,11 +7,14 @@ errors. (Speed is measured by the benchmark itself, never asserted here.)"""
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+from padfree_plugins.benchmarks import scale
 from padfree_plugins.benchmarks.scale import (
     VARIANTS,
     ScaleSettings,
@@ -101,6 +104,35 @@ def test_the_row_holds_exactly_its_tokens_and_splits_into_consecutive_halves():
 def test_a_run_past_its_timeout_is_killed_with_a_clear_error():
     with pytest.raises(PadfreeError, match="did not finish within 1 s"):
         run_scale_benchmark(ScaleSettings(tokens=1024, models=("llama",), timeout=1))
+
+
+#: A launcher that starts a worker in a session of its own (as torch elastic does), prints its pid, and waits.
+_LAUNCHER = ("import subprocess, sys, time; worker = subprocess.Popen([sys.executable, '-c', 'import time; "
+             "time.sleep(120)'], start_new_session=True); print('worker', worker.pid, flush=True); {then}; "
+             "time.sleep(120)")
+
+
+def _alive(pid: int) -> bool:
+    state = Path(f"/proc/{pid}/stat")
+    return state.exists() and state.read_text().split(") ", 1)[1][0] != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds a launch's workers through /proc")
+def test_a_killed_launch_takes_its_workers_in_other_sessions_with_it():
+    with pytest.raises(PadfreeError, match="did not finish within 3 s") as refused:
+        scale._launch([sys.executable, "-c", _LAUNCHER.format(then="pass")], dict(os.environ), 3, lambda _: None)
+    worker = int(str(refused.value).split("worker ", 1)[1].split()[0])
+    assert not _alive(worker), "the launch's worker outlived it"
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds a launch's workers through /proc")
+def test_a_launch_lingering_after_its_result_is_killed_and_judged_on_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(scale, "TEARDOWN_GRACE_S", 1.0)
+    result, said = tmp_path / "result.json", []
+    then = f"open({str(result)!r}, 'w').write('{{}}')"
+    scale._launch([sys.executable, "-c", _LAUNCHER.format(then=then)], dict(os.environ), 60, said.append,
+                  result=result)
+    assert result.exists() and any("the results stand" in line for line in said)
 
 
 def test_variants_of_a_larger_world_and_all_gather():

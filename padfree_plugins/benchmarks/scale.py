@@ -52,14 +52,17 @@ backward; ``N - 1`` cuts; without shared prefixes a rank sends at most one state
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -386,7 +389,7 @@ def run_scale_benchmark(settings: ScaleSettings, progress: Callable[[str], None]
         env = {**os.environ, "OMP_NUM_THREADS": str(settings.threads), "TOKENIZERS_PARALLELISM": "false"}
         say(f"launching {settings.world} processes (gloo): {', '.join(settings.models)}, a row of {settings.tokens} "
             f"tokens, timeout {settings.timeout:.0f} s")
-        _launch(command, env, settings.timeout, say, settings.world)
+        _launch(command, env, settings.timeout, say, settings.world, result=out)
         raw = json.loads(out.read_text())
     rows = [ScaleRow(**row) for row in raw["rows"]]
     for model in settings.models:
@@ -408,11 +411,21 @@ def run_scale_benchmark(settings: ScaleSettings, progress: Callable[[str], None]
     return ScaleResult(settings, rows, volumes, environment)
 
 
-def _launch(command: list[str], env: dict, timeout: float, say: Callable[[str], None], world: int = WORLD) -> None:
+#: Seconds a launch may linger after its result is written (torch's gloo teardown can deadlock) before it is killed.
+TEARDOWN_GRACE_S = 30.0
+#: The environment variable that marks a launch's processes (torch elastic starts its workers in sessions of their
+#: own, outside the launcher's process group, so killing the group alone would leave them running).
+LAUNCH_TOKEN = "PADFREE_BENCH_LAUNCH"
+
+
+def _launch(command: list[str], env: dict, timeout: float, say: Callable[[str], None], world: int = WORLD,
+            result: Path | None = None) -> None:
     """Run the workers; their progress lines go to ``say``, the rest is kept for an error. A run past ``timeout``
-    is killed (its process group: the launcher and its workers)."""
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
+    is killed, and so is one that lingers :data:`TEARDOWN_GRACE_S` after writing ``result`` (judged on it, with a
+    note); either way every process of the launch goes: the launcher, its group and its workers."""
+    token = uuid.uuid4().hex
+    process = subprocess.Popen(command, env={**env, LAUNCH_TOKEN: token}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
     tail: deque[str] = deque(maxlen=40)
 
     def read() -> None:
@@ -424,16 +437,41 @@ def _launch(command: list[str], env: dict, timeout: float, say: Callable[[str], 
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
+    deadline, written_at = time.monotonic() + timeout, None
     try:
-        code = process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
-        process.wait()
-        raise PadfreeError(f"bench scale: the {world} processes did not finish within {timeout:.0f} s (killed); "
-                           "use fewer --tokens or a longer --timeout. Last output:\n" + "\n".join(tail)) from None
+        while process.poll() is None and time.monotonic() < deadline:
+            if written_at is None and result is not None and result.exists():
+                written_at = time.monotonic()
+            if written_at is not None and time.monotonic() - written_at > TEARDOWN_GRACE_S:
+                break
+            time.sleep(0.2)
+    finally:
+        lingering = process.poll() is None
+        _kill_launch(process, token)
     reader.join(timeout=10)
-    if code:
-        raise PadfreeError(f"bench scale: the workers failed (exit status {code}). Last output:\n" + "\n".join(tail))
+    if lingering and written_at is None:
+        raise PadfreeError(f"bench scale: the {world} processes did not finish within {timeout:.0f} s (killed); "
+                           "use fewer --tokens or a longer --timeout. Last output:\n" + "\n".join(tail))
+    if lingering:
+        say(f"the workers wrote their results but had not exited {TEARDOWN_GRACE_S:.0f} s later (torch's gloo "
+            "teardown); killed them, the results stand")
+        return
+    if process.returncode:
+        raise PadfreeError(f"bench scale: the workers failed (exit status {process.returncode}). Last output:\n"
+                           + "\n".join(tail))
+
+
+def _kill_launch(process: subprocess.Popen, token: str) -> None:
+    """SIGKILL the launcher's process group and every process whose environment carries ``token`` (Linux's
+    ``/proc``; elsewhere the group alone)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    marker = f"{LAUNCH_TOKEN}={token}".encode()
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            if marker in (entry / "environ").read_bytes().split(b"\0"):
+                os.kill(int(entry.name), signal.SIGKILL)
+    process.wait()
 
 
 # -- the worker (one per rank, under torch.distributed.run) ---------------------------------------------------------
