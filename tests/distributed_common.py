@@ -128,16 +128,21 @@ def leave() -> None:
     os._exit(0)
 
 
-def launch(script: str, *args: str, out: Path, processes: int = 2, timeout: float, env: dict | None = None) -> Any:
+def launch_group(script: str, *args: str, out: Path, processes: int = 2, timeout: float,
+                 env: dict | None = None) -> tuple[int, str]:
     """Run ``tests/<script> args`` under torchrun on ``processes`` CPU processes (one thread each, offline), never
-    longer than ``timeout`` s; fail with the end of its output unless it exits 0; return what it wrote to ``out``.
-    ``env``: more environment variables."""
+    longer than ``timeout`` s; return its exit status and output. ``env``: more environment variables."""
     # imported here: the workers import this module, and need neither pytest nor the launch machinery
     from tests.test_distributed import ROOT, free_port, run_group
 
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
                str(free_port()), str(ROOT / "tests" / script), *args]
-    returncode, output = run_group(command, environment, timeout=timeout, results=[out])
+    return run_group(command, environment, timeout=timeout, results=[out])
+
+
+def launch(script: str, *args: str, out: Path, processes: int = 2, timeout: float, env: dict | None = None) -> Any:
+    """:func:`launch_group`, failing with the end of its output unless it exits 0; return what it wrote to ``out``."""
+    returncode, output = launch_group(script, *args, out=out, processes=processes, timeout=timeout, env=env)
     assert returncode == 0, output[-6000:]
     return torch.load(out, weights_only=False)

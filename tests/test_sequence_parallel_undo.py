@@ -12,14 +12,11 @@ and the gathered assembly after it fails with the error users saw ("packed call 
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
+from tests.distributed_common import launch_group
 from tests.shared_launch import launch_once
-from tests.test_distributed import ROOT, free_port, run_group
 
 LOSS = 1e-5
 GRADS = 1e-4
@@ -30,10 +27,7 @@ def launched(request, tmp_path_factory) -> list[dict]:
     """Every rank's results, from one launch (once per session: tests/shared_launch.py)."""
 
     def run(out, _):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                   str(free_port()), str(ROOT / "tests" / "sequence_parallel_undo_run.py"), str(out)]
-        return run_group(command, env, timeout=240, results=[out])
+        return launch_group("sequence_parallel_undo_run.py", str(out), out=out, processes=2, timeout=240)
 
     returncode, output, runs = launch_once(request, tmp_path_factory, "launched", [], run,
                                            lambda out: torch.load(out, weights_only=False))

@@ -15,16 +15,13 @@ are far off. Per-rank activation memory, split against gathered, is measured on 
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
 from padfree_plugins.packing.sequence_parallel import padded_length
 from tests import split_shared_run as worker
+from tests.distributed_common import launch_group
 from tests.shared_launch import launch_once
-from tests.test_distributed import ROOT, free_port, run_group
 
 LOG_PROBS = 1e-5
 GRADS = 1e-4
@@ -35,10 +32,7 @@ def launched(request, tmp_path_factory) -> dict:
     """The worker's results, from one launch (once per session: tests/shared_launch.py)."""
 
     def run(out, _):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
-                   str(free_port()), str(ROOT / "tests" / "split_shared_run.py"), str(out)]
-        return run_group(command, env, timeout=300, results=[out])
+        return launch_group("split_shared_run.py", str(out), out=out, processes=4, timeout=300)
 
     returncode, output, runs = launch_once(request, tmp_path_factory, "launched", [], run,
                                            lambda out: torch.load(out, weights_only=False))
