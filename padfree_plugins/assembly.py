@@ -39,6 +39,7 @@ from padfree_plugins.modeling.pooling import unknown_mode_hint
 from padfree_plugins.modeling.probe import PROBE, PROBE_PLUGIN, probed_architecture, verify
 from padfree_plugins.modeling.sequence_parallel import SequenceParallelForward, SequenceParallelPatch, sequence_group
 from padfree_plugins.modeling.tiled_mixers import MixerTiling
+from padfree_plugins.modeling.loss_kernel import LossKernel, planned
 from padfree_plugins.modeling.tiling import MLPTiling, TiledLossForward, check_tiled_loss, resolve_tiles, tiled_modules
 from padfree_plugins.modeling.unpad import UnpadPatch
 from padfree_plugins.packing.collator import refusing_undeclared, within_embeddings
@@ -89,6 +90,8 @@ class Plan:
     tile_mixers: str = ""
     #: ``sequence_parallel`` resolved for the model, in words (attention scheme, causal work balance).
     sequence: str = "off (sequence_parallel.size: 1)"
+    #: What computes the tiled LM head and loss (``memory.loss_kernel``), in words ("-": the loss is not tiled).
+    loss_kernel: str = "-"
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -101,6 +104,7 @@ class Plan:
             "position_start": self.position_start,
             "hooks answered by": ", ".join(f"{hook}: {plugin or '-'}" for hook, plugin in self.answers.items()) or "-",
             "memory": describe_tiles(self.tiles, self.tile_mixers),
+            "loss kernel": self.loss_kernel,
             "sequence parallel": self.sequence,
             "notes": self.notes,
         }
@@ -296,10 +300,13 @@ def _resolve(model_config: Any, config: PadfreeConfig, host: PluginHost, device_
             notes.append(f"the model uses attention dropout, which {', '.join(faster)} cannot do: using "
                          f"{backend.name}; set attention_dropout: disable to use {faster[0]}")
     tiles = None if config.memory.tile_tokens is None else resolve_tiles(config.memory.tile_tokens, model_config)
+    LossKernel.of(config.memory.loss_kernel)  # liger asked for and not installed: refused here, saying how to install
+    loss_tiled = tiles is not None and config.memory.tile_loss and task.name == "causal_lm"
     return Plan(architecture, architecture_plugin, task, task_plugin, backend, fallback, features, device_type,
                 int(architecture.position_start(model_config)), notes, tiles=tiles,
                 tile_mixers=mixer_tiling(config, tiles),
-                sequence=describe_sequence_parallel(config, model_config))
+                sequence=describe_sequence_parallel(config, model_config),
+                loss_kernel=planned(config.memory.loss_kernel, device_type) if loss_tiled else "- (no tiled loss)")
 
 
 def describe_sequence_parallel(config: PadfreeConfig, model_config: Any) -> str:
@@ -602,7 +609,8 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
             logger.warning("padfree-plugins: memory.tile_mixers: under sequence parallelism each rank scans its "
                            "slice of the row whole; its sequence mixers are not tiled")
     if tile_loss is not None:
-        parts = dataclasses.replace(parts, forward=TiledLossForward(parts.forward, tile_loss))
+        parts = dataclasses.replace(parts, forward=TiledLossForward(parts.forward, tile_loss,
+                                                                    LossKernel.of(config.memory.loss_kernel)))
     if sequence is not None:  # each rank computes its slice of the group's row
         media = tuple(getattr(parts.collator, "media_keys", None) or ())
         try:

@@ -130,6 +130,13 @@ class MemoryConfig:
     tile_loss: bool = _help("with tile_tokens: tile the LM head and its cross-entropy in the loss-only calls of HF "
                             "Trainer and of assembly.forward on a batch with labelled logits (the logits of the whole "
                             "row are never built)", default=True)
+    loss_kernel: Literal["auto", "torch", "liger"] = _help(
+        "what computes the tiled LM head and loss: auto (Liger's fused linear cross-entropy where liger-kernel is "
+        "installed and the call fits: CUDA tensors of float32, bfloat16 or float16; the torch tiles otherwise); "
+        "torch (the torch tiles); liger (as auto, but an error at accelerate() where liger-kernel is not installed, "
+        "and a warning, once per kind, for calls it does not fit). Install it with pip install "
+        "'padfree-plugins[liger]'. Both compute the same loss (sum over labelled tokens, -100 ignored, label "
+        "smoothing, divided by num_items_in_batch or the label count)", default="auto")
     tile_mixers: bool = _help("with tile_tokens: scan the sequence mixers of a hybrid (gated delta rule, Mamba2, KDA) "
                               "in tiles of the MLP's size, each tile continuing the previous tile's state, "
                               "recomputed tile by tile in the backward (Mamba1 mixers, LFM2's short conv, and mixers "
@@ -140,6 +147,10 @@ class MemoryConfig:
         if tokens is not None and tokens != "auto" and tokens < 1:
             raise ConfigError(f"memory.tile_tokens: {tokens}: a tile holds at least 1 token; give a number of tokens "
                               "(e.g. 4096), auto, or null for no tiling")
+        if self.loss_kernel == "liger" and (tokens is None or not self.tile_loss):
+            off = "memory.tile_tokens: null" if tokens is None else "memory.tile_loss: false"
+            raise ConfigError(f"memory.loss_kernel: liger computes the tiled loss, which is off ({off}): set "
+                              "memory.tile_tokens (e.g. auto) with memory.tile_loss: true, or remove loss_kernel")
 
 
 @dataclass

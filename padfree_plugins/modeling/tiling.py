@@ -12,7 +12,9 @@ head with its loss (as DeepSpeed ALST does for long rows).
 * :class:`TiledHeadLoss` projects tiles of the labelled hidden states onto the vocabulary and sums their
   cross-entropy; its backward recomputes each tile's logits. The logits of the whole row never exist.
   :func:`tiled_loss` runs a model's own forward with its LM head computing that loss, normalised exactly as
-  transformers' ``ForCausalLMLoss`` (by ``num_items_in_batch``, or the number of labels).
+  transformers' ``ForCausalLMLoss`` (by ``num_items_in_batch``, or the number of labels). Where liger-kernel is
+  installed and the call fits, Liger's fused linear cross-entropy computes it instead (``memory.loss_kernel``,
+  :mod:`~padfree_plugins.modeling.loss_kernel`).
 
 Exact: the layers are token-local, so where the tiles cut changes nothing but the order of float sums over tiles
 (the parameters' gradients: ~1e-7 relative in fp32).
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from padfree_plugins.errors import ConfigError, UnsupportedArchitectureError
+from padfree_plugins.modeling.loss_kernel import LossKernel
 
 logger = logging.getLogger("padfree_plugins")
 #: Smallest MLP tile ``tile_tokens: auto`` picks, in tokens.
@@ -421,16 +424,19 @@ def normalised(sums: Sequence[torch.Tensor], counts: Sequence[torch.Tensor], div
 
 
 def head_loss(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, num_items_in_batch: Any,
-              tile: int, smoothing: float = 0.0) -> torch.Tensor:
+              tile: int, smoothing: float = 0.0, kernel: LossKernel | None = None) -> torch.Tensor:
     """transformers' ``ForCausalLMLoss`` of ``head(hidden)`` against already shifted ``labels``, over tiles: the
     summed cross-entropy divided by ``num_items_in_batch`` (when given) or by the number of labels not -100; with
-    ``smoothing``, the ``LabelSmoother``'s loss."""
+    ``smoothing``, the ``LabelSmoother``'s loss. ``kernel``: Liger's fused kernel where it takes the call (None: the
+    torch tiles)."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1).to(hidden.device)
     if num_items_in_batch is None:
         divisor = (labels != -100).sum().float()
     else:
         divisor = torch.as_tensor(num_items_in_batch, device=hidden.device).float()
+    if kernel is not None and kernel.uses_liger(hidden, head.weight, head.bias):
+        return kernel.loss(hidden, head.weight, head.bias, labels, divisor, smoothing)
     return TiledHeadLoss.apply(hidden, head.weight, head.bias, labels, divisor, tile, smoothing)
 
 
@@ -457,17 +463,18 @@ def check_tiled_loss(model: Any) -> torch.nn.Linear:
 
 @contextmanager
 def tiled_loss(model: Any, shift_labels: torch.Tensor, num_items_in_batch: Any, tile: int,
-               smoothing: float = 0.0) -> Iterator[None]:
+               smoothing: float = 0.0, kernel: LossKernel | None = None) -> Iterator[None]:
     """Within the block, ``model``'s forward (called with ``shift_labels``, labels and usually ``logits_to_keep``)
     computes its causal-LM loss tile by tile: its LM head returns the loss of the positions it gets against
     ``shift_labels``, and its loss function passes it on. The head still runs through its module call, so hooks that
     gather a sharded weight (FSDP2, ZeRO-3) gather it. The output's ``logits`` are then that loss, not logits:
-    for loss-only calls. ``smoothing``: label smoothing (ε) as transformers' ``LabelSmoother`` computes it."""
+    for loss-only calls. ``smoothing``: label smoothing (ε) as transformers' ``LabelSmoother`` computes it.
+    ``kernel``: Liger's fused linear cross-entropy for the calls it takes (None: the torch tiles)."""
     head = check_tiled_loss(model)
     saved = {"forward": head.__dict__.get("forward"), "loss": model.__dict__.get("_loss_function")}
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        return head_loss(hidden, head, shift_labels, num_items_in_batch, tile, smoothing)
+        return head_loss(hidden, head, shift_labels, num_items_in_batch, tile, smoothing, kernel)
 
     def passed_on(logits: torch.Tensor, labels: Any = None, vocab_size: Any = None, **kwargs: Any) -> torch.Tensor:
         given = kwargs.get("shift_labels")
@@ -512,14 +519,16 @@ class TiledLossForward:
     (``shift_labels``, held by the trainer plugins for their loss-only call, or added by
     :func:`~padfree_plugins.packing.labelled_logits.keep_labelled_logits`) computes the model's loss with
     :func:`tiled_loss` and returns no logits; any other call is ``inner``'s. Its other attributes are ``inner``'s.
-    The keyword :data:`SMOOTHING_KEYWORD` (a trainer's label smoothing) is taken by this forward, never passed on."""
+    The keyword :data:`SMOOTHING_KEYWORD` (a trainer's label smoothing) is taken by this forward, never passed on.
+    ``kernel``: ``memory.loss_kernel`` (None: the torch tiles)."""
 
     inner: Any
     tile: int
+    kernel: LossKernel | None = None
     warned: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("inner", "warned"):
+        if name.startswith("__") or name in ("inner", "warned", "kernel"):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
@@ -540,7 +549,8 @@ class TiledLossForward:
             return self.inner(model, batch, **kwargs)
         from padfree_plugins.modeling.patching import unwrap_model
 
-        with tiled_loss(unwrap_model(model), shift_labels, kwargs.get("num_items_in_batch"), self.tile, smoothing):
+        with tiled_loss(unwrap_model(model), shift_labels, kwargs.get("num_items_in_batch"), self.tile, smoothing,
+                        self.kernel):
             outputs = self.inner(model, batch, **kwargs)
         if hasattr(outputs, "logits"):
             outputs["logits"] = None  # the head returned the loss, not logits
