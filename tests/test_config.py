@@ -272,6 +272,8 @@ def test_every_described_key_is_accepted():
         if key in ("batching.max_tokens_per_batch", "batching.max_pixels_per_batch"):
             node["strategy"] = "tokens"  # a budget is an error under strategy: examples, which ignores it
             node.setdefault("max_tokens_per_batch", 4)
+        if key == "memory.loss_kernel":
+            node["tile_tokens"] = 4  # loss_kernel: liger is an error without the tiled loss
         config = load_config(data)
         target = config
         for part in key.split("."):
@@ -315,6 +317,8 @@ def yaml_line(key: str, value: str) -> str:
     lines = [f"{'  ' * depth}{section}:" for depth, section in enumerate(sections)]
     if key == "batching.strategy" and value.strip("'") == "tokens":  # a budget is needed beside it
         lines.append("  max_tokens_per_batch: 64")
+    if key == "memory.loss_kernel" and value.strip("'") == "liger":  # the tiled loss is needed beside it
+        lines.append("  tile_tokens: 64")
     return "\n".join([*lines, f"{'  ' * len(sections)}{name}: {value}"]) + "\n"
 
 
