@@ -1,8 +1,8 @@
 """Liger's fused linear cross-entropy against the torch tiles, on DEVICE (argv[1]: cuda, or cpu under Triton's
 interpreter, TRITON_INTERPRET=1): the head's loss alone (hidden-state and weight gradients) and one packed step of a
 tiny Llama through ``assembly.forward``. Prints the largest differences as one JSON line; exits 1 where they exceed
-the tolerances or Liger did not compute the loss, 77 where Triton cannot run a kernel here at all. Run by tests/test_loss_kernel.py (a subprocess on CPU, so that
-Triton reads TRITON_INTERPRET before it is imported)."""
+the tolerances or Liger did not compute the loss, 77 where Triton cannot run a kernel here at all. Run by
+tests/test_loss_kernel.py (a subprocess, so that Triton reads TRITON_INTERPRET before it is imported)."""
 
 from __future__ import annotations
 

@@ -60,7 +60,8 @@ def planned(choice: str, device_type: str) -> str:
     if version is None:
         return "torch tiles (liger-kernel is not installed)"
     if device_type != "cuda" and not triton_interprets():
-        return f"torch tiles (liger-kernel {version} is installed; its kernel runs on CUDA, the device is {device_type})"
+        return (f"torch tiles (liger-kernel {version} is installed; its kernel runs on CUDA, the device is "
+                f"{device_type})")
     return (f"Liger fused linear cross-entropy (liger-kernel {version}) for the calls it fits (CUDA tensors of "
             "float32 / bfloat16 / float16), torch tiles for the others")
 
