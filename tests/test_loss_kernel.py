@@ -78,6 +78,17 @@ def test_auto_calls_liger_when_the_call_fits_and_its_result_is_the_loss(fake_lig
         assert_same(loss_and_grads(causal_lm("llama"), TILED), want)
 
 
+def test_hf_trainer_hands_liger_its_label_smoothing(fake_liger, torch_tiles):
+    """Through HF Trainer's loss call, with label smoothing: Liger gets the trainer's ε; the loss and gradients are
+    the trainer's own LabelSmoother's, untiled."""
+    from tests.test_tiling import trainer_step
+
+    want = trainer_step("hf", None, label_smoothing_factor=0.1)
+    got = trainer_step("hf", {**TILED, "loss_kernel": "liger"}, label_smoothing_factor=0.1)
+    assert fake_liger.calls == [(torch.float32, 0.1)] and not torch_tiles
+    assert_same(got, want)
+
+
 @pytest.mark.parametrize("case", ["no interpreter on cpu", "float64", "torch asked for"])
 def test_the_torch_tiles_run_where_the_call_does_not_fit(fake_liger, torch_tiles, monkeypatch, case):
     memory = {**TILED, "loss_kernel": "torch" if case == "torch asked for" else "auto"}
