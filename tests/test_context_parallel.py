@@ -3,7 +3,8 @@ rank's slice of queries attended to the row's keys with :func:`slice_boundaries`
 values and in every gradient, for causal and bidirectional attention, GQA, sliding windows, soft-capping and
 sinks, with examples crossing every cut (one spanning three slices) and 1-token examples at cuts. The deliberate
 faults of padfree_plugins.testing.faults must break it. The scheme choice and its refusals (model untouched) are
-checked here too; the distributed runs are in tests/test_sequence_parallel.py."""
+checked here too, and that a balanced model plans its row once per forward, not per layer (a gloo group of this one
+process); the distributed runs are in tests/test_sequence_parallel.py."""
 
 from __future__ import annotations
 

@@ -67,8 +67,8 @@ from padfree_plugins.packing.sequence_parallel import CU_KEYS, DROPPED_KEYS, MAX
 #: How sequence mixers run under sequence parallelism (``sequence_parallel.mixers``).
 MIXER_MODES = ("split", "gather")
 
-__all__ = ["MIXER_MODES", "PlanBalance", "SequenceGroup", "SequenceParallelForward", "SequenceParallelPatch", "SliceRow",
-           "SplitMixer", "WholeRowMixer", "gather_rows", "language_model", "sequence_group"]
+__all__ = ["MIXER_MODES", "PlanBalance", "SequenceGroup", "SequenceParallelForward", "SequenceParallelPatch",
+           "SliceRow", "SplitMixer", "WholeRowMixer", "gather_rows", "language_model", "sequence_group"]
 
 
 def sequence_group(size: int) -> SequenceGroup:
