@@ -3,7 +3,8 @@ rank's slice of queries attended to the row's keys with :func:`slice_boundaries`
 values and in every gradient, for causal and bidirectional attention, GQA, sliding windows, soft-capping and
 sinks, with examples crossing every cut (one spanning three slices) and 1-token examples at cuts. The deliberate
 faults of padfree_plugins.testing.faults must break it. The scheme choice and its refusals (model untouched) are
-checked here too; the distributed runs are in tests/test_sequence_parallel.py."""
+checked here too, and that a balanced model plans its row once per forward, not per layer (a gloo group of this one
+process); the distributed runs are in tests/test_sequence_parallel.py."""
 
 from __future__ import annotations
 
@@ -330,3 +331,91 @@ def test_auto_warns_once_which_scheme_runs(caplog):
     assert "needs torch.distributed initialised" in message
     notes = [record.getMessage() for record in caplog.records if "all-gather" in record.getMessage()]
     assert len(notes) == 1 and "does not divide the 6 attention heads" in notes[0]
+
+
+# --- the balance planned once per forward, not per layer --------------------------------------------------------------
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo process group of this process alone, and the sequence-parallel group of it."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield SequenceGroup(None, 0, 1)
+    finally:
+        dist.destroy_process_group()
+
+
+def _loss_and_grads(model, batch):
+    model.zero_grad()
+    loss = model(**batch.model_inputs()).loss
+    loss.backward()
+    return loss.detach(), {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_the_balance_is_planned_once_per_forward_not_per_layer(one_rank_group, monkeypatch, checkpointing):
+    """A 3-layer decoder whose all-gather attention balances every causal call (``zigzag`` over a group of this one
+    process: its two chunks exchanged by all-to-all and attended at their row positions, the code path of N ranks):
+    one forward and backward reads the row's boundaries on the host once (:func:`cumulative_work`, inside the plan
+    the base model's pre-hook makes), not once per layer, and not again in gradient checkpointing's recompute; loss
+    and gradients equal the model without sequence parallelism. With the hook removed, every attention call plans
+    its row itself (the behaviour this replaces): one read per layer, per recompute too."""
+    from padfree_plugins.modeling.attention import context_parallel
+    from padfree_plugins.modeling.sequence_parallel import PlanBalance, SequenceParallelPatch
+    from padfree_plugins.testing.models import random_examples, tiny_model
+
+    layers = 3
+    model = tiny_model("llama", "causal_lm", num_hidden_layers=layers, vocab_size=96).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assembly = assemble(model, {"attention": "exact"})
+    batch = assembly.collator(random_examples((5, 30, 9), 96, seed=2, low=3))
+    want_loss, want_grads = _loss_and_grads(model, batch)
+
+    layout = AttentionLayout(1, None, one_rank_group, "zigzag")
+    installed = SequenceParallelPatch.install(assembly.patch, one_rank_group, layout)
+    assert model.config._attn_implementation.endswith("_allgather_zigzag")
+    hooks = [hook for hook in installed.hooks
+             if isinstance(model.model._forward_pre_hooks.get(hook.id), PlanBalance)]
+    assert len(hooks) == 1
+    reads, balanced, right = [], [], context_parallel.cumulative_work
+    monkeypatch.setattr(context_parallel, "cumulative_work", lambda cu: reads.append(1) or right(cu))
+    spans = context_parallel.AllGatherAttention.attend_balanced
+    monkeypatch.setattr(context_parallel.AllGatherAttention, "attend_balanced",
+                        lambda *args, **kwargs: balanced.append(1) or spans(*args, **kwargs))
+    got_loss, got_grads = _loss_and_grads(model, batch)
+    calls = (2 if checkpointing else 1) * layers  # forward, then the checkpointed layers' recompute
+    print(f"checkpointing={checkpointing}: {len(balanced)} balanced attention calls, {len(reads)} host read(s) of "
+          "the boundaries")
+    assert len(balanced) == calls and len(reads) == 1
+    torch.testing.assert_close(got_loss, want_loss, atol=1e-5, rtol=1e-5)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-4, rtol=1e-4, msg=name)
+
+    hooks[0].remove()  # no plan in the kwargs: each attention call plans its row
+    reads.clear()
+    unplanned_loss, _ = _loss_and_grads(model, batch)
+    assert len(reads) == calls
+    torch.testing.assert_close(unplanned_loss, want_loss, atol=1e-5, rtol=1e-5)
+    installed.remove()
+    assembly.undo()
+
+
+def test_a_plan_of_another_row_is_refused_before_any_exchange():
+    """A balance plan made for another row (other tokens, or another group size) is refused with a clear error
+    before the keys are gathered: every rank refuses alike, none waits in a collective."""
+    from padfree_plugins.errors import BoundaryError
+    from padfree_plugins.modeling.attention import BALANCE_PLAN_KWARG
+    from padfree_plugins.modeling.attention.context_parallel import BalancePlan
+
+    function, module, kwargs = attention(causal=True)
+    query, key, value = inputs()
+    local = query.shape[2] // SIZE
+    ranked = AllGatherAttention(function, SequenceGroup(None, 0, SIZE), balance="zigzag")
+    for plan in (BalancePlan(sum(LENGTHS) + SIZE, SIZE), BalancePlan(sum(LENGTHS), SIZE // 2)):
+        with pytest.raises(BoundaryError, match="balance plan describes a row"):
+            ranked(module, query[:, :, :local], key[:, :, :local], value[:, :, :local], None,
+                   **{**kwargs, BALANCE_PLAN_KWARG: plan})

@@ -10,6 +10,8 @@ its own contiguous slice of the tokens.
   (:class:`~padfree_plugins.modeling.split_mixers.SplitMixer`, ``sequence_parallel.mixers: split``) or on the whole
   row (:class:`WholeRowMixer`: ``gather``, and Mamba1, which cannot start from a state), and the guard checking each
   rank's slice; ``remove()`` (in ``patch.handles``) undoes it;
+* :class:`PlanBalance` — under balanced all-gather attention, a forward pre-hook on the base model that plans the
+  row's balanced causal work once per forward, for every layer;
 * :class:`SliceRow` — for a vision-language model, a forward pre-hook on its language model: the model gets the
   group's whole image-text row (every rank embeds it and merges the whole row's image features, each rank's vision
   tower having encoded only its own micro-batch's media: :mod:`~padfree_plugins.modeling.tower_share`), and its
@@ -50,6 +52,7 @@ import torch.distributed as dist
 
 from padfree_plugins.errors import ConfigError, PadfreeError
 from padfree_plugins.modeling import attention
+from padfree_plugins.modeling.attention import BALANCE_PLAN_KWARG
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup, gather_sequence
 from padfree_plugins.modeling.heads import FAMILY_INPUT_KEYS, run_base
 from padfree_plugins.modeling.mixers import PACKED_ROW, sequence_mixers
@@ -64,8 +67,8 @@ from padfree_plugins.packing.sequence_parallel import CU_KEYS, DROPPED_KEYS, MAX
 #: How sequence mixers run under sequence parallelism (``sequence_parallel.mixers``).
 MIXER_MODES = ("split", "gather")
 
-__all__ = ["MIXER_MODES", "SequenceGroup", "SequenceParallelForward", "SequenceParallelPatch", "SliceRow", "SplitMixer",
-           "WholeRowMixer", "gather_rows", "language_model", "sequence_group"]
+__all__ = ["MIXER_MODES", "PlanBalance", "SequenceGroup", "SequenceParallelForward", "SequenceParallelPatch",
+           "SliceRow", "SplitMixer", "WholeRowMixer", "gather_rows", "language_model", "sequence_group"]
 
 
 def sequence_group(size: int) -> SequenceGroup:
@@ -161,6 +164,24 @@ class SliceRow:
         return args, sliced
 
 
+@dataclass(frozen=True)
+class PlanBalance:
+    """Forward pre-hook of a decoder's base model under balanced all-gather attention (``sequence_parallel.balance``
+    ``auto`` or ``zigzag``): a packed call (its boundaries given) gets its row's
+    :class:`~padfree_plugins.modeling.attention.context_parallel.BalancePlan` in its kwargs
+    (:data:`~padfree_plugins.modeling.attention.BALANCE_PLAN_KWARG`), made once from the boundaries — the one host
+    read of the boundaries in the forward — and handed by the model to every attention layer with the boundaries
+    (gradient checkpointing's recompute keeps a layer's kwargs, so it reuses the plan too)."""
+
+    layout: Any
+
+    def __call__(self, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        cu_seq_lens = kwargs.get("cu_seq_lens_q")
+        if cu_seq_lens is None:
+            return None  # an ordinary call (padded, generate()): as before
+        return args, {**kwargs, BALANCE_PLAN_KWARG: self.layout.plan(cu_seq_lens)}
+
+
 def language_model(model: Any) -> Any:
     """A vision-language model's language model (the module its base model hands the merged embeddings), or
     ``None``."""
@@ -210,6 +231,9 @@ class SequenceParallelPatch:
                                                           patch.architecture.kind == "decoder",
                                                           sequence=layout or group)
             installed._set_implementation(installed.implementation)
+            if layout is not None and layout.balances and patch.architecture.kind == "decoder":
+                base = getattr(model, "base_model", model)
+                installed.hooks.append(base.register_forward_pre_hook(PlanBalance(layout), with_kwargs=True))
         unsplit = {}
         for module, mixer in sequence_mixers(model):
             if isinstance(mixer, (WholeRowMixer, SplitMixer)):

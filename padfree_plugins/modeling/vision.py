@@ -31,12 +31,13 @@ import torch
 
 from padfree_plugins.contract.declarations import Architecture
 from padfree_plugins.errors import BatchError, UnsupportedArchitectureError
+from padfree_plugins.modeling.attention import BALANCE_PLAN_KWARG
 from padfree_plugins.modeling.families import DeclaredFamily, Trait
 from padfree_plugins.modeling.patching import MISSING, ModelPatch, own_attribute, restore_attributes
 from padfree_plugins.packing.batch import BOUNDARY_KEYS
 
 #: Keys of the packed row that never reach a vision tower.
-TEXT_ROW_KEYS = (*BOUNDARY_KEYS, "seq_idx", "block_sequence_ids")
+TEXT_ROW_KEYS = (*BOUNDARY_KEYS, "seq_idx", "block_sequence_ids", BALANCE_PLAN_KWARG)
 
 
 @dataclass

@@ -69,6 +69,11 @@ BLOCKS_FEATURE = "bidirectional_blocks"
 #: rank's slice of it, the boundaries saying which keys each example's queries see (with shared prefixes, the keys
 #: are each segment's already: :meth:`~padfree_plugins.packing.prefixes.SharedPrefixes.slice_keys`).
 GATHERED_KEYS = "gathered_keys"
+#: The keyword that carries a sequence-parallel row's balance plan into attention (where all-gather attention cuts
+#: the row for its balanced causal work, and this rank's route: a
+#: :class:`~padfree_plugins.modeling.attention.context_parallel.BalancePlan`), made once per forward from the row's
+#: boundaries (:class:`~padfree_plugins.modeling.sequence_parallel.PlanBalance`) and read by every layer.
+BALANCE_PLAN_KWARG = "balance_plan"
 
 
 def implementation_name(backend: AttentionBackend, fallback: AttentionBackend | None = None,

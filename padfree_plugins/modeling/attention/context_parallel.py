@@ -15,9 +15,13 @@ works, whatever the number of attention or key / value heads; the price is the r
 * :class:`Zigzag` — causal work balanced across the ranks (``sequence_parallel.balance``): the row cut into
   ``2N`` chunks (by its boundaries), rank ``r`` attends the queries of chunks ``r`` and
   ``2N-1-r`` (the pairing of ring-flash-attn's zigzag and Llama 3's context parallelism), exchanged by all-to-all
-  before the attention and sent back after it, so the rest of the layer keeps its contiguous slices (the cuts are
-  read on the host from the boundaries);
+  before the attention and sent back after it, so the rest of the layer keeps its contiguous slices;
   :func:`causal_work` counts the (query, key) pairs of a set of queries;
+* :class:`BalancePlan` — a row's balance decision, cuts and this rank's route, made by :func:`plan_balance` (the one
+  read of the boundaries on the host) once per forward, before the first layer
+  (:class:`~padfree_plugins.modeling.sequence_parallel.PlanBalance`), and handed to every layer in the attention
+  kwargs (:data:`~padfree_plugins.modeling.attention.BALANCE_PLAN_KWARG`), so gradient checkpointing's recompute
+  reuses it too;
 * :func:`ulysses_share` — how many of a group's ranks ``sequence_parallel.attention`` splits by heads (Ulysses),
   the rest by all-gather, and why; :class:`AttentionLayout` — the process groups of that split (USP-style: Ulysses
   within blocks of consecutive ranks, all-gather across the blocks) and the attention function it runs.
@@ -29,14 +33,14 @@ silently wrong: the faults of :mod:`padfree_plugins.testing.faults` show the tes
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from padfree_plugins.errors import BoundaryError
-from padfree_plugins.modeling.attention import BLOCKS_KWARG, GATHERED_KEYS
+from padfree_plugins.modeling.attention import BALANCE_PLAN_KWARG, BLOCKS_KWARG, GATHERED_KEYS
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup, UlyssesAttention, gather_sequence
 from padfree_plugins.packing.batch import SHARED_PREFIXES_KEY
 from padfree_plugins.packing.prefixes import SHARED_PREFIXES_FEATURE
@@ -120,7 +124,11 @@ def cumulative_work(cu_seq_lens: torch.Tensor) -> torch.Tensor:
 def unbalanced(cu_seq_lens: torch.Tensor, size: int) -> bool:
     """Whether ``size`` contiguous slices of a row of boundaries ``cu_seq_lens`` are unbalanced enough for
     ``balance: auto`` to exchange its queries: the largest slice's causal work above :data:`PAYS_ABOVE` x the mean."""
-    work = cumulative_work(cu_seq_lens)
+    return _unbalanced(cumulative_work(cu_seq_lens), size)
+
+
+def _unbalanced(work: torch.Tensor, size: int) -> bool:
+    """:func:`unbalanced` of a row's :func:`cumulative_work`."""
     local = (len(work) - 1) // size
     slices = work[local::local][:size] - work[:-1:local][:size]
     return float(slices.max()) > PAYS_ABOVE * float(work[-1]) / size
@@ -158,7 +166,11 @@ class Zigzag:
         equal tokens, each rank's second chunk (from the row's end back) cut where its work reaches its share; where
         the first half's chunks hold more than a share of the work (a long example early, short ones late), all
         ``2 x size`` chunks cut at equal work instead. For one example spanning the row, chunks of equal tokens."""
-        work = cumulative_work(cu_seq_lens)
+        return cls.of_work(cumulative_work(cu_seq_lens), size)
+
+    @classmethod
+    def of_work(cls, work: torch.Tensor, size: int) -> Zigzag:
+        """:meth:`of` a row's :func:`cumulative_work`."""
         total, chunks = len(work) - 1, 2 * size
         share = float(work[-1]) / size
         first = [j * total // chunks for j in range(size + 1)]
@@ -198,6 +210,40 @@ class Zigzag:
         receive = [sum(b - a for a, b in self._pieces(source, rank)) for source in range(self.size)]
         order = torch.cat(order).to(device)
         return Route(group, order, torch.argsort(order), send, receive)
+
+
+@dataclass(frozen=True)
+class BalancePlan:
+    """How this rank's all-gather attention takes the causal calls of one row of ``tokens`` tokens held by ``size``
+    ranks (``sequence_parallel.balance``): ``zigzag`` and this rank's ``route`` (:meth:`Zigzag.route`), or ``None``
+    for both where ``auto`` found the row's contiguous slices balanced. Made once per forward (:func:`plan_balance`)
+    and read by every layer: no layer reads the boundaries on the host."""
+
+    tokens: int
+    size: int
+    zigzag: Zigzag | None = None
+    route: Route | None = None
+
+    def on(self, device: torch.device) -> BalancePlan:
+        """The plan with its route on ``device`` (a model whose layers sit on several devices)."""
+        if self.route is None or self.route.order.device == device:
+            return self
+        order = self.route.order.to(device)
+        return replace(self, route=replace(self.route, order=order, inverse=self.route.inverse.to(device)))
+
+
+def plan_balance(cu_seq_lens: torch.Tensor, group: SequenceGroup, balance: str,
+                 device: torch.device | None = None) -> BalancePlan:
+    """The :class:`BalancePlan` of a row of boundaries ``cu_seq_lens`` for ``group``'s rank under ``balance``
+    (``auto`` or ``zigzag``), its route on ``device`` (by default the boundaries'): one read of the boundaries on the
+    host (:func:`cumulative_work`), shared by the decision and the cuts."""
+    work = cumulative_work(cu_seq_lens)
+    tokens = len(work) - 1
+    if balance == "auto" and not _unbalanced(work, group.size):
+        return BalancePlan(tokens, group.size)
+    zigzag = Zigzag.of_work(work, group.size)
+    return BalancePlan(tokens, group.size, zigzag,
+                       zigzag.route(group.rank, group, cu_seq_lens.device if device is None else device))
 
 
 @dataclass(frozen=True)
@@ -257,13 +303,17 @@ class AllGatherAttention:
     """A padding-free attention function (``inner``, one :class:`~padfree_plugins.modeling.attention.
     PadfreeAttention`) run on a sequence-parallel group's row by all-gather: packed calls get this rank's slice of
     the tokens with every head; the keys and values of the row are gathered, the queries of the slice attend to them
-    with :func:`slice_boundaries`; ordinary calls (padded, ``generate()``) go to ``inner`` unchanged."""
+    with :func:`slice_boundaries`; ordinary calls (padded, ``generate()``) go to ``inner`` unchanged. Balanced
+    (``balance`` ``auto`` or ``zigzag``), a causal call follows the row's :class:`BalancePlan` from its kwargs
+    (:data:`~padfree_plugins.modeling.attention.BALANCE_PLAN_KWARG`, made once per forward); a call that brings none
+    (this function called outside a patched model's forward) plans its row itself."""
 
     inner: Any
     group: SequenceGroup
     balance: str = "off"  # sequence_parallel.balance as resolved: off, auto (where the row needs it), zigzag
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        plan = kwargs.pop(BALANCE_PLAN_KWARG, None)
         cu_seq_lens = kwargs.get("cu_seq_lens_q")
         if cu_seq_lens is None:
             return self.inner(module, query, key, value, attention_mask, **kwargs)
@@ -283,18 +333,29 @@ class AllGatherAttention:
             raise NotImplementedError(
                 f"{name}: a bidirectional sliding window (local attention) under all-gather sequence parallelism; "
                 "use sequence_parallel.attention: ulysses with a size that divides the attention heads")
+        plan = self.plan_of(plan, cu_seq_lens, local, name) if causal and self.balance != "off" else None
         key, value = gather_row(key, group), gather_row(value, group)
-        if not causal or self.balance == "off" or (
-                self.balance == "auto" and not unbalanced(kwargs["cu_seq_lens_q"], group.size)):
-            return self.attend(module, query, key, value, attention_mask, causal, **kwargs)
-        return self.attend_balanced(module, query, key, value, attention_mask, **kwargs)
+        if plan is not None and plan.zigzag is not None:
+            return self.attend_balanced(module, query, key, value, attention_mask, plan.on(query.device), **kwargs)
+        return self.attend(module, query, key, value, attention_mask, causal, **kwargs)
 
-    def attend_balanced(self, module, query, key, value, attention_mask, **kwargs):
-        """Causal attention with the work balanced: this rank's slice of queries ``[1, H, T/N, D]`` exchanged for
-        its :class:`Zigzag` chunks, each attended at its own row positions, the outputs sent back to their owners."""
-        group = self.group
-        zigzag = Zigzag.of(kwargs["cu_seq_lens_q"], group.size)
-        route = zigzag.route(group.rank, group, query.device)
+    def plan_of(self, plan: BalancePlan | None, cu_seq_lens: torch.Tensor, local: int, name: str) -> BalancePlan:
+        """The forward's ``plan`` of the row (checked to be this row's: no host read), or, without one, the row's
+        planned here."""
+        if plan is None:
+            return plan_balance(cu_seq_lens, self.group, self.balance)
+        if plan.size != self.group.size or plan.tokens != local * self.group.size:
+            raise BoundaryError(
+                f"{name}: the balance plan describes a row of {plan.tokens} tokens over {plan.size} ranks, but this "
+                f"call holds {local} tokens on each of {self.group.size}: a plan is made for the row of its forward "
+                "(the sequence-parallel patch makes it)")
+        return plan
+
+    def attend_balanced(self, module, query, key, value, attention_mask, plan: BalancePlan, **kwargs):
+        """Causal attention with the work balanced (``plan``, this row's): this rank's slice of queries
+        ``[1, H, T/N, D]`` exchanged for its :class:`Zigzag` chunks, each attended at its own row positions, the
+        outputs sent back to their owners."""
+        group, zigzag, route = self.group, plan.zigzag, plan.route
         query = exchange(query, route, 2)
         pieces, offset = [], 0
         for start, stop in zigzag.spans(group.rank):
@@ -367,6 +428,16 @@ class AttentionLayout:
                 if rank in ranks:
                     gather = SequenceGroup(made, ranks.index(rank), size // share)
         return cls(size, ulysses, gather, balance)
+
+    @property
+    def balances(self) -> bool:
+        """Whether the all-gather ranks balance their causal work (a :class:`BalancePlan` per row)."""
+        return self.gather is not None and self.balance != "off"
+
+    def plan(self, cu_seq_lens: torch.Tensor) -> BalancePlan:
+        """The :class:`BalancePlan` of a row of boundaries ``cu_seq_lens`` for this rank's all-gather ranks (one
+        read of the boundaries on the host)."""
+        return plan_balance(cu_seq_lens, self.gather, self.balance)
 
     @property
     def suffix(self) -> str:
