@@ -2,7 +2,8 @@
 
 Worker side: :func:`gloo_group` joins the launch's process group, :func:`save_result` has rank 0 write the result
 whole, :func:`finish` writes it and waits for every rank, :func:`leave` exits without the interpreter's teardown.
-Test side: :func:`launch` runs a worker under torchrun with a timeout and returns what it wrote, and
+Test side: :func:`launch` runs a worker under torchrun with a timeout and returns what it wrote (:func:`launch_shared`
+once per test session, :func:`engine_runs` once for every engine a module's tests selected), and
 :func:`run_differences` compares two training runs a worker recorded. :func:`chosen_runs` reads a worker's
 ``KIND-MODE`` run names. Evaluations: :func:`evaluated` records ``evaluate`` / ``predict`` with the
 ``compute_metrics`` of TRL's trainers (:func:`token_metrics`, :func:`score_metrics`), :func:`evaluation_differences`
@@ -146,3 +147,53 @@ def launch(script: str, *args: str, out: Path, processes: int = 2, timeout: floa
     returncode, output = launch_group(script, *args, out=out, processes=processes, timeout=timeout, env=env)
     assert returncode == 0, output[-6000:]
     return torch.load(out, weights_only=False)
+
+
+#: In the arguments of :func:`launch_shared`: the results file.
+OUT = "{out}"
+
+
+def launch_shared(request, tmp_path_factory, script: str, *args: str, processes: int = 2, timeout: float,
+                  env: dict | None = None) -> Any:
+    """:func:`launch` once per test session for the requesting module, also where the pytest-xdist workers share its
+    tests (tests/shared_launch.py: without it, each worker that runs some of them launches the worker again). ``OUT``
+    among ``args`` stands for the results file."""
+    from tests.shared_launch import launch_once
+
+    def run(out: Path, _) -> tuple[int, str]:
+        arguments = [str(out) if arg == OUT else arg for arg in args]
+        return launch_group(script, *arguments, out=out, processes=processes, timeout=timeout, env=env)
+
+    def load(out: Path) -> Any:
+        return torch.load(out, weights_only=False) if out.exists() else None
+
+    returncode, output, results = launch_once(request, tmp_path_factory, "launched", [], run, load)
+    assert returncode == 0 and results is not None, output[-6000:]
+    return results
+
+
+def engine_runs(request, tmp_path_factory, script: str, *args: str) -> Any:
+    """The requesting test's engine's result (its ``engine`` parameter) from one launch of ``tests/<script>
+    ENGINE[,ENGINE] OUT args`` (2 processes, DeepSpeed on the CPU) training under every engine of that test that the
+    session selected, one after the other, once per session (tests/shared_launch.py)."""
+    from tests.shared_launch import launch_once, selected
+
+    name = request.node.originalname
+
+    def case_of(item) -> str | None:
+        return item.callspec.params["engine"] if item.originalname == name else None
+
+    engine, engines = request.node.callspec.params["engine"], selected(request, case_of)
+    assert engine in engines
+
+    def run(out: Path, engines: list[str]) -> tuple[int, str]:
+        return launch_engines(script, out, ",".join(engines), *args, timeout=120 + 120 * len(engines))
+
+    returncode, output, runs = launch_once(request, tmp_path_factory, "engines", engines, run)
+    assert returncode == 0 and runs is not None, output[-6000:]
+    return runs[engine] if len(engines) > 1 else runs
+
+
+def launch_engines(script: str, out: Path, engines: str, *args: str, timeout: float) -> tuple[int, str]:
+    """``tests/<script> ENGINES OUT args`` on 2 processes (DeepSpeed on the CPU): its exit status and output."""
+    return launch_group(script, engines, str(out), *args, out=out, timeout=timeout, env={"DS_ACCELERATOR": "cpu"})

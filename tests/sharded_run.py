@@ -1,7 +1,7 @@
 """Worker of tests/test_sharded.py: the plain loop of examples/accelerate_loop.py with the model sharded.
 
     OMP_NUM_THREADS=1 [DS_ACCELERATOR=cpu] python -m torch.distributed.run --nproc_per_node 2 \
-        tests/sharded_run.py ENGINE[,ENGINE...] OUT
+        tests/sharded_run.py ENGINE[,ENGINE...] OUT [MODEL_DIR]
 
 ``ENGINE`` is ``fsdp2`` (``torch.distributed.fsdp.fully_shard`` per decoder layer and on the root), ``zero2`` or
 ``zero3`` (``deepspeed.initialize``, fp32, the reference's AdamW as a client optimizer). The model, data, token
@@ -12,6 +12,8 @@ budget and plan are those of ``reference_run`` in tests/test_distributed.py: ran
 count of every rank, the full weights gathered after training, and what proves the model was really sharded.
 Several comma-separated engines train one after the other in the same launch (each its own model and optimizer,
 from the same seed), saving a launch's start-up each; ``OUT`` then holds ``{engine: result}``.
+The case ``trainer-zero3`` (with ``MODEL_DIR``, a saved tiny Llama) trains an HF ``Trainer`` under ZeRO-3 after the
+plain-loop cases (:func:`trainer_result`).
 Every check that fails exits non-zero with a message: a run that silently trained unsharded proves nothing.
 """
 
@@ -39,6 +41,8 @@ TILED = "-tiled"
 #: A tiled case's name with this suffix trains with a deliberate fault: every MLP tile drops its last token's output.
 FAULTY = "-faulty"
 TILE_TOKENS = 16
+#: The case of the HF ``Trainer`` under ZeRO-3 (:func:`trainer_result`).
+TRAINER = "trainer-zero3"
 
 
 def setup(engine: str, model: torch.nn.Module, optimizer_of, world: int):
@@ -125,18 +129,26 @@ def full_state(engine: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in module.named_parameters()}
 
 
-def main(engines: str, out: str) -> None:
+def main(engines: str, out: str, model_dir: str | None = None) -> None:
     cases = engines.split(",")
     for case in cases:
-        if case.removesuffix(FAULTY).removesuffix(TILED) not in ENGINES or case.endswith(FAULTY) and TILED not in case:
-            sys.exit(f"engine must be one of {ENGINES} (with {TILED}: memory.tile_tokens {TILE_TOKENS}), not {case!r}")
+        if case == TRAINER and model_dir is None:
+            sys.exit(f"{TRAINER} trains the model saved in MODEL_DIR: give it after OUT")
+        if case != TRAINER and (case.removesuffix(FAULTY).removesuffix(TILED) not in ENGINES
+                                or case.endswith(FAULTY) and TILED not in case):
+            sys.exit(f"engine must be one of {ENGINES} (with {TILED}: memory.tile_tokens {TILE_TOKENS}) or "
+                     f"{TRAINER}, not {case!r}")
     accelerator = Accelerator(cpu=True)  # the gloo process group, and reduce() for the token count
     if accelerator.num_processes < 2:
         sys.exit("launch with torchrun --nproc_per_node 2 (or more): one process shards nothing")
     results = {}
-    for case in cases:
-        results[case] = train(case.removesuffix(FAULTY).removesuffix(TILED), accelerator, TILED in case,
-                              case.endswith(FAULTY))
+    # the Trainer's arguments reset accelerate's state, which the plain loops' accelerator holds: it runs last
+    for case in sorted(cases, key=lambda case: case == TRAINER):
+        if case == TRAINER:
+            results[case] = trainer_result(model_dir)
+        else:
+            results[case] = train(case.removesuffix(FAULTY).removesuffix(TILED), accelerator, TILED in case,
+                                  case.endswith(FAULTY))
         gc.collect()  # the case's sharded model is gone before the next one starts
         dist.barrier()
     if accelerator.is_main_process:
@@ -260,8 +272,9 @@ def trainer_losses(trainer) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def trainer_main(model_dir: str, out: str) -> None:
-    """``Trainer`` with ``TrainingArguments(deepspeed=ZeRO-3)`` on 2 processes; rank 0 writes the result."""
+def trainer_result(model_dir: str) -> dict:
+    """``Trainer`` with ``TrainingArguments(deepspeed=ZeRO-3)`` on 2 processes: its losses, full final weights and
+    what proves the model was partitioned (``model_dir``: where the model came from)."""
     import tempfile
 
     import deepspeed
@@ -281,23 +294,17 @@ def trainer_main(model_dir: str, out: str) -> None:
         sys.exit(f"trainer: parameters not partitioned by ZeRO-3: {whole[:5]}")
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
         state = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-    if trainer.accelerator.is_main_process:
-        partial = Path(f"{out}.partial")
-        torch.save({"engine": "trainer-zero3", "processes": trainer.accelerator.num_processes,
-                    "losses": trainer_losses(trainer), "state": state, "partitioned_at_assembly": partitioned,
-                    "sharding": {"local_numel": sum(p.ds_tensor.numel() for p in params),
-                                 "numel": sum(p.ds_numel for p in params)}}, partial)
-        os.replace(partial, out)
-    trainer.accelerator.wait_for_everyone()  # no rank leaves while the other still talks to it
-    dist.destroy_process_group()
+    trainer.accelerator.wait_for_everyone()  # no rank goes on while the other still talks to it
+    return {"engine": TRAINER, "processes": trainer.accelerator.num_processes, "model_dir": model_dir,
+            "losses": trainer_losses(trainer), "state": state, "partitioned_at_assembly": partitioned,
+            "sharding": {"local_numel": sum(p.ds_tensor.numel() for p in params),
+                         "numel": sum(p.ds_numel for p in params)}}
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "trainer-zero3":
-        trainer_main(*sys.argv[2:4])
-        # The results are on disk and every rank is past its last collective: leave without the interpreter's
-        # teardown, where a thread of the process group can abort the process (as tests/ddp_per_example_run.py).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])
+    # The results are on disk and every rank is past its last collective: leave without the interpreter's teardown,
+    # where a thread of the process group can abort the process (as tests/ddp_per_example_run.py).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

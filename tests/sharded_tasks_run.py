@@ -2,8 +2,8 @@
 
     OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu python -m torch.distributed.run --nproc_per_node 2 \
         tests/sharded_tasks_run.py MODE[,MODE...] OUT
-    ... tests/sharded_tasks_run.py dpo-zero3 OUT
-    ... tests/sharded_tasks_run.py resume-zero3 full|resume MODEL_DIR RUN_DIR OUT
+    ... tests/sharded_tasks_run.py trainers-zero3 dpo|full[,…] MODEL_DIR RUN_DIR OUT
+    ... tests/sharded_tasks_run.py resume-zero3 resume MODEL_DIR RUN_DIR OUT
 
 Plain-loop modes (:data:`LOOPS`, several in one launch): ``reranker-zero3`` / ``reranker-fsdp2`` (the generative
 yes/no reranker, whose scorer reads two rows of the LM head; under FSDP2 the head is a unit of its own),
@@ -12,8 +12,10 @@ LoRA model under ``fully_shard``). Step ``s`` of a mode is a fixed global batch 
 rank ``r`` trains micro-batch ``r``; :func:`reference` trains both, packed into one row, in one process. Rank 0
 writes ``{mode: {"losses", "state", "sharding"}}`` to ``OUT`` (torch.save), as tests/sharded_run.py.
 
-``dpo-zero3``: TRL ``DPOTrainer`` with a reference model under ZeRO-3 (:func:`dpo_main`); ``resume-zero3``: a ZeRO-3
-``Trainer`` run and its resumption from a checkpoint, in two launches (:func:`resume_main`).
+``trainers-zero3``: the Trainer runs under ZeRO-3 of one launch, one after the other (each ``TrainingArguments``
+resets accelerate's state): ``dpo``, TRL ``DPOTrainer`` with a reference model (:func:`dpo_run`), and ``full``, a
+``Trainer`` run saving a checkpoint (:func:`resume_run`); rank 0 writes ``{part: result}``. ``resume-zero3
+resume``: the resumption from that checkpoint, in a launch of its own.
 """
 
 from __future__ import annotations
@@ -221,8 +223,8 @@ def logged(trainer, key: str = "loss") -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if key in entry and "train_runtime" not in entry]
 
 
-def dpo_main(out: str) -> None:
-    """DPO under ZeRO-3, 2 processes of 2 pairs a step; rank 0 writes losses, margins, the full final weights."""
+def dpo_run() -> dict:
+    """DPO under ZeRO-3, 2 processes of 2 pairs a step: losses, margins, the full final weights."""
     import tempfile
 
     import deepspeed
@@ -241,15 +243,11 @@ def dpo_main(out: str) -> None:
     params = list(trainer.model.parameters())
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
         state = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-    if trainer.accelerator.is_main_process:
-        partial = Path(f"{out}.partial")
-        torch.save({"processes": trainer.accelerator.num_processes, "losses": logged(trainer),
-                    "margins": logged(trainer, "rewards/margins"), "state": state,
-                    "sharding": {"local_numel": sum(p.ds_tensor.numel() for p in params),
-                                 "numel": sum(p.ds_numel for p in params)}}, partial)
-        os.replace(partial, out)
     trainer.accelerator.wait_for_everyone()
-    dist.destroy_process_group()
+    return {"processes": trainer.accelerator.num_processes, "losses": logged(trainer),
+            "margins": logged(trainer, "rewards/margins"), "state": state,
+            "sharding": {"local_numel": sum(p.ds_tensor.numel() for p in params),
+                         "numel": sum(p.ds_numel for p in params)}}
 
 
 # -- resume_from_checkpoint of a ZeRO-3 Trainer run ---------------------------------------------------------------
@@ -267,11 +265,11 @@ class StepsRun(TrainerCallback):
         self.steps.append(state.global_step)
 
 
-def resume_main(phase: str, model_dir: str, run_dir: str, out: str) -> None:
+def resume_run(phase: str, model_dir: str, run_dir: str) -> dict:
     """The Trainer run of tests/sharded_run.py under ZeRO-3 (AdamW, linear decay: optimizer and scheduler state to
     restore), :data:`RESUME_STEPS` steps: ``phase`` ``full`` trains them all, saving a checkpoint at :data:`SAVE_AT`
-    in ``run_dir``; ``resume`` (a new launch) resumes from that checkpoint. Rank 0 writes ``{"losses": {step: loss},
-    "state", "steps_run"}``."""
+    in ``run_dir``; ``resume`` (a new launch) resumes from that checkpoint. ``{"losses": {step: loss}, "state",
+    "steps_run"}``."""
     import deepspeed
 
     from tests.sharded_run import ZERO3 as TRAINER_ZERO3
@@ -290,21 +288,32 @@ def resume_main(phase: str, model_dir: str, run_dir: str, out: str) -> None:
     with deepspeed.zero.GatheredParameters(list(trainer.model.parameters()), modifier_rank=None):
         state = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     losses = {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
-    if trainer.accelerator.is_main_process:
-        partial = Path(f"{out}.partial")
-        torch.save({"processes": trainer.accelerator.num_processes, "losses": losses, "state": state,
-                    "global_step": trainer.state.global_step, "steps_run": steps.steps}, partial)
-        os.replace(partial, out)
     trainer.accelerator.wait_for_everyone()
+    return {"processes": trainer.accelerator.num_processes, "losses": losses, "state": state,
+            "global_step": trainer.state.global_step, "steps_run": steps.steps}
+
+
+def trainers_main(parts: list[str], model_dir: str, run_dir: str, out: str) -> None:
+    """Every Trainer run of ``parts`` (``dpo``, ``full``, ``resume``) in turn, in this launch; rank 0 writes
+    ``{part: result}`` (with one part: its result)."""
+    unknown = [part for part in parts if part not in ("dpo", "full", "resume")]
+    if unknown:
+        sys.exit(f"Trainer runs are among dpo, full, resume, not {unknown}")
+    results = {}
+    for part in parts:
+        results[part] = dpo_run() if part == "dpo" else resume_run(part, model_dir, run_dir)
+        gc.collect()  # this run's engine and sharded models are gone before the next
+    if dist.get_rank() == 0:
+        partial = Path(f"{out}.partial")
+        torch.save(results if len(parts) > 1 else results[parts[0]], partial)
+        os.replace(partial, out)  # the result appears whole (run_group watches for it)
+    dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    if sys.argv[1] in ("dpo-zero3", "resume-zero3"):
-        if sys.argv[1] == "dpo-zero3":
-            dpo_main(sys.argv[2])
-        else:
-            resume_main(*sys.argv[2:6])
+    if sys.argv[1] in ("trainers-zero3", "resume-zero3"):
+        trainers_main(sys.argv[2].split(","), *sys.argv[3:6])
         sys.stdout.flush()  # leave without the interpreter's teardown (tests/sharded_run.py)
         sys.stderr.flush()
         os._exit(0)

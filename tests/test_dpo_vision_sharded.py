@@ -15,16 +15,12 @@ timeout).
 from __future__ import annotations
 
 import functools
-import os
-import sys
 import time
 
 import pytest
-import torch
 
+from tests.distributed_common import engine_runs, launch_engines
 from tests.dpo_vision_sharded_run import STEPS, reference
-from tests.shared_launch import launch_once, selected
-from tests.test_distributed import ROOT, free_port, run_group
 from tests.test_sharded import needs_deepspeed
 
 pytest.importorskip("PIL")
@@ -39,47 +35,10 @@ def reference_run() -> dict:
     return reference()
 
 
-def launch(tmp_path, engine: str, *flags: str, timeout: float) -> tuple[int, str, dict | None]:
-    """``torchrun --nproc_per_node 2`` the worker; its exit status, output and results (``None`` if not written).
-    A launch still running at ``timeout`` is killed and fails the test (``pytest.fail``)."""
-    out = tmp_path / f"{engine}.pt"
-    returncode, output = launch_to(out, engine, *flags, timeout=timeout)
-    return returncode, output, torch.load(out, weights_only=True) if out.exists() else None
-
-
-def launch_to(out, engine: str, *flags: str, timeout: float) -> tuple[int, str]:
-    """Launch the worker writing to ``out``: its exit status and output."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
-           "DS_ACCELERATOR": "cpu"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "dpo_vision_sharded_run.py"), engine, str(out), *flags]
-    return run_group(command, env, timeout=timeout, results=[out])
-
-
-def case_of(item) -> str | None:
-    if item.originalname != "test_a_text_only_rank_runs_the_towers_every_step_and_trains_as_one_process":
-        return None
-    return item.callspec.params["engine"]
-
-
-def launch_engines(request, tmp_path_factory, engine: str) -> dict:
-    """``engine``'s run, from one launch training under every engine this session selected, one after the other
-    (tests/shared_launch.py)."""
-    engines = selected(request, case_of)
-    assert engine in engines
-
-    def run(out, engines):
-        return launch_to(out, ",".join(engines), timeout=120 + 120 * len(engines))
-
-    returncode, output, runs = launch_once(request, tmp_path_factory, "engines", engines, run)
-    assert returncode == 0 and runs is not None, output[-6000:]
-    return runs[engine] if len(engines) > 1 else runs
-
-
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_text_only_rank_runs_the_towers_every_step_and_trains_as_one_process(request, tmp_path_factory, engine):
     started = time.monotonic()
-    run = launch_engines(request, tmp_path_factory, engine)
+    run = engine_runs(request, tmp_path_factory, "dpo_vision_sharded_run.py")
     assert run["media"] == [[True] * STEPS, [False] * STEPS]  # rank 0 images every step, rank 1 never
     assert run["sharding"]["local_numel"] < run["sharding"]["numel"] and all(run["ref_sharded"])
     assert run["packed"] == [[True] * 2 * STEPS] * 2  # each step the policy's and the reference's call, packed
@@ -109,8 +68,9 @@ def test_without_the_idle_tower_the_text_only_rank_fails_or_hangs(tmp_path, engi
     """Rank 1's fused calls skip both towers, whose sharded blocks rank 0 all-gathers: a collective mismatch (or a
     hang, stopped by the timeout)."""
     try:
-        returncode, output, run = launch(tmp_path, engine, "--no-idle-tower", timeout=60)
+        out = tmp_path / f"{engine}.pt"
+        returncode, output = launch_engines("dpo_vision_sharded_run.py", out, engine, "--no-idle-tower", timeout=60)
     except pytest.fail.Exception:
         return  # hung: killed at the timeout
-    assert returncode != 0 and run is None, "the launch without the idle tower finished: the test shows nothing"
+    assert returncode != 0 and not out.exists(), "the launch without the idle tower finished: the test shows nothing"
     assert "collective mismatch" in output, output[-6000:]

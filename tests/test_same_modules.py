@@ -16,17 +16,14 @@ forward with an image reaches.
 from __future__ import annotations
 
 import functools
-import os
-import sys
 import time
 
 import pytest
 import torch
 
 from padfree_plugins import BatchError, assemble
+from tests.distributed_common import engine_runs, launch_engines
 from tests.same_modules_run import SPLIT_CONFIG, STEPS, VLM_SCENARIOS, build, reference, split_steps
-from tests.shared_launch import launch_once, selected
-from tests.test_distributed import ROOT, free_port, run_group
 from tests.test_sharded import needs_deepspeed
 
 pytest.importorskip("PIL")
@@ -40,21 +37,6 @@ def reference_of(scenario: str) -> dict:
     return reference(scenario)
 
 
-def launch(tmp_path, engine: str, *arguments: str, timeout: float = 240) -> tuple[int, str, dict | None]:
-    out = tmp_path / f"{engine}.pt"
-    returncode, output = launch_to(out, engine, *arguments, timeout=timeout)
-    return returncode, output, torch.load(out, weights_only=True) if out.exists() else None
-
-
-def launch_to(out, engine: str, *arguments: str, timeout: float) -> tuple[int, str]:
-    """Launch the worker writing to ``out``: its exit status and output."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
-           "DS_ACCELERATOR": "cpu"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "same_modules_run.py"), engine, str(out), *arguments]
-    return run_group(command, env, timeout=timeout, results=[out])
-
-
 def differences(run: dict, want: dict) -> tuple[float, float]:
     loss = max(abs(a - b) for a, b in zip(run["losses"], want["losses"]))
     assert run["state"].keys() == want["state"].keys()
@@ -62,30 +44,10 @@ def differences(run: dict, want: dict) -> tuple[float, float]:
     return loss, weight
 
 
-def case_of(item) -> str | None:
-    if item.originalname != "test_every_rank_runs_the_same_modules_and_equals_one_process":
-        return None
-    return item.callspec.params["engine"]
-
-
-def launch_engines(request, tmp_path_factory, engine: str) -> dict:
-    """``engine``'s runs, from one launch training every scenario under every engine this session selected
-    (tests/shared_launch.py)."""
-    engines = selected(request, case_of)
-    assert engine in engines
-
-    def run(out, engines):
-        return launch_to(out, ",".join(engines), *SCENARIOS, timeout=120 + 120 * len(engines))
-
-    returncode, output, runs = launch_once(request, tmp_path_factory, "engines", engines, run)
-    assert returncode == 0 and runs is not None, output[-6000:]
-    return runs[engine] if len(engines) > 1 else runs
-
-
 @pytest.mark.parametrize("engine", ["fsdp2", pytest.param("zero3", marks=needs_deepspeed)])
 def test_every_rank_runs_the_same_modules_and_equals_one_process(request, tmp_path_factory, engine):
     started = time.monotonic()
-    runs = launch_engines(request, tmp_path_factory, engine)
+    runs = engine_runs(request, tmp_path_factory, "same_modules_run.py", *SCENARIOS)
     for scenario in SCENARIOS:
         run, want = runs[scenario], reference_of(scenario)
         assert run["sharding"]["local_numel"] < run["sharding"]["numel"]  # really sharded
@@ -130,10 +92,11 @@ def test_without_the_idle_tower_a_text_only_rank_fails_or_hangs(tmp_path):
     """The old behaviour: rank 1's text-only micro-batch skips the vision tower, whose FSDP2 units rank 0
     all-gathers; the launch fails (a collective mismatch) or hangs, and is stopped by the timeout."""
     try:
-        returncode, output, runs = launch(tmp_path, "fsdp2", "vlm", "--no-idle-tower", timeout=30)
+        out = tmp_path / "fsdp2.pt"
+        returncode, output = launch_engines("same_modules_run.py", out, "fsdp2", "vlm", "--no-idle-tower", timeout=30)
     except pytest.fail.Exception:
         return  # hung: killed at the timeout
-    assert returncode != 0 and runs is None, "the launch without the idle tower finished: the test shows nothing"
+    assert returncode != 0 and not out.exists(), "the launch without the idle tower finished: the test shows nothing"
 
 
 # -- one process: what the idle tower adds (nothing) and when it runs ------------------------------------------------

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from tests.sequence_parallel_pooled_run import CASES, FAULT, STEPS, make_model, make_trainer, result_of
-from tests.distributed_common import launch
+from tests.distributed_common import OUT, launch, launch_shared
 
 LOSS_TOLERANCE = 1e-5
 TOLERANCE = 1e-4
@@ -35,10 +35,10 @@ FAULTS = ("bert-seq_cls" + FAULT, "bert-embedding" + FAULT)
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> dict:
-    """Every case of the worker, and the faults, in one 2-process launch."""
-    out = tmp_path_factory.mktemp("sequence_parallel_pooled") / "runs.pt"
-    return launch("sequence_parallel_pooled_run.py", str(out), *CASES, *FAULTS, out=out, timeout=300)
+def launched(request, tmp_path_factory) -> dict:
+    """Every case of the worker, and the faults, in one 2-process launch (once per session)."""
+    return launch_shared(request, tmp_path_factory, "sequence_parallel_pooled_run.py", OUT, *CASES, *FAULTS,
+                         timeout=300)
 
 
 @functools.lru_cache(maxsize=len(CASES))

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from tests.distributed_common import launch
+from tests.distributed_common import OUT, launch_shared
 from tests.test_sharded import needs_deepspeed
 
 
@@ -29,13 +29,12 @@ TOLERANCE = 1e-4  # gradients and weights
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> dict:
-    """Every case of the worker, in one 2-process launch; the wall time it took."""
+def launched(request, tmp_path_factory) -> dict:
+    """Every case of the worker, in one 2-process launch (once per session); the wall time it took."""
     pytest.importorskip("deepspeed")
     started = time.monotonic()
-    out = tmp_path_factory.mktemp("sequence_parallel_sharded") / "runs.pt"
-    runs = launch("sequence_parallel_sharded_run.py", str(out), "fsdp2", "fsdp2-wrong-rank", "zero3", out=out,
-                  timeout=240, env={"DS_ACCELERATOR": "cpu"})
+    runs = launch_shared(request, tmp_path_factory, "sequence_parallel_sharded_run.py", OUT, "fsdp2",
+                         "fsdp2-wrong-rank", "zero3", timeout=240, env={"DS_ACCELERATOR": "cpu"})
     print(f"sharded sequence-parallel launch: {time.monotonic() - started:.0f} s")
     return runs
 

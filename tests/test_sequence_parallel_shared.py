@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed_common import launch, run_differences
+from tests.distributed_common import OUT, launch_shared, run_differences
 
 pytest.importorskip("trl")
 
@@ -46,10 +46,10 @@ GRAD_TOLERANCE = {"qwen3_5": 1e-4}
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> dict:
-    """Every run of the worker, in one 2-process launch."""
-    out = tmp_path_factory.mktemp("sequence_parallel_shared") / "runs.pt"
-    return launch("sequence_parallel_shared_run.py", ",".join(RUNS), str(out), out=out, timeout=300)
+def launched(request, tmp_path_factory) -> dict:
+    """Every run of the worker, in one 2-process launch (once per session)."""
+    return launch_shared(request, tmp_path_factory, "sequence_parallel_shared_run.py", ",".join(RUNS), OUT,
+                         timeout=300)
 
 
 def differences(run: dict, want: dict) -> tuple[float, float, float]:

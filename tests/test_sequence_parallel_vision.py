@@ -44,7 +44,7 @@ import torch
 
 from padfree_plugins import ConfigError, assemble, patch_of
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup
-from tests.distributed_common import launch
+from tests.distributed_common import OUT, launch_shared
 
 pytest.importorskip("PIL")
 trl = pytest.importorskip("trl")
@@ -58,12 +58,11 @@ TOWERS = ("visual", "vision_tower", "multi_modal_projector")
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> dict:
-    """Every case of the worker, in one 2-process launch."""
+def launched(request, tmp_path_factory) -> dict:
+    """Every case of the worker, in one 2-process launch (once per session)."""
     from tests.sequence_parallel_vision_run import CASES
 
-    out = tmp_path_factory.mktemp("sequence_parallel_vision") / "runs.pt"
-    return launch("sequence_parallel_vision_run.py", str(out), *CASES, out=out, timeout=240)
+    return launch_shared(request, tmp_path_factory, "sequence_parallel_vision_run.py", OUT, *CASES, timeout=240)
 
 
 def tower(name: str) -> bool:

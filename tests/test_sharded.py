@@ -4,7 +4,8 @@ The plain loop (tests/sharded_run.py, launched by torchrun) trains the tiny Llam
 the token-budget plan of ``reference_run`` in tests/test_distributed.py, with the model sharded; the reference is
 computed here: one process, each step's global batch (both ranks' micro-batches) packed into one row, the plain
 mean token loss, the same AdamW. Loss curve and every final weight agree to 1e-5. One launch trains every engine's
-case one after the other (tests/shared_launch.py: one start-up, each test asserts its case). Each launch has a
+case one after the other, then the HF ``Trainer``'s under ZeRO-3 (tests/shared_launch.py: one start-up, each test
+asserts its case). Each launch has a
 timeout, so a hang (a collective one rank never joins) fails instead of stalling.
 """
 
@@ -17,9 +18,8 @@ import sys
 import time
 
 import pytest
-import torch
 
-from tests.sharded_run import TILE_TOKENS
+from tests.sharded_run import TILE_TOKENS, TRAINER
 from tests.shared_launch import launch_once, selected
 from tests.test_distributed import ROOT, free_port, load_example, reference_training, run_group
 
@@ -42,6 +42,8 @@ LAUNCHED = {"test_sharded_two_processes_equal_single_process": "",
 
 
 def case_of(item) -> str | None:
+    if item.originalname == "test_trainer_under_zero3_equals_single_process":
+        return TRAINER
     suffix = LAUNCHED.get(item.originalname)
     return None if suffix is None else item.callspec.params["engine"] + suffix
 
@@ -53,10 +55,14 @@ def launch_sharded(request, tmp_path_factory, case: str) -> dict:
     assert case in cases
 
     def launch(out, cases):
+        model = []  # the Trainer's case trains a saved model
+        if TRAINER in cases:
+            model = [str(out.parent / "model")]
+            load_example().tiny_llama().save_pretrained(model[0])
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
                "DS_ACCELERATOR": "cpu"}
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                   str(free_port()), str(ROOT / "tests" / "sharded_run.py"), ",".join(cases), str(out)]
+                   str(free_port()), str(ROOT / "tests" / "sharded_run.py"), ",".join(cases), str(out), *model]
         return run_group(command, env, timeout=120 + 60 * len(cases), results=[out])
 
     returncode, output, runs = launch_once(request, tmp_path_factory, "sharded", cases, launch)
@@ -137,7 +143,7 @@ def test_broken_normalisation_would_fail_the_comparison():
 
 
 @needs_deepspeed
-def test_trainer_under_zero3_equals_single_process(tmp_path):
+def test_trainer_under_zero3_equals_single_process(request, tmp_path_factory, tmp_path):
     """HF ``Trainer`` + ``TrainingArguments(deepspeed=ZeRO-3)``, 2 processes, made padding-free by
     ``accelerate(trainer, cfg)`` with token-budget batches: the model loads partitioned (``zero.Init``), trains as
     a ``DeepSpeedEngine`` with partitioned parameters, and its loss curve and final weights equal one plain
@@ -155,20 +161,11 @@ def test_trainer_under_zero3_equals_single_process(tmp_path):
     from tests.sharded_run import trainer_losses, trainer_run
 
     started = time.monotonic()
-    model_dir = tmp_path / "model"
-    load_example().tiny_llama().save_pretrained(model_dir)
-    out = tmp_path / "trainer.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
-           "DS_ACCELERATOR": "cpu"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(ROOT / "tests" / "sharded_run.py"), "trainer-zero3", str(model_dir), str(out)]
-    returncode, output = run_group(command, env, timeout=240, results=[out])
-    assert returncode == 0, output[-6000:]
-    run = torch.load(out, weights_only=True)
-    assert run["processes"] == 2 and run["partitioned_at_assembly"]
+    run = launch_sharded(request, tmp_path_factory, TRAINER)  # after the plain-loop cases, in their launch
+    assert run["engine"] == TRAINER and run["processes"] == 2 and run["partitioned_at_assembly"]
     assert run["sharding"]["local_numel"] < run["sharding"]["numel"]
 
-    trainer, _ = trainer_run(str(model_dir), str(tmp_path / "reference"), gradient_accumulation_steps=2, ranks=2)
+    trainer, _ = trainer_run(run["model_dir"], str(tmp_path / "reference"), gradient_accumulation_steps=2, ranks=2)
     trainer.train()
     want = {"losses": trainer_losses(trainer),
             "state": {name: p.detach().clone() for name, p in trainer.model.named_parameters()}}

@@ -19,10 +19,12 @@ import functools
 import importlib.util
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from tests.distributed_common import launch_group
 from tests.shared_launch import launch_once, selected
 from tests.test_distributed import ROOT, free_port, run_group
 
@@ -99,12 +101,41 @@ def test_sharded_task_equals_single_process(loop_runs, mode):
     assert moved > 100 * TOLERANCE  # the weights moved far more than the tolerance: the comparison has teeth
 
 
+#: The Trainer tests under ZeRO-3 and their run in the launch they share (``full``: the run the other resumes).
+TRAINER_PARTS = {"test_dpo_with_reference_model_under_zero3_equals_single_process": "dpo",
+                 "test_trainer_resumes_a_zero3_checkpoint_exactly": "full"}
+
+
+def trainer_runs(request, tmp_path_factory, part: str) -> tuple[dict, Path]:
+    """``part``'s run, from one launch of every Trainer run under ZeRO-3 this session selected, one after the other
+    (once per session: tests/shared_launch.py); and the launch's folder (``model``: the tiny Llama it trained,
+    ``run``: its checkpoints)."""
+    parts = selected(request, lambda item: TRAINER_PARTS.get(item.originalname))
+    assert part in parts
+
+    def run(out: Path, parts: list[str]) -> tuple[int, str]:
+        from tests.test_distributed import load_example
+
+        model_dir, run_dir = out.parent / "model", out.parent / "run"
+        load_example().tiny_llama().save_pretrained(model_dir)
+        return launch_group("sharded_tasks_run.py", "trainers-zero3", ",".join(parts), str(model_dir), str(run_dir),
+                            str(out), out=out, timeout=180 + 120 * len(parts), env={"DS_ACCELERATOR": "cpu"})
+
+    def load(out: Path) -> tuple[dict, Path] | None:
+        return (torch.load(out, weights_only=True), out.parent) if out.exists() else None
+
+    returncode, output, loaded = launch_once(request, tmp_path_factory, "trainers", parts, run, load)
+    assert returncode == 0 and loaded is not None, output[-6000:]
+    runs, folder = loaded
+    return runs[part] if len(parts) > 1 else runs, folder
+
+
 needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed: "
                                      "pip install -c constraints.txt -e '.[deepspeed]' (part of .[dev])")
 
 
 @needs_deepspeed
-def test_dpo_with_reference_model_under_zero3_equals_single_process(tmp_path):
+def test_dpo_with_reference_model_under_zero3_equals_single_process(request, tmp_path_factory, tmp_path):
     """TRL ``DPOTrainer`` (sigmoid loss, a separate reference model), padding-free through the ``trl_dpo`` plugin,
     under ``DPOConfig(deepspeed=ZeRO-3)`` on 2 processes of 2 pairs a step: the policy a ``DeepSpeedEngine``, the
     reference model partitioned by TRL's ``prepare_deepspeed``; its losses, reward margins and final weights equal
@@ -115,7 +146,7 @@ def test_dpo_with_reference_model_under_zero3_equals_single_process(tmp_path):
     pytest.importorskip("trl")
     from tests.sharded_tasks_run import dpo_trainer, logged
 
-    run = launch(tmp_path, "sharded_tasks_run.py", "dpo-zero3", out_name="dpo.pt")
+    run, _ = trainer_runs(request, tmp_path_factory, "dpo")
     assert run["processes"] == 2 and run["sharding"]["local_numel"] < run["sharding"]["numel"]
     trainer = dpo_trainer(tempfile.mkdtemp(dir=tmp_path), deepspeed=None, batch_size=4)
     initial = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
@@ -130,19 +161,16 @@ def test_dpo_with_reference_model_under_zero3_equals_single_process(tmp_path):
 
 
 @needs_deepspeed
-def test_trainer_resumes_a_zero3_checkpoint_exactly(tmp_path):
+def test_trainer_resumes_a_zero3_checkpoint_exactly(request, tmp_path_factory, tmp_path):
     """HF ``Trainer`` under ZeRO-3 (2 processes, token-budget batches through ``accelerate``, AdamW with linear decay)
-    trains 4 steps saving a checkpoint at step 2; a new launch ``train(resume_from_checkpoint=…/checkpoint-2)``
-    trains steps 3-4 only, and their losses and the final weights equal the uninterrupted run's: the DeepSpeed
-    checkpoint restores the partitioned weights and optimizer state, the Trainer the scheduler and the data
-    position (the token-budget plan resumes at its third micro-batch pair)."""
+    trains 4 steps saving a checkpoint at step 2 (in the launch that trains the DPO test's run too); a new launch
+    ``train(resume_from_checkpoint=…/checkpoint-2)`` trains steps 3-4 only, and their losses and the final weights
+    equal the uninterrupted run's: the DeepSpeed checkpoint restores the partitioned weights and optimizer state, the
+    Trainer the scheduler and the data position (the token-budget plan resumes at its third micro-batch pair)."""
     from tests.sharded_tasks_run import RESUME_STEPS, SAVE_AT
-    from tests.test_distributed import load_example
 
-    model_dir, run_dir = tmp_path / "model", tmp_path / "run"
-    load_example().tiny_llama().save_pretrained(model_dir)
-    full = launch(tmp_path, "sharded_tasks_run.py", "resume-zero3", "full", str(model_dir), str(run_dir),
-                  out_name="full.pt")
+    full, folder = trainer_runs(request, tmp_path_factory, "full")
+    model_dir, run_dir = folder / "model", folder / "run"
     assert (run_dir / f"checkpoint-{SAVE_AT}").is_dir()
     resumed = launch(tmp_path, "sharded_tasks_run.py", "resume-zero3", "resume", str(model_dir), str(run_dir),
                      out_name="resumed.pt")
