@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -39,6 +40,11 @@ TILED = "-tiled"
 #: A tiled case's name with this suffix trains with a deliberate fault: every MLP tile drops its last token's output.
 FAULTY = "-faulty"
 TILE_TOKENS = 16
+#: The tiled MLP under ZeRO-3 on a tiny Qwen3-MoE (the routed experts tiled): its own model, data and SGD, those of the
+#: ``moe`` scenario of tests/same_modules_run.py (rank 1's micro-batch two tokens: most of its tiles empty).
+MOE_CASE = "zero3-tiled-moe"
+#: Evaluation steps the ZeRO-3 tiled case runs after training (no backward; see :func:`evaluate_held`).
+EVAL_STEPS = 2
 
 
 def setup(engine: str, model: torch.nn.Module, optimizer_of, world: int):
@@ -128,6 +134,8 @@ def full_state(engine: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def main(engines: str, out: str) -> None:
     cases = engines.split(",")
     for case in cases:
+        if case == MOE_CASE:
+            continue
         if case.removesuffix(FAULTY).removesuffix(TILED) not in ENGINES or case.endswith(FAULTY) and TILED not in case:
             sys.exit(f"engine must be one of {ENGINES} (with {TILED}: memory.tile_tokens {TILE_TOKENS}), not {case!r}")
     accelerator = Accelerator(cpu=True)  # the gloo process group, and reduce() for the token count
@@ -135,8 +143,11 @@ def main(engines: str, out: str) -> None:
         sys.exit("launch with torchrun --nproc_per_node 2 (or more): one process shards nothing")
     results = {}
     for case in cases:
-        results[case] = train(case.removesuffix(FAULTY).removesuffix(TILED), accelerator, TILED in case,
-                              case.endswith(FAULTY))
+        if case == MOE_CASE:
+            results[case] = train_moe(accelerator)
+        else:
+            results[case] = train(case.removesuffix(FAULTY).removesuffix(TILED), accelerator, TILED in case,
+                                  case.endswith(FAULTY))
         gc.collect()  # the case's sharded model is gone before the next one starts
         dist.barrier()
     if accelerator.is_main_process:
@@ -165,9 +176,8 @@ def counted_releases(param: torch.nn.Parameter) -> list[int]:
 def train(engine: str, accelerator: Accelerator, tiled: bool = False, faulty: bool = False) -> dict:
     """Train under ``engine`` (``tiled``: with :data:`TILE_TOKENS`; ``faulty``: every MLP tile drops its last token);
     the losses, token counts, full weights and sharding evidence (every rank); under ZeRO-3 also how many times the
-    first layer's ``gate_proj.weight`` was released (gathered) in training."""
-    from contextlib import nullcontext
-
+    first layer's ``gate_proj.weight`` was released (gathered) in training, and, tiled, an evaluation after training
+    (:func:`evaluate_held`)."""
     from padfree_plugins.testing.faults import tile_drops_last_token
 
     world, rank = accelerator.num_processes, accelerator.process_index
@@ -191,8 +201,83 @@ def train(engine: str, accelerator: Accelerator, tiled: bool = False, faulty: bo
     with tile_drops_last_token() if faulty else nullcontext():
         train_epochs(args, loader, accelerator, assembly, model, backward, step, tiled, world, losses, tokens)
     evidence = sharding_evidence(engine, model, optimizer)
-    return {"engine": engine, "processes": world, "losses": losses, "tokens": tokens, "releases": releases[0],
-            "state": full_state(engine, model), "sharding": evidence, "tiled": tiled_modules}
+    result = {"engine": engine, "processes": world, "losses": losses, "tokens": tokens, "releases": releases[0],
+              "state": full_state(engine, model), "sharding": evidence, "tiled": tiled_modules}
+    if engine == "zero3" and tiled and not faulty:
+        result["eval"] = evaluate_held(loader, accelerator, assembly, model, backward, step, world)
+    return result
+
+
+def still_gathered(model: torch.nn.Module) -> list[str]:
+    """ZeRO-3: the parameters not back to their partitioned placeholder."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return [name for name, p in model.module.named_parameters()
+            if p.ds_status != ZeroParamStatus.NOT_AVAILABLE or p.numel() != 0]
+
+
+def held_marks(model: torch.nn.Module) -> list[str]:
+    """ZeRO-3: the parameters a tiled call still holds (its mark in ``ds_active_sub_modules``)."""
+    return [name for name, p in model.module.named_parameters()
+            if any(str(mark).startswith("padfree-plugins:") for mark in p.ds_active_sub_modules)]
+
+
+def evaluate_held(loader, accelerator, assembly, model, backward, step, world: int) -> dict:
+    """ZeRO-3, tiled MLP and loss, after training: :data:`EVAL_STEPS` evaluation steps (``model.eval()``,
+    ``no_grad``, as ``Trainer.evaluate``: no backward releases the held gather) on epoch 0's first micro-batches,
+    then one more training step; then both again under the deliberate fault
+    :func:`~padfree_plugins.testing.faults.held_gather_never_let_go`. For each: the evaluation losses (summed over
+    ranks), the parameters a tiled call still holds after the evaluation, and those not partitioned after the
+    training step. (DeepSpeed itself leaves every parameter gathered after a forward without backward, tiled or not,
+    once its trace holds a backward; its optimizer step partitions them all and clears every hold.)"""
+    from padfree_plugins.testing.faults import held_gather_never_let_go
+
+    loader.batch_sampler.set_epoch(0)
+    batches = [keep_labelled_logits(batch) for batch, _ in zip(loader, range(EVAL_STEPS))]
+    totals = [global_token_count(accelerator, num_label_tokens(batch)) for batch in batches]
+    out = {}
+    for name, fault in (("clean", False), ("faulty", True)):
+        losses = []
+        with held_gather_never_let_go() if fault else nullcontext():
+            model.eval()
+            with torch.no_grad():
+                for batch, total in zip(batches, totals):
+                    loss = assembly.forward(model, batch, num_items_in_batch=total).loss
+                    losses.append(accelerator.reduce(loss.detach(), reduction="sum").item())
+            held = held_marks(model)
+            model.train()
+            backward(assembly.forward(model, batches[0], num_items_in_batch=totals[0]).loss * world)
+            step()
+        out[name] = {"losses": losses, "held": held, "gathered_after_step": still_gathered(model)}
+    return out
+
+
+def train_moe(accelerator: Accelerator) -> dict:
+    """The tiled MLP under ZeRO-3 on the tiny Qwen3-MoE of :data:`MOE_CASE` (tiles of :data:`TILE_TOKENS`, the loss
+    untiled): losses, tokens, full weights, sharding evidence, the tiled modules, and how often the first layer's
+    ``experts.gate_up_proj`` was released (gathered) in training."""
+    from tests.same_modules_run import moe_model_and_steps, optimizer_of
+
+    world, rank = accelerator.num_processes, accelerator.process_index
+    model, config, steps = moe_model_and_steps()
+    assembly = assemble(model, {**config, "memory": {"tile_tokens": TILE_TOKENS, "tile_loss": False}})
+    tiled_modules = [type(m).__name__ for m in model.modules()
+                     if type(m.__dict__.get("forward")).__name__ == "_TiledForward"]
+    batches = [assembly.collator(step[rank]) for step in steps]
+    model, optimizer, backward, step = setup("zero3", model, optimizer_of, world)
+    releases = counted_releases(model.module.model.layers[0].mlp.experts.gate_up_proj)
+    model.train()
+    losses, tokens = [], []
+    for batch in batches:
+        total = global_token_count(accelerator, num_label_tokens(batch))
+        loss = assembly.forward(model, batch, num_items_in_batch=total).loss
+        backward(loss * world)
+        step()
+        losses.append(accelerator.reduce(loss.detach(), reduction="sum").item())
+        tokens.append(accelerator.gather(torch.tensor([batch.num_tokens])).tolist())
+    return {"engine": "zero3", "processes": world, "losses": losses, "tokens": tokens, "releases": releases[0],
+            "state": full_state("zero3", model), "sharding": sharding_evidence("zero3", model, optimizer),
+            "tiled": tiled_modules}
 
 
 def train_epochs(args, loader, accelerator, assembly, model, backward, step, tiled, world, losses, tokens) -> None:

@@ -15,6 +15,8 @@ Both leave a model run on one example alone exactly as it was, and change only p
 * :func:`tile_drops_last_token` and :func:`loss_normalised_per_tile`: the two ways tiled computation
   (:mod:`padfree_plugins.modeling.tiling`) can go wrong — a feed-forward tile that loses its last token's output, a
   tiled loss that averages each tile on its own instead of dividing the row's sum once;
+  :func:`held_gather_never_let_go`: under DeepSpeed ZeRO-3, a tiled feed-forward whose parameters, held gathered over
+  its tiles, are never let go (they stay gathered after the layer's call: a leak);
 * :func:`mixer_tile_starts_from_zero`: a hybrid's sequence mixer scanned in tiles (``memory.tile_mixers``) whose
   every tile starts an example cut by the previous tile from zeros (no recurrent state, no conv taps);
 * :func:`rows_swap_media`: a padded image-text call split wrongly — two rows' media (of the same shapes, other
@@ -407,6 +409,15 @@ def tile_drops_last_token() -> Iterator[None]:
         return output * keep.reshape([-1] + [1] * (output.ndim - dim - 1))
 
     with mock.patch.object(tiling, "run_tile", dropping):
+        yield
+
+
+@contextmanager
+def held_gather_never_let_go() -> Iterator[None]:
+    """Within the block, a tiled feed-forward under DeepSpeed ZeRO-3 never lets go of the parameters it holds
+    gathered over its tiles (:class:`~padfree_plugins.modeling.tiling.HeldGathered`): ZeRO's hooks cannot release
+    them after the layer's call, so they stay gathered (a leak of the whole layer's weights on every rank)."""
+    with mock.patch.object(tiling.HeldGathered, "let_go", lambda self: None):
         yield
 
 
