@@ -11,7 +11,9 @@ budget and plan are those of ``reference_run`` in tests/test_distributed.py: ran
 ``{"losses", "tokens", "state", "sharding"}`` to ``OUT`` (torch.save): the step losses summed over ranks, the token
 count of every rank, the full weights gathered after training, and what proves the model was really sharded.
 Several comma-separated engines train one after the other in the same launch (each its own model and optimizer,
-from the same seed), saving a launch's start-up each; ``OUT`` then holds ``{engine: result}``.
+from the same seed), saving a launch's start-up each; ``OUT`` then holds ``{engine: result}``. The case
+``zero3-tiled-moe`` (:func:`train_moe`) trains a tiny Qwen3-MoE with its experts tiled instead; ``zero3-tiled``
+also evaluates after training (:func:`evaluate_held`).
 Every check that fails exits non-zero with a message: a run that silently trained unsharded proves nothing.
 """
 
