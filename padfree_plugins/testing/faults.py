@@ -48,7 +48,10 @@ Both leave a model run on one example alone exactly as it was, and change only p
   (:mod:`padfree_plugins.modeling.tower_share`) hand each rank's tower only its own slice's gradient of its images'
   features, not the group's sum;
   :func:`child_starts_from_rank_predecessor`: in a shared row, a completion whose prompt ended on an earlier rank
-  starting from the state its previous rank handed on last instead of its prompt's.
+  starting from the state its previous rank handed on last instead of its prompt's;
+* :func:`dummy_calls_untied`: under DeepSpeed ZeRO-3, the calls a rank makes of a sequence mixer on zeros to match
+  another rank's number of calls (:func:`~padfree_plugins.modeling.mixers.equal_calls`) left out of the autograd
+  graph: the forward matches, the backward does not (its ranks' gathers stop pairing up).
 """
 
 from __future__ import annotations
@@ -667,4 +670,17 @@ def tower_gradients_not_summed() -> Iterator[None]:
     tower gets only what its own slice of the row sends its images' features (an image whose tokens lie in another
     rank's slice gets nothing from there). The forward is untouched."""
     with mock.patch.object(tower_share, "sum_over_group", lambda grad, group: grad):
+        yield
+
+
+@contextmanager
+def dummy_calls_untied() -> Iterator[None]:
+    """Within the block, a mixer's calls on zeros that match another rank's number of calls under ZeRO-3
+    (:func:`~padfree_plugins.modeling.mixers.equal_calls`) add a zero that is not tied to their output: the forward
+    makes every call, the backward skips them."""
+
+    def untied(output: torch.Tensor) -> torch.Tensor:
+        return output.new_zeros(())
+
+    with mock.patch.object(mixers, "tie_in", untied):
         yield
