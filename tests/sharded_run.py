@@ -47,6 +47,12 @@ TILE_TOKENS = 16
 MOE_CASE = "zero3-tiled-moe"
 #: Evaluation steps the ZeRO-3 tiled case runs after training (no backward; see :func:`evaluate_held`).
 EVAL_STEPS = 2
+#: A tiny hybrid (gated-DeltaNet mixers, ``mixers: exact``) under ZeRO-3 data parallelism, its rows different per rank
+#: (:func:`train_hybrid`), gradient checkpointing on.
+HYBRID_CASE = "zero3-hybrid"
+#: Per rank, the example lengths of every step of :data:`HYBRID_CASE`: rank 0's span 3, 2 and 1 chunks of the gated
+#: delta rule's 64 tokens (3 mixer calls per layer), rank 1's one (1 call, and 2 more on zeros); and its steps.
+HYBRID_LENGTHS, HYBRID_STEPS = ((150, 70, 10), (12,)), 3
 
 
 def setup(engine: str, model: torch.nn.Module, optimizer_of, world: int):
@@ -136,7 +142,7 @@ def full_state(engine: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def main(engines: str, out: str) -> None:
     cases = engines.split(",")
     for case in cases:
-        if case == MOE_CASE:
+        if case in (MOE_CASE, HYBRID_CASE):
             continue
         if case.removesuffix(FAULTY).removesuffix(TILED) not in ENGINES or case.endswith(FAULTY) and TILED not in case:
             sys.exit(f"engine must be one of {ENGINES} (with {TILED}: memory.tile_tokens {TILE_TOKENS}), not {case!r}")
@@ -147,6 +153,8 @@ def main(engines: str, out: str) -> None:
     for case in cases:
         if case == MOE_CASE:
             results[case] = train_moe(accelerator)
+        elif case == HYBRID_CASE:
+            results[case] = train_hybrid(accelerator)
         else:
             results[case] = train(case.removesuffix(FAULTY).removesuffix(TILED), accelerator, TILED in case,
                                   case.endswith(FAULTY))
@@ -280,6 +288,70 @@ def train_moe(accelerator: Accelerator) -> dict:
     return {"engine": "zero3", "processes": world, "losses": losses, "tokens": tokens, "releases": releases[0],
             "state": full_state("zero3", model), "sharding": sharding_evidence("zero3", model, optimizer),
             "tiled": tiled_modules}
+
+
+def hybrid_examples(step: int, rank: int) -> list[dict]:
+    """Rank ``rank``'s examples of :data:`HYBRID_CASE`'s step ``step`` (labels: the input ids)."""
+    from padfree_plugins.testing.models import random_examples
+
+    return random_examples(HYBRID_LENGTHS[rank], vocab_size=256, seed=step + 10 * rank)
+
+
+def mixer_calls(model: torch.nn.Module) -> tuple[list[int], object]:
+    """``([forward, backward], handle)``: how often the first gated-DeltaNet mixer's ``in_proj_qkv`` (a module ZeRO-3
+    gathers at each call) runs and has its backward run, counted until ``handle.remove()``."""
+    count = [0, 0]
+
+    def counted(module, args, output):
+        count[0] += 1
+        if output.requires_grad:
+            output.register_hook(lambda grad: count.__setitem__(1, count[1] + 1))
+
+    return count, model.model.layers[0].linear_attn.in_proj_qkv.register_forward_hook(counted)
+
+
+def train_hybrid(accelerator: Accelerator) -> dict:
+    """:data:`HYBRID_CASE`: the tiny hybrid of tests/sequence_parallel_sharded_run.py under ZeRO-3, every mixer run on
+    each example alone (``mixers: exact``), gradient checkpointing per layer, SGD; rank ``r`` trains
+    :func:`hybrid_examples` ``(step, r)``, its loss its token losses over the global count, times the ranks. Returns
+    the step losses (summed over ranks), the first step's full gradients, the final weights, the sharding evidence,
+    per rank and step the ``[forward, backward]`` calls of the first mixer's input projection (:func:`mixer_calls`),
+    and the all-reduces the ranks used to agree on them (:func:`~padfree_plugins.modeling.mixers.agreed_calls`)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    from padfree_plugins.modeling import mixers
+    from tests.sequence_parallel_sharded_run import loop_model
+
+    world, rank = accelerator.num_processes, accelerator.process_index
+    model = loop_model(checkpointing=True)
+    assembly = assemble(model, {"task": "causal_lm", "mixers": "exact"})
+    batches = [assembly.collator(hybrid_examples(step, rank)) for step in range(HYBRID_STEPS)]
+    model, optimizer, backward, step = setup("zero3", model, lambda p: torch.optim.SGD(p, lr=0.1), world)
+    agreements, agree = [0], mixers.agreed_calls
+
+    def counted_agree(row, chunk, *args):
+        agreements[0] += ("zero3 calls", chunk) not in row._groups
+        return agree(row, chunk, *args)
+
+    mixers.agreed_calls = counted_agree
+    try:
+        losses, calls, grads = [], [], {}
+        for index, batch in enumerate(batches):
+            count, handle = mixer_calls(model.module)
+            total = global_token_count(accelerator, num_label_tokens(batch))
+            loss = assembly.forward(model, batch, num_items_in_batch=total).loss
+            backward(loss * world)
+            if index == 0:
+                grads = {name: safe_get_full_grad(p).detach().clone() for name, p in model.module.named_parameters()}
+            step()
+            losses.append(accelerator.reduce(loss.detach(), reduction="sum").item())
+            handle.remove()
+            calls.append(accelerator.gather(torch.tensor([count])).tolist())
+    finally:
+        mixers.agreed_calls = agree
+    return {"losses": losses, "grads": grads, "state": full_state("zero3", model), "calls": calls,
+            "agreements": accelerator.gather(torch.tensor([agreements[0]])).tolist(),
+            "sharding": sharding_evidence("zero3", model, optimizer)}
 
 
 def train_epochs(args, loader, accelerator, assembly, model, backward, step, tiled, world, losses, tokens) -> None:

@@ -40,7 +40,8 @@ LAUNCHED = {"test_sharded_two_processes_equal_single_process": "",
             "test_tiled_mlp_and_loss_sharded_equal_the_untiled_single_process": "-tiled",
             "test_a_tile_dropping_a_token_under_zero3_fails_the_comparison": "-tiled-faulty",
             "test_tiled_mlp_under_zero3_on_moe_equals_the_untiled_single_process": "-tiled-moe",
-            "test_evaluation_under_zero3_with_the_tiled_mlp_lets_every_parameter_go": "-tiled"}
+            "test_evaluation_under_zero3_with_the_tiled_mlp_lets_every_parameter_go": "-tiled",
+            "test_hybrid_under_zero3_with_rows_of_different_groups_equals_one_process": "-hybrid"}
 
 
 def case_of(item) -> str | None:
@@ -253,3 +254,60 @@ def test_evaluation_under_zero3_with_the_tiled_mlp_lets_every_parameter_go(reque
     assert clean["held"] == [] and clean["gathered_after_step"] == []
     mlp = {f"model.layers.{i}.mlp.{name}_proj.weight" for i in range(2) for name in ("gate", "up", "down")}
     assert set(faulty["held"]) == mlp, faulty
+
+
+def hybrid_reference() -> dict:
+    """One process, no ZeRO, no checkpointing: :data:`~tests.sharded_run.HYBRID_CASE`'s steps, each step's examples
+    of both ranks in one row, the mean token loss, the same SGD; its losses, first-step gradients and final weights."""
+    from padfree_plugins import assemble
+    from padfree_plugins.batching.distributed import num_label_tokens
+    from tests.sequence_parallel_sharded_run import loop_model
+    from tests.sharded_run import HYBRID_STEPS, hybrid_examples
+
+    model = loop_model()
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    assembly = assemble(model, {"task": "causal_lm", "mixers": "exact"})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], {}
+    for step in range(HYBRID_STEPS):
+        batch = assembly.collator(hybrid_examples(step, 0) + hybrid_examples(step, 1))
+        loss = assembly.forward(model, batch, num_items_in_batch=num_label_tokens(batch)).loss
+        loss.backward()
+        if step == 0:
+            grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assembly.undo()
+    return {"losses": losses, "grads": grads, "initial": initial,
+            "state": {name: p.detach().clone() for name, p in model.named_parameters()}}
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("engine", ["zero3"])
+def test_hybrid_under_zero3_with_rows_of_different_groups_equals_one_process(request, tmp_path_factory, engine):
+    """A hybrid (gated-DeltaNet mixers run on each example alone, ``mixers: exact``) under ZeRO-3 data parallelism,
+    gradient checkpointing on, rank 0's rows of 150, 70 and 10 tokens (3 mixer calls per layer, one per number of
+    64-token chunks), rank 1's of one 12-token example (1 call): ZeRO-3 gathers a mixer's weights at each of its
+    calls, so rank 1 makes 2 more on zeros (their outputs tied in times 0). Every rank runs the first mixer's input
+    projection as often, forward and backward; the ranks agreed on it by one all-reduce per forward (none in the
+    recompute); losses, first-step gradients and final weights equal one process (which crashed with a gloo
+    "collective mismatch" before). A dummy call left out of the backward graph
+    (``padfree_plugins.testing.faults.dummy_calls_untied``) is caught by tests/test_mixer_call_agreement.py."""
+    from tests.sharded_run import HYBRID_STEPS
+
+    run = launch_sharded(request, tmp_path_factory, engine + "-hybrid")
+    want = hybrid_reference()
+    assert run["sharding"]["local_numel"] < run["sharding"]["numel"]
+    assert run["agreements"] == [HYBRID_STEPS] * 2  # one per forward, none per layer or in the recompute
+    for step in run["calls"]:  # per step: [[forward, backward] of rank 0, of rank 1]
+        assert step[0] == step[1] and step[0][0] == 2 * 3 and step[0][1] == 3, run["calls"]  # 3 calls, recomputed
+    loss = max(abs(a - b) for a, b in zip(run["losses"], want["losses"]))
+    grad = max((run["grads"][k] - want["grads"][k]).abs().max().item() for k in want["grads"])
+    weight = max((run["state"][k] - want["state"][k]).abs().max().item() for k in want["state"])
+    moved = max((want["state"][k] - want["initial"][k]).abs().max().item() for k in want["state"])
+    print(f"zero3 hybrid: max loss difference {loss:.2e}, gradient {grad:.2e}, weight {weight:.2e} (moved {moved:.2e});"
+          f" calls {run['calls']}")
+    assert run["grads"].keys() == want["grads"].keys() and run["state"].keys() == want["state"].keys()
+    assert len(run["losses"]) == HYBRID_STEPS and loss < TOLERANCE
+    assert grad < 1e-4 and weight < 1e-4 and moved > 100 * 1e-4
