@@ -86,3 +86,45 @@ def test_a_partitioned_mixer_makes_as_many_calls_as_the_rank_that_needs_most(mod
     faulty = counted_run(model_type, monkeypatch, partitioned=True, fault=True)
     assert len(faulty["inputs"]) == 2 * MOST and faulty["backward"] == own < MOST  # caught: the backward skips calls
 
+
+
+def test_a_partitioned_mixer_in_a_row_with_shared_prefixes_makes_a_call_per_segment(monkeypatch):
+    """A row with shared prefixes (tests/test_hybrid_prefixes.py's: 3 prompts, 8 completions, 11 segments), its gated
+    delta rules marked as ZeRO-3's: the ranks agree on one call per segment (a bound on the calls of any rank's row,
+    known before the first), the projection runs 11 times forward and backward, and the shared call still equals the
+    padded one (log-probabilities 1e-5, gradients 1e-4). The deliberate fault ``dummy_calls_untied`` leaves the
+    backward short of the forward."""
+    from tests.test_hybrid_prefixes import assert_same, compare_call, model_for, padded_call
+
+    reduces = []
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        reduces.append(tensor.item())
+        tensor.fill_(max(tensor.item(), MOST))
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    model = model_for("qwen3_5_text")
+    assembly = assemble(model, {"task": "causal_lm", "unpad": "off"})  # padded calls: the model's own code
+    for module in model.modules():
+        if type(module).__name__.endswith("GatedDeltaNet"):
+            for index, parameter in enumerate(module.parameters()):
+                parameter.ds_id, parameter.ds_process_group = index, None
+    counts = [0, 0]
+
+    def count(module, args, output):
+        counts[0] += 1
+        output.register_hook(lambda grad: counts.__setitem__(1, counts[1] + 1))
+
+    first = next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    first.in_proj_qkv.register_forward_hook(count)
+    call = padded_call(model.config.vocab_size)
+    outputs, packed = compare_call(model, *call)
+    segments = len(packed["cu_seq_lens_q"]) - 1
+    assert segments == 11 and reduces == [segments]
+    assert counts == [1 + segments] * 2  # the padded call's one, then one per segment forward and backward
+    assert_same(outputs)
+    counts[:] = [0, 0]
+    with dummy_calls_untied():
+        compare_call(model, *call)
+    assert counts[0] == 1 + segments and counts[1] < counts[0]  # caught: the backward skips the calls on zeros
+    assembly.undo()
