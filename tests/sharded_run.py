@@ -13,7 +13,8 @@ count of every rank, the full weights gathered after training, and what proves t
 Several comma-separated engines train one after the other in the same launch (each its own model and optimizer,
 from the same seed), saving a launch's start-up each; ``OUT`` then holds ``{engine: result}``. The case
 ``zero3-tiled-moe`` (:func:`train_moe`) trains a tiny Qwen3-MoE with its experts tiled instead; ``zero3-tiled``
-also evaluates after training (:func:`evaluate_held`).
+also evaluates after training (:func:`evaluate_held`); ``zero3-hybrid`` (:func:`train_hybrid`) trains a tiny hybrid
+whose ranks' rows run its sequence mixers a different number of times.
 Every check that fails exits non-zero with a message: a run that silently trained unsharded proves nothing.
 """
 
