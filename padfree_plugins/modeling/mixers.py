@@ -523,13 +523,16 @@ class PackedMixer:
                                     "packed rows without a cache (use_cache=False)")
         if row.shared is not None:
             return self._run_shared(hidden_states, row, inputs)
-        if self.uses_kernels(hidden_states.device):
-            return self.original(hidden_states, **{**inputs, "cu_seq_lens_q": row.cu_seq_lens.to(hidden_states.device),
-                                                   "seq_idx": row.seq_idx(hidden_states.device)})
-        alone = {name: value for name, value in inputs.items() if name not in ROW_KEYS}
-        calls = per_example_calls(row, self.chunk, hidden_states.device)
-        most = agreed_calls(row, self.chunk, calls, self.module, hidden_states.device)
-        output = run_per_example(self.original, hidden_states, row, self.chunk, **alone)
+        device, alone = hidden_states.device, {name: value for name, value in inputs.items() if name not in ROW_KEYS}
+        kernels = self.uses_kernels(device)
+        calls = 1 if kernels else per_example_calls(row, self.chunk, device)
+        # On every route: another rank's row may take another (a shared row runs exact).
+        most = agreed_calls(row, self.chunk, calls, self.module, device)
+        if kernels:
+            output = self.original(hidden_states, **{**inputs, "cu_seq_lens_q": row.cu_seq_lens.to(device),
+                                                     "seq_idx": row.seq_idx(device)})
+        else:
+            output = run_per_example(self.original, hidden_states, row, self.chunk, **alone)
         return output if most is None else equal_calls(self.original, output, hidden_states, most - calls,
                                                        self.chunk, **alone)
 
