@@ -255,8 +255,9 @@ def equal_calls(forward: Any, output: torch.Tensor, hidden_states: torch.Tensor,
     makes and this one did not (:func:`agreed_calls`), in the forward and the backward alike. Exact: each adds 0 (a
     row of zeros stays finite through a mixer). The zeros need a gradient where the row does: ZeRO-3 lets go of a
     module's weights after its backward only through its inputs' gradients."""
-    if missing <= 0:
-        return output
+    if missing < 0:  # the ranks would stop pairing their gathers: fail here rather than hang
+        raise RuntimeError(f"padfree-plugins: a sequence mixer made {-missing} more calls than its ranks agreed on "
+                           "under DeepSpeed ZeRO-3; please report this with the row's example lengths")
     zeros = hidden_states.new_zeros((1, width, hidden_states.shape[-1])).requires_grad_(hidden_states.requires_grad)
     for _ in range(missing):
         output = output + tie_in(forward(zeros, **kwargs))
