@@ -38,7 +38,7 @@ from padfree_plugins.modeling.patching import ModelPatch, unwrap_model
 from padfree_plugins.modeling.pooling import unknown_mode_hint
 from padfree_plugins.modeling.probe import PROBE, PROBE_PLUGIN, probed_architecture, verify
 from padfree_plugins.modeling.sequence_parallel import SequenceParallelForward, SequenceParallelPatch, sequence_group
-from padfree_plugins.modeling.tiled_mixers import MixerTiling
+from padfree_plugins.modeling.tiled_mixers import MixerTiling, refuse_tiled_mixers_under_zero3
 from padfree_plugins.modeling.loss_kernel import LossKernel, planned
 from padfree_plugins.modeling.tiling import MLPTiling, TiledLossForward, check_tiled_loss, resolve_tiles, tiled_modules
 from padfree_plugins.modeling.unpad import UnpadPatch
@@ -128,7 +128,8 @@ def mixer_tiling(config: PadfreeConfig, tiles: tuple[int, int] | None) -> str:
     if config.sequence_parallel.size > 1:
         return "sequence mixers untiled under sequence parallelism (each rank scans its slice)"
     return (f"sequence mixers in tiles of {tiles[0]} tokens, each continuing the previous tile's state (a hybrid's "
-            "gated delta rule, Mamba2, KDA; others stay whole, with a warning)")
+            "gated delta rule, Mamba2, KDA; others stay whole, with a warning; refused under DeepSpeed ZeRO-3: set "
+            "memory.tile_mixers: false there)")
 
 
 def _model_type(model_config: Any) -> str:
@@ -597,6 +598,12 @@ def assemble(model: Any, config: PadfreeConfig | dict | str | None = None, *,
     if resolved.architecture_plugin == PROBE_PLUGIN:
         try:
             verify(inner, resolved.position_start)
+        except BaseException:
+            patch.undo()
+            raise
+    if resolved.tiles is not None and config.memory.tile_mixers and sequence is None:
+        try:  # the mixers to tile are known once patched: refused before any tiling, the patch undone
+            refuse_tiled_mixers_under_zero3(inner)
         except BaseException:
             patch.undo()
             raise

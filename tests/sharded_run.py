@@ -11,7 +11,10 @@ budget and plan are those of ``reference_run`` in tests/test_distributed.py: ran
 ``{"losses", "tokens", "state", "sharding"}`` to ``OUT`` (torch.save): the step losses summed over ranks, the token
 count of every rank, the full weights gathered after training, and what proves the model was really sharded.
 Several comma-separated engines train one after the other in the same launch (each its own model and optimizer,
-from the same seed), saving a launch's start-up each; ``OUT`` then holds ``{engine: result}``.
+from the same seed), saving a launch's start-up each; ``OUT`` then holds ``{engine: result}``. The case
+``zero3-tiled-moe`` (:func:`train_moe`) trains a tiny Qwen3-MoE with its experts tiled instead; ``zero3-tiled``
+also evaluates after training (:func:`evaluate_held`); ``zero3-hybrid`` (:func:`train_hybrid`) trains a tiny hybrid
+whose ranks' rows run its sequence mixers a different number of times.
 The case ``trainer-zero3`` (with ``MODEL_DIR``, a saved tiny Llama) trains an HF ``Trainer`` under ZeRO-3 after the
 plain-loop cases (:func:`trainer_result`).
 Every check that fails exits non-zero with a message: a run that silently trained unsharded proves nothing.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -43,6 +47,17 @@ FAULTY = "-faulty"
 TILE_TOKENS = 16
 #: The case of the HF ``Trainer`` under ZeRO-3 (:func:`trainer_result`).
 TRAINER = "trainer-zero3"
+#: The tiled MLP under ZeRO-3 on a tiny Qwen3-MoE (the routed experts tiled): its own model, data and SGD, those of the
+#: ``moe`` scenario of tests/same_modules_run.py (rank 1's micro-batch two tokens: most of its tiles empty).
+MOE_CASE = "zero3-tiled-moe"
+#: Evaluation steps the ZeRO-3 tiled case runs after training (no backward; see :func:`evaluate_held`).
+EVAL_STEPS = 2
+#: A tiny hybrid (gated-DeltaNet mixers, ``mixers: exact``) under ZeRO-3 data parallelism, its rows different per rank
+#: (:func:`train_hybrid`), gradient checkpointing on.
+HYBRID_CASE = "zero3-hybrid"
+#: Per rank, the example lengths of every step of :data:`HYBRID_CASE`: rank 0's span 3, 2 and 1 chunks of the gated
+#: delta rule's 64 tokens (3 mixer calls per layer), rank 1's one (1 call, and 2 more on zeros); and its steps.
+HYBRID_LENGTHS, HYBRID_STEPS = ((150, 70, 10), (12,)), 3
 
 
 def setup(engine: str, model: torch.nn.Module, optimizer_of, world: int):
@@ -132,12 +147,14 @@ def full_state(engine: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def main(engines: str, out: str, model_dir: str | None = None) -> None:
     cases = engines.split(",")
     for case in cases:
+        if case in (MOE_CASE, HYBRID_CASE):
+            continue
         if case == TRAINER and model_dir is None:
             sys.exit(f"{TRAINER} trains the model saved in MODEL_DIR: give it after OUT")
         if case != TRAINER and (case.removesuffix(FAULTY).removesuffix(TILED) not in ENGINES
                                 or case.endswith(FAULTY) and TILED not in case):
-            sys.exit(f"engine must be one of {ENGINES} (with {TILED}: memory.tile_tokens {TILE_TOKENS}) or "
-                     f"{TRAINER}, not {case!r}")
+            sys.exit(f"engine must be one of {ENGINES} (with {TILED}: memory.tile_tokens {TILE_TOKENS}), "
+                     f"{MOE_CASE}, {HYBRID_CASE} or {TRAINER}, not {case!r}")
     accelerator = Accelerator(cpu=True)  # the gloo process group, and reduce() for the token count
     if accelerator.num_processes < 2:
         sys.exit("launch with torchrun --nproc_per_node 2 (or more): one process shards nothing")
@@ -146,6 +163,10 @@ def main(engines: str, out: str, model_dir: str | None = None) -> None:
     for case in sorted(cases, key=lambda case: case == TRAINER):
         if case == TRAINER:
             results[case] = trainer_result(model_dir)
+        elif case == MOE_CASE:
+            results[case] = train_moe(accelerator)
+        elif case == HYBRID_CASE:
+            results[case] = train_hybrid(accelerator)
         else:
             results[case] = train(case.removesuffix(FAULTY).removesuffix(TILED), accelerator, TILED in case,
                                   case.endswith(FAULTY))
@@ -177,9 +198,8 @@ def counted_releases(param: torch.nn.Parameter) -> list[int]:
 def train(engine: str, accelerator: Accelerator, tiled: bool = False, faulty: bool = False) -> dict:
     """Train under ``engine`` (``tiled``: with :data:`TILE_TOKENS`; ``faulty``: every MLP tile drops its last token);
     the losses, token counts, full weights and sharding evidence (every rank); under ZeRO-3 also how many times the
-    first layer's ``gate_proj.weight`` was released (gathered) in training."""
-    from contextlib import nullcontext
-
+    first layer's ``gate_proj.weight`` was released (gathered) in training, and, tiled, an evaluation after training
+    (:func:`evaluate_held`)."""
     from padfree_plugins.testing.faults import tile_drops_last_token
 
     world, rank = accelerator.num_processes, accelerator.process_index
@@ -203,8 +223,147 @@ def train(engine: str, accelerator: Accelerator, tiled: bool = False, faulty: bo
     with tile_drops_last_token() if faulty else nullcontext():
         train_epochs(args, loader, accelerator, assembly, model, backward, step, tiled, world, losses, tokens)
     evidence = sharding_evidence(engine, model, optimizer)
-    return {"engine": engine, "processes": world, "losses": losses, "tokens": tokens, "releases": releases[0],
-            "state": full_state(engine, model), "sharding": evidence, "tiled": tiled_modules}
+    result = {"engine": engine, "processes": world, "losses": losses, "tokens": tokens, "releases": releases[0],
+              "state": full_state(engine, model), "sharding": evidence, "tiled": tiled_modules}
+    if engine == "zero3" and tiled and not faulty:
+        result["eval"] = evaluate_held(loader, accelerator, assembly, model, backward, step, world)
+    return result
+
+
+def still_gathered(model: torch.nn.Module) -> list[str]:
+    """ZeRO-3: the parameters not back to their partitioned placeholder."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return [name for name, p in model.module.named_parameters()
+            if p.ds_status != ZeroParamStatus.NOT_AVAILABLE or p.numel() != 0]
+
+
+def held_marks(model: torch.nn.Module) -> list[str]:
+    """ZeRO-3: the parameters a tiled call still holds (its mark in ``ds_active_sub_modules``)."""
+    return [name for name, p in model.module.named_parameters()
+            if any(str(mark).startswith("padfree-plugins:") for mark in p.ds_active_sub_modules)]
+
+
+def evaluate_held(loader, accelerator, assembly, model, backward, step, world: int) -> dict:
+    """ZeRO-3, tiled MLP and loss, after training: :data:`EVAL_STEPS` evaluation steps (``model.eval()``,
+    ``no_grad``, as ``Trainer.evaluate``: no backward releases the held gather) on epoch 0's first micro-batches,
+    then one more training step; then both again under the deliberate fault
+    :func:`~padfree_plugins.testing.faults.held_gather_never_let_go`. For each: the evaluation losses (summed over
+    ranks), the parameters a tiled call still holds after the evaluation, and those not partitioned after the
+    training step. (DeepSpeed itself leaves every parameter gathered after a forward without backward, tiled or not,
+    once its trace holds a backward; its optimizer step partitions them all and clears every hold.)"""
+    from padfree_plugins.testing.faults import held_gather_never_let_go
+
+    loader.batch_sampler.set_epoch(0)
+    batches = [keep_labelled_logits(batch) for batch, _ in zip(loader, range(EVAL_STEPS))]
+    totals = [global_token_count(accelerator, num_label_tokens(batch)) for batch in batches]
+    out = {}
+    for name, fault in (("clean", False), ("faulty", True)):
+        losses = []
+        with held_gather_never_let_go() if fault else nullcontext():
+            model.eval()
+            with torch.no_grad():
+                for batch, total in zip(batches, totals):
+                    loss = assembly.forward(model, batch, num_items_in_batch=total).loss
+                    losses.append(accelerator.reduce(loss.detach(), reduction="sum").item())
+            held = held_marks(model)
+            model.train()
+            backward(assembly.forward(model, batches[0], num_items_in_batch=totals[0]).loss * world)
+            step()
+        out[name] = {"losses": losses, "held": held, "gathered_after_step": still_gathered(model)}
+    return out
+
+
+def train_moe(accelerator: Accelerator) -> dict:
+    """The tiled MLP under ZeRO-3 on the tiny Qwen3-MoE of :data:`MOE_CASE` (tiles of :data:`TILE_TOKENS`, the loss
+    untiled): losses, tokens, full weights, sharding evidence, the tiled modules, and how often the first layer's
+    ``experts.gate_up_proj`` was released (gathered) in training."""
+    from tests.same_modules_run import moe_model_and_steps, optimizer_of
+
+    world, rank = accelerator.num_processes, accelerator.process_index
+    model, config, steps = moe_model_and_steps()
+    assembly = assemble(model, {**config, "memory": {"tile_tokens": TILE_TOKENS, "tile_loss": False}})
+    tiled_modules = [type(m).__name__ for m in model.modules()
+                     if type(m.__dict__.get("forward")).__name__ == "_TiledForward"]
+    batches = [assembly.collator(step[rank]) for step in steps]
+    model, optimizer, backward, step = setup("zero3", model, optimizer_of, world)
+    releases = counted_releases(model.module.model.layers[0].mlp.experts.gate_up_proj)
+    model.train()
+    losses, tokens = [], []
+    for batch in batches:
+        total = global_token_count(accelerator, num_label_tokens(batch))
+        loss = assembly.forward(model, batch, num_items_in_batch=total).loss
+        backward(loss * world)
+        step()
+        losses.append(accelerator.reduce(loss.detach(), reduction="sum").item())
+        tokens.append(accelerator.gather(torch.tensor([batch.num_tokens])).tolist())
+    return {"engine": "zero3", "processes": world, "losses": losses, "tokens": tokens, "releases": releases[0],
+            "state": full_state("zero3", model), "sharding": sharding_evidence("zero3", model, optimizer),
+            "tiled": tiled_modules}
+
+
+def hybrid_examples(step: int, rank: int) -> list[dict]:
+    """Rank ``rank``'s examples of :data:`HYBRID_CASE`'s step ``step`` (labels: the input ids)."""
+    from padfree_plugins.testing.models import random_examples
+
+    return random_examples(HYBRID_LENGTHS[rank], vocab_size=256, seed=step + 10 * rank)
+
+
+def mixer_calls(model: torch.nn.Module) -> tuple[list[int], object]:
+    """``([forward, backward], handle)``: how often the first gated-DeltaNet mixer's ``in_proj_qkv`` (a module ZeRO-3
+    gathers at each call) runs and has its backward run, counted until ``handle.remove()``."""
+    count = [0, 0]
+
+    def counted(module, args, output):
+        count[0] += 1
+        if output.requires_grad:
+            output.register_hook(lambda grad: count.__setitem__(1, count[1] + 1))
+
+    return count, model.model.layers[0].linear_attn.in_proj_qkv.register_forward_hook(counted)
+
+
+def train_hybrid(accelerator: Accelerator) -> dict:
+    """:data:`HYBRID_CASE`: the tiny hybrid of tests/sequence_parallel_sharded_run.py under ZeRO-3, every mixer run on
+    each example alone (``mixers: exact``), gradient checkpointing per layer, SGD; rank ``r`` trains
+    :func:`hybrid_examples` ``(step, r)``, its loss its token losses over the global count, times the ranks. Returns
+    the step losses (summed over ranks), the first step's full gradients, the final weights, the sharding evidence,
+    per rank and step the ``[forward, backward]`` calls of the first mixer's input projection (:func:`mixer_calls`),
+    and the all-reduces the ranks used to agree on them (:func:`~padfree_plugins.modeling.mixers.agreed_calls`)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    from padfree_plugins.modeling import mixers
+    from tests.sequence_parallel_sharded_run import loop_model
+
+    world, rank = accelerator.num_processes, accelerator.process_index
+    model = loop_model(checkpointing=True)
+    assembly = assemble(model, {"task": "causal_lm", "mixers": "exact"})
+    batches = [assembly.collator(hybrid_examples(step, rank)) for step in range(HYBRID_STEPS)]
+    model, optimizer, backward, step = setup("zero3", model, lambda p: torch.optim.SGD(p, lr=0.1), world)
+    agreements, agree = [0], mixers.agreed_calls
+
+    def counted_agree(row, chunk, *args):
+        agreements[0] += ("zero3 calls", chunk) not in row._groups
+        return agree(row, chunk, *args)
+
+    mixers.agreed_calls = counted_agree
+    try:
+        losses, calls, grads = [], [], {}
+        for index, batch in enumerate(batches):
+            count, handle = mixer_calls(model.module)
+            total = global_token_count(accelerator, num_label_tokens(batch))
+            loss = assembly.forward(model, batch, num_items_in_batch=total).loss
+            backward(loss * world)
+            if index == 0:
+                grads = {name: safe_get_full_grad(p).detach().clone() for name, p in model.module.named_parameters()}
+            step()
+            losses.append(accelerator.reduce(loss.detach(), reduction="sum").item())
+            handle.remove()
+            calls.append(accelerator.gather(torch.tensor([count])).tolist())
+    finally:
+        mixers.agreed_calls = agree
+    return {"losses": losses, "grads": grads, "state": full_state("zero3", model), "calls": calls,
+            "agreements": accelerator.gather(torch.tensor([agreements[0]])).tolist(),
+            "sharding": sharding_evidence("zero3", model, optimizer)}
 
 
 def train_epochs(args, loader, accelerator, assembly, model, backward, step, tiled, world, losses, tokens) -> None:

@@ -38,7 +38,10 @@ def reference(ranks: int = 2, per_rank_mean: bool = False) -> dict:
 #: The launched tests, and the suffix of their case's name (the engine's name, tiled: ``-tiled``).
 LAUNCHED = {"test_sharded_two_processes_equal_single_process": "",
             "test_tiled_mlp_and_loss_sharded_equal_the_untiled_single_process": "-tiled",
-            "test_a_tile_dropping_a_token_under_zero3_fails_the_comparison": "-tiled-faulty"}
+            "test_a_tile_dropping_a_token_under_zero3_fails_the_comparison": "-tiled-faulty",
+            "test_tiled_mlp_under_zero3_on_moe_equals_the_untiled_single_process": "-tiled-moe",
+            "test_evaluation_under_zero3_with_the_tiled_mlp_lets_every_parameter_go": "-tiled",
+            "test_hybrid_under_zero3_with_rows_of_different_groups_equals_one_process": "-hybrid"}
 
 
 def case_of(item) -> str | None:
@@ -174,3 +177,134 @@ def test_trainer_under_zero3_equals_single_process(request, tmp_path_factory, tm
     print(f"trainer-zero3: max loss difference {loss:.2e}, max weight difference {weight:.2e}, "
           f"{time.monotonic() - started:.0f} s")
     assert loss < TOLERANCE and weight < TOLERANCE
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("engine", ["zero3"])
+def test_tiled_mlp_under_zero3_on_moe_equals_the_untiled_single_process(request, tmp_path_factory, engine):
+    """The tiled MLP tiles a mixture of experts' routed experts (its router untiled): a tiny Qwen3-MoE under ZeRO-3
+    (tests/same_modules_run.py's ``moe`` scenario: 8 experts, one per token, rank 0 rows of 98 tokens, rank 1 of 2),
+    tiles of 16 tokens, equals the untiled single process. Both ranks run 7 tiles (rank 1's mostly empty: ZeRO-3
+    gives every rank as many), and the first layer's ``experts.gate_up_proj`` is released (gathered) at most twice a
+    step, not once per tile."""
+    from tests.same_modules_run import STEPS, reference as same_modules_reference
+
+    run = launch_sharded(request, tmp_path_factory, engine + "-tiled-moe")
+    want = same_modules_reference("moe")
+    assert run["sharding"]["local_numel"] < run["sharding"]["numel"]
+    assert run["tiled"] == ["Qwen3MoeExperts"] * 2  # every layer's routed experts
+    assert run["tokens"] == [[98, 2]] * STEPS and 98 > 6 * TILE_TOKENS  # rank 0's row spans 7 tiles
+    loss, weight = differences(run, want)
+    print(f"zero3 tiled moe: max loss difference {loss:.2e}, max weight difference {weight:.2e}, "
+          f"releases {run['releases']} in {len(run['losses'])} steps")
+    assert len(run["losses"]) == STEPS and loss < TOLERANCE and weight < TOLERANCE
+    assert 1 <= run["releases"] <= 2 * STEPS
+
+
+@functools.lru_cache(maxsize=1)
+def reference_eval() -> list[float]:
+    """One process, untiled, at the reference's trained weights: the eval loss (``no_grad``) of each of epoch 0's
+    first global batches (both ranks' micro-batches in one row), as many as the launched evaluation runs."""
+    from padfree_plugins import assemble, load_config
+    from padfree_plugins.batching.sampler import token_budget_sampler
+    from tests.sharded_run import EVAL_STEPS
+    from tests.test_distributed import LOOP_ARGS
+
+    loop = load_example()
+    args = loop.parse_args(LOOP_ARGS)
+    config = load_config(args.config)
+    config.batching.max_tokens_per_batch = args.max_tokens
+    model = loop.tiny_llama()
+    model.load_state_dict(reference()["state"])
+    assembly = assemble(model, config)
+    dataset = loop.synthetic_dataset(args.examples, args.median_length, model.config.vocab_size)
+    plan = token_budget_sampler(dataset, config, num_replicas=2).plan(0)
+    model.eval()
+    with torch.no_grad():
+        losses = [assembly.forward(model, assembly.collator([dataset[i] for b in plan[2 * s:2 * s + 2] for i in b]))
+                  .loss.item() for s in range(EVAL_STEPS)]
+    assembly.undo()
+    return losses
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("engine", ["zero3"])
+def test_evaluation_under_zero3_with_the_tiled_mlp_lets_every_parameter_go(request, tmp_path_factory, engine):
+    """Evaluation (``model.eval()``, ``no_grad``: no backward to let go of the parameters the tiled MLP holds gathered
+    over its tiles) under ZeRO-3 with the MLP and the loss tiled, after the tiled training: its losses equal the
+    untiled single process at the same weights; no tiled call holds a parameter afterwards, and after one more
+    training step every parameter is back to its partitioned placeholder. The deliberate fault
+    ``held_gather_never_let_go`` (the held parameters never let go) leaves every tiled MLP's parameters held after
+    the evaluation: the check has teeth. (DeepSpeed itself leaves every parameter gathered after a forward without
+    backward, tiled or not, once its trace holds a backward; its optimizer step partitions every parameter and
+    clears every hold, so a hold left over does not outlive the next step.)"""
+    from tests.sharded_run import EVAL_STEPS
+
+    evaluation = launch_sharded(request, tmp_path_factory, engine + "-tiled")["eval"]
+    clean, faulty = evaluation["clean"], evaluation["faulty"]
+    want = reference_eval()
+    difference = max(abs(a - b) for a, b in zip(clean["losses"], want))
+    print(f"zero3 tiled eval: max loss difference {difference:.2e}; held after it {len(clean['held'])}, gathered "
+          f"after the next step {len(clean['gathered_after_step'])}; with the fault: {len(faulty['held'])} held, "
+          f"{len(faulty['gathered_after_step'])} gathered")
+    assert len(clean["losses"]) == len(want) == EVAL_STEPS and difference < TOLERANCE
+    assert clean["held"] == [] and clean["gathered_after_step"] == []
+    mlp = {f"model.layers.{i}.mlp.{name}_proj.weight" for i in range(2) for name in ("gate", "up", "down")}
+    assert set(faulty["held"]) == mlp, faulty
+
+
+def hybrid_reference() -> dict:
+    """One process, no ZeRO, no checkpointing: :data:`~tests.sharded_run.HYBRID_CASE`'s steps, each step's examples
+    of both ranks in one row, the mean token loss, the same SGD; its losses, first-step gradients and final weights."""
+    from padfree_plugins import assemble
+    from padfree_plugins.batching.distributed import num_label_tokens
+    from tests.sequence_parallel_sharded_run import loop_model
+    from tests.sharded_run import HYBRID_STEPS, hybrid_examples
+
+    model = loop_model()
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    assembly = assemble(model, {"task": "causal_lm", "mixers": "exact"})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], {}
+    for step in range(HYBRID_STEPS):
+        batch = assembly.collator(hybrid_examples(step, 0) + hybrid_examples(step, 1))
+        loss = assembly.forward(model, batch, num_items_in_batch=num_label_tokens(batch)).loss
+        loss.backward()
+        if step == 0:
+            grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assembly.undo()
+    return {"losses": losses, "grads": grads, "initial": initial,
+            "state": {name: p.detach().clone() for name, p in model.named_parameters()}}
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("engine", ["zero3"])
+def test_hybrid_under_zero3_with_rows_of_different_groups_equals_one_process(request, tmp_path_factory, engine):
+    """A hybrid (gated-DeltaNet mixers run on each example alone, ``mixers: exact``) under ZeRO-3 data parallelism,
+    gradient checkpointing on, rank 0's rows of 150, 70 and 10 tokens (3 mixer calls per layer, one per number of
+    64-token chunks), rank 1's of one 12-token example (1 call): ZeRO-3 gathers a mixer's weights at each of its
+    calls, so rank 1 makes 2 more on zeros (their outputs tied in times 0). Every rank runs the first mixer's input
+    projection as often, forward and backward; the ranks agreed on it by one all-reduce per forward (none in the
+    recompute); losses, first-step gradients and final weights equal one process (which crashed with a gloo
+    "collective mismatch" before). A dummy call left out of the backward graph
+    (``padfree_plugins.testing.faults.dummy_calls_untied``) is caught by tests/test_mixer_call_agreement.py."""
+    from tests.sharded_run import HYBRID_STEPS
+
+    run = launch_sharded(request, tmp_path_factory, engine + "-hybrid")
+    want = hybrid_reference()
+    assert run["sharding"]["local_numel"] < run["sharding"]["numel"]
+    assert run["agreements"] == [HYBRID_STEPS] * 2  # one per forward, none per layer or in the recompute
+    for step in run["calls"]:  # per step: [[forward, backward] of rank 0, of rank 1]
+        assert step[0] == step[1] and step[0][0] == 2 * 3 and step[0][1] == 3, run["calls"]  # 3 calls, recomputed
+    loss = max(abs(a - b) for a, b in zip(run["losses"], want["losses"]))
+    grad = max((run["grads"][k] - want["grads"][k]).abs().max().item() for k in want["grads"])
+    weight = max((run["state"][k] - want["state"][k]).abs().max().item() for k in want["state"])
+    moved = max((want["state"][k] - want["initial"][k]).abs().max().item() for k in want["state"])
+    print(f"zero3 hybrid: max loss difference {loss:.2e}, gradient {grad:.2e}, weight {weight:.2e} (moved {moved:.2e});"
+          f" calls {run['calls']}")
+    assert run["grads"].keys() == want["grads"].keys() and run["state"].keys() == want["state"].keys()
+    assert len(run["losses"]) == HYBRID_STEPS and loss < TOLERANCE
+    assert grad < 1e-4 and weight < 1e-4 and moved > 100 * 1e-4

@@ -129,6 +129,7 @@ def test_check_shows_what_tiling_does_for_the_mixers(tmp_path, tile_mixers):
     memory = json.loads(result.output)["memory"]
     if tile_mixers:
         assert "sequence mixers in tiles of 4096 tokens, each continuing the previous tile's state" in memory
+        assert "refused under DeepSpeed ZeRO-3: set memory.tile_mixers: false there" in memory
     else:
         assert "sequence mixers untiled (memory.tile_mixers: false)" in memory
 
@@ -159,3 +160,56 @@ def test_tiled_mixers_lower_the_peak_of_a_checkpointed_step(tmp_path):
     untiled = peak_allocated({"tile_tokens": 256, "tile_mixers": False}, tmp_path / "untiled.json")
     tiled = peak_allocated({"tile_tokens": 256}, tmp_path / "tiled.json")
     assert untiled > 0 and tiled < 0.7 * untiled, (tiled, untiled)
+
+
+def test_tile_mixers_under_zero3_are_refused_at_accelerate_and_change_nothing(tmp_path):
+    """``memory.tile_mixers`` with DeepSpeed ZeRO-3 configured is refused at ``accelerate()`` (before any training
+    step) with the reason and what to set; the trainer and the model are left as they were (every module's forward,
+    the data collator, the trainer's methods); ``memory.tile_mixers: false`` is then accepted, the MLP still tiled.
+    A model already partitioned (``zero.Init``: its parameters carry ``ds_id``) is refused by ``assemble`` without
+    the config, and one partitioned after assembly at its first tiled call."""
+    import datasets
+    from transformers import Trainer, TrainingArguments
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from padfree_plugins import ConfigError, accelerate, patch_of
+    from padfree_plugins.errors import UnsupportedArchitectureError
+    from tests.sequence_parallel_trainer_run import ZERO3, rows, tiny_hybrid
+
+    model = tiny_hybrid()
+    forwards = {name: module.__dict__.get("forward") for name, module in model.named_modules()}
+    trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none"),
+                      train_dataset=datasets.Dataset.from_list(rows(4, 0)))
+    trainer_state = dict(vars(trainer))
+    zero3 = HfDeepSpeedConfig({**ZERO3, "train_micro_batch_size_per_gpu": 1, "train_batch_size": 1,
+                               "gradient_accumulation_steps": 1, "gradient_clipping": 0.0})
+    with pytest.raises(ConfigError, match=r"memory.tile_mixers under DeepSpeed ZeRO-3 \(Qwen3_5GatedDeltaNet\).*"
+                                          r"differs between ranks.*Set memory.tile_mixers: false"):
+        accelerate(trainer, {"task": "causal_lm", "memory": MIXERS_ONLY})
+    assert patch_of(model) is None
+    assert {name: module.__dict__.get("forward") for name, module in model.named_modules()} == forwards
+    assert vars(trainer).keys() == trainer_state.keys()
+    assert all(vars(trainer)[key] is value for key, value in trainer_state.items())
+    acceleration = accelerate(trainer, {"task": "causal_lm", "memory": {"tile_tokens": 16, "tile_mixers": False}})
+    assert not any(isinstance(vars(m).get("forward"), TiledMixer) for m in model.modules())
+    assert any(type(vars(m).get("forward")).__name__ == "_TiledForward" for m in model.modules())  # the MLP tiles
+    acceleration.undo()
+    del zero3
+    partitioned = tiny_hybrid()
+    for number, parameter in enumerate(partitioned.parameters()):
+        parameter.ds_id = number
+    before = {name: module.__dict__.get("forward") for name, module in partitioned.named_modules()}
+    with pytest.raises(ConfigError, match=r"memory.tile_mixers under DeepSpeed ZeRO-3"):
+        assemble(partitioned, {"task": "causal_lm", "memory": MIXERS_ONLY})
+    assert patch_of(partitioned) is None
+    assert {name: module.__dict__.get("forward") for name, module in partitioned.named_modules()} == before
+    # partitioned after assembly: the first tiled call refuses (every rank alike, before any gather)
+    later = tiny_hybrid()
+    assembly = assemble(later, {"task": "causal_lm", "memory": MIXERS_ONLY})
+    module = next(m for m in later.modules() if isinstance(vars(m).get("forward"), TiledMixer))
+    for number, parameter in enumerate(module.parameters()):
+        parameter.ds_id = number
+    hidden = torch.zeros(1, 40, later.config.hidden_size)
+    with pytest.raises(UnsupportedArchitectureError, match=r"memory.tile_mixers under DeepSpeed ZeRO-3"):
+        module(hidden_states=hidden, cu_seq_lens_q=torch.tensor([0, 40], dtype=torch.int32))
+    assembly.undo()

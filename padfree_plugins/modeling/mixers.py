@@ -27,6 +27,12 @@ from the prompt's run, so the prompt runs once and every completion's gradient r
 (``exact``); the kernels route does not carry a prompt's state yet. A family whose mixers cannot continue a state
 (Mamba1: transformers' scan takes no initial state) declares why (``no_prompt_state``) and refuses such a row.
 
+Under DeepSpeed ZeRO-3 a mixer's weights are gathered by a collective at each of its calls (and again in the
+backward), and the number of calls above depends on the row (its groups of lengths, its prefix tree). Where ZeRO-3
+partitions a mixer, the ranks agree once per row on as many calls as any of them needs (:func:`agreed_calls`) and a
+rank that needs fewer makes the rest on a row of zeros, their outputs tied into the graph with weight 0
+(:func:`equal_calls`), so that every rank gathers as often in the forward and the backward; the results are unchanged.
+
 An architecture plugin routes a model's mixer modules here for packed calls (see ``builtin/architectures/lfm2.py``
 and ``modeling/hybrids.py``) and leaves padded calls and ``generate()`` to the model's own code.
 """
@@ -43,6 +49,7 @@ from itertools import groupby
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from padfree_plugins.errors import BackendUnavailableError, BoundaryError
@@ -205,6 +212,56 @@ def run_per_example(forward: Any, hidden_states: torch.Tensor, row: PackedRow, c
             outputs.append(output[first:first + count, :length].reshape(length * count, -1))
             first += count
     return torch.cat(outputs).index_select(0, inverse)[None]
+
+
+def per_example_calls(row: PackedRow, chunk: int, device: torch.device) -> int:
+    """How many calls :func:`run_per_example` makes of a mixer over ``row`` (on ``device``): one per number of
+    ``chunk``-token chunks its examples span."""
+    _, _, blocks = row.groups(device)
+    return len({-(-length // chunk) for length, _ in blocks})
+
+
+def partitioned_by_zero3(module: torch.nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions ``module``'s parameters (they carry ``ds_id``)."""
+    return any(hasattr(parameter, "ds_id") for parameter in module.parameters())
+
+
+def agreed_calls(row: PackedRow, chunk: int, calls: int, module: torch.nn.Module, device: torch.device) -> int | None:
+    """Where DeepSpeed ZeRO-3 partitions ``module``: how many calls every rank that gathers its weights makes of a
+    mixer (of ``chunk``) over its row, the most any needs (``calls``: this rank's, or a bound on them); ``None``
+    elsewhere, with no collective. One all-reduce per row and chunk, at the first mixer: every later layer, and the
+    recompute of a checkpointed one, reads it from the row."""
+    group = next((getattr(p, "ds_process_group", None) for p in module.parameters() if hasattr(p, "ds_id")), False)
+    if group is False:
+        return None
+    key = ("zero3 calls", chunk)
+    if key not in row._groups:
+        most = torch.tensor([calls], dtype=torch.int64, device=device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+        row._groups[key] = int(most.item())
+    return row._groups[key]
+
+
+def tie_in(output: torch.Tensor) -> torch.Tensor:
+    """A 0-dim zero that ties ``output`` (of a call on zeros, :func:`equal_calls`) into the graph, so that the
+    backward runs through its call too."""
+    return output.sum() * 0
+
+
+def equal_calls(forward: Any, output: torch.Tensor, hidden_states: torch.Tensor, missing: int, width: int,
+                **kwargs: Any) -> torch.Tensor:
+    """``output`` (the mixer's packed output of ``hidden_states`` ``[1, T, H]``) after ``missing`` more calls of
+    ``forward`` (a mixer's own) on one row of ``width`` zero tokens, their outputs added times 0: the calls another rank
+    makes and this one did not (:func:`agreed_calls`), in the forward and the backward alike. Exact: each adds 0 (a
+    row of zeros stays finite through a mixer). The zeros need a gradient where the row does: ZeRO-3 lets go of a
+    module's weights after its backward only through its inputs' gradients."""
+    if missing < 0:  # the ranks would stop pairing their gathers: fail here rather than hang
+        raise RuntimeError(f"padfree-plugins: a sequence mixer made {-missing} more calls than its ranks agreed on "
+                           "under DeepSpeed ZeRO-3; please report this with the row's example lengths")
+    zeros = hidden_states.new_zeros((1, width, hidden_states.shape[-1])).requires_grad_(hidden_states.requires_grad)
+    for _ in range(missing):
+        output = output + tie_in(forward(zeros, **kwargs))
+    return output
 
 
 @dataclass
@@ -467,11 +524,18 @@ class PackedMixer:
                                     "packed rows without a cache (use_cache=False)")
         if row.shared is not None:
             return self._run_shared(hidden_states, row, inputs)
-        if self.uses_kernels(hidden_states.device):
-            return self.original(hidden_states, **{**inputs, "cu_seq_lens_q": row.cu_seq_lens.to(hidden_states.device),
-                                                   "seq_idx": row.seq_idx(hidden_states.device)})
-        alone = {name: value for name, value in inputs.items() if name not in ROW_KEYS}
-        return run_per_example(self.original, hidden_states, row, self.chunk, **alone)
+        device, alone = hidden_states.device, {name: value for name, value in inputs.items() if name not in ROW_KEYS}
+        kernels = self.uses_kernels(device)
+        calls = 1 if kernels else per_example_calls(row, self.chunk, device)
+        # On every route: another rank's row may take another (a shared row runs exact).
+        most = agreed_calls(row, self.chunk, calls, self.module, device)
+        if kernels:
+            output = self.original(hidden_states, **{**inputs, "cu_seq_lens_q": row.cu_seq_lens.to(device),
+                                                     "seq_idx": row.seq_idx(device)})
+        else:
+            output = run_per_example(self.original, hidden_states, row, self.chunk, **alone)
+        return output if most is None else equal_calls(self.original, output, hidden_states, most - calls,
+                                                       self.chunk, **alone)
 
     def _run_shared(self, hidden_states: torch.Tensor, row: PackedRow, inputs: dict) -> torch.Tensor:
         """A row with shared prefixes: every completion continues its prompt's state (:func:`run_shared`), in the
@@ -492,7 +556,14 @@ class PackedMixer:
             raise BoundaryError(f"{name}'s forward takes no cache ({' or '.join(CACHE_NAMES)}), so it cannot start "
                                 "from a prompt's state: set prefix_sharing: off for this model")
         alone = {key: value for key, value in inputs.items() if key not in ROW_KEYS and key not in CACHE_NAMES}
-        return run_shared(self.original, hidden_states, row, self.chunk, cache_name, **alone)
+        # At most one call per segment (each call runs one or more): what the ranks agree on under ZeRO-3.
+        most = agreed_calls(row, self.chunk, len(row.cu_seq_lens) - 1, self.module, hidden_states.device)
+        if most is None:
+            return run_shared(self.original, hidden_states, row, self.chunk, cache_name, **alone)
+        calls = []
+        output = run_shared(partial(_counted, self.original, calls), hidden_states, row, self.chunk, cache_name,
+                            **alone)
+        return equal_calls(self.original, output, hidden_states, most - len(calls), self.chunk, **alone)
 
     def cache_name(self) -> str | None:
         """The name under which the mixer's own forward takes a cache (the state it continues), or ``None``."""
@@ -509,6 +580,11 @@ class PackedMixer:
                                               f"{device.type}. Use mixers: exact (or auto) there")
             return True
         return bool(self.kernels) and device.type == "cuda" and not missing_packages(self.kernels)
+
+
+def _counted(forward: Any, calls: list, *args: Any, **kwargs: Any) -> Any:
+    calls.append(None)
+    return forward(*args, **kwargs)
 
 
 @torch.compiler.disable

@@ -39,8 +39,8 @@ import torch.distributed as dist
 
 from padfree_plugins.errors import BoundaryError, ConfigError
 from padfree_plugins.modeling.attention.ulysses import SequenceGroup
-from padfree_plugins.modeling.mixers import CACHE_NAMES, PACKED_ROW, ROW_KEYS, MixerState, PackedRow, run_ready, \
-    state_sources
+from padfree_plugins.modeling.mixers import CACHE_NAMES, PACKED_ROW, ROW_KEYS, MixerState, PackedRow, \
+    partitioned_by_zero3, run_ready, state_sources
 from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY
 
 #: The key of the state a slice's first piece continues when its segment goes on from the previous rank.
@@ -285,11 +285,6 @@ def zero3_refusal(names: str) -> str:
             "they would wait for each other forever. Set sequence_parallel.mixers: gather (every rank runs the mixers "
             "on the whole row; exact under ZeRO-3), or shard with FSDP2 (fully_shard per decoder layer), where split "
             "mixers train exactly")
-
-
-def partitioned_by_zero3(module: torch.nn.Module) -> bool:
-    """Whether DeepSpeed ZeRO-3 partitions ``module``'s parameters (they carry ``ds_id``)."""
-    return any(hasattr(parameter, "ds_id") for parameter in module.parameters())
 
 
 @dataclass

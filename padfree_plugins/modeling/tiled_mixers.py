@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from padfree_plugins.errors import UnsupportedArchitectureError
+from padfree_plugins.errors import ConfigError, UnsupportedArchitectureError
 from padfree_plugins.modeling.mixers import CACHE_NAMES, PACKED_ROW, ROW_KEYS, MixerState, PackedMixer, PackedRow, \
     run_ready, sequence_mixers, state_sources
 from padfree_plugins.modeling.patching import own_attribute, restore_attributes
@@ -221,10 +221,8 @@ class TiledMixer:
                               "CUDA kernels (mixers: auto), which scan it whole, untiled; set mixers: exact to tile "
                               "it (slower), or memory.tile_mixers: false to silence this", stacklevel=3)
             return mixer._run_packed(row, cu, args, kwargs)
-        if partitioned_by_zero3(mixer.module):
-            raise UnsupportedArchitectureError(
-                f"memory.tile_mixers under DeepSpeed ZeRO-3 ({type(mixer.module).__name__}'s parameters are "
-                "partitioned): the tiled recompute does not gather them. Set memory.tile_mixers: false, or use FSDP2")
+        if partitioned_by_zero3(mixer.module):  # partitioned after assembly: refused before any gather
+            raise UnsupportedArchitectureError(zero3_refusal(type(mixer.module).__name__))
         alone = {key: value for key, value in inputs.items()
                  if key not in ROW_KEYS and key not in CACHE_NAMES and key != "hidden_states"}
         return run_tiled(mixer.original, mixer.module, hidden, row, self.tile, mixer.chunk, mixer.cache_name(),
@@ -236,6 +234,27 @@ def _run_tiled_eagerly(mixer: TiledMixer, row: PackedRow | None, cu: torch.Tenso
                        kwargs: dict) -> Any:
     """:meth:`TiledMixer.run` outside a compiled graph (it plans the tiles from the row's boundaries on the host)."""
     return mixer.run(row, cu, args, kwargs)
+
+
+def zero3_refusal(names: str) -> str:
+    """Why tiled mixers ``names`` cannot run under DeepSpeed ZeRO-3, and what to set instead."""
+    return (f"memory.tile_mixers under DeepSpeed ZeRO-3 ({names}): ZeRO-3 gathers a module's partitioned weights by a "
+            "collective at each of its calls, and a tiled mixer calls its projections once per tile and per group of "
+            "examples in it, a number that differs between ranks whose rows differ (they would wait on each other's "
+            "gathers); its tiled recompute does not hold the weights gathered either. Set memory.tile_mixers: false "
+            "(the MLP and the loss stay tiled under ZeRO-3), or shard with FSDP2")
+
+
+def refuse_tiled_mixers_under_zero3(model: torch.nn.Module) -> None:
+    """Refuse ``memory.tile_mixers`` on a model with mixers to tile that DeepSpeed ZeRO-3 shards (configured through
+    transformers / accelerate, or its parameters already partitioned by ``zero.Init``): called by the assembly
+    before the tiles are installed, which then undoes its patch. A model partitioned after assembly is refused at
+    its first tiled call (:meth:`TiledMixer.run`)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    tiled = sorted({type(module).__name__ for module, mixer in sequence_mixers(model) if not why_not_tiled(mixer)})
+    if tiled and (is_deepspeed_zero3_enabled() or partitioned_by_zero3(model)):
+        raise ConfigError(zero3_refusal(", ".join(tiled)))
 
 
 def why_not_tiled(mixer: Any) -> str:
@@ -281,4 +300,4 @@ class MixerTiling:
 
 
 __all__: Sequence[str] = ("TiledMixer", "TiledScan", "MixerTiling", "run_tiled", "tile_plans", "tile_start",
-                          "why_not_tiled")
+                          "why_not_tiled", "refuse_tiled_mixers_under_zero3", "zero3_refusal")

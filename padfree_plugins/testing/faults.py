@@ -15,6 +15,8 @@ Both leave a model run on one example alone exactly as it was, and change only p
 * :func:`tile_drops_last_token` and :func:`loss_normalised_per_tile`: the two ways tiled computation
   (:mod:`padfree_plugins.modeling.tiling`) can go wrong — a feed-forward tile that loses its last token's output, a
   tiled loss that averages each tile on its own instead of dividing the row's sum once;
+  :func:`held_gather_never_let_go`: under DeepSpeed ZeRO-3, a tiled feed-forward whose parameters, held gathered over
+  its tiles, are never let go (they stay gathered after the layer's call: a leak);
 * :func:`mixer_tile_starts_from_zero`: a hybrid's sequence mixer scanned in tiles (``memory.tile_mixers``) whose
   every tile starts an example cut by the previous tile from zeros (no recurrent state, no conv taps);
 * :func:`rows_swap_media`: a padded image-text call split wrongly — two rows' media (of the same shapes, other
@@ -46,7 +48,10 @@ Both leave a model run on one example alone exactly as it was, and change only p
   (:mod:`padfree_plugins.modeling.tower_share`) hand each rank's tower only its own slice's gradient of its images'
   features, not the group's sum;
   :func:`child_starts_from_rank_predecessor`: in a shared row, a completion whose prompt ended on an earlier rank
-  starting from the state its previous rank handed on last instead of its prompt's.
+  starting from the state its previous rank handed on last instead of its prompt's;
+* :func:`dummy_calls_untied`: under DeepSpeed ZeRO-3, the calls a rank makes of a sequence mixer on zeros to match
+  another rank's number of calls (:func:`~padfree_plugins.modeling.mixers.equal_calls`) left out of the autograd
+  graph: the forward matches, the backward does not (its ranks' gathers stop pairing up).
 """
 
 from __future__ import annotations
@@ -411,6 +416,15 @@ def tile_drops_last_token() -> Iterator[None]:
 
 
 @contextmanager
+def held_gather_never_let_go() -> Iterator[None]:
+    """Within the block, a tiled feed-forward under DeepSpeed ZeRO-3 never lets go of the parameters it holds
+    gathered over its tiles (:class:`~padfree_plugins.modeling.tiling.HeldGathered`): ZeRO's hooks cannot release
+    them after the layer's call, so they stay gathered (a leak of the whole layer's weights on every rank)."""
+    with mock.patch.object(tiling.HeldGathered, "let_go", lambda self: None):
+        yield
+
+
+@contextmanager
 def loss_normalised_per_tile() -> Iterator[None]:
     """Within the block, the tiled loss is the mean over tiles of each tile's mean cross-entropy, instead of the
     row's summed cross-entropy divided once (by ``num_items_in_batch`` or the row's label count)."""
@@ -656,4 +670,17 @@ def tower_gradients_not_summed() -> Iterator[None]:
     tower gets only what its own slice of the row sends its images' features (an image whose tokens lie in another
     rank's slice gets nothing from there). The forward is untouched."""
     with mock.patch.object(tower_share, "sum_over_group", lambda grad, group: grad):
+        yield
+
+
+@contextmanager
+def dummy_calls_untied() -> Iterator[None]:
+    """Within the block, a mixer's calls on zeros that match another rank's number of calls under ZeRO-3
+    (:func:`~padfree_plugins.modeling.mixers.equal_calls`) add a zero that is not tied to their output: the forward
+    makes every call, the backward skips them."""
+
+    def untied(output: torch.Tensor) -> torch.Tensor:
+        return output.new_zeros(())
+
+    with mock.patch.object(mixers, "tie_in", untied):
         yield
