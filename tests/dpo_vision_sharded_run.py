@@ -10,7 +10,9 @@ a ``_no_split_modules`` class, then on the root) or ``zero3`` (``deepspeed.initi
 partitioned; the reference model an engine without optimizer, as ``trl.models.prepare_deepspeed`` makes it). The
 steps are driven here: for each of :data:`STEPS` steps the rank collates its own pairs (:func:`steps`: rank 0's with
 images, rank 1's text only) with the trainer's collator, ``trainer.compute_loss``, backward, plain SGD. ``--no-idle-
-tower`` takes the idle tower off both models (the behaviour before it), which hangs or fails.
+tower`` takes the idle tower off both models (the behaviour before it): its collectives checked
+(``tests.distributed_common.DIVERGING_ENV``), it fails with a collective mismatch and each rank prints the modules it
+ran.
 
 Rank 0 writes to ``OUT`` (torch.save): ``losses`` (per step, each rank's), ``packed`` (per rank, what every
 ``pack_media_call`` returned), ``towers`` / ``idle`` (per rank and step, the vision towers' forwards and the idle

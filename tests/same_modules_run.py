@@ -8,7 +8,8 @@ layers, vision blocks — on the MoE experts, then on the root) or ``zero3`` (as
 (:data:`SCENARIOS`), each trained in turn on a fresh model:
 
 * ``vlm``: a tiny Qwen2-VL, rank 0's micro-batches with images, rank 1's text only (its vision tower runs on the
-  idle image; ``--no-idle-tower`` removes it, the old behaviour, which hangs or fails); ``gemma3``, ``idefics3``,
+  idle image; ``--no-idle-tower`` removes it, the old behaviour: its collectives checked, it fails with a
+  collective mismatch and each rank prints the modules it ran); ``gemma3``, ``idefics3``,
   ``smolvlm`` (tiles with their pixel masks) and ``llava_onevision`` (any-resolution patches) the same with their
   own families' tiny models and idle images (:data:`VLM_SCENARIOS`);
 * ``moe``: a tiny Qwen3-MoE (8 experts, one per token), rank 1's micro-batch two tokens, so most experts receive no

@@ -8,9 +8,9 @@ Idefics3 and LLaVA-OneVision whose rank 1 sees text only (its vision tower runs 
 two of 8 experts (transformers' experts are fused 3-D parameters in one ``*Experts`` module, which runs whatever
 the routing: nothing to skip), and token budgets with over-long examples split into chunks (every rank gets the
 same number of micro-batches: the plan is step-major, ``N`` per step). Without the idle tower the Qwen2-VL launch
-fails (a collective mismatch) or hangs, within a short timeout. In one process, every family's idle image (SmolVLM's
-too) adds exactly zero to the logits, gives its tower and projector zero gradients and reaches the parameters a
-forward with an image reaches.
+fails fast with a collective mismatch, rank 0 having run the vision tower and rank 1 not (a hang fails the test). In
+one process, every family's idle image (SmolVLM's too) adds exactly zero to the logits, gives its tower and projector
+zero gradients and reaches the parameters a forward with an image reaches.
 """
 
 from __future__ import annotations
