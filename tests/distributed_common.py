@@ -7,14 +7,20 @@ once per test session, :func:`engine_runs` once for every engine a module's test
 :func:`run_differences` compares two training runs a worker recorded. :func:`chosen_runs` reads a worker's
 ``KIND-MODE`` run names. Evaluations: :func:`evaluated` records ``evaluate`` / ``predict`` with the
 ``compute_metrics`` of TRL's trainers (:func:`token_metrics`, :func:`score_metrics`), :func:`evaluation_differences`
-compares two.
+compares two. Deliberate divergence (ranks that run different modules): a worker's :func:`modules_run` and the
+test's :func:`launch_diverging`.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import re
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -197,3 +203,59 @@ def engine_runs(request, tmp_path_factory, script: str, *args: str) -> Any:
 def launch_engines(script: str, out: Path, engines: str, *args: str, timeout: float) -> tuple[int, str]:
     """``tests/<script> ENGINES OUT args`` on 2 processes (DeepSpeed on the CPU): its exit status and output."""
     return launch_group(script, engines, str(out), *args, out=out, timeout=timeout, env={"DS_ACCELERATOR": "cpu"})
+
+
+# -- deliberate divergence: ranks that run different modules --------------------------------------------------------
+
+#: A diverging launch's environment: every collective first compares its fingerprint (operation, shapes) across the
+#: ranks and raises :data:`MISMATCH` naming both when they differ, instead of waiting on a peer that never comes.
+DIVERGING_ENV = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "SP_TIMEOUT_S": "30"}
+MISMATCH = "Detected mismatch between collectives on ranks"
+_MODULES_RUN = re.compile(r"^modules run on rank (\d+): (\[.*\])$", re.MULTILINE)
+
+
+@contextmanager
+def modules_run(**models: Any) -> Iterator[None]:
+    """Within the block, record every module of ``models`` (``prefix=model``) whose forward starts on this rank; if the
+    block raises, print them (``modules run on rank R: [prefix.name, …]``, read by :func:`launch_diverging`) first."""
+    names = {id(module): f"{prefix}.{name}".rstrip(".") for prefix, model in models.items()
+             for name, module in model.named_modules()}
+    ran: set[str] = set()
+
+    def record(module: Any, args: tuple) -> None:
+        if id(module) in names:
+            ran.add(names[id(module)])
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(record)
+    try:
+        yield
+    except BaseException:
+        print(f"modules run on rank {dist.get_rank()}: {json.dumps(sorted(ran))}", flush=True)
+        raise
+    finally:
+        handle.remove()
+
+
+def launch_diverging(script: str, out: Path, engine: str, *args: str, timeout: float) -> dict[int, set[str]]:
+    """:func:`launch_engines` of a deliberate fault whose ranks run different modules (``DIVERGING_ENV``: the worker
+    joins with :func:`gloo_group` and runs under :func:`modules_run`); assert that it fails fast with
+    :data:`MISMATCH` and wrote no result, and return the modules each rank had run. A launch that finishes, hangs
+    until ``timeout`` (kept as a safety net) or fails otherwise fails the test: the fault was not caught."""
+    import pytest  # the workers import this module, and need no pytest
+
+    started = time.monotonic()
+    try:
+        returncode, output = launch_group(script, engine, str(out), *args, out=out, timeout=timeout,
+                                          env={"DS_ACCELERATOR": "cpu", **DIVERGING_ENV})
+    except pytest.fail.Exception as hung:  # run_group's timeout
+        pytest.fail(f"the fault launch hung for {timeout} s instead of failing with a collective mismatch:\n"
+                    f"{str(hung)[-6000:]}")
+    elapsed = time.monotonic() - started
+    print(f"{script} {engine} {' '.join(args)}: ended after {elapsed:.1f} s (safety net {timeout} s)")
+    assert returncode != 0 and not out.exists(), (f"the fault launch finished (exit status {returncode}, results "
+                                                  f"written: {out.exists()}): the check shows nothing\n"
+                                                  f"{output[-6000:]}")
+    assert MISMATCH in output, f"the fault launch failed, but not with a collective mismatch:\n{output[-6000:]}"
+    ran = {int(rank): set(json.loads(names)) for rank, names in _MODULES_RUN.findall(output)}
+    assert sorted(ran) == [0, 1], f"no record of the modules each rank ran:\n{output[-6000:]}"
+    return ran

@@ -10,7 +10,9 @@ a ``_no_split_modules`` class, then on the root) or ``zero3`` (``deepspeed.initi
 partitioned; the reference model an engine without optimizer, as ``trl.models.prepare_deepspeed`` makes it). The
 steps are driven here: for each of :data:`STEPS` steps the rank collates its own pairs (:func:`steps`: rank 0's with
 images, rank 1's text only) with the trainer's collator, ``trainer.compute_loss``, backward, plain SGD. ``--no-idle-
-tower`` takes the idle tower off both models (the behaviour before it), which hangs or fails.
+tower`` takes the idle tower off both models (the behaviour before it): its collectives checked
+(``tests.distributed_common.DIVERGING_ENV``), it fails with a collective mismatch and each rank prints the modules it
+ran.
 
 Rank 0 writes to ``OUT`` (torch.save): ``losses`` (per step, each rank's), ``packed`` (per rank, what every
 ``pack_media_call`` returned), ``towers`` / ``idle`` (per rank and step, the vision towers' forwards and the idle
@@ -31,6 +33,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from tests.distributed_common import gloo_group, modules_run
 
 ENGINES = ("fsdp2", "zero3")
 STEPS = 3
@@ -157,18 +161,27 @@ def shard(engine: str, trainer, world: int):
 def train(engine: str, idle_tower: bool) -> dict:
     from padfree_plugins import accelerate
     from tests.same_modules_run import remove_idle_tower
-    from tests.sharded_run import full_state, sharding_evidence
 
     with tempfile.TemporaryDirectory() as out:
         trainer = dpo_trainer(out)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world != 2:
+    if dist.get_world_size() != 2:
         sys.exit("launch with torchrun --nproc_per_node 2")
     acceleration = accelerate(trainer, {"task": "causal_lm"})  # patch first, then shard
     if not idle_tower:
         assemblies = (acceleration.assembly, acceleration.trainer_patch.ref_assembly)
         if not all(remove_idle_tower(assembly) for assembly in assemblies):
             sys.exit("--no-idle-tower, but a model has no idle tower to remove")
+        # the fault: record the modules this rank runs (printed when a collective mismatch raises)
+        with modules_run(policy=trainer.model, ref=trainer.ref_model):
+            return sharded_training(engine, trainer, acceleration)
+    return sharded_training(engine, trainer, acceleration)
+
+
+def sharded_training(engine: str, trainer, acceleration) -> dict:
+    """:func:`train` once the trainer is padding-free: shard both models, train, return the record."""
+    from tests.sharded_run import full_state, sharding_evidence
+
+    world, rank = dist.get_world_size(), dist.get_rank()
     packed, counts = counted(trainer)
     model, optimizer, backward, step = shard(engine, trainer, world)
     sharded_ref = ref_sharded(trainer.ref_model)  # before its forwards (FSDP2 may keep a root gathered after one)
@@ -208,6 +221,8 @@ def main(engines: str, out: str, idle_tower: bool) -> None:
 
     if any(engine not in ENGINES for engine in engines.split(",")):
         sys.exit(f"engine must be one of {ENGINES}, not {engines!r}")
+    if not idle_tower:  # the fault: its collectives' timeout short (tests.distributed_common.DIVERGING_ENV)
+        gloo_group()
     results = {}
     for engine in engines.split(","):
         originals = trl_fused.pack_media_call, vision.IdleTower.with_idle_tower

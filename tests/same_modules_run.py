@@ -8,7 +8,8 @@ layers, vision blocks — on the MoE experts, then on the root) or ``zero3`` (as
 (:data:`SCENARIOS`), each trained in turn on a fresh model:
 
 * ``vlm``: a tiny Qwen2-VL, rank 0's micro-batches with images, rank 1's text only (its vision tower runs on the
-  idle image; ``--no-idle-tower`` removes it, the old behaviour, which hangs or fails); ``gemma3``, ``idefics3``,
+  idle image; ``--no-idle-tower`` removes it, the old behaviour: its collectives checked, it fails with a
+  collective mismatch and each rank prints the modules it ran); ``gemma3``, ``idefics3``,
   ``smolvlm`` (tiles with their pixel masks) and ``llava_onevision`` (any-resolution patches) the same with their
   own families' tiny models and idle images (:data:`VLM_SCENARIOS`);
 * ``moe``: a tiny Qwen3-MoE (8 experts, one per token), rank 1's micro-batch two tokens, so most experts receive no
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from padfree_plugins import assemble
 from padfree_plugins.batching.distributed import global_token_count, num_label_tokens
 from padfree_plugins.batching.sampler import collator_token_keys, token_budget_dataloader, token_budget_sampler
+from tests.distributed_common import gloo_group, modules_run
 
 ENGINES = ("fsdp2", "zero3")
 #: The vision-language scenarios and the parameters of each one's tower and projector (names containing one of these).
@@ -174,13 +176,21 @@ def remove_idle_tower(assembly) -> bool:
 
 
 def train(scenario: str, engine: str, accelerator, idle_tower: bool) -> dict:
-    from tests.sharded_run import full_state, setup, sharding_evidence
-
-    world, rank = accelerator.num_processes, accelerator.process_index
-    model, config, steps = build(scenario, world)
+    model, config, steps = build(scenario, accelerator.num_processes)
     assembly = assemble(model, config)  # patch first, then shard
     if not idle_tower and not remove_idle_tower(assembly):
         sys.exit(f"{scenario}: --no-idle-tower, but the model has no idle tower to remove")
+    if not idle_tower:  # the fault: record the modules this rank runs (printed when a collective mismatch raises)
+        with modules_run(model=model):
+            return sharded_training(scenario, engine, accelerator, model, config, steps, assembly)
+    return sharded_training(scenario, engine, accelerator, model, config, steps, assembly)
+
+
+def sharded_training(scenario: str, engine: str, accelerator, model, config, steps, assembly) -> dict:
+    """:func:`train` once the model is assembled: shard it, train, return the record."""
+    from tests.sharded_run import full_state, setup, sharding_evidence
+
+    world, rank = accelerator.num_processes, accelerator.process_index
     if scenario == "split":
         loader = token_budget_dataloader(steps, assembly.collator, config, num_replicas=world, rank=rank)
         batches = list(loader)
@@ -220,6 +230,8 @@ def main(engines: str, out: str, scenarios: list[str], idle_tower: bool) -> None
 
     if any(engine not in ENGINES for engine in engines.split(",")):
         sys.exit(f"engine must be one of {ENGINES}, not {engines!r}")
+    if not idle_tower:  # the fault: its collectives' timeout short (tests.distributed_common.DIVERGING_ENV)
+        gloo_group()
     accelerator = Accelerator(cpu=True)
     if accelerator.num_processes < 2:
         sys.exit("launch with torchrun --nproc_per_node 2: one process shards nothing")
