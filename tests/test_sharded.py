@@ -18,6 +18,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from tests.sharded_run import TILE_TOKENS, TRAINER
 from tests.shared_launch import launch_once, selected
