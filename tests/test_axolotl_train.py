@@ -108,34 +108,55 @@ def axolotl_config(assets: Path, kind: str, output_dir: Path, padfree: bool,  # 
     return config
 
 
+KINDS = ("sft", "dpo", "kto", "grpo")
+
+
 def log_history(output_dir: Path) -> list[dict]:
-    state = json.loads((output_dir / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
+    """The logged steps of the run whose ``output_dir`` was given: a sweep trains it in a ``sweepNNNN`` folder."""
+    state, = [json.loads(path.read_text()) for path in output_dir.glob(f"*/checkpoint-{STEPS}/trainer_state.json")]
     return [entry for entry in state["log_history"] if "loss" in entry]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["sft", "dpo", "kto", "grpo"])
-def test_axolotl_train_padding_free_equals_axolotls_padded_run(assets, tmp_path, kind, monkeypatch):  # noqa: F811
-    """One ``axolotl train`` padded and one with ``padfree:``, side by side: the same loss at every step (1e-5), the
-    same gradient norm, log-probabilities, entropy and KL as logged (1e-4), the padding-free run through the trainer
-    plugin named, and (RL) every fused call packed."""
+@pytest.fixture(scope="module")
+def axolotl_runs(assets, tmp_path_factory):  # noqa: F811
+    """Every kind trained padded by one ``axolotl train --sweep`` and padding-free by another (axolotl's sweep runs
+    each config of a list in the same process, one after the other: one start-up per mode, not one per run), the
+    two invocations side by side. Returns the two logs and, per kind, the padded and the padding-free output
+    folders."""
     from tests.test_trl_launcher import run_together
 
-    data = datasets(assets, tmp_path)[kind]
-    runs = {}
+    root = tmp_path_factory.mktemp("axolotl_train")
+    data = datasets(assets, root)
+    commands, folders = [], {}
     for padfree in (False, True):
-        output_dir = tmp_path / ("padfree" if padfree else "padded")
-        output_dir.mkdir()
-        path = output_dir / "config.yml"
-        path.write_text(json.dumps(axolotl_config(assets, kind, output_dir, padfree, data)))  # JSON is YAML
-        runs[padfree] = (output_dir, [str(AXOLOTL), "train", str(path), "--launcher", "python"])
-    for name, value in QUIET.items():
-        monkeypatch.setenv(name, value)
-    padded_log, padfree_log = run_together([runs[False][1], runs[True][1]], tmp_path)
+        mode = root / ("padfree" if padfree else "padded")
+        mode.mkdir()
+        configs = []
+        for kind in KINDS:
+            folders[kind, padfree] = mode / kind
+            configs.append(axolotl_config(assets, kind, mode / kind, padfree, data[kind]))
+        (mode / "base.yml").write_text(json.dumps(configs[0]))  # JSON is YAML
+        (mode / "sweep.yml").write_text(json.dumps({"_": configs}))  # paired values: each config as a whole
+        commands.append([str(AXOLOTL), "train", str(mode / "base.yml"), "--sweep", str(mode / "sweep.yml"),
+                         "--launcher", "python"])
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        for name, value in QUIET.items():
+            monkeypatch.setenv(name, value)
+        padded_log, padfree_log = run_together(commands, root, timeout=600)  # four runs each
+    return padded_log, padfree_log, folders
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_axolotl_train_padding_free_equals_axolotls_padded_run(axolotl_runs, kind):
+    """``axolotl train`` padded and with ``padfree:``, side by side: the same loss at every step (1e-5), the same
+    gradient norm, log-probabilities, entropy and KL as logged (1e-4), the padding-free run through the trainer
+    plugin named, and (RL) every fused call packed."""
+    padded_log, padfree_log, folders = axolotl_runs
     assert WRAPPERS[kind] in padfree_log, padfree_log[-6000:]
     assert "has no fused LM head" not in padfree_log  # TRL 1.16: not the generic path
     assert "trains padding-free" not in padded_log  # the plugin does nothing without the key
-    padded, packed = log_history(runs[False][0]), log_history(runs[True][0])
+    padded, packed = log_history(folders[kind, False]), log_history(folders[kind, True])
     assert len(padded) == len(packed) == STEPS
     assert [entry["loss"] for entry in packed] == pytest.approx([entry["loss"] for entry in padded], abs=1e-5)
     assert len({entry["loss"] for entry in padded}) > 1, "every step's loss is the same: the comparison proves little"

@@ -63,9 +63,9 @@ def assets(tmp_path_factory) -> Path:
     return root
 
 
-def run_together(commands: list[list[str]], cwd: Path) -> list[str]:
-    """Run command lines side by side (a 300 s timeout, so that a hang fails; every process they started is
-    killed at the end) and return their outputs; a failure shows its output."""
+def run_together(commands: list[list[str]], cwd: Path, timeout: float = 300) -> list[str]:
+    """Run command lines side by side (a timeout, 300 s unless told, so that a hang fails; every process they
+    started is killed at the end) and return their outputs; a failure shows its output."""
     from tests.test_distributed import finish_launches
 
     token = uuid.uuid4().hex
@@ -76,7 +76,7 @@ def run_together(commands: list[list[str]], cwd: Path) -> list[str]:
     processes = [subprocess.Popen(command, cwd=cwd, env={**env, "HF_DATASETS_CACHE": str(cwd / f"datasets-{i}")},
                                   stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
                  for i, (command, log) in enumerate(zip(commands, logs))]
-    return finish_launches(processes, logs, token, 300)
+    return finish_launches(processes, logs, token, timeout)
 
 
 def losses(output_dir: Path) -> list[float]:
