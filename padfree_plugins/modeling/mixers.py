@@ -343,9 +343,10 @@ def run_ready(forward: Any, tokens: torch.Tensor, bounds: list[int], sources: Se
             if all(starts[s].lead is None for s in members):  # one gather, its pads reading the zero row
                 if padded is None:
                     padded = F.pad(tokens, (0, 0, 0, 1))
-                index = [i for s in members for i in (*range(bounds[s], bounds[s + 1]),
-                                                      *[len(tokens)] * (width - lengths[s]))]
-                batch = padded.index_select(0, torch.tensor(index, device=tokens.device)).view(len(members), width, -1)
+                places = [i for s in members for i in (*range(bounds[s], bounds[s + 1]),
+                                                       *[len(tokens)] * (width - lengths[s]))]
+                batch = padded.index_select(0, torch.tensor(places, device=tokens.device)).view(len(members), width,
+                                                                                                 -1)
             else:
                 batch = torch.stack([F.pad(run, (0, 0, 0, width - len(run))) for run in (
                     tokens[bounds[s]:bounds[s + 1]] if starts[s].lead is None else torch.cat([
