@@ -271,6 +271,21 @@ def test_an_unknown_mixer_backend_is_a_config_error():
         assemble(hybrid_model("bamba"), {"task": "causal_lm", "mixers": "fast"})
 
 
+def test_batch_plan_places_every_token_once_and_pads_read_the_zero_row():
+    """The exact route's gather (one index per batch, pads pointing one past the row, at a zero row) and its put-back
+    (one index over the batches' outputs): every token lands in its example's place and comes back where it was."""
+    cu = torch.tensor([0, 5, 6, 70, 75, 200])  # lengths 5, 1, 64, 5 (one 64-token chunk each) and 125 (two)
+    batches, keep = mixers.batch_plan(cu, 64)
+    assert [(count, width) for _, count, width in batches] == [(4, 64), (1, 125)]
+    tokens = torch.arange(1.0, 201.0)[:, None]
+    gathered = [torch.nn.functional.pad(tokens, (0, 0, 0, 1))[torch.tensor(index)] for index, _, _ in batches]
+    first = gathered[0].view(4, 64)
+    for place, (start, end) in enumerate([(5, 6), (0, 5), (70, 75), (6, 70)]):  # shortest first, stably
+        assert torch.equal(first[place, :end - start], tokens[start:end, 0])
+        assert not first[place, end - start:].any()  # the pads: zeros
+    assert torch.equal(torch.cat(gathered)[torch.tensor(keep)], tokens)
+
+
 @pytest.mark.parametrize("model_type,chunk", [("qwen3_5_text", 64), ("bamba", 16)])
 def test_examples_spanning_as_many_chunks_run_as_one_batch(model_type, chunk):
     """The exact route batches the examples that span the same number of scan chunks (right-padded to the

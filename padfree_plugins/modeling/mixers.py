@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from padfree_plugins.errors import BackendUnavailableError, BoundaryError
 from padfree_plugins.modeling.attention import PACKED_CALL, ThreadValue
 from padfree_plugins.modeling.patching import own_attribute, restore_attributes, without_cache
-from padfree_plugins.packing.batch import BOUNDARY_KEYS, length_groups, token_examples
+from padfree_plugins.packing.batch import BOUNDARY_KEYS, token_examples
 from padfree_plugins.packing.prefixes import SHARED_PREFIXES_KEY, SharedPrefixes
 
 #: The sequence-mixer backends a config may name (``mixers:``).
@@ -149,6 +149,7 @@ class PackedRow:
     cu_seq_lens: torch.Tensor
     #: The row's shared prefixes, where it has them: a completion's mixers continue its prompt's state.
     shared: SharedPrefixes | None = None
+    #: Plans derived from the boundaries, computed once per forward (mixer batches; tiles' and ranks' slices).
     _groups: dict = field(default_factory=dict, repr=False)
     #: Per split mixer (:mod:`padfree_plugins.modeling.split_mixers`): the state it received in this forward, reused
     #: (not received again) when gradient checkpointing recomputes its layer.
@@ -159,13 +160,15 @@ class PackedRow:
     def total(self) -> int:
         return int(self.cu_seq_lens[-1])
 
-    def groups(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
-        """:func:`~padfree_plugins.packing.batch.length_groups` of the row, with ``order`` and ``inverse`` on
-        ``device`` (computed once per device)."""
-        if device not in self._groups:
-            order, inverse, blocks = length_groups(self.cu_seq_lens)
-            self._groups[device] = (order.to(device), inverse.to(device), blocks)
-        return self._groups[device]
+    def batches(self, chunk: int, device: torch.device) -> tuple[list[tuple[torch.Tensor, int, int]], torch.Tensor]:
+        """:func:`batch_plan` of the row, its indices on ``device`` (computed once per chunk and device)."""
+        key = ("batches", chunk, device)
+        if key not in self._groups:
+            batches, keep = batch_plan(self.cu_seq_lens, chunk)
+            self._groups[key] = (
+                [(torch.tensor(index, dtype=torch.long, device=device), count, width)
+                 for index, count, width in batches], torch.tensor(keep, dtype=torch.long, device=device))
+        return self._groups[key]
 
     def seq_idx(self, device: torch.device) -> torch.Tensor:
         """The example of every token, int32 ``[1, T]``, as causal-conv1d and mamba-ssm take it."""
@@ -190,28 +193,45 @@ def run_per_example(forward: Any, hidden_states: torch.Tensor, row: PackedRow, c
     zeros to the longest of them: a causal mixer's real tokens never see what follows them, and a chunked scan
     (the gated delta rule's 64, Mamba2's ``chunk_size``) pads every call to whole chunks anyway, so this costs no
     more scan work than one call per example and makes far fewer calls. ``chunk=1`` batches equal lengths only
-    (a sequential scan, whose work grows with every pad).
+    (a sequential scan, whose work grows with every pad). Each batch is gathered with one index (its pads read a
+    zero row) and the outputs put back with one: no per-example slice, whose backward would fill a zero gradient
+    of the whole row for every example.
     """
-    order, inverse, blocks = row.groups(hidden_states.device)
-    tokens = hidden_states[0].index_select(0, order)
-    outputs, start = [], 0
-    for _, members in groupby(blocks, key=lambda block: -(-block[0] // chunk)):
-        members = list(members)
-        width = members[-1][0]  # blocks come shortest first: the last is the longest
-        pieces = []
-        for length, count in members:
-            block = tokens[start:start + length * count].reshape(count, length, -1)
-            pieces.append(block if length == width else F.pad(block, (0, 0, 0, width - length)))
-            start += length * count
-        output = forward(torch.cat(pieces) if len(pieces) > 1 else pieces[0], **kwargs)
+    batches, keep = row.batches(chunk, hidden_states.device)
+    tokens = F.pad(hidden_states[0], (0, 0, 0, 1))  # the zero row every pad reads
+    outputs = []
+    for index, count, width in batches:
+        output = forward(tokens.index_select(0, index).view(count, width, -1), **kwargs)
         if not isinstance(output, torch.Tensor):
             raise BoundaryError(f"a sequence mixer returned {type(output).__name__}, not a tensor: padfree_plugins "
                                 "cannot put its examples back into the packed row")
-        first = 0
-        for length, count in members:
-            outputs.append(output[first:first + count, :length].reshape(length * count, -1))
-            first += count
-    return torch.cat(outputs).index_select(0, inverse)[None]
+        outputs.append(output.reshape(count * width, -1))
+    return torch.cat(outputs).index_select(0, keep)[None]
+
+
+def batch_plan(cu_seq_lens: torch.Tensor, chunk: int) -> tuple[list[tuple[list[int], int, int]], list[int]]:
+    """:func:`run_per_example`'s batches on the host: per batch, the token index of each of its ``[count, width]``
+    places (``T``, one past the row, for a pad), ``count`` and ``width``; and, per packed token, its place in the
+    batches' outputs laid end to end. The examples sorted by length (stably), grouped by their number of ``chunk``-
+    token chunks, each batch as wide as its longest."""
+    bounds = cu_seq_lens.long().tolist()
+    total = bounds[-1]
+    examples = sorted(range(len(bounds) - 1), key=lambda e: bounds[e + 1] - bounds[e])
+    batches: list[tuple[list[int], int, int]] = []
+    keep = [0] * total
+    placed = 0
+    for _, members in groupby(examples, key=lambda e: -(-(bounds[e + 1] - bounds[e]) // chunk)):
+        members = list(members)
+        width = bounds[members[-1] + 1] - bounds[members[-1]]
+        index = []
+        for place, e in enumerate(members):
+            start, end = bounds[e], bounds[e + 1]
+            index.extend(range(start, end))
+            index.extend([total] * (width - (end - start)))
+            keep[start:end] = range(placed + place * width, placed + place * width + end - start)
+        batches.append((index, len(members), width))
+        placed += len(members) * width
+    return batches, keep
 
 
 def per_example_calls(row: PackedRow, chunk: int, device: torch.device) -> int:
@@ -356,6 +376,7 @@ def run_ready(forward: Any, tokens: torch.Tensor, bounds: list[int], sources: Se
     its start state with its token as ``lead`` (:class:`MixerState`), which each reader runs ahead of its own."""
     lengths = [end - start for start, end in zip(bounds, bounds[1:])]
     pending = [s for s in range(len(lengths)) if outputs[s] is None]
+    padded = None  # tokens and a zero row, gathered from once their first group needs them
     while pending:
         ready = [s for s in pending if all(source == -1 or source in finals for source in sources[s])]
         if not ready:
@@ -374,10 +395,19 @@ def run_ready(forward: Any, tokens: torch.Tensor, bounds: list[int], sources: Se
             key = (recorded, size, start.final_recurrent is not None, start.final_conv is not None)
             groups.setdefault(key, []).append(s)
         for (recorded, _, recurrent, conv), members in sorted(groups.items()):
-            runs = [tokens[bounds[s]:bounds[s + 1]] if starts[s].lead is None else torch.cat([starts[s].lead, tokens[
-                bounds[s]:bounds[s + 1]]]) for s in members]
-            width = max(2, *(len(run) for run in runs)) if not recorded else len(runs[0])
-            batch = torch.stack([F.pad(run, (0, 0, 0, width - len(run))) for run in runs])
+            runs = [lengths[s] if starts[s].lead is None else starts[s].lead.shape[0] + lengths[s] for s in members]
+            width = max(2, *runs) if not recorded else runs[0]
+            if all(starts[s].lead is None for s in members):  # one gather, its pads reading the zero row
+                if padded is None:
+                    padded = F.pad(tokens, (0, 0, 0, 1))
+                places = [i for s in members for i in (*range(bounds[s], bounds[s + 1]),
+                                                       *[len(tokens)] * (width - lengths[s]))]
+                batch = padded.index_select(0, torch.tensor(places, device=tokens.device)).view(len(members), width,
+                                                                                                 -1)
+            else:
+                batch = torch.stack([F.pad(run, (0, 0, 0, width - len(run))) for run in (
+                    tokens[bounds[s]:bounds[s + 1]] if starts[s].lead is None else torch.cat([
+                        starts[s].lead, tokens[bounds[s]:bounds[s + 1]]]) for s in members)])
             state = None
             if recorded or recurrent or conv:
                 state = MixerState(conv=_stacked([starts[s].final_conv for s in members]) if conv else None,
@@ -390,7 +420,7 @@ def run_ready(forward: Any, tokens: torch.Tensor, bounds: list[int], sources: Se
             if state is not None:
                 state.settle()
             for index, (s, run) in enumerate(zip(members, runs)):
-                outputs[s] = output[index, len(run) - lengths[s]:len(run)]
+                outputs[s] = output[index, run - lengths[s]:run]
                 if recorded:
                     finals[s] = MixerState(final_conv=_row_of(state.final_conv, index),
                                            final_recurrent=_row_of(state.final_recurrent, index))
