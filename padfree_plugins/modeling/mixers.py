@@ -237,8 +237,7 @@ def batch_plan(cu_seq_lens: torch.Tensor, chunk: int) -> tuple[list[tuple[list[i
 def per_example_calls(row: PackedRow, chunk: int, device: torch.device) -> int:
     """How many calls :func:`run_per_example` makes of a mixer over ``row`` (on ``device``): one per number of
     ``chunk``-token chunks its examples span."""
-    _, _, blocks = row.groups(device)
-    return len({-(-length // chunk) for length, _ in blocks})
+    return len(row.batches(chunk, device)[0])
 
 
 def partitioned_by_zero3(module: torch.nn.Module) -> bool:
