@@ -51,3 +51,18 @@ def test_the_summary_of_a_shape_with_mixers_compares_everything_tiled():
     lines = "\n".join(LongContextResult(settings, rows).summary("qwen3_5"))
     assert "tiled peak = 0.20 x checkpointing alone" in lines
     assert "per CPU-second 1.00 x" in lines and "+ tiled mixers: ~" in lines and "+ tiled loss: ~" not in lines
+
+
+def test_rounds_compare_each_round_under_its_own_load():
+    from padfree_plugins.benchmarks.longctx import medians
+
+    settings = LongContextSettings(shapes=("qwen3_5",), lengths=(16384,), rounds=3)
+    # checkpointing's tokens/CPU-s moves with the load; each round's tiled run is 0.9, 0.95, 1.0 x its own
+    samples = [Measurement("qwen3_5", variant, 16384, 10 << 20, 100.0, 1.0, "cpu", cpu * scale, round_, 5.0)
+               for round_, (cpu, tiled) in enumerate(((1000.0, 0.9), (2000.0, 0.95), (500.0, 1.0)))
+               for variant, scale in (("checkpointing", 1.0), ("+ tiled mixers", tiled))]
+    rows = [medians([s for s in samples if s.variant == v]) for v in ("checkpointing", "+ tiled mixers")]
+    result = LongContextResult(settings, rows, samples)
+    assert abs(result.cpu_ratio("qwen3_5", "+ tiled mixers", 16384) - 0.95) < 1e-9
+    assert rows[0].tokens_per_cpu_s == 1000.0 and rows[1].tokens_per_cpu_s == 900.0  # medians of the rounds
+    assert "per CPU-second 0.95 x" in "\n".join(result.summary("qwen3_5"))

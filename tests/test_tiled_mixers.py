@@ -1,5 +1,7 @@
 """Sequence mixers scanned in tiles (``memory.tile_mixers``): the untiled loss and every gradient for gated-DeltaNet,
-KDA and Mamba2 hybrids, with gradient checkpointing, examples crossing the tile cuts; a row with shared prefixes
+KDA and Mamba2 hybrids, with gradient checkpointing (each tile run twice: the layer's recompute takes the scan's
+output; two rows of the same tiles in one graph each take their own, a recompute taking another's fails; reentrant
+checkpointing recomputes), examples crossing the tile cuts; a row with shared prefixes
 cut by tiles inside prompts, one-token branch points and completions equals its padded call; a tile that starts
 from zeros (a deliberate fault) fails both; mixers that cannot continue a state stay whole and say so; ``check``
 shows the choice; the peak of the tiled step is lower."""
@@ -20,6 +22,7 @@ from padfree_plugins.modeling import tiled_mixers
 from padfree_plugins.modeling.tiled_mixers import TiledMixer
 from padfree_plugins.packing.labelled_logits import keep_labelled_logits
 from padfree_plugins.testing import faults
+from tests.conftest import make_examples
 from tests.hybrids_common import LENGTHS, hybrid_model
 from tests.test_hybrid_prefixes import assert_same as assert_same_as_padded, model_for, shared_and_padded
 from tests.test_tiling import assert_same, loss_and_grads
@@ -59,8 +62,49 @@ def test_tiled_mixers_give_the_untiled_loss_and_gradients(model_type):
     counts, counting = counting_tiles()
     with counting:
         got = loss_and_grads(hybrid(model_type), MIXERS_ONLY, lengths=LENGTHS)
-    assert len(counts) >= 22 * 2  # 350 tokens: 22 tiles per mixer layer, forward and recompute
+    # 350 tokens: 22 tiles per mixer layer (2), each run in the forward and recomputed once in the backward: the
+    # layer's checkpoint recompute takes the scan's output instead of scanning the row a third time
+    assert len(counts) == 22 * 2 * 2
     assert_same(got, want)
+
+
+def test_reentrant_checkpointing_recomputes_the_tiled_mixers_exactly():
+    model = hybrid_model("qwen3_5_text").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert_same(loss_and_grads(model, MIXERS_ONLY, lengths=LENGTHS), untiled("qwen3_5_text"))
+
+
+def two_rows_in_one_graph(memory, fault=None):
+    """The loss and gradients of two rows of the same lengths (so the same tiles), other tokens, through one
+    backward of the checkpointed qwen3_5 hybrid; and the scans' stashes still alive after it."""
+    model = hybrid("qwen3_5_text")
+    assembly = assemble(model, {"task": "causal_lm", "memory": memory})
+    try:
+        batches = [keep_labelled_logits(assembly.collator(make_examples(LENGTHS, seed=seed))) for seed in (3, 4)]
+        with fault() if fault else nullcontext():
+            loss = sum(assembly.forward(model, batch).loss for batch in batches)
+            loss.backward()
+        stashes = [m.forward.stashes for m in model.modules() if isinstance(vars(m).get("forward"), TiledMixer)]
+        alive = [ref for s in stashes for ref in s.live if ref() is not None]
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        return (loss.detach(), grads), alive
+    finally:
+        assembly.undo()
+
+
+@pytest.mark.parametrize("fault", [None, faults.mixer_recompute_takes_any_stash])
+def test_two_rows_of_the_same_tiles_in_one_graph_each_recompute_from_their_own_scan(fault):
+    want, _ = two_rows_in_one_graph({**MIXERS_ONLY, "tile_mixers": False})
+    counts, counting = counting_tiles()
+    with counting:
+        got, alive = two_rows_in_one_graph(MIXERS_ONLY, fault)
+    assert not alive  # no stash outlives its backward
+    if fault is None:
+        assert len(counts) == 2 * 22 * 2 * 2  # each row's tiles twice: the forward, the tile's recompute
+        assert_same(got, want)
+    else:  # the second row's scan takes the first's output (their inputs not compared)
+        with pytest.raises(AssertionError):
+            assert_same(got, want)
 
 
 def test_a_tile_starting_from_zeros_fails_the_comparison():
@@ -213,3 +257,17 @@ def test_tile_mixers_under_zero3_are_refused_at_accelerate_and_change_nothing(tm
     with pytest.raises(UnsupportedArchitectureError, match=r"memory.tile_mixers under DeepSpeed ZeRO-3"):
         module(hidden_states=hidden, cu_seq_lens_q=torch.tensor([0, 40], dtype=torch.int32))
     assembly.undo()
+
+
+def test_a_stash_whose_output_changed_in_place_is_not_taken():
+    plans = [object()]
+    hidden = torch.randn(8, 4)
+    stashes = tiled_mixers.Stashes()
+    output = torch.randn(8, 4)
+    kept = stashes.add(tiled_mixers._Stash(plans, tiled_mixers.fingerprint(hidden), output.detach(), output._version,
+                                           [], [], []))
+    assert stashes.take(plans, hidden.clone() + 1) is None  # another input
+    output.mul_(2)  # the scan's output changed after its forward
+    assert stashes.take(plans, hidden.clone()) is None
+    kept.version = output._version
+    assert stashes.take(plans, hidden.clone()) is kept and stashes.take(plans, hidden.clone()) is None  # taken once

@@ -76,6 +76,9 @@ class Measurement:
     #: Tokens per second of the process's own CPU time over the step (``time.process_time``): on a shared machine
     #: less sensitive to other jobs than ``tokens_per_s`` (wall clock); on CUDA the host's time only.
     tokens_per_cpu_s: float = 0.0
+    #: The round it was measured in (``--rounds``), and the machine's 1-minute load average as it started.
+    round: int = 0
+    load: float = 0.0
 
 
 def measure(shape: str, variant: str, tokens: int, hidden: int, layers: int, example_tokens: int,
@@ -153,15 +156,39 @@ class LongContextSettings:
     steps: int = 2
     #: The variants measured (of each shape's :func:`variants_of`); empty: all.
     variants: tuple[str, ...] = ()
+    #: Rounds of every measurement, interleaved (each round measures every shape, length and variant once).
+    rounds: int = 1
 
 
 @dataclass
 class LongContextResult:
+    """``rows``: one per shape, variant and length (over rounds: the medians of tokens/s, the largest peak);
+    ``samples``: every measurement of every round."""
+
     settings: LongContextSettings
     rows: list[Measurement] = field(default_factory=list)
+    samples: list[Measurement] = field(default_factory=list)
 
     def to_json(self) -> str:
-        return json.dumps({"settings": asdict(self.settings), "rows": [asdict(r) for r in self.rows]}, indent=1)
+        return json.dumps({"settings": asdict(self.settings), "rows": [asdict(r) for r in self.rows],
+                           "samples": [asdict(r) for r in self.samples]}, indent=1)
+
+    def cpu_ratio(self, shape: str, variant: str, tokens: int) -> float | None:
+        """Tokens per CPU-second of ``variant`` over checkpointing alone's: the median over the rounds of each
+        round's ratio (interleaved: both measured under the same load), or of the rows without samples."""
+        def of(name: str) -> dict[int, float]:
+            return {r.round: r.tokens_per_cpu_s for r in self.samples
+                    if (r.shape, r.variant, r.tokens) == (shape, name, tokens) and r.tokens_per_cpu_s}
+
+        tiled, base = of(variant), of("checkpointing")
+        ratios = sorted(tiled[k] / base[k] for k in tiled if k in base)
+        if not ratios:
+            row, base_row = self.of(shape, variant, tokens), self.of(shape, "checkpointing", tokens)
+            if not (row and base_row and row.tokens_per_cpu_s and base_row.tokens_per_cpu_s):
+                return None
+            return row.tokens_per_cpu_s / base_row.tokens_per_cpu_s
+        middle = len(ratios) // 2
+        return ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
 
     def of(self, shape: str, variant: str, tokens: int) -> Measurement | None:
         return next((r for r in self.rows if (r.shape, r.variant, r.tokens) == (shape, variant, tokens)), None)
@@ -187,8 +214,8 @@ class LongContextResult:
         middle = 16384 if 16384 in self.settings.lengths else sorted(self.settings.lengths)[len(self.settings.lengths) // 2]
         base_m, tiled_m = self.of(shape, "checkpointing", middle), self.of(shape, full, middle)
         if base_m and tiled_m:
-            cpu = (f"; per CPU-second {tiled_m.tokens_per_cpu_s / base_m.tokens_per_cpu_s:.2f} x"
-                   if tiled_m.tokens_per_cpu_s and base_m.tokens_per_cpu_s else "")
+            ratio = self.cpu_ratio(shape, full, middle)
+            cpu = f"; per CPU-second {ratio:.2f} x" if ratio is not None else ""
             lines.append(f"tokens/s at {middle:,}: tiled {tiled_m.tokens_per_s / base_m.tokens_per_s:.2f} x "
                          f"checkpointing alone{cpu} (target >= 0.90)")
         budget = self.settings.budget_gib * 2 ** 30
@@ -214,24 +241,42 @@ def run_one(argv: list[str]) -> None:
 
 
 def run_longctx_benchmark(settings: LongContextSettings, progress: Any = None) -> LongContextResult:
-    """Every shape x variant x length, each in its own process."""
+    """Every shape x variant x length, each in its own process, ``settings.rounds`` times interleaved."""
     result = LongContextResult(settings)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "TOKENIZERS_PARALLELISM": "false"}
-    for shape in settings.shapes:
-        for tokens in settings.lengths:
-            for variant in [v for v in variants_of(shape) if not settings.variants or v in settings.variants]:
-                command = [sys.executable, "-m", "padfree_plugins.benchmarks.longctx", shape, variant, str(tokens),
-                           str(settings.hidden), str(settings.layers), str(settings.example_tokens), settings.device, str(settings.threads),
-                           str(settings.steps)]
-                done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-                if done.returncode != 0:
-                    raise RuntimeError(f"bench longctx {shape} {variant} {tokens}: {done.stderr[-2000:]}")
-                row = Measurement(**json.loads(done.stdout.strip().splitlines()[-1]))
-                result.rows.append(row)
-                if progress is not None:
-                    progress(f"{shape} {tokens:,} tokens {variant}: {row.peak_bytes / 2 ** 20:,.0f} MiB, "
-                             f"{row.tokens_per_s:,.0f} tok/s, {row.tokens_per_cpu_s:,.0f} tok/CPU-s")
+    plan = [(shape, tokens, variant) for shape in settings.shapes for tokens in settings.lengths
+            for variant in variants_of(shape) if not settings.variants or variant in settings.variants]
+    for round_ in range(settings.rounds):
+        for shape, tokens, variant in plan:
+            load = os.getloadavg()[0]
+            command = [sys.executable, "-m", "padfree_plugins.benchmarks.longctx", shape, variant, str(tokens),
+                       str(settings.hidden), str(settings.layers), str(settings.example_tokens), settings.device,
+                       str(settings.threads), str(settings.steps)]
+            done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"bench longctx {shape} {variant} {tokens}: {done.stderr[-2000:]}")
+            row = Measurement(**{**json.loads(done.stdout.strip().splitlines()[-1]), "round": round_,
+                                 "load": load})
+            result.samples.append(row)
+            if progress is not None:
+                progress(f"round {round_ + 1}/{settings.rounds}: {shape} {tokens:,} tokens {variant}: "
+                         f"{row.peak_bytes / 2 ** 20:,.0f} MiB, {row.tokens_per_s:,.0f} tok/s, "
+                         f"{row.tokens_per_cpu_s:,.0f} tok/CPU-s (load {load:.1f})")
+    result.rows = [medians([r for r in result.samples if (r.shape, r.tokens, r.variant) == key]) for key in plan]
     return result
+
+
+def medians(samples: list[Measurement]) -> Measurement:
+    """One row for the rounds of a measurement: the median tokens/s (real, per CPU-second) and load, the largest
+    peak."""
+    def median(values: list[float]) -> float:
+        ordered, middle = sorted(values), len(values) // 2
+        return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+    first = samples[0]
+    return Measurement(first.shape, first.variant, first.tokens, max(r.peak_bytes for r in samples),
+                       median([r.tokens_per_s for r in samples]), first.loss, first.device,
+                       median([r.tokens_per_cpu_s for r in samples]), 0, median([r.load for r in samples]))
 
 
 if __name__ == "__main__":

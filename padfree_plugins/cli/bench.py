@@ -629,6 +629,8 @@ def bench_longctx(
     variants: Annotated[str, typer.Option(help="Comma-separated variants to measure: checkpointing, mlp (+ tiled "
                                                "MLP), loss (+ tiled loss), mixers (+ tiled mixers, shapes with "
                                                "sequence mixers); all by default.")] = "all",
+    rounds: Annotated[int, positive("Rounds of every measurement, interleaved; tokens/s: the medians, the ratio to "
+                                    "checkpointing alone: the median of each round's.")] = 1,
     out: Annotated[Path, typer.Option(help="Directory for bench_longctx.json.")] = Path("out/bench-longctx"),
     as_json: JsonFlag = False,
 ) -> None:
@@ -641,7 +643,8 @@ def bench_longctx(
     settings = LongContextSettings(shapes=tuple(s.strip() for s in shapes.split(",")),
                                    lengths=positive_ints(lengths, "--lengths"), hidden=hidden, layers=layers,
                                    example_tokens=example_tokens, device=device, budget_gib=budget_gib,
-                                   threads=threads, steps=steps, variants=longctx_variants(variants))
+                                   threads=threads, steps=steps, variants=longctx_variants(variants),
+                                   rounds=rounds)
     try:
         result = run_longctx_benchmark(settings, progress=progress_lines("bench longctx", not as_json))
     except (PadfreeError, RuntimeError) as error:
@@ -654,13 +657,13 @@ def bench_longctx(
     stdout = console()
     for shape in settings.shapes:
         table = Table(title=f"{TITLES[shape]}, hidden {hidden}, {layers} layers, examples of {example_tokens:,} "
-                            f"tokens, step {steps} of {steps}, {device}, {threads} thread(s)")
-        for column in ("tokens", "variant", "peak activations MiB", "real tok/s", "tok/CPU-s"):
+                            f"tokens, step {steps} of {steps}, {device}, {threads} thread(s), {rounds} round(s)")
+        for column in ("tokens", "variant", "peak activations MiB", "real tok/s", "tok/CPU-s", "load avg"):
             table.add_column(column, justify="right")
         for row in result.rows:
             if row.shape == shape:
                 table.add_row(f"{row.tokens:,}", row.variant, f"{row.peak_bytes / 2 ** 20:,.0f}",
-                              f"{row.tokens_per_s:,.0f}", f"{row.tokens_per_cpu_s:,.0f}")
+                              f"{row.tokens_per_s:,.0f}", f"{row.tokens_per_cpu_s:,.0f}", f"{row.load:.1f}")
         stdout.print(table)
         for line in result.summary(shape):
             stdout.print(line, highlight=False)

@@ -17,6 +17,7 @@ Exact: every example computes what it computes untiled; only where the scan's ch
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -99,13 +100,73 @@ class _Scan:
                             self.cache_name, self.kwargs)
 
 
+def fingerprint(hidden: torch.Tensor) -> torch.Tensor:
+    """Two fixed projections of every token of ``hidden`` ``[T, H]`` (``[T, 2]``, fp32): a recompute's input
+    equals a scan's if these are equal (the same for the same values; another row's differ)."""
+    width = hidden.shape[-1]
+    angles = torch.arange(width, device=hidden.device, dtype=torch.float32)
+    weights = torch.stack([torch.cos(angles * 0.731 + 0.1), torch.sin(angles * 1.379 + 0.7)], dim=1)
+    return hidden.detach().float() @ weights
+
+
+def same_input(stash: "_Stash", plans: list[SlicePlan], printed: torch.Tensor) -> bool:
+    """Whether a recompute with ``plans`` and input ``printed`` (its :func:`fingerprint`) may take ``stash`` (one
+    place, replaced by a deliberate fault in the tests)."""
+    return stash.plans == plans and stash.printed.shape == printed.shape and torch.equal(stash.printed, printed)
+
+
+@dataclass(eq=False)
+class _Stash:
+    """A scan's output and what its backward needs from its forward, kept for the layer checkpoint's recompute."""
+
+    plans: list[SlicePlan]
+    printed: torch.Tensor
+    output: torch.Tensor | None
+    version: int
+    kept: list[torch.Tensor]
+    present: list[list[bool]]
+    rng: list
+
+
+@dataclass
+class Stashes:
+    """The stashes of one mixer's scans whose autograd nodes live (held weakly: a stash goes with its node)."""
+
+    live: list = field(default_factory=list)
+
+    def add(self, stash: _Stash) -> _Stash:
+        self.live = [ref for ref in self.live if ref() is not None] + [weakref.ref(stash)]
+        return stash
+
+    def take(self, plans: list[SlicePlan], hidden: torch.Tensor) -> _Stash | None:
+        """The stash of a scan of the same input with the same tiles (its output then given up), or ``None``."""
+        stashes = [ref() for ref in self.live]
+        stashes = [s for s in stashes if s is not None and s.output is not None and s.output._version == s.version]
+        if not stashes:
+            return None
+        printed = fingerprint(hidden)
+        for stash in stashes:
+            if same_input(stash, plans, printed):
+                self.live = [ref for ref in self.live if ref() is not None and ref() is not stash]
+                return stash
+        return None
+
+
 class TiledScan(torch.autograd.Function):
     """A mixer over the tiles of ``hidden`` ``[T, H]`` (see the module docstring); ``params``: the tensors the mixer
-    reads besides its input that need gradients. The forward saves the input and the states at every cut."""
+    reads besides its input that need gradients; ``stashes``: the mixer's :class:`Stashes` (``None``: keep none).
+    The forward saves the input and the states at every cut; where a stash of the same input lives (a checkpoint's
+    recompute), it returns the stash's output and saves its states instead of scanning again."""
 
     @staticmethod
-    def forward(ctx, scan: _Scan, hidden: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        ctx.scan, ctx.params = scan, params
+    def forward(ctx, scan: _Scan, stashes: Stashes | None, hidden: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.scan, ctx.params, ctx.stash = scan, params, None
+        stash = stashes.take(scan.plans, hidden) if stashes is not None else None
+        if stash is not None:
+            output, stash.output = stash.output, None
+            ctx.rng, ctx.present = stash.rng, stash.present
+            ctx.save_for_backward(hidden, *stash.kept)
+            return output
         outputs, cuts, ctx.rng, received = [], [], [], []
         for index in range(len(scan.plans)):
             ctx.rng.append(_rng_states(hidden.device))
@@ -115,16 +176,21 @@ class TiledScan(torch.autograd.Function):
         ctx.present = [[tensor is not None for tensor in flat] for flat in cuts]
         kept = [tensor for flat in cuts for tensor in flat if tensor is not None]
         ctx.save_for_backward(hidden, *kept)
-        return torch.cat(outputs)
+        output = torch.cat(outputs)
+        if stashes is not None:
+            ctx.stash = stashes.add(_Stash(scan.plans, fingerprint(hidden), output.detach(), output._version, kept,
+                                           ctx.present, ctx.rng))
+        return output
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> tuple:
         scan, params = ctx.scan, ctx.params
         hidden, *kept = ctx.saved_tensors
+        ctx.stash = None  # the recompute took it, or none came
         kept = iter(kept)
         cuts = [[next(kept) if present else None for present in flat] for flat in ctx.present]
-        trained = [p for p, need in zip(params, ctx.needs_input_grad[2:]) if need]
-        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[1] else None
+        trained = [p for p, need in zip(params, ctx.needs_input_grad[3:]) if need]
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[2] else None
         param_grads: list[Any] = [None] * len(trained)
         handed: list[torch.Tensor | None] = []  # the gradients of the states the current tile hands on
         for index in reversed(range(len(scan.plans))):
@@ -163,14 +229,14 @@ class TiledScan(torch.autograd.Function):
                     param_grads[i] = grad if param_grads[i] is None else param_grads[i] + grad
             handed = state_grads
         param_iter = iter(param_grads)
-        return (None, grad_hidden, *[next(param_iter) if need else None for need in ctx.needs_input_grad[2:]])
+        return (None, None, grad_hidden, *[next(param_iter) if need else None for need in ctx.needs_input_grad[3:]])
 
 
 def run_tiled(forward: Callable, module: torch.nn.Module, hidden: torch.Tensor, row: PackedRow, tile: int, chunk: int,
-              cache_name: str, **kwargs: Any) -> torch.Tensor:
+              cache_name: str, stashes: Stashes | None = None, **kwargs: Any) -> torch.Tensor:
     """``forward`` (a mixer's own, continuing a cache given as ``cache_name``) over tiles of ``tile`` tokens of the
     packed ``hidden`` ``[1, T, H]`` (see the module docstring); directly tile after tile where no gradient is
-    needed."""
+    needed; ``stashes``: where its scans keep their outputs for a checkpoint's recompute (``None``: nowhere)."""
     scan = _Scan(forward, tile_plans(row, tile), tile, chunk, cache_name, kwargs)
     params = [p for p in module.parameters() if p.requires_grad]
     if not torch.is_grad_enabled() or not (params or hidden.requires_grad):
@@ -179,22 +245,23 @@ def run_tiled(forward: Callable, module: torch.nn.Module, hidden: torch.Tensor, 
             output, received = scan.run(index, hidden[0], received)
             outputs.append(output)
         return torch.cat(outputs)[None]
-    return TiledScan.apply(scan, hidden[0], *params)[None]
+    return TiledScan.apply(scan, stashes, hidden[0], *params)[None]
 
 
 @dataclass
 class TiledMixer:
     """A packed sequence mixer (``mixer``: a :class:`~padfree_plugins.modeling.mixers.PackedMixer`) run over tiles
     of ``tile`` tokens of a packed row longer than a tile; every other call is ``mixer``'s. Its other attributes are
-    ``mixer``'s."""
+    ``mixer``'s; ``stashes``: its scans' outputs kept for a checkpoint's recompute."""
 
     mixer: PackedMixer
     tile: int
     warned: dict = field(default_factory=dict, compare=False, repr=False)
+    stashes: Stashes = field(default_factory=Stashes, compare=False, repr=False)
     packed_sequence_mixer: ClassVar[bool] = True
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("mixer", "tile", "warned"):
+        if name.startswith("__") or name in ("mixer", "tile", "warned", "stashes"):
             raise AttributeError(name)
         return getattr(self.mixer, name)
 
@@ -226,7 +293,7 @@ class TiledMixer:
         alone = {key: value for key, value in inputs.items()
                  if key not in ROW_KEYS and key not in CACHE_NAMES and key != "hidden_states"}
         return run_tiled(mixer.original, mixer.module, hidden, row, self.tile, mixer.chunk, mixer.cache_name(),
-                         **alone)
+                         self.stashes, **alone)
 
 
 @torch.compiler.disable

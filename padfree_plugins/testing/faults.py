@@ -19,6 +19,8 @@ Both leave a model run on one example alone exactly as it was, and change only p
   its tiles, are never let go (they stay gathered after the layer's call: a leak);
 * :func:`mixer_tile_starts_from_zero`: a hybrid's sequence mixer scanned in tiles (``memory.tile_mixers``) whose
   every tile starts an example cut by the previous tile from zeros (no recurrent state, no conv taps);
+  :func:`mixer_recompute_takes_any_stash`: its checkpoint's recompute taking the output another row's scan kept
+  (any of the same tiles, its input not compared);
 * :func:`rows_swap_media`: a padded image-text call split wrongly — two rows' media (of the same shapes, other
   pixels) swapped, so each row's tokens get the other's images;
 * :func:`context_keys_from_own_slice_only` and :func:`context_queries_one_token_ahead`: the two ways all-gather
@@ -447,6 +449,18 @@ def mixer_tile_starts_from_zero() -> Iterator[None]:
                                  final_recurrent=_times_zero(received.final_recurrent), lead=received.lead)
 
     with mock.patch.object(tiled_mixers, "tile_start", zeros):
+        yield
+
+
+@contextmanager
+def mixer_recompute_takes_any_stash() -> Iterator[None]:
+    """Within the block, a tiled sequence mixer's checkpoint recompute takes the output kept by any live scan of the
+    same tiles (the oldest first), its input not compared."""
+
+    def same_tiles(stash: Any, plans: Any, printed: torch.Tensor) -> bool:
+        return stash.plans == plans
+
+    with mock.patch.object(tiled_mixers, "same_input", same_tiles):
         yield
 
 
