@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 
 from padfree_plugins import assemble
-from padfree_plugins.batching.distributed import global_token_count, num_label_tokens
 from padfree_plugins.batching.sampler import collator_token_keys, token_budget_dataloader, token_budget_sampler
 from tests.distributed_common import gloo_group, modules_run
 
@@ -188,7 +187,7 @@ def train(scenario: str, engine: str, accelerator, idle_tower: bool) -> dict:
 
 def sharded_training(scenario: str, engine: str, accelerator, model, config, steps, assembly) -> dict:
     """:func:`train` once the model is assembled: shard it, train, return the record."""
-    from tests.sharded_run import full_state, setup, sharding_evidence
+    from tests.sharded_run import full_state, setup, sharding_evidence, train_steps
 
     world, rank = accelerator.num_processes, accelerator.process_index
     if scenario == "split":
@@ -210,15 +209,9 @@ def sharded_training(scenario: str, engine: str, accelerator, model, config, ste
     else:
         model, optimizer, backward, step = setup(engine, model, optimizer_of, world)
     model.train()
-    losses, tokens = [], []
     counts = accelerator.gather(torch.tensor([len(batches)])).tolist()
-    for batch in batches[:min(counts)]:  # as many as the fewest: a mismatch is reported, not hung on
-        total = global_token_count(accelerator, num_label_tokens(batch))
-        loss = assembly.forward(model, batch, num_items_in_batch=total).loss
-        backward(loss * world)
-        step()
-        losses.append(accelerator.reduce(loss.detach(), reduction="sum").item())
-        tokens.append(accelerator.gather(torch.tensor([batch.num_tokens])).tolist())
+    # as many steps as the fewest batches: a mismatch is reported, not hung on
+    losses, tokens = train_steps(accelerator, assembly, model, batches[:min(counts)], backward, step, world)
     experts = [None] * world
     dist.all_gather_object(experts, hits)
     return {"losses": losses, "tokens": tokens, "micro_batches": counts, "experts": experts,

@@ -289,14 +289,7 @@ def train_moe(accelerator: Accelerator) -> dict:
     model, optimizer, backward, step = setup("zero3", model, optimizer_of, world)
     releases = counted_releases(model.module.model.layers[0].mlp.experts.gate_up_proj)
     model.train()
-    losses, tokens = [], []
-    for batch in batches:
-        total = global_token_count(accelerator, num_label_tokens(batch))
-        loss = assembly.forward(model, batch, num_items_in_batch=total).loss
-        backward(loss * world)
-        step()
-        losses.append(accelerator.reduce(loss.detach(), reduction="sum").item())
-        tokens.append(accelerator.gather(torch.tensor([batch.num_tokens])).tolist())
+    losses, tokens = train_steps(accelerator, assembly, model, batches, backward, step, world)
     return {"engine": "zero3", "processes": world, "losses": losses, "tokens": tokens, "releases": releases[0],
             "state": full_state("zero3", model), "sharding": sharding_evidence("zero3", model, optimizer),
             "tiled": tiled_modules}
@@ -370,15 +363,26 @@ def train_epochs(args, loader, accelerator, assembly, model, backward, step, til
     """The training loop of :func:`train`: appends each step's loss (summed over ranks) and token counts."""
     for epoch in range(args.epochs):
         loader.batch_sampler.set_epoch(epoch)  # a plain DataLoader: the sampler reshuffles
-        for batch in loader:
-            total = global_token_count(accelerator, num_label_tokens(batch))
-            if tiled:
-                batch = keep_labelled_logits(batch)
-            loss = assembly.forward(model, batch, num_items_in_batch=total).loss
-            backward(loss * world)
-            step()
-            losses.append(accelerator.reduce(loss.detach(), reduction="sum").item())
-            tokens.append(accelerator.gather(torch.tensor([batch.num_tokens])).tolist())
+        epoch_losses, epoch_tokens = train_steps(accelerator, assembly, model, loader, backward, step, world, tiled)
+        losses += epoch_losses
+        tokens += epoch_tokens
+
+
+def train_steps(accelerator, assembly, model, batches, backward, step, world: int,
+                tiled: bool = False) -> tuple[list[float], list[list[int]]]:
+    """One optimizer step per batch (the label count summed over ranks, the loss scaled by ``world``; ``tiled``: only
+    the labelled positions' logits kept): each step's loss summed over ranks, and every rank's token count."""
+    losses, tokens = [], []
+    for batch in batches:
+        total = global_token_count(accelerator, num_label_tokens(batch))
+        if tiled:
+            batch = keep_labelled_logits(batch)
+        loss = assembly.forward(model, batch, num_items_in_batch=total).loss
+        backward(loss * world)
+        step()
+        losses.append(accelerator.reduce(loss.detach(), reduction="sum").item())
+        tokens.append(accelerator.gather(torch.tensor([batch.num_tokens])).tolist())
+    return losses, tokens
 
 
 # -- HF Trainer under DeepSpeed ZeRO-3 -----------------------------------------------------------------------------
