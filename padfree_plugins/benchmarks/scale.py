@@ -413,6 +413,8 @@ def run_scale_benchmark(settings: ScaleSettings, progress: Callable[[str], None]
 
 #: Seconds a launch may linger after its result is written (torch's gloo teardown can deadlock) before it is killed.
 TEARDOWN_GRACE_S = 30.0
+#: How long :func:`_kill_launch` waits for the processes it killed to die.
+KILL_WAIT_S = 10.0
 #: The environment variable that marks a launch's processes (torch elastic starts its workers in sessions of their
 #: own, outside the launcher's process group, so killing the group alone would leave them running).
 LAUNCH_TOKEN = "PADFREE_BENCH_LAUNCH"
@@ -463,15 +465,29 @@ def _launch(command: list[str], env: dict, timeout: float, say: Callable[[str], 
 
 def _kill_launch(process: subprocess.Popen, token: str) -> None:
     """SIGKILL the launcher's process group and every process whose environment carries ``token`` (Linux's
-    ``/proc``; elsewhere the group alone)."""
+    ``/proc``; elsewhere the group alone), and wait (up to :data:`KILL_WAIT_S`) until each of them has died: a
+    killed process dies when the kernel next schedules it, which on a loaded machine is not at once."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
     marker = f"{LAUNCH_TOKEN}={token}".encode()
+    killed = []
     for entry in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError):
             if marker in (entry / "environ").read_bytes().split(b"\0"):
                 os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(entry)
     process.wait()
+    deadline = time.monotonic() + KILL_WAIT_S
+    while any(_running(entry) for entry in killed) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _running(entry: Path) -> bool:
+    """Whether the process of ``/proc/<pid>`` still runs (neither gone nor a zombie waiting to be reaped)."""
+    try:
+        return (entry / "stat").read_text().rsplit(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 # -- the worker (one per rank, under torch.distributed.run) ---------------------------------------------------------
