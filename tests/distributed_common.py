@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Iterator
@@ -211,13 +210,16 @@ def launch_engines(script: str, out: Path, engines: str, *args: str, timeout: fl
 #: ranks and raises :data:`MISMATCH` naming both when they differ, instead of waiting on a peer that never comes.
 DIVERGING_ENV = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL", "SP_TIMEOUT_S": "30"}
 MISMATCH = "Detected mismatch between collectives on ranks"
-_MODULES_RUN = re.compile(r"^modules run on rank (\d+): (\[.*\])$", re.MULTILINE)
+#: The environment variable naming the folder where :func:`modules_run` writes each rank's record
+#: (``rank<R>.json``): a file per rank, as the ranks' printed lines can interleave on the launch's one stdout.
+MODULES_RUN_DIR = "PADFREE_TEST_MODULES_RUN_DIR"
 
 
 @contextmanager
 def modules_run(**models: Any) -> Iterator[None]:
     """Within the block, record every module of ``models`` (``prefix=model``) whose forward starts on this rank; if the
-    block raises, print them (``modules run on rank R: [prefix.name, …]``, read by :func:`launch_diverging`) first."""
+    block raises, first write their names (a JSON list of ``prefix.name``) to ``rank<R>.json`` in the folder
+    :data:`MODULES_RUN_DIR` names (read by :func:`launch_diverging`), and print them."""
     names = {id(module): f"{prefix}.{name}".rstrip(".") for prefix, model in models.items()
              for name, module in model.named_modules()}
     ran: set[str] = set()
@@ -230,6 +232,9 @@ def modules_run(**models: Any) -> Iterator[None]:
     try:
         yield
     except BaseException:
+        record_dir = os.environ.get(MODULES_RUN_DIR)
+        if record_dir:
+            Path(record_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(sorted(ran)))
         print(f"modules run on rank {dist.get_rank()}: {json.dumps(sorted(ran))}", flush=True)
         raise
     finally:
@@ -243,10 +248,13 @@ def launch_diverging(script: str, out: Path, engine: str, *args: str, timeout: f
     until ``timeout`` (kept as a safety net) or fails otherwise fails the test: the fault was not caught."""
     import pytest  # the workers import this module, and need no pytest
 
+    records = out.parent / f"{out.stem}-modules-run"
+    records.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     try:
         returncode, output = launch_group(script, engine, str(out), *args, out=out, timeout=timeout,
-                                          env={"DS_ACCELERATOR": "cpu", **DIVERGING_ENV})
+                                          env={"DS_ACCELERATOR": "cpu", **DIVERGING_ENV,
+                                               MODULES_RUN_DIR: str(records)})
     except pytest.fail.Exception as hung:  # run_group's timeout
         pytest.fail(f"the fault launch hung for {timeout} s instead of failing with a collective mismatch:\n"
                     f"{str(hung)[-6000:]}")
@@ -256,6 +264,7 @@ def launch_diverging(script: str, out: Path, engine: str, *args: str, timeout: f
                                                   f"written: {out.exists()}): the check shows nothing\n"
                                                   f"{output[-6000:]}")
     assert MISMATCH in output, f"the fault launch failed, but not with a collective mismatch:\n{output[-6000:]}"
-    ran = {int(rank): set(json.loads(names)) for rank, names in _MODULES_RUN.findall(output)}
+    ran = {int(record.stem.removeprefix("rank")): set(json.loads(record.read_text()))
+           for record in records.glob("rank*.json")}
     assert sorted(ran) == [0, 1], f"no record of the modules each rank ran:\n{output[-6000:]}"
     return ran
